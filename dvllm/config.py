@@ -1,0 +1,71 @@
+"""EngineConfig: every engine knob, validated in one place.
+
+The Python API (`DiffusionEngine(**kwargs)`) and the CLI flags are both generated
+from this dataclass, so they cannot drift apart.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+LOAD_FORMATS = ("auto", "dummy")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = field(
+        default=None,
+        metadata={"help": "Local diffusers folder, Hub id or built-in preset (default: the built-in tiny model)."},
+    )
+    load_format: str = field(
+        default="auto",
+        metadata={"help": "'auto' loads weights; 'dummy' builds the architecture with random weights."},
+    )
+    dtype: str = field(default="auto", metadata={"help": "auto | float32 | float16 | bfloat16."})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N."})
+    dummy_weight_seed: int = field(
+        default=0, metadata={"help": "Seed of load_format='dummy' weights (images use each request's seed)."}
+    )
+    max_batch_size: int = field(default=16, metadata={"help": "Denoiser rows per forward (CFG requests count twice)."})
+    max_num_waiting: int = field(default=1024, metadata={"help": "Requests allowed to wait for admission."})
+    scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs | priority (lower value first)."})
+    max_inference_steps: int = field(default=1000, metadata={"help": "Largest num_inference_steps accepted."})
+    max_image_pixels: int = field(default=2048 * 2048, metadata={"help": "Largest height*width accepted."})
+    max_images_per_prompt: int = field(default=8, metadata={"help": "Largest n accepted."})
+    sampler_plan_cache_size: int = field(default=256, metadata={"help": "Sampler schedules kept per (sampler, steps)."})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _choice("load_format", self.load_format, LOAD_FORMATS)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        for name in ("max_batch_size", "max_num_waiting", "max_inference_steps", "max_image_pixels",
+                     "max_images_per_prompt", "sampler_plan_cache_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {sorted(names)}")
+        return cls(**kwargs)
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _is_cuda_index(device: str) -> bool:
+    prefix, _, index = device.partition(":")
+    return prefix == "cuda" and index.isdigit()

@@ -1,0 +1,67 @@
+"""One request's bookkeeping on the driver: ids, counters, status. No tensors."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from dvllm.outputs import RequestMetrics, RequestOutput
+from dvllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FINISHED_ERROR = "error"
+    FINISHED_ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str
+    params: SamplingParams  # resolved: no None left
+    num_steps: int          # denoiser forwards the request takes (its sampler plan's length)
+    cfg: bool               # whether it adds unconditional rows
+    plan: Any               # the sampler plan; opaque here, sent to the worker once
+    arrival_time: float
+    arrival_seq: int
+    status: RequestStatus = RequestStatus.WAITING
+    num_steps_done: int = 0
+    last_scheduled: int = -1  # scheduler iteration it last took a step in
+    images: list[Any] = field(default_factory=list)
+    error: str | None = None
+    first_scheduled_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def rows(self) -> int:
+        """Denoiser rows per forward."""
+        return self.params.n * (2 if self.cfg else 1)
+
+    @property
+    def shape_key(self) -> tuple[int, int]:
+        """Requests share a forward only if their latents have one shape."""
+        return (self.params.height, self.params.width)
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            seed=self.params.seed,
+            num_inference_steps=self.num_steps,
+            num_steps_done=self.num_steps_done,
+            finished=self.is_finished,
+            metrics=RequestMetrics(self.arrival_time, self.first_scheduled_time, self.finished_time),
+            images=self.images,
+            error=self.error,
+        )

@@ -1,0 +1,120 @@
+"""DiffusionEngine: add requests, step, get outputs. `generate` is the offline loop on top."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from typing import Any
+
+from dvllm.config import EngineConfig
+from dvllm.core.request import Request
+from dvllm.core.scheduler import Scheduler
+from dvllm.core.scheduler_output import RunnerOutput
+from dvllm.executor.uniproc import UniProcExecutor
+from dvllm.outputs import RequestOutput
+from dvllm.samplers import SamplerPlan, build_plan
+from dvllm.sampling_params import SamplingParams
+
+
+class DiffusionEngine:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        self.executor = UniProcExecutor(self.config)
+        self.model_info = self.executor.model_info()
+        self.scheduler = Scheduler(self.config)
+        self._plans: OrderedDict[tuple[str | None, int], SamplerPlan] = OrderedDict()
+        self._arrivals = itertools.count()
+        self._generate_ids = itertools.count()
+        self._undelivered: list[RequestOutput] = []  # outputs of others' requests seen inside generate()
+
+    # -- the low-level loop ----------------------------------------------------
+    def add_request(self, request_id: str, prompt: str, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        self.scheduler.add_request(self._make_request(request_id, prompt, params, arrival_time))
+
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        runner_out = RunnerOutput() if sched_out.is_empty else self.executor.execute(sched_out)
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        if self._undelivered:
+            outputs, self._undelivered = self._undelivered + outputs, []
+        return outputs
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stops a request and frees its state; its final output (error "request aborted") comes from step()."""
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._undelivered)
+
+    # -- offline batch ---------------------------------------------------------
+    def generate(self, prompts: str | list[str], params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs in input order (failed ones carry `error`)."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+            params_list = params
+        else:
+            params_list = [params] * len(prompts)
+        # Check everything before queueing anything, so bad input leaves the engine untouched.
+        requests = [self._make_request(f"generate-{next(self._generate_ids)}", p, sp)
+                    for p, sp in zip(prompts, params_list)]
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        pending = list(reversed(requests))
+        bar = _progress_bar(len(requests), use_tqdm)
+        start, images = time.perf_counter(), 0
+        while pending or self.scheduler.has_unfinished_requests():
+            while pending and len(self.scheduler.waiting) < self.config.max_num_waiting:
+                self.scheduler.add_request(pending.pop())
+            for out in self.step():
+                if out.request_id not in order:
+                    self._undelivered.append(out)
+                elif out.finished:
+                    results[order[out.request_id]] = out
+                    images += len(out.images)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(images_per_s=f"{images / (time.perf_counter() - start):.2f}")
+            if all(r is not None for r in results):
+                break
+        if bar is not None:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    # -- helpers ---------------------------------------------------------------
+    def _make_request(self, request_id: str, prompt: str, params: SamplingParams | None,
+                      arrival_time: float | None = None) -> Request:
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        resolved = (params or SamplingParams()).resolve(self.model_info, self.config)
+        plan = self._plan(resolved.sampler, resolved.num_inference_steps)
+        return Request(
+            request_id=request_id, prompt=prompt, params=resolved, num_steps=plan.num_steps,
+            cfg=self.model_info.uses_cfg(resolved.guidance_scale), plan=plan,
+            arrival_time=time.time() if arrival_time is None else arrival_time, arrival_seq=next(self._arrivals),
+        )
+
+    def _plan(self, sampler: str | None, num_steps: int) -> SamplerPlan:
+        key = (sampler, num_steps)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = build_plan(self.model_info.scheduler_config, sampler, num_steps)
+            self._plans[key] = plan
+            if len(self._plans) > self.config.sampler_plan_cache_size:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Generating", unit="req")

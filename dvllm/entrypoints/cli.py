@@ -1,0 +1,145 @@
+"""The `dvllm` command: `dvllm generate` (offline batches)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from dvllm.entrypoints.cli_args import add_engine_args, engine_kwargs
+from dvllm.sampling_params import SamplingParams
+
+# JSONL keys accepted in --prompts-file, besides "prompt" and "output"
+_JSONL_KEYS = {"num_inference_steps", "steps", "guidance_scale", "guidance", "negative_prompt", "seed", "size",
+               "height", "width", "n", "sampler"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dvllm", description="Serve and run diffusion image models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="Generate images offline.")
+    _add_generate_args(gen)
+    args = parser.parse_args(argv)
+    try:
+        return run_generate(args)
+    except ValueError as e:
+        parser.exit(2, f"dvllm {args.command}: error: {e}\n")
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", help="The prompt (or use --prompts-file).")
+    p.add_argument("-o", "--output", help="Output PNG for a single prompt (default: dvllm-<seed>.png).")
+    p.add_argument("--prompts-file", help="One prompt per line, or JSONL with per-line parameters.")
+    p.add_argument("--output-dir", default=".", help="Where images of --prompts-file go (default: .).")
+    p.add_argument("--steps", type=int, help="num_inference_steps (default: the model's).")
+    p.add_argument("--guidance", type=float, help="guidance_scale (default: the model's).")
+    p.add_argument("--negative-prompt")
+    p.add_argument("--seed", type=int, help="Seed (default: random, printed).")
+    p.add_argument("--size", help="WxH, e.g. 512x512 (default: the model's).")
+    p.add_argument("--sampler", help="ddim, euler, euler_a, dpmpp_2m, dpmpp_2m_karras, lcm or a diffusers class.")
+    p.add_argument("-n", type=int, default=1, help="Images per prompt.")
+    p.add_argument("--no-progress", action="store_true", help="No progress bar.")
+    add_engine_args(p)
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """'WxH' -> (height, width)."""
+    try:
+        w, h = (int(v) for v in size.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"size must look like WIDTHxHEIGHT (e.g. 512x512), got {size!r}") from None
+    return h, w
+
+
+def _params(fields: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
+    merged = {**defaults, **{k: v for k, v in fields.items() if v is not None}}
+    if "steps" in merged:
+        merged["num_inference_steps"] = merged.pop("steps")
+    if "guidance" in merged:
+        merged["guidance_scale"] = merged.pop("guidance")
+    if "size" in merged:
+        merged["height"], merged["width"] = parse_size(merged.pop("size"))
+    return SamplingParams(**merged)
+
+
+def read_jobs(args: argparse.Namespace) -> list[tuple[str, SamplingParams, str | None]]:
+    """(prompt, params, output path or None) for every image request on the command line or in the file."""
+    defaults = {"steps": args.steps, "guidance": args.guidance, "negative_prompt": args.negative_prompt,
+                "seed": args.seed, "size": args.size, "sampler": args.sampler, "n": args.n}
+    defaults = {k: v for k, v in defaults.items() if v is not None}
+    if args.prompts_file is None:
+        if not args.prompt:
+            raise ValueError("give a prompt or --prompts-file")
+        return [(args.prompt, _params({}, defaults), args.output)]
+    if args.prompt:
+        raise ValueError("give either a prompt or --prompts-file, not both")
+    jobs = []
+    with open(args.prompts_file) as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            if not line.startswith("{"):
+                jobs.append((line, _params({}, defaults), None))
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{args.prompts_file}:{number}: not valid JSON: {e}") from None
+            unknown = set(record) - _JSONL_KEYS - {"prompt", "output"}
+            if unknown or not isinstance(record.get("prompt"), str):
+                raise ValueError(f"{args.prompts_file}:{number}: needs a string 'prompt'; "
+                                 f"unknown keys {sorted(unknown)}; allowed {sorted(_JSONL_KEYS)}")
+            try:
+                params = _params({k: record[k] for k in _JSONL_KEYS & set(record)}, defaults)
+                params.validate()
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{args.prompts_file}:{number}: {e}") from None
+            jobs.append((record["prompt"], params, record.get("output")))
+    if not jobs:
+        raise ValueError(f"{args.prompts_file} holds no prompts")
+    return jobs
+
+
+def _paths(index: int | None, seed: int, count: int, output: str | None, output_dir: str) -> list[str]:
+    if output is None:
+        stem = f"{index:05d}-{seed}" if index is not None else f"dvllm-{seed}"
+        output = os.path.join(output_dir, stem + ".png")
+    if count == 1:
+        return [output]
+    root, ext = os.path.splitext(output)
+    return [f"{root}-{k}{ext or '.png'}" for k in range(count)]
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from dvllm.engine.engine import DiffusionEngine
+
+    jobs = read_jobs(args)
+    engine = DiffusionEngine(**engine_kwargs(args))
+    start = time.perf_counter()
+    outputs = engine.generate([p for p, _, _ in jobs], [sp for _, sp, _ in jobs], use_tqdm=not args.no_progress)
+    elapsed = time.perf_counter() - start
+    batch_mode = args.prompts_file is not None
+    if batch_mode:
+        os.makedirs(args.output_dir, exist_ok=True)
+    failed = written = 0
+    for index, ((prompt, _, output), out) in enumerate(zip(jobs, outputs)):
+        if out.error is not None:
+            failed += 1
+            print(f"error: request {index} ({prompt!r}): {out.error}", file=sys.stderr)
+            continue
+        paths = _paths(index if batch_mode else None, out.seed, len(out.images), output, args.output_dir)
+        for image, path in zip(out.images, paths):
+            if os.path.dirname(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            image.save(path)
+            written += 1
+            print(f"{path}  (seed {out.seed}, {out.num_inference_steps} steps)")
+    print(f"{written} images in {elapsed:.2f} s ({written / elapsed:.2f} images/s); {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

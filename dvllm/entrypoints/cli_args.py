@@ -1,0 +1,29 @@
+"""EngineConfig -> command-line flags, generated from the dataclass (one source of truth)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+from dvllm.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        helptext = f"{f.metadata.get('help', '')} (default: {f.default})"
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
+        else:
+            base = int if kind is int else float if kind is float else str
+            group.add_argument(flag, type=base, default=f.default, help=helptext)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}

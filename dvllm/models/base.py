@@ -1,0 +1,72 @@
+"""The model adapter interface: the scheduler and runner know families only through this."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+# One text's conditioning, e.g. {"prompt_embeds": [1, L, D]}; the runner stacks them per key.
+Conditions = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the driver needs to know of the model: small, picklable, no tensors."""
+
+    name: str
+    family: str
+    pipeline_class: str
+    scheduler_config: dict[str, Any]
+    default_steps: int
+    default_guidance: float
+    default_height: int
+    default_width: int
+    size_factor: int  # height and width must be multiples of this
+    supports_cfg: bool = True
+
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        """As diffusers: guidance above 1 adds unconditional rows."""
+        return self.supports_cfg and guidance_scale > 1.0
+
+
+class ModelAdapter(ABC):
+    """Wraps one diffusers pipeline; its modules stay black boxes."""
+
+    # model_index.json `_class_name`s this adapter serves
+    pipeline_classes: ClassVar[tuple[str, ...]] = ()
+    # keyword arguments for `Pipeline.from_pretrained` (e.g. skip optional parts)
+    load_kwargs: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, pipeline: Any, name: str, device: torch.device, dtype: torch.dtype) -> None:
+        self.pipeline = pipeline
+        self.name = name
+        self.device = device
+        self.dtype = dtype
+
+    @property
+    @abstractmethod
+    def info(self) -> ModelInfo: ...
+
+    @abstractmethod
+    def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
+        """One text-encoder pass for all (text, is_negative) items; one Conditions each."""
+
+    @abstractmethod
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """Shape of one image's latents, without the batch dimension."""
+
+    @abstractmethod
+    def prepare_latents(self, n: int, height: int, width: int, generator: torch.Generator,
+                        init_noise_sigma: float) -> torch.Tensor:
+        """Initial noise for n images, drawn exactly as the diffusers pipeline draws it."""
+
+    @abstractmethod
+    def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
+                guidance: torch.Tensor) -> torch.Tensor:
+        """One batched forward; every argument has one row per model row."""
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Batched VAE decode to [B, 3, H, W] images in [0, 1]."""

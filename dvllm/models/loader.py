@@ -1,0 +1,133 @@
+"""Find a model (preset, local folder, Hub id) and build its pipeline, with real or dummy weights.
+
+`load_format="dummy"` builds every component from its config with seeded random
+weights, as vLLM's `--load-format dummy` does; presets are configs only, so they
+always load that way.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from dvllm.models.base import ModelAdapter
+from dvllm.models.byte_tokenizer import byte_clip_tokenizer
+from dvllm.models.registry import adapter_for
+
+DEFAULT_MODEL = "tiny-sd"
+
+
+def preset_names() -> list[str]:
+    folder = resources.files("dvllm.models.presets")
+    return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    return json.loads((resources.files("dvllm.models.presets") / f"{name}.json").read_text())
+
+
+@dataclass
+class ModelSource:
+    name: str                  # what the model is called in outputs and /v1/models
+    model_index: dict[str, Any]
+    folder: str | None = None  # a local diffusers folder (for a Hub id: its configs, fetched)
+    hub_id: str | None = None
+    preset: dict[str, Any] | None = None
+
+    @property
+    def pipeline_class(self) -> str:
+        return self.model_index["_class_name"]
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """A preset, a local folder with model_index.json, or a Hub id; ValueError naming the path otherwise."""
+    model = model or DEFAULT_MODEL
+    if model in preset_names():
+        preset = load_preset(model)
+        return ModelSource(name=model, model_index=preset["model_index"], preset=preset)
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        index = os.path.join(path, "model_index.json")
+        if not os.path.isfile(index):
+            raise ValueError(f"model folder {path!r} is not a diffusers pipeline folder: it has no model_index.json")
+        with open(index) as f:
+            return ModelSource(name=model.rstrip("/"), model_index=json.load(f), folder=path)
+    if os.path.exists(path) or _looks_like_path(model):
+        raise ValueError(f"model path {path!r} does not exist or is not a diffusers folder")
+    return _from_hub(model)
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith((".", "/", "~")) or model.count("/") != 1
+
+
+def _from_hub(repo_id: str) -> ModelSource:
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.txt", "*.model"])
+    except Exception as e:  # no network, unknown repo, gated repo...
+        raise ValueError(
+            f"model {repo_id!r} is not a preset ({preset_names()}), not a local folder, and could not be "
+            f"fetched from the Hugging Face Hub: {type(e).__name__}: {e}"
+        ) from e
+    source = resolve_model(folder)
+    source.name = source.hub_id = repo_id
+    return source
+
+
+def load_adapter(model: str | None, load_format: str, device: torch.device, dtype: torch.dtype,
+                 seed: int = 0) -> ModelAdapter:
+    source = resolve_model(model)
+    adapter_cls = adapter_for(source.pipeline_class)
+    pipeline_cls = getattr(importlib.import_module("diffusers"), source.pipeline_class)
+    if load_format == "dummy" or source.preset is not None:
+        pipeline = pipeline_cls(**_dummy_components(source, adapter_cls, seed))
+    else:
+        pipeline = pipeline_cls.from_pretrained(
+            source.hub_id or source.folder, dtype=dtype, **adapter_cls.load_kwargs
+        )
+    # Dummy components are built in float32; cast only when asked for another dtype.
+    pipeline.to(device=device, **({"dtype": dtype} if pipeline.dtype != dtype else {}))
+    pipeline.set_progress_bar_config(disable=True)
+    return adapter_cls(pipeline, source.name, device, dtype)
+
+
+def _dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed: int) -> dict[str, Any]:
+    components: dict[str, Any] = {}
+    for i, (name, spec) in enumerate(sorted(source.model_index.items())):
+        if name.startswith("_") or not isinstance(spec, list):
+            continue
+        library, class_name = spec
+        if library is None or adapter_cls.load_kwargs.get(name, "") is None:
+            components[name] = None
+            continue
+        cls = getattr(importlib.import_module(library), class_name)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + i)  # each component's random weights, reproducibly
+            components[name] = _build_component(cls, name, source)
+    for name, value in adapter_cls.load_kwargs.items():
+        components.setdefault(name, value)
+    return components
+
+
+def _build_component(cls: type, name: str, source: ModelSource) -> Any:
+    if source.preset is not None:
+        config = source.preset["components"][name]
+        if config.get("byte_level"):
+            return byte_clip_tokenizer(config["model_max_length"], config.get("pad_token", "<|endoftext|>"))
+        if hasattr(cls, "from_config"):  # diffusers models and schedulers
+            return cls.from_config(config)
+        return cls(cls.config_class(**config))  # transformers models
+    subfolder = os.path.join(source.folder, name)
+    if hasattr(cls, "from_config"):
+        return cls.from_config(cls.load_config(subfolder))
+    if issubclass(cls, PreTrainedModel):
+        return cls(cls.config_class.from_pretrained(subfolder))
+    return cls.from_pretrained(subfolder)  # tokenizers, feature extractors: small files, no weights

@@ -1,0 +1,1 @@
+"""Built-in model presets: diffusers configs as data, loaded with random weights."""

@@ -1,0 +1,18 @@
+"""model_index.json `_class_name` -> the adapter that serves it."""
+from __future__ import annotations
+
+from dvllm.models.base import ModelAdapter
+from dvllm.models.stable_diffusion import StableDiffusionAdapter
+
+ADAPTERS: tuple[type[ModelAdapter], ...] = (StableDiffusionAdapter,)
+
+
+def supported_pipelines() -> list[str]:
+    return sorted(name for adapter in ADAPTERS for name in adapter.pipeline_classes)
+
+
+def adapter_for(pipeline_class: str) -> type[ModelAdapter]:
+    for adapter in ADAPTERS:
+        if pipeline_class in adapter.pipeline_classes:
+            return adapter
+    raise ValueError(f"pipeline class {pipeline_class!r} is not supported; dvllm serves {supported_pipelines()}")

@@ -1,0 +1,74 @@
+"""Stable Diffusion 1.x / 2.x: UNet2DConditionModel, CLIP text encoder, epsilon or v-prediction."""
+from __future__ import annotations
+
+from functools import cached_property
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from dvllm.models.base import Conditions, ModelAdapter, ModelInfo
+
+
+class StableDiffusionAdapter(ModelAdapter):
+    pipeline_classes = ("StableDiffusionPipeline",)
+    load_kwargs = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+
+    @cached_property
+    def info(self) -> ModelInfo:
+        pipe = self.pipeline
+        factor = pipe.vae_scale_factor
+        default_size = pipe.unet.config.sample_size * factor
+        scheduler_config = dict(pipe.scheduler.config)
+        scheduler_config["_class_name"] = type(pipe.scheduler).__name__
+        return ModelInfo(
+            name=self.name,
+            family="stable-diffusion",
+            pipeline_class=type(pipe).__name__,
+            scheduler_config=scheduler_config,
+            default_steps=50,  # StableDiffusionPipeline.__call__ defaults
+            default_guidance=7.5,
+            default_height=default_size,
+            default_width=default_size,
+            size_factor=max(8, factor),  # the pipeline's check_inputs wants multiples of 8
+            # LCM-distilled UNets embed the guidance scale instead of running CFG rows.
+            supports_cfg=pipe.unet.config.time_cond_proj_dim is None,
+        )
+
+    def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
+        # An absent negative prompt is the empty string, as in the pipeline. Every text is
+        # padded to the tokenizer's max length, so one batched pass equals separate ones.
+        prompts = [text or "" for text, _ in texts]
+        embeds, _ = self.pipeline.encode_prompt(
+            prompts, self.device, num_images_per_prompt=1, do_classifier_free_guidance=False
+        )
+        return [{"prompt_embeds": e} for e in embeds.split(1)]
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        factor = self.pipeline.vae_scale_factor
+        return (self.pipeline.unet.config.in_channels, height // factor, width // factor)
+
+    def prepare_latents(self, n: int, height: int, width: int, generator: torch.Generator,
+                        init_noise_sigma: float) -> torch.Tensor:
+        shape = (n, *self.latent_shape(height, width))
+        return randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype) * init_noise_sigma
+
+    def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
+                guidance: torch.Tensor) -> torch.Tensor:
+        unet = self.pipeline.unet
+        timestep_cond = None
+        if unet.config.time_cond_proj_dim is not None:
+            timestep_cond = self.pipeline.get_guidance_scale_embedding(
+                guidance.float().cpu() - 1, embedding_dim=unet.config.time_cond_proj_dim
+            ).to(device=self.device, dtype=latents.dtype)
+        return unet(
+            latents,
+            timesteps,
+            encoder_hidden_states=conditions["prompt_embeds"],
+            timestep_cond=timestep_cond,
+            return_dict=False,
+        )[0]
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        vae = self.pipeline.vae
+        image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
+        return self.pipeline.image_processor.postprocess(image, output_type="pt")

@@ -1,0 +1,55 @@
+"""A request's sampler plan: diffusers' schedule, dvllm's per-step update coefficients.
+
+The schedule (timesteps, sigmas) comes from the diffusers scheduler's own
+`set_timesteps`. The update is the linear form of `dvllm.ops.sampler_update`, whose
+per-step coefficients the builders in this package derive from that schedule, so a
+batch of rows at different steps, with different samplers, updates in one pass.
+Schedulers without a builder keep a diffusers instance and are stepped per request.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from diffusers import SchedulerMixin
+
+from dvllm.ops import NUM_COEFFS
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """What one denoising step of one row needs: the model timestep, the input scale, the update."""
+
+    timestep: float
+    c_in: float
+    coeffs: tuple[float, ...]  # NUM_COEFFS values, see dvllm.ops
+    draws_noise: bool = False
+
+
+@dataclass
+class SamplerPlan:
+    name: str
+    steps: list[StepRow]
+    init_noise_sigma: float
+    uses_history: bool = False
+    # Set only for schedulers served per request: a prototype copied for each request.
+    fallback: SchedulerMixin | None = field(default=None, repr=False)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def vectorized(self) -> bool:
+        return self.fallback is None
+
+    def new_fallback_scheduler(self) -> SchedulerMixin:
+        assert self.fallback is not None
+        return copy.deepcopy(self.fallback)
+
+
+def fallback_plan(name: str, scheduler: SchedulerMixin) -> SamplerPlan:
+    identity = (0.0,) * NUM_COEFFS
+    steps = [StepRow(float(t), 1.0, identity) for t in scheduler.timesteps]
+    # Flow-matching schedulers have no init_noise_sigma: their pipelines use the noise as is.
+    return SamplerPlan(name, steps, float(getattr(scheduler, "init_noise_sigma", 1.0)), fallback=scheduler)

@@ -1,0 +1,87 @@
+"""SamplingParams: what one request asks for. None means "the model's default"."""
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dvllm.config import EngineConfig
+    from dvllm.models.base import ModelInfo
+
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+SEED_LIMIT = 2**63
+
+
+@dataclass
+class SamplingParams:
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+    height: int | None = None
+    width: int | None = None
+    seed: int | None = None
+    n: int = 1
+    sampler: str | None = None
+    output_type: str = "pil"
+    priority: int = 0
+
+    def validate(self) -> None:
+        """Checks that need no model; raises ValueError naming the field."""
+        _optional_int("num_inference_steps", self.num_inference_steps, low=1)
+        _optional_int("height", self.height, low=1)
+        _optional_int("width", self.width, low=1)
+        _optional_int("n", self.n, low=1)
+        if self.seed is not None:
+            _optional_int("seed", self.seed, low=0)
+            if self.seed >= SEED_LIMIT:
+                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.guidance_scale is not None:
+            if isinstance(self.guidance_scale, bool) or not isinstance(self.guidance_scale, (int, float)):
+                raise ValueError(f"guidance_scale must be a number >= 0, got {self.guidance_scale!r}")
+            if not self.guidance_scale >= 0 or self.guidance_scale == float("inf"):
+                raise ValueError(f"guidance_scale must be a finite number >= 0, got {self.guidance_scale!r}")
+        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
+            raise ValueError(f"negative_prompt must be a string or None, got {type(self.negative_prompt).__name__}")
+        if self.sampler is not None and (not isinstance(self.sampler, str) or not self.sampler):
+            raise ValueError(f"sampler must be a non-empty string or None, got {self.sampler!r}")
+        if self.output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+
+    def resolve(self, info: "ModelInfo", config: "EngineConfig") -> "SamplingParams":
+        """A copy with every default filled from the model, checked against the engine's limits."""
+        self.validate()
+        resolved = dataclasses.replace(
+            self,
+            num_inference_steps=self.num_inference_steps or info.default_steps,
+            guidance_scale=info.default_guidance if self.guidance_scale is None else float(self.guidance_scale),
+            height=self.height or info.default_height,
+            width=self.width or info.default_width,
+            seed=secrets.randbelow(SEED_LIMIT) if self.seed is None else self.seed,
+        )
+        if resolved.num_inference_steps > config.max_inference_steps:
+            raise ValueError(
+                f"num_inference_steps must be in [1, {config.max_inference_steps}], got {resolved.num_inference_steps}"
+            )
+        for name in ("height", "width"):
+            value = getattr(resolved, name)
+            if value % info.size_factor:
+                raise ValueError(f"{name} must be a positive multiple of {info.size_factor} for this model, got {value}")
+        if resolved.height * resolved.width > config.max_image_pixels:
+            raise ValueError(
+                f"height*width must be at most {config.max_image_pixels} pixels, "
+                f"got {resolved.height}x{resolved.width}"
+            )
+        if resolved.n > config.max_images_per_prompt:
+            raise ValueError(f"n must be in [1, {config.max_images_per_prompt}], got {resolved.n}")
+        return resolved
+
+
+def _optional_int(name: str, value: object, low: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")

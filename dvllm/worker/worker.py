@@ -1,0 +1,42 @@
+"""The worker owns the device, the model and every request's state."""
+from __future__ import annotations
+
+import torch
+
+from dvllm.config import EngineConfig
+from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
+from dvllm.models.base import ModelInfo
+from dvllm.models.loader import load_adapter
+from dvllm.worker.model_runner import ModelRunner
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":  # half precision where it is fast, float32 on the CPU
+        return torch.float16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        adapter = load_adapter(config.model, config.load_format, self.device, self.dtype, seed=config.dummy_weight_seed)
+        self.runner = ModelRunner(adapter)
+
+    def model_info(self) -> ModelInfo:
+        return self.runner.adapter.info
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(scheduler_output)

@@ -1,0 +1,50 @@
+"""Tiny random-weight Stable Diffusion pipelines, saved with save_pretrained and loaded back
+through the engine's real loader. No network: the tokenizer is made from local files."""
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel
+
+from dvllm.models.byte_tokenizer import byte_clip_tokenizer
+
+
+def tiny_sd_pipeline(prediction_type: str = "epsilon", time_cond_proj_dim: int | None = None) -> StableDiffusionPipeline:
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        block_out_channels=(16, 32), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=24, attention_head_dim=4, norm_num_groups=8, time_cond_proj_dim=time_cond_proj_dim,
+    )
+    torch.manual_seed(1)
+    vae = AutoencoderKL(
+        block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+    )
+    torch.manual_seed(2)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        hidden_size=24, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2, vocab_size=600,
+        max_position_embeddings=77, bos_token_id=512, eos_token_id=513, pad_token_id=513, projection_dim=24,
+    ))
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
+                              set_alpha_to_one=False, steps_offset=1, prediction_type=prediction_type)
+    pipe = StableDiffusionPipeline(unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=byte_clip_tokenizer(),
+                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="session")
+def sd_eps_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-sd-eps")
+    tiny_sd_pipeline("epsilon").save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def sd_v_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-sd-v")
+    tiny_sd_pipeline("v_prediction").save_pretrained(path)
+    return str(path)

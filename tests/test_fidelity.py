@@ -1,0 +1,148 @@
+"""The core promise: batching never changes an image.
+
+Every request's image equals what the diffusers pipeline gives for the same seed,
+prompt and parameters (max abs diff <= 1e-3 on [0, 1] images, CPU float32), whatever
+else shares the batch. The engine loads the tiny pipelines through its real loader.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
+                       EulerDiscreteScheduler, LCMScheduler, PNDMScheduler, StableDiffusionPipeline)
+
+from dvllm import DiffusionEngine, SamplingParams
+
+TOL = 1e-3
+# The documented meaning of each short name, written out independently of dvllm's registry.
+SCHEDULERS = {
+    "ddim": (DDIMScheduler, {}),
+    "euler": (EulerDiscreteScheduler, {}),
+    "euler_a": (EulerAncestralDiscreteScheduler, {}),
+    "dpmpp_2m": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2}),
+    "dpmpp_2m_karras": (DPMSolverMultistepScheduler,
+                        {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True}),
+    "lcm": (LCMScheduler, {}),
+    "PNDMScheduler": (PNDMScheduler, {}),  # no vectorized update: the per-request fallback
+}
+
+
+def reference(pipe: StableDiffusionPipeline, prompt: str, p: SamplingParams) -> np.ndarray:
+    base = pipe.scheduler
+    cls, overrides = SCHEDULERS[p.sampler] if p.sampler else (type(base), {})
+    pipe.scheduler = cls.from_config(base.config, **overrides)
+    try:
+        return pipe(prompt, negative_prompt=p.negative_prompt, num_inference_steps=p.num_inference_steps,
+                    guidance_scale=p.guidance_scale, height=p.height, width=p.width, num_images_per_prompt=p.n,
+                    generator=torch.Generator("cpu").manual_seed(p.seed), output_type="np").images
+    finally:
+        pipe.scheduler = base
+
+
+def assert_matches_pipeline(pipe, prompt, params, out):
+    assert out.error is None, out.error
+    expected = reference(pipe, prompt, params)
+    assert len(out.images) == params.n == len(expected)
+    for got, want in zip(out.images, expected):
+        assert got.shape == want.shape
+        diff = float(np.abs(got - want).max())
+        assert diff <= TOL, f"{prompt!r} {params}: max abs diff {diff}"
+
+
+def mixed_batch() -> list[tuple[str, SamplingParams]]:
+    """Eight requests that differ in everything that may differ inside one batch."""
+    P = SamplingParams
+    return [
+        ("a red circle", P(num_inference_steps=6, guidance_scale=5.0, seed=1, sampler="ddim", height=16, width=16)),
+        ("a blue square", P(num_inference_steps=9, guidance_scale=3.0, seed=2, sampler="euler", height=16, width=16,
+                            negative_prompt="blurry")),
+        ("a green star", P(num_inference_steps=7, guidance_scale=7.5, seed=3, sampler="euler_a", n=2,
+                           height=16, width=16)),
+        ("two triangles", P(num_inference_steps=8, guidance_scale=1.0, seed=4, sampler="dpmpp_2m",
+                            height=16, width=16)),
+        ("a yellow moon", P(num_inference_steps=5, guidance_scale=4.0, seed=5, sampler="dpmpp_2m_karras",
+                            height=24, width=32)),
+        ("an orange sky", P(num_inference_steps=4, guidance_scale=2.0, seed=6, sampler="lcm", height=16, width=16)),
+        ("a purple cube", P(num_inference_steps=6, guidance_scale=6.0, seed=7, sampler="PNDMScheduler",
+                            height=24, width=32)),
+        ("a red circle", P(num_inference_steps=10, guidance_scale=0.0, seed=8, height=16, width=16)),
+    ]
+
+
+def engine_for(path: str, **kwargs) -> DiffusionEngine:
+    return DiffusionEngine(model=path, device="cpu", dtype="float32", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def eps(sd_eps_path):
+    pipe = StableDiffusionPipeline.from_pretrained(sd_eps_path)
+    pipe.set_progress_bar_config(disable=True)
+    return engine_for(sd_eps_path), pipe
+
+
+@pytest.fixture(scope="module")
+def vpred(sd_v_path):
+    pipe = StableDiffusionPipeline.from_pretrained(sd_v_path)
+    pipe.set_progress_bar_config(disable=True)
+    return engine_for(sd_v_path), pipe
+
+
+@pytest.mark.parametrize("family", ["eps", "vpred"])
+def test_mixed_batch_matches_pipeline_per_request(family, request):
+    engine, pipe = request.getfixturevalue(family)
+    batch = mixed_batch()
+    params = [dataclass_np(p) for _, p in batch]
+    outs = engine.generate([prompt for prompt, _ in batch], params, use_tqdm=False)
+    assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=lambda s: int(s.split("-")[1]))
+    for (prompt, _), p, out in zip(batch, params, outs):
+        assert out.prompt == prompt and out.seed == p.seed
+        assert out.num_steps_done == out.num_inference_steps
+        assert_matches_pipeline(pipe, prompt, p, out)
+
+
+@pytest.mark.parametrize("sampler", list(SCHEDULERS))
+def test_request_alone_equals_pipeline_and_batch(eps, sampler):
+    engine, pipe = eps
+    prompt, params = "a lone request", SamplingParams(num_inference_steps=6, guidance_scale=4.5, seed=11,
+                                                      sampler=sampler, height=16, width=16, output_type="np")
+    alone = engine.generate(prompt, params, use_tqdm=False)[0]
+    assert_matches_pipeline(pipe, prompt, params, alone)
+    others = mixed_batch()[:7]
+    outs = engine.generate([prompt] + [q for q, _ in others], [params] + [dataclass_np(p) for _, p in others],
+                           use_tqdm=False)
+    np.testing.assert_allclose(outs[0].images[0], alone.images[0], atol=TOL, rtol=0)
+
+
+def test_seed_changes_the_image(eps):
+    """The comparisons above can fail: another seed gives a clearly different image."""
+    engine, pipe = eps
+    params = SamplingParams(num_inference_steps=5, guidance_scale=7.5, seed=21, height=16, width=16, output_type="np")
+    out = engine.generate("a red circle", params, use_tqdm=False)[0]
+    other = reference(pipe, "a red circle", SamplingParams(**{**params.__dict__, "seed": 22}))
+    assert np.abs(out.images[0] - other[0]).max() > 0.05
+
+
+def test_n_images_match_num_images_per_prompt(eps):
+    engine, pipe = eps
+    params = SamplingParams(num_inference_steps=5, guidance_scale=3.0, seed=5, n=3, sampler="euler_a",
+                            height=16, width=16, output_type="np")
+    out = engine.generate("three of them", params, use_tqdm=False)[0]
+    assert_matches_pipeline(pipe, "three of them", params, out)
+    assert np.abs(out.images[0] - out.images[1]).max() > 0.05
+
+
+def test_output_types_agree(eps):
+    engine, _ = eps
+    base = dict(num_inference_steps=4, seed=9, height=16, width=16)
+    outs = engine.generate(["same"] * 4, [SamplingParams(**base, output_type=t) for t in ("np", "pil", "pt", "latent")],
+                           use_tqdm=False)
+    arr, pil, pt, latent = (o.images[0] for o in outs)
+    assert arr.dtype == np.float32 and arr.shape == (16, 16, 3) and 0 <= arr.min() and arr.max() <= 1
+    np.testing.assert_array_equal(np.asarray(pil), (arr * 255).round().astype("uint8"))
+    torch.testing.assert_close(pt.permute(1, 2, 0).numpy(), arr)
+    assert tuple(latent.shape) == (4, 8, 8)
+
+
+def dataclass_np(p: SamplingParams) -> SamplingParams:
+    return SamplingParams(**{**p.__dict__, "output_type": "np"})

@@ -1,0 +1,129 @@
+"""Vectorized sampler updates against the diffusers schedulers they stand for.
+
+A fake denoiser (a fixed function of the input) drives both the diffusers scheduler,
+stepped as the pipeline steps it, and dvllm's plan + `sampler_update`; the
+trajectories must agree at every step.
+"""
+import copy
+
+import pytest
+import torch
+from diffusers import DDIMScheduler
+
+from dvllm.ops import sampler_update
+from dvllm.samplers import SHORT_NAMES, build_plan, make_scheduler
+
+VECTORIZED = ["ddim", "euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "lcm"]
+
+
+def base_config(prediction_type: str, **extra) -> dict:
+    cfg = dict(DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                             clip_sample=False, set_alpha_to_one=False, prediction_type=prediction_type,
+                             steps_offset=1, **extra).config)
+    cfg["_class_name"] = "DDIMScheduler"
+    return cfg
+
+
+def fake_denoiser(x_in: torch.Tensor, t: float, table: torch.Tensor) -> torch.Tensor:
+    return 0.3 * torch.tanh(x_in) + table * (1.0 + t / 1000.0)
+
+
+def diffusers_trajectory(scheduler, x, table, generator):
+    out = []
+    for t in scheduler.timesteps:
+        x_in = scheduler.scale_model_input(x, t)
+        mo = fake_denoiser(x_in, float(t), table)
+        x = scheduler.step(mo, t, x, generator=generator, return_dict=False)[0]
+        out.append(x)
+    return out
+
+
+def dvllm_trajectory(plan, x, table, generator):
+    out, history = [], None
+    for row in plan.steps:
+        mo = fake_denoiser(x * row.c_in, row.timestep, table)
+        coeffs = torch.tensor([row.coeffs] * x.shape[0], dtype=torch.float32)
+        noise = torch.randn(x.shape, generator=generator) if row.draws_noise else None
+        clip = row.coeffs[2] != float("inf")
+        x, x0 = sampler_update(x, mo, coeffs, history if plan.uses_history else None, noise, clip=clip)
+        history = x0
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+@pytest.mark.parametrize("sampler", VECTORIZED)
+@pytest.mark.parametrize("num_steps", [1, 4, 25])
+def test_vectorized_matches_diffusers(sampler, prediction_type, num_steps):
+    cfg = base_config(prediction_type)
+    plan = build_plan(cfg, sampler, num_steps)
+    assert plan.vectorized and plan.num_steps == num_steps
+    reference = make_scheduler(cfg, sampler)
+    reference.set_timesteps(num_steps)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 8, 8, generator=gen) * plan.init_noise_sigma
+    table = torch.randn(2, 4, 8, 8, generator=gen)
+    ours = dvllm_trajectory(plan, x.clone(), table, torch.Generator().manual_seed(7))
+    theirs = diffusers_trajectory(reference, x.clone(), table, torch.Generator().manual_seed(7))
+    assert plan.init_noise_sigma == pytest.approx(float(reference.init_noise_sigma))
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5, msg=f"{sampler} diverges at step {step}")
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+def test_ddim_clip_sample_matches_diffusers(prediction_type):
+    cfg = base_config(prediction_type, clip_sample_range=0.5)
+    cfg["clip_sample"] = True
+    plan = build_plan(cfg, "ddim", 10)
+    reference = make_scheduler(cfg, "ddim")
+    reference.set_timesteps(10)
+    gen = torch.Generator().manual_seed(3)
+    x, table = torch.randn(1, 4, 8, 8, generator=gen), torch.randn(1, 4, 8, 8, generator=gen)
+    ours = dvllm_trajectory(plan, x.clone(), table, None)
+    theirs = diffusers_trajectory(reference, x.clone(), table, None)
+    torch.testing.assert_close(ours[-1], theirs[-1], atol=2e-5, rtol=2e-5)
+
+
+def test_dpm_heun_and_first_order_are_vectorized():
+    cfg = base_config("epsilon")
+    for overrides in ({"solver_type": "heun"}, {"solver_order": 1}):
+        scheduler = make_scheduler(cfg, "dpmpp_2m")
+        scheduler = type(scheduler).from_config(scheduler.config, **overrides)
+        scheduler.set_timesteps(12)
+        from dvllm.samplers import plan_for
+
+        plan = plan_for("dpm", copy.deepcopy(scheduler))
+        assert plan.vectorized
+        gen = torch.Generator().manual_seed(5)
+        x, table = torch.randn(1, 4, 8, 8, generator=gen), torch.randn(1, 4, 8, 8, generator=gen)
+        ours = dvllm_trajectory(plan, x.clone(), table, None)
+        theirs = diffusers_trajectory(scheduler, x.clone(), table, None)
+        torch.testing.assert_close(ours[-1], theirs[-1], atol=2e-5, rtol=2e-5)
+
+
+def test_unsupported_configs_fall_back_to_diffusers():
+    cfg = base_config("epsilon")
+    assert not build_plan(cfg, "PNDMScheduler", 10).vectorized
+    assert not build_plan(cfg, "flow_euler", 10).vectorized
+    assert not build_plan(cfg, "HeunDiscreteScheduler", 10).vectorized
+    third_order = dict(cfg, solver_order=3, _class_name="DPMSolverMultistepScheduler")
+    assert not build_plan(third_order, None, 10).vectorized
+
+
+def test_short_names_are_the_documented_diffusers_configs():
+    cfg = base_config("epsilon")
+    karras = make_scheduler(cfg, "dpmpp_2m_karras")
+    assert type(karras).__name__ == "DPMSolverMultistepScheduler"
+    assert karras.config.use_karras_sigmas and karras.config.algorithm_type == "dpmsolver++"
+    assert karras.config.solver_order == 2
+    assert set(SHORT_NAMES) == {"ddim", "euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "lcm", "flow_euler"}
+
+
+def test_bad_sampler_and_step_count_raise_value_error():
+    cfg = base_config("epsilon")
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        build_plan(cfg, "not_a_sampler", 10)
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        build_plan(cfg, "UNet2DConditionModel", 10)
+    with pytest.raises(ValueError, match="num_inference_steps=80"):
+        build_plan(cfg, "lcm", 80)
