@@ -48,3 +48,11 @@ def sd_v_path(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-sd-v")
     tiny_sd_pipeline("v_prediction").save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def sd_guidance_embed_path(tmp_path_factory) -> str:
+    """An LCM-distilled-style UNet: the guidance scale is embedded, no CFG rows."""
+    path = tmp_path_factory.mktemp("tiny-sd-lcm")
+    tiny_sd_pipeline("epsilon", time_cond_proj_dim=8).save_pretrained(path)
+    return str(path)

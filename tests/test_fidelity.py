@@ -146,3 +146,18 @@ def test_output_types_agree(eps):
 
 def dataclass_np(p: SamplingParams) -> SamplingParams:
     return SamplingParams(**{**p.__dict__, "output_type": "np"})
+
+
+def test_guidance_embedding_unet_matches_pipeline(sd_guidance_embed_path):
+    """LCM-distilled UNets take the guidance scale as an embedding per row instead of CFG rows."""
+    engine = engine_for(sd_guidance_embed_path)
+    assert not engine.model_info.supports_cfg
+    pipe = StableDiffusionPipeline.from_pretrained(sd_guidance_embed_path)
+    pipe.set_progress_bar_config(disable=True)
+    batch = [("fast one", SamplingParams(num_inference_steps=4, guidance_scale=8.0, seed=1, sampler="lcm",
+                                         height=16, width=16, output_type="np")),
+             ("fast two", SamplingParams(num_inference_steps=2, guidance_scale=2.0, seed=2, sampler="lcm", n=2,
+                                         height=16, width=16, output_type="np"))]
+    outs = engine.generate([b[0] for b in batch], [b[1] for b in batch], use_tqdm=False)
+    for (prompt, params), out in zip(batch, outs):
+        assert_matches_pipeline(pipe, prompt, params, out)

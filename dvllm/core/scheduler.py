@@ -32,14 +32,18 @@ class Scheduler:
         self._aborted: list[Request] = []
 
     # -- requests in and out -------------------------------------------------
+    def check_fits(self, request: Request) -> None:
+        """A request must fit in one forward even alone, or it could never run."""
+        if request.rows > self.max_batch_size:
+            raise ValueError(
+                f"n={request.params.n} needs {request.rows} denoiser rows"
+                f"{' (doubled by CFG)' if request.cfg else ''} but max_batch_size is {self.max_batch_size}"
+            )
+
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.rows > self.max_batch_size:
-            raise ValueError(
-                f"request needs {request.rows} denoiser rows (n={request.params.n}"
-                f"{', doubled by CFG' if request.cfg else ''}) but max_batch_size is {self.max_batch_size}"
-            )
+        self.check_fits(request)
         if len(self.waiting) >= self.max_num_waiting:
             raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_num_waiting); retry later")
         self.requests[request.request_id] = request

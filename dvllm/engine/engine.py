@@ -65,8 +65,8 @@ class DiffusionEngine:
         results: list[RequestOutput | None] = [None] * len(requests)
         pending = list(reversed(requests))
         bar = _progress_bar(len(requests), use_tqdm)
-        start, images = time.perf_counter(), 0
-        while pending or self.scheduler.has_unfinished_requests():
+        start, images, done = time.perf_counter(), 0, 0
+        while done < len(requests):
             while pending and len(self.scheduler.waiting) < self.config.max_num_waiting:
                 self.scheduler.add_request(pending.pop())
             for out in self.step():
@@ -74,12 +74,11 @@ class DiffusionEngine:
                     self._undelivered.append(out)
                 elif out.finished:
                     results[order[out.request_id]] = out
+                    done += 1
                     images += len(out.images)
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(images_per_s=f"{images / (time.perf_counter() - start):.2f}")
-            if all(r is not None for r in results):
-                break
         if bar is not None:
             bar.close()
         return results  # type: ignore[return-value]
@@ -93,11 +92,13 @@ class DiffusionEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         resolved = (params or SamplingParams()).resolve(self.model_info, self.config)
         plan = self._plan(resolved.sampler, resolved.num_inference_steps)
-        return Request(
+        request = Request(
             request_id=request_id, prompt=prompt, params=resolved, num_steps=plan.num_steps,
             cfg=self.model_info.uses_cfg(resolved.guidance_scale), plan=plan,
             arrival_time=time.time() if arrival_time is None else arrival_time, arrival_seq=next(self._arrivals),
         )
+        self.scheduler.check_fits(request)
+        return request
 
     def _plan(self, sampler: str | None, num_steps: int) -> SamplerPlan:
         key = (sampler, num_steps)

@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+from PIL import Image
+
 from dvllm.entrypoints.cli_args import add_engine_args, engine_kwargs
 from dvllm.sampling_params import SamplingParams
 
@@ -44,24 +46,42 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
 
 
-def parse_size(size: str) -> tuple[int, int]:
+def parse_size(size: object) -> tuple[int, int]:
     """'WxH' -> (height, width)."""
     try:
-        w, h = (int(v) for v in size.lower().split("x"))
+        w, h = (int(v) for v in str(size).lower().split("x"))
     except ValueError:
         raise ValueError(f"size must look like WIDTHxHEIGHT (e.g. 512x512), got {size!r}") from None
     return h, w
 
 
+# Short names (CLI flags, JSONL) -> SamplingParams fields
+_ALIASES = {"steps": "num_inference_steps", "guidance": "guidance_scale"}
+
+
+def _long_names(fields: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in fields.items():
+        if value is None:
+            continue
+        if key == "size":
+            out["height"], out["width"] = parse_size(value)
+        else:
+            out[_ALIASES.get(key, key)] = value
+    return out
+
+
 def _params(fields: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
-    merged = {**defaults, **{k: v for k, v in fields.items() if v is not None}}
-    if "steps" in merged:
-        merged["num_inference_steps"] = merged.pop("steps")
-    if "guidance" in merged:
-        merged["guidance_scale"] = merged.pop("guidance")
-    if "size" in merged:
-        merged["height"], merged["width"] = parse_size(merged.pop("size"))
-    return SamplingParams(**merged)
+    # Both sides are normalized first, so a line's "num_inference_steps" beats the CLI's --steps.
+    return SamplingParams(**{**_long_names(defaults), **_long_names(fields)})
+
+
+def _output_path(value: object, where: str, output_dir: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where}: 'output' must be a file name, got {value!r}")
+    if os.path.splitext(value)[1].lower() not in Image.registered_extensions():
+        raise ValueError(f"{where}: 'output' needs an image extension such as .png, got {value!r}")
+    return os.path.join(output_dir, value)  # relative names go under --output-dir
 
 
 def read_jobs(args: argparse.Namespace) -> list[tuple[str, SamplingParams, str | None]]:
@@ -92,12 +112,14 @@ def read_jobs(args: argparse.Namespace) -> list[tuple[str, SamplingParams, str |
             if unknown or not isinstance(record.get("prompt"), str):
                 raise ValueError(f"{args.prompts_file}:{number}: needs a string 'prompt'; "
                                  f"unknown keys {sorted(unknown)}; allowed {sorted(_JSONL_KEYS)}")
+            where = f"{args.prompts_file}:{number}"
             try:
                 params = _params({k: record[k] for k in _JSONL_KEYS & set(record)}, defaults)
                 params.validate()
             except (ValueError, TypeError) as e:
-                raise ValueError(f"{args.prompts_file}:{number}: {e}") from None
-            jobs.append((record["prompt"], params, record.get("output")))
+                raise ValueError(f"{where}: {e}") from None
+            output = _output_path(record["output"], where, args.output_dir) if "output" in record else None
+            jobs.append((record["prompt"], params, output))
     if not jobs:
         raise ValueError(f"{args.prompts_file} holds no prompts")
     return jobs

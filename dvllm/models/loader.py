@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -56,8 +57,14 @@ def resolve_model(model: str | None) -> ModelSource:
         index = os.path.join(path, "model_index.json")
         if not os.path.isfile(index):
             raise ValueError(f"model folder {path!r} is not a diffusers pipeline folder: it has no model_index.json")
-        with open(index) as f:
-            return ModelSource(name=model.rstrip("/"), model_index=json.load(f), folder=path)
+        try:
+            with open(index) as f:
+                model_index = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read {index}: {e}") from None
+        if not isinstance(model_index, dict) or not isinstance(model_index.get("_class_name"), str):
+            raise ValueError(f"{index} names no pipeline class ('_class_name')")
+        return ModelSource(name=model.rstrip("/"), model_index=model_index, folder=path)
     if os.path.exists(path) or _looks_like_path(model):
         raise ValueError(f"model path {path!r} does not exist or is not a diffusers folder")
     return _from_hub(model)
@@ -101,7 +108,7 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
 
 def _dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed: int) -> dict[str, Any]:
     components: dict[str, Any] = {}
-    for i, (name, spec) in enumerate(sorted(source.model_index.items())):
+    for name, spec in source.model_index.items():
         if name.startswith("_") or not isinstance(spec, list):
             continue
         library, class_name = spec
@@ -110,7 +117,8 @@ def _dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed
             continue
         cls = getattr(importlib.import_module(library), class_name)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed + i)  # each component's random weights, reproducibly
+            # each component's own reproducible weights: no two components share a stream
+            torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             components[name] = _build_component(cls, name, source)
     for name, value in adapter_cls.load_kwargs.items():
         components.setdefault(name, value)

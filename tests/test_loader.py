@@ -1,0 +1,222 @@
+"""Model resolution and loading (dvllm/models/loader.py) and engine-argument checks. No network:
+Hub look-ups are replaced by a stub, and only the tiny pipelines are ever built."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+import torch
+
+import dvllm.engine.engine as engine_module
+from dvllm import DiffusionEngine, EngineConfig
+from dvllm.models.loader import DEFAULT_MODEL, load_adapter, load_preset, preset_names, resolve_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Makes any attempt to build a worker fail the test: argument errors must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the engine started loading a model before rejecting its arguments")
+
+    monkeypatch.setattr(engine_module, "UniProcExecutor", refuse)
+
+
+def write_model_index(folder: Path, index: object) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model_index.json").write_text(json.dumps(index))
+    return folder
+
+
+# -- paths that are not models ---------------------------------------------------------------
+
+def test_missing_absolute_path_names_the_path(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ValueError, match="does not exist") as err:
+        resolve_model(str(missing))
+    assert str(missing) in str(err.value)
+    # Through the engine too: the same error, not a Hub look-up or a traceback from diffusers.
+    with pytest.raises(ValueError) as err:
+        DiffusionEngine(model=str(missing), device="cpu")
+    assert str(missing) in str(err.value)
+
+
+def test_missing_relative_path_names_the_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # so "./does/not/exist" surely does not exist
+    with pytest.raises(ValueError) as err:
+        DiffusionEngine(model="./does/not/exist", device="cpu")
+    assert "./does/not/exist" in str(err.value)
+
+
+def test_a_file_is_not_a_model(tmp_path):
+    some_file = tmp_path / "model_index.json"
+    some_file.write_text("{}")
+    with pytest.raises(ValueError) as err:
+        resolve_model(str(some_file))
+    assert str(some_file) in str(err.value)
+
+
+def test_folder_without_model_index_is_not_a_diffusers_folder(tmp_path):
+    folder = tmp_path / "just-a-folder"
+    folder.mkdir()
+    (folder / "unet").mkdir()  # looks a bit like a model, but has no model_index.json
+    with pytest.raises(ValueError) as err:
+        DiffusionEngine(model=str(folder), device="cpu")
+    message = str(err.value)
+    assert str(folder) in message
+    assert "not a diffusers" in message and "model_index.json" in message
+
+
+def test_unsupported_pipeline_class_lists_the_supported_ones(tmp_path):
+    folder = write_model_index(tmp_path / "flux", {"_class_name": "FluxPipeline",
+                                                   "transformer": ["diffusers", "FluxTransformer2DModel"]})
+    with pytest.raises(ValueError) as err:
+        DiffusionEngine(model=str(folder), device="cpu")
+    message = str(err.value)
+    assert "FluxPipeline" in message and "StableDiffusionPipeline" in message
+
+
+def test_model_index_without_class_name_is_a_value_error(tmp_path):
+    folder = write_model_index(tmp_path / "no-class", {"unet": ["diffusers", "UNet2DConditionModel"]})
+    with pytest.raises(ValueError, match="_class_name"):
+        DiffusionEngine(model=str(folder), device="cpu")
+
+
+# -- Hub ids (stubbed: no network) -------------------------------------------------------------
+
+def test_hub_failure_becomes_a_value_error_naming_the_repo(monkeypatch):
+    def offline(repo_id: str, **kwargs):
+        raise ConnectionError("no network in tests")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ValueError) as err:
+        resolve_model("some-org/no-such-model")
+    message = str(err.value)
+    assert "some-org/no-such-model" in message and "ConnectionError" in message
+    assert "tiny-sd" in message  # points the user at the presets
+
+
+def test_hub_id_is_resolved_through_its_fetched_configs(monkeypatch, sd_eps_path):
+    fetched: list[str] = []
+
+    def fake_snapshot(repo_id: str, **kwargs) -> str:
+        fetched.append(repo_id)
+        return sd_eps_path
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    source = resolve_model("some-org/tiny-sd")
+    assert fetched == ["some-org/tiny-sd"]
+    assert (source.name, source.hub_id, source.folder) == ("some-org/tiny-sd", "some-org/tiny-sd", sd_eps_path)
+    assert source.pipeline_class == "StableDiffusionPipeline"
+
+
+# -- presets ---------------------------------------------------------------------------------
+
+def test_preset_names():
+    names = preset_names()
+    assert {"tiny-sd", "sd-1.5", "sd-2.1"} <= set(names)
+    assert DEFAULT_MODEL in names
+
+
+@pytest.mark.parametrize("name", ["tiny-sd", "sd-1.5", "sd-2.1"])
+def test_preset_configs_parse_and_fit_together(name):
+    # Only the JSON is read: building sd-1.5 / sd-2.1 would take GBs and minutes.
+    preset = load_preset(name)
+    index, components = preset["model_index"], preset["components"]
+    assert index["_class_name"] == "StableDiffusionPipeline"
+    needed = {k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0] is not None}
+    assert needed <= set(components), f"{name}: no config for {sorted(needed - set(components))}"
+    # The UNet attends to the text encoder's hidden states, so these must agree.
+    assert components["unet"]["cross_attention_dim"] == components["text_encoder"]["hidden_size"]
+    assert resolve_model(name).preset == preset
+
+
+def test_engine_without_model_loads_default_tiny_sd():
+    engine = DiffusionEngine(device="cpu")
+    assert engine.config.model is None
+    info = engine.model_info
+    assert info.name == "tiny-sd"
+    assert info.pipeline_class == "StableDiffusionPipeline"
+    assert info.default_height == info.default_width == 64  # what the README promises for tiny-sd
+
+
+# -- load_format="dummy" ---------------------------------------------------------------------
+
+def unet_weights(path: str, load_format: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    adapter = load_adapter(path, load_format, CPU, torch.float32, seed=seed)
+    return adapter.pipeline.unet.state_dict()
+
+
+def random_init(weights: dict[str, torch.Tensor]) -> list[str]:
+    """Conv and linear weights: randomly initialised (norm scales and biases start as constants)."""
+    return [k for k, v in weights.items() if k.endswith("weight") and v.ndim >= 2]
+
+
+@pytest.fixture(scope="module")
+def real_and_dummy(sd_eps_path):
+    return unet_weights(sd_eps_path, "auto"), unet_weights(sd_eps_path, "dummy", seed=0)
+
+
+def test_dummy_load_builds_the_same_architecture_with_other_weights(real_and_dummy):
+    real, dummy = real_and_dummy
+    assert {k: v.shape for k, v in dummy.items()} == {k: v.shape for k, v in real.items()}
+    assert all(v.dtype == torch.float32 for v in dummy.values())
+    keys = random_init(real)
+    assert len(keys) > 10
+    same = [k for k in keys if torch.equal(real[k], dummy[k])]
+    assert not same, f"dummy weights equal the saved ones for {same}"
+
+
+def test_dummy_weights_follow_the_seed(sd_eps_path, real_and_dummy):
+    _, seed0 = real_and_dummy
+    again = unet_weights(sd_eps_path, "dummy", seed=0)
+    assert seed0.keys() == again.keys()
+    for k in seed0:
+        torch.testing.assert_close(again[k], seed0[k], rtol=0, atol=0, msg=f"seed 0 not reproducible at {k}")
+    seed1 = unet_weights(sd_eps_path, "dummy", seed=1)
+    same = [k for k in random_init(seed0) if torch.equal(seed0[k], seed1[k])]
+    assert not same, f"seeds 0 and 1 gave equal weights for {same}"
+
+
+def test_dummy_load_keeps_the_real_scheduler_and_tokenizer(sd_eps_path):
+    # Only weights are random: configs and tokenizer files still come from the folder.
+    real = load_adapter(sd_eps_path, "auto", CPU, torch.float32)
+    dummy = load_adapter(sd_eps_path, "dummy", CPU, torch.float32, seed=3)
+    assert dummy.info == real.info
+    assert dummy.pipeline.scheduler.config == real.pipeline.scheduler.config
+    assert dummy.pipeline.tokenizer("a red circle")["input_ids"] == real.pipeline.tokenizer("a red circle")["input_ids"]
+
+
+# -- engine arguments ------------------------------------------------------------------------
+
+def test_unknown_engine_argument_is_named(no_loading):
+    with pytest.raises(ValueError, match="bogus_arg"):
+        DiffusionEngine(bogus_arg=1)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("dtype", "float64"),
+    ("device", "tpu"),
+    ("device", "cuda:"),
+    ("max_batch_size", 0),
+    ("max_batch_size", True),
+    ("scheduling_policy", "lifo"),
+    ("load_format", "safetensors"),
+])
+def test_bad_engine_config_value_names_the_field(no_loading, field, value):
+    with pytest.raises(ValueError, match=field) as err:
+        EngineConfig(**{field: value})
+    assert repr(value) in str(err.value)
+    with pytest.raises(ValueError, match=field):
+        DiffusionEngine(**{field: value})
+
+
+def test_unreadable_model_index_names_the_file(tmp_path):
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "model_index.json").write_text("{not json")
+    with pytest.raises(ValueError, match="model_index.json"):
+        DiffusionEngine(model=str(folder), device="cpu")
