@@ -95,6 +95,20 @@ def test_shape_groups_take_turns_within_a_bound():
     assert len(last_step) == 9
 
 
+def test_a_stream_of_new_arrivals_does_not_starve_another_shape():
+    s, c = make(max_batch_size=64), Clock()
+    s.add_request(c.request("lonely", steps=6, size=32))
+    ran = []
+    for i in range(12):
+        s.add_request(c.request(f"new{i}", steps=20, size=16))  # a new 16px request every iteration
+        out, _ = iterate(s)
+        ran.append("lonely" in out.scheduled_ids)
+        if s.requests.get("lonely") is None:
+            break
+    assert "lonely" not in s.requests, "the 32px request must finish while 16px requests keep arriving"
+    assert all(a or b for a, b in zip(ran, ran[1:])), f"the 32px group waited two iterations in a row: {ran}"
+
+
 def test_a_blocked_request_is_not_overtaken_by_its_own_shape():
     s, c = make(max_batch_size=4), Clock()
     s.add_request(c.request("running", steps=4))            # 2 rows of 16px

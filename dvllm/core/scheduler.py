@@ -100,6 +100,9 @@ class Scheduler:
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
+            # Count its wait from now, as if it had just run: a stream of new arrivals must not
+            # make its group look more starved than a group that is really waiting.
+            request.last_scheduled = self.iteration - 1
             admitted.append(_new_request_data(request))
         return admitted
 
