@@ -12,6 +12,7 @@ from typing import Any
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+CPU_STATE_POOL_MB = 1024
 
 
 @dataclass
@@ -36,6 +37,26 @@ class EngineConfig:
     max_image_pixels: int = field(default=2048 * 2048, metadata={"help": "Largest height*width accepted."})
     max_images_per_prompt: int = field(default=8, metadata={"help": "Largest n accepted."})
     sampler_plan_cache_size: int = field(default=256, metadata={"help": "Sampler schedules kept per (sampler, steps)."})
+    state_pool_mb: float | None = field(
+        default=None,
+        metadata={"help": "Memory for request state (latents, sampler history, prompt embeddings). "
+                          "Default: on CUDA a gpu_memory_utilization share of what the model leaves free; "
+                          f"on the CPU {CPU_STATE_POOL_MB} MB."},
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "Share of GPU memory dvllm may use in all (model, activations, state pool)."}
+    )
+    num_state_blocks: int | None = field(
+        default=None, metadata={"help": "Override the state pool's block count (testing, tuning)."}
+    )
+    enable_prompt_cache: bool = field(
+        default=True, metadata={"help": "Share and keep identical prompt embeddings in the state pool."}
+    )
+    priority_aging_iterations: int = field(
+        default=100,
+        metadata={"help": "With scheduling_policy=priority, one priority level is worth this many engine "
+                          "iterations of earlier arrival, so low priorities are delayed, never starved."},
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -47,10 +68,15 @@ class EngineConfig:
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("max_batch_size", "max_num_waiting", "max_inference_steps", "max_image_pixels",
-                     "max_images_per_prompt", "sampler_plan_cache_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                     "max_images_per_prompt", "sampler_plan_cache_size", "priority_aging_iterations"):
+            _positive_int(name, getattr(self, name))
+        if self.num_state_blocks is not None:
+            _positive_int("num_state_blocks", self.num_state_blocks)
+        if self.state_pool_mb is not None and not (isinstance(self.state_pool_mb, (int, float))
+                                                   and self.state_pool_mb > 0):
+            raise ValueError(f"state_pool_mb must be a number > 0, got {self.state_pool_mb!r}")
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -64,6 +90,11 @@ class EngineConfig:
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def _is_cuda_index(device: str) -> bool:

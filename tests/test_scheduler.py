@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from dvllm.config import EngineConfig
+from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request, RequestStatus
 from dvllm.core.scheduler import Scheduler
 from dvllm.core.scheduler_output import RunnerOutput
@@ -15,12 +16,15 @@ class Clock:
     def __init__(self) -> None:
         self.seq = 0
 
-    def request(self, rid: str, steps: int, n: int = 1, cfg: bool = True, size: int = 16, priority: int = 0) -> Request:
+    def request(self, rid: str, steps: int, n: int = 1, cfg: bool = True, size: int = 16, priority: int = 0,
+                prompt: str | None = None, latent_blocks: int = 1, cond_blocks: int = 1,
+                history: bool = False) -> Request:
         self.seq += 1
         params = SamplingParams(num_inference_steps=steps, guidance_scale=5.0 if cfg else 1.0, height=size,
                                 width=size, seed=0, n=n, priority=priority)
-        return Request(request_id=rid, prompt=rid, params=params, num_steps=steps, cfg=cfg, plan=None,
-                       arrival_time=float(self.seq), arrival_seq=self.seq)
+        return Request(request_id=rid, prompt=prompt or rid, params=params, num_steps=steps, cfg=cfg, plan=None,
+                       arrival_time=float(self.seq), arrival_seq=self.seq, latent_blocks=latent_blocks,
+                       cond_blocks=cond_blocks, uses_history=history)
 
 
 def iterate(scheduler: Scheduler):
@@ -32,8 +36,8 @@ def iterate(scheduler: Scheduler):
     return out, outputs
 
 
-def make(**kwargs) -> Scheduler:
-    return Scheduler(EngineConfig(**kwargs))
+def make(num_blocks: int = 1000, cache: bool = True, **kwargs) -> Scheduler:
+    return Scheduler(EngineConfig(**kwargs), BlockManager(num_blocks, cache))
 
 
 def test_requests_join_at_the_next_step_and_leave_when_done():
@@ -170,3 +174,151 @@ def test_worker_errors_finish_only_that_request():
     assert by_id["bad"].finished and by_id["bad"].error == "denoise failed: boom"
     assert not by_id["good"].finished and by_id["good"].num_steps_done == 1
     assert list(s.requests) == ["good"]
+
+
+# -- the state pool: admission by blocks, the prompt cache, preemption ----------------------------
+
+def run_all(s: Scheduler, limit: int = 1000) -> list:
+    outs = []
+    for _ in range(limit):
+        if not s.has_unfinished_requests():
+            return outs
+        out, outputs = iterate(s)
+        outs.append((out, outputs))
+    raise AssertionError("requests did not finish")
+
+
+def test_admission_waits_for_blocks_and_frees_them():
+    s, c = make(num_blocks=12), Clock()
+    # each: 2 images x 2 latent blocks x (latents + history) = 8 private, + 2 cond blocks (CFG, distinct prompts)
+    for rid in ("a", "b"):
+        s.add_request(c.request(rid, steps=3, n=2, latent_blocks=2, cond_blocks=1, history=True))
+    out, _ = iterate(s)
+    assert [r.request_id for r in out.new_requests] == ["a"]
+    assert s.stats()["pool_used_blocks"] == 10
+    tables = out.new_requests[0].blocks
+    assert len(tables.latents) == 2 and all(len(b) == 2 for b in tables.latents) and len(tables.history) == 2
+    used = [b for rows in tables.latents + tables.history for b in rows] + tables.cond + tables.uncond
+    assert len(set(used)) == 10  # no block is handed out twice
+    run_all(s)
+    stats = s.stats()
+    # both prompts' conditions stay cached, and the empty negative prompt they shared
+    assert stats["pool_used_blocks"] == 0 and stats["pool_cached_blocks"] == 3
+
+
+def test_request_larger_than_the_pool_is_refused():
+    s, c = make(num_blocks=10), Clock()
+    with pytest.raises(ValueError, match="needs 12 state-pool blocks but the pool has 10"):
+        s.add_request(c.request("huge", steps=2, n=2, latent_blocks=5))
+
+
+def test_identical_prompts_share_one_cached_entry():
+    s, c = make(num_blocks=100), Clock()
+    for rid in ("a", "b", "c"):
+        s.add_request(c.request(rid, steps=2, prompt="the same prompt", cond_blocks=3))
+    out, _ = iterate(s)
+    a, b, c_ = (d.blocks for d in out.new_requests)
+    assert a.cond == b.cond == c_.cond and a.uncond == b.uncond == c_.uncond
+    assert (a.write_cond, b.write_cond, c_.write_cond) == (True, False, False)  # encoded once
+    assert s.stats()["prompt_cache_queries"] == 6 and s.stats()["prompt_cache_hits"] == 4
+    run_all(s)
+    s.add_request(c.request("later", steps=1, prompt="the same prompt", cond_blocks=3))
+    out, _ = iterate(s)
+    assert out.new_requests[0].blocks.write_cond is False and out.new_requests[0].blocks.cond == a.cond
+    assert s.stats()["prompt_cache_hits"] == 6
+
+
+def test_cached_conditions_are_evicted_least_recently_used_first():
+    s, c = make(num_blocks=8), Clock()
+    for i, prompt in enumerate(["old", "newer"]):
+        s.add_request(c.request(f"r{i}", steps=1, cfg=False, prompt=prompt, cond_blocks=3))
+        run_all(s)
+    assert s.stats()["pool_cached_blocks"] == 6
+    s.add_request(c.request("big", steps=1, cfg=False, prompt="third", n=1, latent_blocks=2, cond_blocks=3))
+    run_all(s)  # needs 5 blocks: 2 free + the 3 of "old"
+    assert ("prompt", "old") not in s.blocks.index and ("prompt", "newer") in s.blocks.index
+
+
+def test_without_the_cache_nothing_is_shared_or_kept():
+    s, c = make(num_blocks=100, cache=False), Clock()
+    for rid in ("a", "b"):
+        s.add_request(c.request(rid, steps=1, prompt="same"))
+    out, _ = iterate(s)
+    assert out.new_requests[0].blocks.cond != out.new_requests[1].blocks.cond
+    run_all(s)
+    assert s.stats()["pool_used_blocks"] == 0 and s.stats()["pool_cached_blocks"] == 0
+
+
+def test_a_failed_write_is_never_served_from_the_cache():
+    s, c = make(num_blocks=100), Clock()
+    s.add_request(c.request("writer", steps=2, prompt="p"))
+    out = s.schedule()
+    s.update_from_output(out, RunnerOutput(errors={"writer": "prompt encoding failed: boom"}))
+    assert s.stats()["pool_used_blocks"] == 0 and s.stats()["pool_cached_blocks"] == 0
+    s.add_request(c.request("again", steps=1, prompt="p"))
+    out, _ = iterate(s)
+    assert out.new_requests[0].blocks.write_cond  # a miss: encoded afresh
+
+
+def test_urgent_request_preempts_the_least_urgent_and_it_resumes():
+    s, c = make(num_blocks=100, max_batch_size=4, scheduling_policy="priority"), Clock()
+    s.add_request(c.request("low", steps=5, priority=5))
+    s.add_request(c.request("mid", steps=5, priority=3))
+    iterate(s)
+    iterate(s)
+    s.add_request(c.request("urgent", steps=2, priority=0))
+    out, _ = iterate(s)
+    assert out.preempted_ids == ["low"] and [r.request_id for r in out.new_requests] == ["urgent"]
+    assert sorted(out.scheduled_ids) == ["mid", "urgent"]
+    low = s.requests["low"]
+    assert low.swapped and low.num_steps_done == 2 and low.blocks is None
+    while "low" not in [r.request_id for r in out.resumed_requests]:
+        out, _ = iterate(s)
+    assert out.resumed_requests[0].blocks.write_cond is False  # its prompt stayed cached
+    outs = run_all(s)
+    done = {o.request_id: o for _, outputs in outs for o in outputs if o.finished}
+    assert done["low"].num_steps_done == 5 and done["low"].error is None
+    assert s.stats()["num_preemptions"] == 1 and s.stats()["pool_used_blocks"] == 0
+
+
+def test_preemption_frees_blocks_across_shapes_but_only_for_more_urgent_requests():
+    s, c = make(num_blocks=6, scheduling_policy="priority"), Clock()
+    s.add_request(c.request("big", steps=4, size=32, latent_blocks=4, priority=1))  # 4 + 2 cond = all 6
+    iterate(s)
+    s.add_request(c.request("same", steps=2, size=16, latent_blocks=2, priority=1))  # equal priority: waits
+    out, _ = iterate(s)
+    assert out.preempted_ids == [] and s.requests["same"].status == RequestStatus.WAITING
+    s.add_request(c.request("urgent", steps=2, size=16, latent_blocks=2, priority=0))
+    out, _ = iterate(s)
+    assert out.preempted_ids == ["big"] and [r.request_id for r in out.new_requests] == ["urgent"]
+    run_all(s)
+    assert not s.requests
+
+
+def test_fcfs_never_preempts():
+    s, c = make(num_blocks=100, max_batch_size=2), Clock()
+    s.add_request(c.request("first", steps=3, priority=9))
+    iterate(s)
+    s.add_request(c.request("second", steps=1, priority=0))
+    out, _ = iterate(s)
+    assert out.preempted_ids == [] and out.scheduled_ids == ["first"]
+
+
+def low_priority_finish(aging: int) -> int | None:
+    s, c = make(num_blocks=1000, max_batch_size=2, scheduling_policy="priority", priority_aging_iterations=aging), Clock()
+    s.add_request(c.request("low", steps=2, priority=4))
+    for i in range(60):  # a new urgent request every iteration: twice what the one slot serves
+        s.add_request(c.request(f"hi{i}", steps=2, priority=0))
+        out, outputs = iterate(s)
+        if any(o.request_id == "low" and o.finished for o in outputs):
+            return out.iteration
+    return None
+
+
+def test_aging_keeps_low_priorities_from_starving():
+    assert low_priority_finish(aging=10**6) is None  # without aging it starves
+    finished_at = low_priority_finish(aging=3)
+    assert finished_at is not None, "the low-priority request starved"
+    # Only urgent requests that arrived within priority x aging = 12 iterations after it can
+    # overtake it: at most 12 of them, 2 iterations each, then its own 2 steps.
+    assert finished_at <= 12 * 2 + 2 + 1

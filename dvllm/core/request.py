@@ -5,6 +5,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from dvllm.core.block_manager import CachedEntry
+from dvllm.core.scheduler_output import BlockTables
 from dvllm.outputs import RequestMetrics, RequestOutput
 from dvllm.sampling_params import SamplingParams
 
@@ -27,6 +29,9 @@ class Request:
     plan: Any               # the sampler plan; opaque here, sent to the worker once
     arrival_time: float
     arrival_seq: int
+    latent_blocks: int = 1    # state-pool blocks per image's latents (and per image's history)
+    cond_blocks: int = 1      # state-pool blocks per prompt's conditions
+    uses_history: bool = False
     status: RequestStatus = RequestStatus.WAITING
     num_steps_done: int = 0
     last_scheduled: int = -1  # scheduler iteration it last took a step in
@@ -34,11 +39,33 @@ class Request:
     error: str | None = None
     first_scheduled_time: float | None = None
     finished_time: float | None = None
+    # state-pool bookkeeping (driver side; the tensors are on the worker)
+    blocks: BlockTables | None = None
+    cond_entry: CachedEntry | None = None
+    uncond_entry: CachedEntry | None = None
+    swapped: bool = False       # preempted: its state waits in the worker's host memory
+    num_preemptions: int = 0
+    arrival_iteration: int = 0  # the scheduler iteration it arrived in (priority aging)
 
     @property
     def rows(self) -> int:
         """Denoiser rows per forward."""
         return self.params.n * (2 if self.cfg else 1)
+
+    @property
+    def private_blocks(self) -> int:
+        """Blocks only this request uses: latents, and history for multistep samplers."""
+        return self.params.n * self.latent_blocks * (2 if self.uses_history else 1)
+
+    @property
+    def max_blocks(self) -> int:
+        """Blocks it needs when no prompt embedding is shared: must fit the pool alone."""
+        return self.private_blocks + self.cond_blocks * (2 if self.cfg else 1)
+
+    @property
+    def cond_keys(self) -> tuple[tuple, tuple | None]:
+        """Prompt-cache keys of its conditions (positive, and negative with CFG)."""
+        return ("prompt", self.prompt), (("negative", self.params.negative_prompt) if self.cfg else None)
 
     @property
     def shape_key(self) -> tuple[int, int]:

@@ -1,43 +1,63 @@
 """Step-level continuous batching: every iteration, one forward of whoever is ready.
 
-There are no phases. A request is admitted when its shape group has room for its
-rows, takes one denoising step in each iteration its group is picked, and leaves
-as soon as its counter reaches its step count. Groups (latent shapes) take turns:
-the group holding the request that waited longest since its last step goes next,
-so with G groups no running request waits more than G - 1 iterations for a step.
+There are no phases. A request is admitted when its shape group has rows free in a
+forward and the state pool has blocks for it; it takes one denoising step in each
+iteration its group is picked, and leaves as soon as its counter reaches its step
+count. Groups (latent shapes) take turns: the group holding the request that waited
+longest since its last step goes next, so with G groups no running request waits
+more than G - 1 iterations for a step.
+
+With scheduling_policy="priority", a request that cannot be admitted for lack of
+rows or blocks preempts less urgent running ones: their state is swapped to the
+worker's host memory and comes back, unchanged, when they are readmitted. Urgency
+ages: a request of priority p ranks with one of priority 0 that arrived
+p * priority_aging_iterations iterations later, so low priorities are delayed,
+never starved. The ranking never changes over time, so two requests cannot take
+turns preempting each other.
 """
 from __future__ import annotations
 
-import bisect
 import time
 from collections import defaultdict
 
 from dvllm.config import EngineConfig
+from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request, RequestStatus
-from dvllm.core.scheduler_output import NewRequestData, RunnerOutput, SchedulerOutput
+from dvllm.core.scheduler_output import (BlockTables, NewRequestData, ResumedRequestData, RunnerOutput,
+                                         SchedulerOutput)
 from dvllm.errors import QueueFullError
 from dvllm.outputs import RequestOutput
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.max_batch_size = config.max_batch_size
         self.max_num_waiting = config.max_num_waiting
         self.by_priority = config.scheduling_policy == "priority"
-        self.waiting: list[Request] = []  # in admission order
+        self.aging = config.priority_aging_iterations
+        self.blocks = block_manager
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.iteration = 0
+        self.num_preemptions = 0
         self._freed: list[str] = []
         self._aborted: list[Request] = []
+        self._writers: dict[str, list] = {}  # request id -> cache entries it must fill this iteration
 
     # -- requests in and out -------------------------------------------------
     def check_fits(self, request: Request) -> None:
-        """A request must fit in one forward even alone, or it could never run."""
+        """A request must fit one forward and the whole pool on its own, or it could never run."""
         if request.rows > self.max_batch_size:
             raise ValueError(
                 f"n={request.params.n} needs {request.rows} denoiser rows"
                 f"{' (doubled by CFG)' if request.cfg else ''} but max_batch_size is {self.max_batch_size}"
+            )
+        if request.max_blocks > self.blocks.num_blocks:
+            raise ValueError(
+                f"n={request.params.n} at {request.params.width}x{request.params.height} needs "
+                f"{request.max_blocks} state-pool blocks but the pool has {self.blocks.num_blocks}: "
+                "lower n or the size, or raise state_pool_mb"
             )
 
     def add_request(self, request: Request) -> None:
@@ -46,8 +66,9 @@ class Scheduler:
         self.check_fits(request)
         if len(self.waiting) >= self.max_num_waiting:
             raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_num_waiting); retry later")
+        request.arrival_iteration = self.iteration
         self.requests[request.request_id] = request
-        bisect.insort(self.waiting, request, key=self._order)
+        self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
@@ -55,9 +76,12 @@ class Scheduler:
             return False
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self._release(request)
             self._freed.append(request_id)
         else:
             self.waiting.remove(request)
+            if request.swapped:
+                self._freed.append(request_id)  # the worker drops its host copy
         self._finish(request, RequestStatus.FINISHED_ABORTED, "request aborted")
         self._aborted.append(request)
         return True
@@ -65,15 +89,18 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._aborted or self._freed)
 
-    def _order(self, request: Request) -> tuple[int, ...]:
-        if self.by_priority:
-            return (request.priority, request.arrival_seq)
-        return (request.arrival_seq,)
+    def urgency(self, request: Request) -> tuple[int, int]:
+        """Lower is more urgent: each priority level is worth `aging` iterations of earlier arrival."""
+        if not self.by_priority:
+            return (0, request.arrival_seq)
+        return (request.priority * self.aging + request.arrival_iteration, request.arrival_seq)
 
     # -- one iteration -------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.iteration += 1
-        out = SchedulerOutput(iteration=self.iteration, new_requests=self._admit())
+        self._writers = {}
+        out = SchedulerOutput(iteration=self.iteration)
+        self._admit(out)
         batch = self._pick_batch()
         now = time.time()
         for request in batch:
@@ -84,27 +111,131 @@ class Scheduler:
         out.freed_ids, self._freed = self._freed, []
         return out
 
-    def _admit(self) -> list[NewRequestData]:
+    def _admit(self, out: SchedulerOutput) -> None:
+        if self.by_priority:
+            self.waiting.sort(key=self.urgency)
         rows = defaultdict(int)
         for request in self.running:
             rows[request.shape_key] += request.rows
-        admitted, blocked = [], set()
-        for request in list(self.waiting):
+        blocked = set()
+        for request in list(self.waiting):  # requests preempted below join the queue after this pass
             key = request.shape_key
             if key in blocked:
                 continue
-            if rows[key] + request.rows > self.max_batch_size:
-                blocked.add(key)  # later requests of this shape must not overtake it
-                continue
+            if not self._fits(request, rows):
+                preempted = self.by_priority and self._preempt_for(request, rows, out)
+                if not (preempted and self._fits(request, rows)):
+                    if not self.blocks.can_allocate(self._blocks_needed(request)):
+                        break  # blocks are shared by all shapes: nobody may overtake the head
+                    blocked.add(key)  # rows are per shape: later requests of this shape wait behind it
+                    continue
             rows[key] += request.rows
-            self.waiting.remove(request)
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            # Count its wait from now, as if it had just run: a stream of new arrivals must not
-            # make its group look more starved than a group that is really waiting.
-            request.last_scheduled = self.iteration - 1
-            admitted.append(_new_request_data(request))
-        return admitted
+            self._admit_one(request, out)
+
+    def _fits(self, request: Request, rows: dict) -> bool:
+        return (rows[request.shape_key] + request.rows <= self.max_batch_size
+                and self.blocks.can_allocate(self._blocks_needed(request)))
+
+    def _blocks_needed(self, request: Request) -> int:
+        """Blocks admission takes out of the free and reclaimable ones: a prompt-cache miss needs new
+        blocks, and a hit on an idle cached entry makes that entry's blocks unreclaimable."""
+        needed = request.private_blocks
+        for key in request.cond_keys:
+            if key is None:
+                continue
+            entry = self.blocks.index.get(key)
+            if entry is None:
+                needed += request.cond_blocks
+            elif entry.refs == 0:
+                needed += len(entry.blocks)
+        return needed
+
+    def _preempt_for(self, request: Request, rows: dict, out: SchedulerOutput) -> bool:
+        """Preempt the least urgent running requests that rank below `request`, if that makes it fit."""
+        victims = sorted((r for r in self.running if self.urgency(r) > self.urgency(request)),
+                         key=self.urgency, reverse=True)
+        need_rows = rows[request.shape_key] + request.rows - self.max_batch_size
+        need_blocks = self._blocks_needed(request) - len(self.blocks.free_blocks) - self.blocks.num_cached_blocks
+        chosen, freed_rows, freed_blocks = [], 0, 0
+        for victim in victims:
+            if freed_rows >= need_rows and freed_blocks >= need_blocks:
+                break
+            chosen.append(victim)
+            freed_blocks += victim.private_blocks + self._shared_blocks_freed(victim, chosen, request)
+            if victim.shape_key == request.shape_key:
+                freed_rows += victim.rows
+        if freed_rows < need_rows or freed_blocks < need_blocks:
+            return False
+        for victim in chosen:
+            self._preempt(victim, rows, out)
+        return True
+
+    def _shared_blocks_freed(self, victim: Request, chosen: list[Request], wanted: Request) -> int:
+        """Blocks of victim's prompt entries that no one else holds (and `wanted` will not reuse)."""
+        freed = 0
+        for entry in (victim.cond_entry, victim.uncond_entry):
+            if entry is not None and entry.valid and entry.key not in wanted.cond_keys:
+                holders = sum(1 for r in chosen for e in (r.cond_entry, r.uncond_entry) if e is entry)
+                freed += len(entry.blocks) if holders == entry.refs else 0
+        return freed
+
+    def _preempt(self, victim: Request, rows: dict, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self._release(victim)
+        rows[victim.shape_key] -= victim.rows
+        victim.status, victim.swapped = RequestStatus.WAITING, True
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(victim)
+        out.preempted_ids.append(victim.request_id)
+
+    def _admit_one(self, request: Request, out: SchedulerOutput) -> None:
+        tables = self._allocate(request)
+        self.waiting.remove(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        # Count its wait from now, as if it had just run: a stream of new arrivals must not
+        # make its group look more starved than a group that is really waiting.
+        request.last_scheduled = self.iteration - 1
+        if request.swapped:
+            out.resumed_requests.append(ResumedRequestData(request.request_id, tables))
+            request.swapped = False
+        else:
+            out.new_requests.append(_new_request_data(request, tables))
+
+    def _allocate(self, request: Request) -> BlockTables:
+        n, nb = request.params.n, request.latent_blocks
+        latents = [self.blocks.allocate(nb) for _ in range(n)]
+        history = [self.blocks.allocate(nb) for _ in range(n)] if request.uses_history else None
+        entries, writes = [], []
+        for key in request.cond_keys:
+            if key is None:
+                entries.append(None)
+                writes.append(False)
+                continue
+            entry = self.blocks.lookup(key)
+            writes.append(entry is None)
+            if entry is None:
+                entry = self.blocks.insert(key, request.cond_blocks)
+                self._writers.setdefault(request.request_id, []).append(entry)
+            entries.append(entry)
+        request.cond_entry, request.uncond_entry = entries
+        request.blocks = BlockTables(
+            latents=latents, history=history, cond=entries[0].blocks,
+            uncond=entries[1].blocks if entries[1] else None, write_cond=writes[0], write_uncond=writes[1],
+        )
+        return request.blocks
+
+    def _release(self, request: Request) -> None:
+        tables = request.blocks
+        if tables is None:
+            return
+        for blocks in tables.latents + (tables.history or []):
+            self.blocks.free(blocks)
+        for entry in (request.cond_entry, request.uncond_entry):
+            if entry is not None:
+                self.blocks.release(entry)
+        request.blocks = request.cond_entry = request.uncond_entry = None
 
     def _pick_batch(self) -> list[Request]:
         groups: dict[tuple[int, int], list[Request]] = defaultdict(list)
@@ -113,11 +244,11 @@ class Scheduler:
         if not groups:
             return []
 
-        def urgency(group: list[Request]) -> tuple:
+        def staleness(group: list[Request]) -> tuple:
             return (min(r.last_scheduled for r in group), -sum(r.rows for r in group),
-                    min(self._order(r) for r in group))
+                    min(self.urgency(r) for r in group))
 
-        return min(groups.values(), key=urgency)
+        return min(groups.values(), key=staleness)
 
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[RequestOutput]:
         outputs = [r.output() for r in self._aborted]
@@ -125,10 +256,17 @@ class Scheduler:
         now = time.time()
         for request_id, message in runner_out.errors.items():
             request = self.requests.pop(request_id, None)
-            if request is not None:
+            if request is None:
+                continue
+            for entry in self._writers.get(request_id, []):
+                self.blocks.invalidate(entry)  # its embedding may never have been written
+            if request in self.running:
                 self.running.remove(request)
-                self._finish(request, RequestStatus.FINISHED_ERROR, message, now)
-                outputs.append(request.output())
+            else:
+                self.waiting.remove(request)
+            self._release(request)
+            self._finish(request, RequestStatus.FINISHED_ERROR, message, now)
+            outputs.append(request.output())
         for request_id in sched_out.scheduled_ids:
             request = self.requests.get(request_id)
             if request is None:  # failed or aborted meanwhile
@@ -138,6 +276,7 @@ class Scheduler:
                 request.images = runner_out.images[request_id]
                 self.running.remove(request)
                 del self.requests[request_id]
+                self._release(request)
                 self._finish(request, RequestStatus.FINISHED, None, now)
             outputs.append(request.output())
         return outputs
@@ -147,11 +286,23 @@ class Scheduler:
         request.error = error
         request.finished_time = now or time.time()
 
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_preemptions": self.num_preemptions,
+            "pool_total_blocks": self.blocks.num_blocks,
+            "pool_used_blocks": self.blocks.num_used_blocks,
+            "pool_cached_blocks": self.blocks.num_cached_blocks,
+            "prompt_cache_hits": self.blocks.cache_hits,
+            "prompt_cache_queries": self.blocks.cache_queries,
+        }
 
-def _new_request_data(request: Request) -> NewRequestData:
+
+def _new_request_data(request: Request, tables: BlockTables) -> NewRequestData:
     p = request.params
     return NewRequestData(
         request_id=request.request_id, prompt=request.prompt, negative_prompt=p.negative_prompt, n=p.n,
         height=p.height, width=p.width, seed=p.seed, guidance_scale=p.guidance_scale, cfg=request.cfg,
-        output_type=p.output_type, plan=request.plan,
+        output_type=p.output_type, plan=request.plan, blocks=tables,
     )

@@ -6,6 +6,18 @@ from typing import Any
 
 
 @dataclass
+class BlockTables:
+    """Where a request's state lives in the worker's state pool (block ids)."""
+
+    latents: list[list[int]]               # one list per image
+    history: list[list[int]] | None        # one list per image, for multistep samplers
+    cond: list[int]                        # the prompt's conditions (may be shared with other requests)
+    uncond: list[int] | None               # the negative prompt's, with CFG
+    write_cond: bool = True                # the worker must fill cond (a cache miss)
+    write_uncond: bool = True
+
+
+@dataclass
 class NewRequestData:
     """Sent once, when a request is admitted; afterwards the worker knows it by id."""
 
@@ -20,12 +32,24 @@ class NewRequestData:
     cfg: bool
     output_type: str
     plan: Any  # dvllm.samplers.SamplerPlan
+    blocks: BlockTables
+
+
+@dataclass
+class ResumedRequestData:
+    """A preempted request readmitted: its swapped-out state goes into these blocks."""
+
+    request_id: str
+    blocks: BlockTables
 
 
 @dataclass
 class SchedulerOutput:
     iteration: int
+    # In this order on the worker: swap out the preempted, then fill the new and the resumed.
+    preempted_ids: list[str] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
+    resumed_requests: list[ResumedRequestData] = field(default_factory=list)
     # One denoiser forward: these requests (one latent shape) each take their next step.
     scheduled_ids: list[str] = field(default_factory=list)
     # Requests whose state the workers must drop (aborted).
@@ -33,7 +57,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.new_requests or self.scheduled_ids or self.freed_ids)
+        return not (self.new_requests or self.resumed_requests or self.scheduled_ids or self.freed_ids
+                    or self.preempted_ids)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from collections import OrderedDict
 from typing import Any
 
 from dvllm.config import EngineConfig
+from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request
 from dvllm.core.scheduler import Scheduler
 from dvllm.core.scheduler_output import RunnerOutput
@@ -21,11 +22,13 @@ class DiffusionEngine:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
         self.executor = UniProcExecutor(self.config)
         self.model_info = self.executor.model_info()
-        self.scheduler = Scheduler(self.config)
+        num_blocks, self.block_numel = self.executor.pool_info()
+        self.scheduler = Scheduler(self.config, BlockManager(num_blocks, self.config.enable_prompt_cache))
         self._plans: OrderedDict[tuple[str | None, int], SamplerPlan] = OrderedDict()
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         self._undelivered: list[RequestOutput] = []  # outputs of others' requests seen inside generate()
+        self._check_pool_holds_a_default_request()
 
     # -- the low-level loop ----------------------------------------------------
     def add_request(self, request_id: str, prompt: str, params: SamplingParams | None = None,
@@ -46,6 +49,10 @@ class DiffusionEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._undelivered)
+
+    def stats(self) -> dict[str, int]:
+        """Queue, preemption, state-pool and prompt-cache counters."""
+        return self.scheduler.stats()
 
     # -- offline batch ---------------------------------------------------------
     def generate(self, prompts: str | list[str], params: SamplingParams | list[SamplingParams] | None = None,
@@ -92,13 +99,23 @@ class DiffusionEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         resolved = (params or SamplingParams()).resolve(self.model_info, self.config)
         plan = self._plan(resolved.sampler, resolved.num_inference_steps)
+        info = self.model_info
         request = Request(
             request_id=request_id, prompt=prompt, params=resolved, num_steps=plan.num_steps,
-            cfg=self.model_info.uses_cfg(resolved.guidance_scale), plan=plan,
+            cfg=info.uses_cfg(resolved.guidance_scale), plan=plan,
             arrival_time=time.time() if arrival_time is None else arrival_time, arrival_seq=next(self._arrivals),
+            latent_blocks=-(-info.latent_numel(resolved.height, resolved.width) // self.block_numel),
+            cond_blocks=-(-info.condition_numel // self.block_numel), uses_history=plan.uses_history,
         )
         self.scheduler.check_fits(request)
         return request
+
+    def _check_pool_holds_a_default_request(self) -> None:
+        try:
+            self._make_request("startup-check", "", SamplingParams(seed=0, guidance_scale=2.0,
+                                                                   sampler="dpmpp_2m"))
+        except ValueError as e:
+            raise ValueError(f"the state pool is too small for even one default request: {e}") from None
 
     def _plan(self, sampler: str | None, num_steps: int) -> SamplerPlan:
         key = (sampler, num_steps)

@@ -16,13 +16,19 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        kind = hints[f.name]
+        kind = _unwrap_optional(hints[f.name])
         helptext = f"{f.metadata.get('help', '')} (default: {f.default})"
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
         else:
             base = int if kind is int else float if kind is float else str
             group.add_argument(flag, type=base, default=f.default, help=helptext)
+
+
+def _unwrap_optional(kind: Any) -> Any:
+    """`float | None` -> float: a flag left out keeps the default (None)."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    return args[0] if len(args) == 1 else kind
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

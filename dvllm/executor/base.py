@@ -20,6 +20,10 @@ class Executor(ABC):
     def model_info(self) -> ModelInfo:
         return self.collective_rpc("model_info")[0]
 
+    def pool_info(self) -> tuple[int, int]:
+        """(blocks, elements per block): the smallest pool among the workers bounds admission."""
+        return min(self.collective_rpc("pool_info"))
+
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self.collective_rpc("execute", scheduler_output)[0]
 

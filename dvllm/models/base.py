@@ -1,6 +1,7 @@
 """The model adapter interface: the scheduler and runner know families only through this."""
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -24,11 +25,26 @@ class ModelInfo:
     default_height: int
     default_width: int
     size_factor: int  # height and width must be multiples of this
+    latent_channels: int
+    latent_scale: int  # pixels per latent pixel along each side
+    # One text's Conditions: key -> shape (no batch dimension); the pool stores them flat, in this order.
+    condition_shapes: dict[str, tuple[int, ...]]
     supports_cfg: bool = True
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         """As diffusers: guidance above 1 adds unconditional rows."""
         return self.supports_cfg and guidance_scale > 1.0
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        return (self.latent_channels, height // self.latent_scale, width // self.latent_scale)
+
+    def latent_numel(self, height: int, width: int) -> int:
+        c, h, w = self.latent_shape(height, width)
+        return c * h * w
+
+    @property
+    def condition_numel(self) -> int:
+        return sum(math.prod(shape) for shape in self.condition_shapes.values())
 
 
 class ModelAdapter(ABC):
@@ -53,9 +69,9 @@ class ModelAdapter(ABC):
     def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
         """One text-encoder pass for all (text, is_negative) items; one Conditions each."""
 
-    @abstractmethod
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """Shape of one image's latents, without the batch dimension."""
+        return self.info.latent_shape(height, width)
 
     @abstractmethod
     def prepare_latents(self, n: int, height: int, width: int, generator: torch.Generator,

@@ -16,6 +16,8 @@ class StableDiffusionAdapter(ModelAdapter):
     @cached_property
     def info(self) -> ModelInfo:
         pipe = self.pipeline
+        with torch.inference_mode():
+            probe = self.encode_prompt([("", False)])[0]
         factor = pipe.vae_scale_factor
         default_size = pipe.unet.config.sample_size * factor
         scheduler_config = dict(pipe.scheduler.config)
@@ -30,6 +32,9 @@ class StableDiffusionAdapter(ModelAdapter):
             default_height=default_size,
             default_width=default_size,
             size_factor=max(8, factor),  # the pipeline's check_inputs wants multiples of 8
+            latent_channels=pipe.unet.config.in_channels,
+            latent_scale=factor,
+            condition_shapes={k: tuple(v.shape[1:]) for k, v in probe.items()},
             # LCM-distilled UNets embed the guidance scale instead of running CFG rows.
             supports_cfg=pipe.unet.config.time_cond_proj_dim is None,
         )
@@ -42,10 +47,6 @@ class StableDiffusionAdapter(ModelAdapter):
             prompts, self.device, num_images_per_prompt=1, do_classifier_free_guidance=False
         )
         return [{"prompt_embeds": e} for e in embeds.split(1)]
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        factor = self.pipeline.vae_scale_factor
-        return (self.pipeline.unet.config.in_channels, height // factor, width // factor)
 
     def prepare_latents(self, n: int, height: int, width: int, generator: torch.Generator,
                         init_noise_sigma: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from diffusers import SchedulerMixin
 
-from dvllm.ops import NUM_COEFFS
+from dvllm.ops import CLIP, CS, NUM_COEFFS
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,8 @@ class SamplerPlan:
 
 
 def fallback_plan(name: str, scheduler: SchedulerMixin) -> SamplerPlan:
-    identity = (0.0,) * NUM_COEFFS
+    # The vectorized update leaves these rows as they are (prev = sample); diffusers steps them.
+    identity = tuple(1.0 if i == CS else (float("inf") if i == CLIP else 0.0) for i in range(NUM_COEFFS))
     steps = [StepRow(float(t), 1.0, identity) for t in scheduler.timesteps]
     # Flow-matching schedulers have no init_noise_sigma: their pipelines use the noise as is.
     return SamplerPlan(name, steps, float(getattr(scheduler, "init_noise_sigma", 1.0)), fallback=scheduler)

@@ -1,4 +1,5 @@
-"""Step c-e of an iteration: gather a batch, one denoiser forward, guidance, sampler update, scatter.
+"""Steps c-e of an iteration: gather a batch from the state pool, one denoiser forward,
+guidance, and the fused sampler update that writes straight back into the pool.
 
 Rows are laid out request by request, requests with CFG first, so that the
 unconditional half of the forward is one contiguous block and no row is indexed.
@@ -10,31 +11,38 @@ import inspect
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from dvllm.models.base import Conditions, ModelAdapter
-from dvllm.ops import CLIP, sampler_update
-from dvllm.worker.request_state import RequestState
+from dvllm import ops
+from dvllm.models.base import ModelAdapter
+from dvllm.ops import CLIP
+from dvllm.samplers import StepRow
+from dvllm.worker.conditions import unflatten
+from dvllm.worker.request_state import RequestState, row_bounds
+from dvllm.worker.state_pool import StatePool
 
 
-def denoise_step(adapter: ModelAdapter, states: list[RequestState], errors: dict[str, str]) -> None:
-    """Advance every state by one step. Nothing is written back unless the forward succeeded."""
+def denoise_step(adapter: ModelAdapter, pool: StatePool, states: list[RequestState], errors: dict[str, str]) -> None:
+    """Advance every state by one step. The pool is written only after the forward succeeded."""
+    info = adapter.info
     states = sorted(states, key=lambda s: not s.data.cfg)  # stable: CFG requests first
-    device = adapter.device
+    shape = info.latent_shape(states[0].data.height, states[0].data.width)
+    numel = shape[0] * shape[1] * shape[2]
     rows = [s.plan.steps[s.step] for s in states]
-    repeats = torch.tensor([s.n for s in states])
-    table = torch.tensor([(r.timestep, r.c_in, s.data.guidance_scale, *r.coeffs) for r, s in zip(rows, states)],
-                         dtype=torch.float32)
-    table = table.repeat_interleave(repeats, dim=0).to(device)
+    table = _step_table(states, rows).to(pool.device)
     timesteps, c_in, guidance, coeffs = table[:, 0], table[:, 1], table[:, 2], table[:, 3:]
 
-    sample = torch.cat([s.latents for s in states])
+    latent_table = pool.table([r for s in states for r in s.blocks.latents])
+    sample = ops.gather_blocks(pool.data, latent_table, numel).view(-1, *shape)
     model_in = sample * c_in.to(sample.dtype)[:, None, None, None]
-    bounds = _row_bounds(states)
+    bounds = row_bounds(states)
     for s, (lo, hi) in zip(states, bounds):
         if s.fallback is not None:
             model_in[lo:hi] = s.fallback.scale_model_input(sample[lo:hi], s.fallback.timesteps[s.step])
 
-    num_cfg = sum(s.n for s in states if s.data.cfg)
-    conditions = _gather_conditions(states)
+    cfg_states = [s for s in states if s.data.cfg]
+    num_cfg = sum(s.n for s in cfg_states)
+    cond_rows = [s.blocks.cond for s in states for _ in range(s.n)]
+    cond_rows += [s.blocks.uncond for s in cfg_states for _ in range(s.n)]
+    conditions = unflatten(pool.read(cond_rows, info.condition_numel), info.condition_shapes)
     if num_cfg:
         model_in = torch.cat([model_in, model_in[:num_cfg]])
         timesteps_in, guidance_in = torch.cat([timesteps, timesteps[:num_cfg]]), torch.cat([guidance, guidance[:num_cfg]])
@@ -47,24 +55,31 @@ def denoise_step(adapter: ModelAdapter, states: list[RequestState], errors: dict
         out = torch.cat([uncond + g * (cond[:num_cfg] - uncond), cond[num_cfg:]])
 
     noise = _noise(states, rows, sample) if any(r.draws_noise for r in rows) else None
-    uses_history = any(s.plan.uses_history for s in states)
-    history = torch.cat([_history_or_zeros(s) for s in states]) if uses_history else None
+    history_table = None
+    if any(s.plan.uses_history for s in states):
+        history_table = pool.table([r for s in states for r in s.history_rows(len(s.blocks.latents[0]))])
     clip = any(r.coeffs[CLIP] != float("inf") for r in rows)
-    prev, x0 = sampler_update(sample, out, coeffs, history, noise, clip)
+    ops.scatter_update(pool.data, latent_table, out.reshape(len(sample), -1), coeffs, history_table,
+                       None if noise is None else noise.reshape(len(sample), -1), clip)
 
     for s, (lo, hi) in zip(states, bounds):
-        if s.fallback is not None:
+        if s.fallback is not None:  # its rows were left as they were; step them the diffusers way
             try:
                 t = s.fallback.timesteps[s.step]
                 kwargs = {"generator": s.generator} if _accepts_generator(s.fallback) else {}
-                prev[lo:hi] = s.fallback.step(out[lo:hi], t, sample[lo:hi], return_dict=False, **kwargs)[0]
+                prev = s.fallback.step(out[lo:hi], t, sample[lo:hi], return_dict=False, **kwargs)[0]
+                pool.write(s.blocks.latents, prev)
             except Exception as e:  # this request's sampler failed: only it fails
                 errors[s.request_id] = f"sampler {s.plan.name!r} failed: {type(e).__name__}: {e}"
                 continue
-        s.latents = prev[lo:hi].to(s.latents.dtype)
-        if s.plan.uses_history:
-            s.history = x0[lo:hi]
         s.step += 1
+
+
+def _step_table(states: list[RequestState], rows: list[StepRow]) -> torch.Tensor:
+    """[R, 3 + NUM_COEFFS] float32: timestep, input scale, guidance, update coefficients per model row."""
+    per_request = torch.tensor([(r.timestep, r.c_in, s.data.guidance_scale, *r.coeffs)
+                                for r, s in zip(rows, states)], dtype=torch.float32)
+    return per_request.repeat_interleave(torch.tensor([s.n for s in states]), dim=0)
 
 
 def _accepts_generator(scheduler) -> bool:
@@ -72,24 +87,7 @@ def _accepts_generator(scheduler) -> bool:
     return "generator" in inspect.signature(scheduler.step).parameters
 
 
-def _row_bounds(states: list[RequestState]) -> list[tuple[int, int]]:
-    bounds, lo = [], 0
-    for s in states:
-        bounds.append((lo, lo + s.n))
-        lo += s.n
-    return bounds
-
-
-def _gather_conditions(states: list[RequestState]) -> Conditions:
-    parts = [s.cond for s in states] + [s.uncond for s in states if s.data.cfg]
-    counts = [s.n for s in states] + [s.n for s in states if s.data.cfg]
-    return {
-        key: torch.cat([c[key].expand(n, *c[key].shape[1:]) for c, n in zip(parts, counts)])
-        for key in parts[0]
-    }
-
-
-def _noise(states: list[RequestState], rows, sample: torch.Tensor) -> torch.Tensor:
+def _noise(states: list[RequestState], rows: list[StepRow], sample: torch.Tensor) -> torch.Tensor:
     # Each request draws from its own generator, exactly as its scheduler would in diffusers.
     chunks = []
     for s, row in zip(states, rows):
@@ -99,9 +97,3 @@ def _noise(states: list[RequestState], rows, sample: torch.Tensor) -> torch.Tens
         else:
             chunks.append(sample.new_zeros(shape))
     return torch.cat(chunks)
-
-
-def _history_or_zeros(s: RequestState) -> torch.Tensor:
-    if s.history is not None:
-        return s.history
-    return torch.zeros(s.latents.shape, dtype=torch.float32, device=s.latents.device)

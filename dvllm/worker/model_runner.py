@@ -1,5 +1,5 @@
 """One engine iteration on the worker, named after the steps of a diffusers pipeline:
-encode prompts, prepare latents, denoise, decode.
+encode prompts, prepare latents, denoise, decode. All request state lives in the pool.
 
 A failure is pinned on the request that caused it: a batched call that raises is
 retried request by request, and only the requests that still fail are dropped.
@@ -10,70 +10,151 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from dvllm.core.scheduler_output import NewRequestData, RunnerOutput, SchedulerOutput
+from dvllm.core.scheduler_output import NewRequestData, ResumedRequestData, RunnerOutput, SchedulerOutput
 from dvllm.models.base import ModelAdapter
+from dvllm.worker.conditions import flatten
 from dvllm.worker.denoise_batch import denoise_step
-from dvllm.worker.request_state import RequestState
+from dvllm.worker.request_state import RequestState, row_bounds
+from dvllm.worker.state_pool import StatePool
 
 T = TypeVar("T")
 
 
 class ModelRunner:
-    def __init__(self, adapter: ModelAdapter) -> None:
+    def __init__(self, adapter: ModelAdapter, pool: StatePool) -> None:
         self.adapter = adapter
+        self.pool = pool
         self.states: dict[str, RequestState] = {}
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         errors: dict[str, str] = {}
         for request_id in out.freed_ids:
             self.states.pop(request_id, None)
+        # Preempted state leaves the pool before anyone writes into the blocks it frees.
+        for request_id in out.preempted_ids:
+            self._swap_out(self.states[request_id])
         self._add_requests(out.new_requests, errors)
-        batch = [self.states[i] for i in out.scheduled_ids if i in self.states]
+        for resumed in out.resumed_requests:
+            _per_request([resumed], self._swap_in, errors, "swap-in")
+        batch = [self.states[i] for i in out.scheduled_ids if i in self.states and i not in errors]
         if batch:
-            _per_request(batch, lambda group: denoise_step(self.adapter, group, errors), errors, "denoise")
+            _per_request(batch, lambda group: denoise_step(self.adapter, self.pool, group, errors), errors, "denoise")
         finished = [s for s in batch if s.done and s.request_id not in errors]
         images = self._decode(finished, errors)
         for request_id in [*images, *errors]:
             self.states.pop(request_id, None)
         return RunnerOutput(images=images, errors=errors)
 
-    # 1-2. encode prompts (one text-encoder call for all new requests), prepare latents
+    # 1-2. encode prompts (one text-encoder call for all cache misses), prepare latents
     def _add_requests(self, new: list[NewRequestData], errors: dict[str, str]) -> None:
         if not new:
             return
+        failed = self._write_conditions(new)
+        ready = []
+        for d in new:
+            # a request fails with the embedding it reads, whoever was to write it
+            needed = {tuple(d.blocks.cond)} | ({tuple(d.blocks.uncond)} if d.cfg else set())
+            bad = needed & failed.keys()
+            if bad:
+                errors[d.request_id] = failed[next(iter(bad))]
+            else:
+                ready.append(d)
 
-        def add(group: list[NewRequestData]) -> None:
-            texts = [(d.prompt, False) for d in group] + [(d.negative_prompt, True) for d in group if d.cfg]
-            unique = list(dict.fromkeys(texts))  # identical texts are encoded once
-            encoded = dict(zip(unique, self.adapter.encode_prompt(unique)))
+        def prepare(group: list[NewRequestData]) -> None:
+            latents, rows, history_rows = [], [], []
             for d in group:
                 generator = torch.Generator("cpu").manual_seed(d.seed)
-                latents = self.adapter.prepare_latents(d.n, d.height, d.width, generator, d.plan.init_noise_sigma)
+                x = self.adapter.prepare_latents(d.n, d.height, d.width, generator, d.plan.init_noise_sigma)
+                latents.append(x.reshape(d.n, -1))
+                rows += d.blocks.latents
+                history_rows += d.blocks.history or []
                 self.states[d.request_id] = RequestState(
-                    data=d, generator=generator, latents=latents, cond=encoded[(d.prompt, False)],
-                    uncond=encoded[(d.negative_prompt, True)] if d.cfg else None,
+                    data=d, generator=generator, blocks=d.blocks,
                     fallback=None if d.plan.vectorized else d.plan.new_fallback_scheduler(),
                 )
+            self.pool.write(rows, torch.cat(latents))
+            if history_rows:  # multistep history starts at zero (its first step reads it with weight 0)
+                numel = latents[0].shape[1]
+                self.pool.write(history_rows, self.pool.data.new_zeros(len(history_rows), numel))
 
-        _per_request(new, add, errors, "prompt encoding", key=lambda d: d.request_id)
+        if ready:
+            _per_request(ready, prepare, errors, "latent preparation", key=lambda d: d.request_id)
+
+    def _write_conditions(self, new: list[NewRequestData]) -> dict[tuple[int, ...], str]:
+        """Encodes every text whose blocks must be filled (one call); returns failed blocks -> message."""
+        targets: dict[tuple[int, ...], tuple[str | None, bool]] = {}
+        for d in new:
+            if d.blocks.write_cond:
+                targets[tuple(d.blocks.cond)] = (d.prompt, False)
+            if d.cfg and d.blocks.write_uncond:
+                targets[tuple(d.blocks.uncond)] = (d.negative_prompt, True)
+        if not targets:
+            return {}
+        shapes = self.adapter.info.condition_shapes
+        failed: dict[tuple[int, ...], str] = {}
+
+        def encode(texts: list[tuple[str | None, bool]]) -> None:
+            encoded = dict(zip(texts, self.adapter.encode_prompt(texts)))
+            blocks = [b for b, text in targets.items() if text in encoded]
+            self.pool.write([list(b) for b in blocks], torch.cat([flatten(encoded[targets[b]], shapes) for b in blocks]))
+
+        texts = list(dict.fromkeys(targets.values()))  # identical texts are encoded once
+        errors: dict[Any, str] = {}
+        _per_request(texts, encode, errors, "prompt encoding", key=lambda text: text)
+        for b, text in targets.items():
+            if text in errors:
+                failed[b] = errors[text]
+        return failed
+
+    # preemption: the request's pool contents go to host memory and come back unchanged
+    def _swap_out(self, state: RequestState) -> None:
+        blocks, pool = state.blocks, self.pool
+        numel = self.adapter.info.latent_numel(state.data.height, state.data.width)
+        host = {"latents": pool.read(blocks.latents, numel)}
+        if blocks.history is not None:
+            host["history"] = pool.read(blocks.history, numel)
+        host["cond"] = pool.read([blocks.cond], self.adapter.info.condition_numel)
+        if blocks.uncond is not None:
+            host["uncond"] = pool.read([blocks.uncond], self.adapter.info.condition_numel)
+        state.host = {k: v.to("cpu") for k, v in host.items()}
+        state.blocks = None
+
+    def _swap_in(self, group: list[ResumedRequestData]) -> None:
+        (resumed,) = group
+        state, blocks = self.states[resumed.request_id], resumed.blocks
+        host = {k: v.to(self.pool.device) for k, v in state.host.items()}
+        self.pool.write(blocks.latents, host["latents"])
+        if blocks.history is not None:
+            self.pool.write(blocks.history, host["history"])
+        if blocks.write_cond:  # evicted from the prompt cache meanwhile: restore our copy
+            self.pool.write([blocks.cond], host["cond"])
+        if blocks.uncond is not None and blocks.write_uncond:
+            self.pool.write([blocks.uncond], host["uncond"])
+        state.blocks, state.host = blocks, None
 
     # 4. decode the requests that took their last step (one VAE call), convert to the output type
     def _decode(self, finished: list[RequestState], errors: dict[str, str]) -> dict[str, list[Any]]:
         images: dict[str, list[Any]] = {}
+        if not finished:
+            return images
+        info = self.adapter.info
+        shape = info.latent_shape(finished[0].data.height, finished[0].data.width)
 
         def decode(group: list[RequestState]) -> None:
-            to_decode = [s for s in group if s.data.output_type != "latent"]
-            decoded = self.adapter.decode(torch.cat([s.latents for s in to_decode])) if to_decode else None
-            lo = 0
-            for s in group:
+            latents = self.pool.read([r for s in group for r in s.blocks.latents], shape[0] * shape[1] * shape[2])
+            latents = latents.view(-1, *shape)
+            bounds = row_bounds(group)
+            pixels = [latents[lo:hi] for s, (lo, hi) in zip(group, bounds) if s.data.output_type != "latent"]
+            decoded = self.adapter.decode(torch.cat(pixels)) if pixels else None
+            lo_img = 0
+            for s, (lo, hi) in zip(group, bounds):
                 if s.data.output_type == "latent":
-                    images[s.request_id] = [x.cpu() for x in s.latents]
+                    images[s.request_id] = [x.cpu() for x in latents[lo:hi]]
                 else:
-                    images[s.request_id] = _convert(decoded[lo:lo + s.n], s.data.output_type)
-                    lo += s.n
+                    images[s.request_id] = _convert(decoded[lo_img:lo_img + s.n], s.data.output_type)
+                    lo_img += s.n
 
-        if finished:
-            _per_request(finished, decode, errors, "decode")
+        _per_request(finished, decode, errors, "decode")
         return images
 
 
@@ -89,8 +170,8 @@ def _convert(images: torch.Tensor, output_type: str) -> list[Any]:
     return VaeImageProcessor.numpy_to_pil(arrays)
 
 
-def _per_request(items: list[T], run: Callable[[list[T]], None], errors: dict[str, str], what: str,
-                 key: Callable[[T], str] = lambda s: s.request_id) -> None:
+def _per_request(items: list[T], run: Callable[[list[T]], None], errors: dict, what: str,
+                 key: Callable[[T], Any] = lambda s: s.request_id) -> None:
     """Run on the whole group; if that raises, run on each item alone and fail only those that raise."""
     try:
         run(items)

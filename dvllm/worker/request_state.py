@@ -1,7 +1,4 @@
-"""One request's state on the worker: its latents, conditions, sampler state and RNG.
-
-Every tensor here is this request's own; a batch is assembled from these each step.
-"""
+"""One request's state on the worker: where its tensors live in the pool, its sampler and RNG."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,21 +6,18 @@ from dataclasses import dataclass
 import torch
 from diffusers import SchedulerMixin
 
-from dvllm.core.scheduler_output import NewRequestData
-from dvllm.models.base import Conditions
+from dvllm.core.scheduler_output import BlockTables, NewRequestData
 from dvllm.samplers import SamplerPlan
 
 
 @dataclass(eq=False)
 class RequestState:
     data: NewRequestData
-    generator: torch.Generator  # on the CPU, seeded: the same noise as diffusers on any device
-    latents: torch.Tensor       # [n, C, h, w]
-    cond: Conditions
-    uncond: Conditions | None   # only with CFG
+    generator: torch.Generator       # on the CPU, seeded: the same noise as diffusers on any device
+    blocks: BlockTables | None       # None while swapped out
     fallback: SchedulerMixin | None  # a diffusers scheduler, for samplers without a vectorized update
-    history: torch.Tensor | None = None  # previous x0, for multistep samplers
     step: int = 0
+    host: dict[str, torch.Tensor] | None = None  # the pool contents while preempted
 
     @property
     def request_id(self) -> str:
@@ -40,3 +34,18 @@ class RequestState:
     @property
     def done(self) -> bool:
         return self.step >= self.plan.num_steps
+
+    def history_rows(self, num_blocks: int) -> list[list[int]]:
+        """Block rows of its history; rows of -1 (no history) for samplers that keep none."""
+        if self.blocks.history is not None:
+            return self.blocks.history
+        return [[-1] * num_blocks for _ in range(self.n)]
+
+
+def row_bounds(states: list[RequestState]) -> list[tuple[int, int]]:
+    """Each request's [lo, hi) rows in a batch laid out request by request."""
+    bounds, lo = [], 0
+    for s in states:
+        bounds.append((lo, lo + s.n))
+        lo += s.n
+    return bounds

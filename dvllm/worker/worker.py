@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import torch
 
+from dvllm._extension import custom_ops_available
 from dvllm.config import EngineConfig
 from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
 from dvllm.models.base import ModelInfo
 from dvllm.models.loader import load_adapter
 from dvllm.worker.model_runner import ModelRunner
+from dvllm.worker.state_pool import create_state_pool
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -32,10 +34,16 @@ class Worker:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         adapter = load_adapter(config.model, config.load_format, self.device, self.dtype, seed=config.dummy_weight_seed)
-        self.runner = ModelRunner(adapter)
+        self.pool = create_state_pool(config, adapter)
+        custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step
+        self.runner = ModelRunner(adapter, self.pool)
 
     def model_info(self) -> ModelInfo:
         return self.runner.adapter.info
+
+    def pool_info(self) -> tuple[int, int]:
+        """(number of blocks, elements per block) of this worker's state pool."""
+        return self.pool.num_blocks, self.pool.block_numel
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:

@@ -1,0 +1,89 @@
+"""Builds and loads dvllm's custom ops (csrc/) on first use.
+
+The extension is compiled just in time with `torch.utils.cpp_extension.load` into torch's
+extensions directory (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), so only
+the first process on a machine pays for the compile. The CUDA kernels are built too when
+torch is a CUDA build, nvcc is found and a GPU is visible. If the build fails (no compiler,
+no ninja, ...) dvllm logs one warning and `dvllm.ops` uses its pure-torch reference ops.
+
+Set DVLLM_USE_CUSTOM_OPS=0 to always use the reference ops (nothing is built).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+ENV_VAR = "DVLLM_USE_CUSTOM_OPS"
+
+_load_lock = threading.Lock()  # functools.cache alone would let two threads build at once
+
+
+@torch.compiler.assume_constant_result  # torch.compile takes the answer as a constant, never traces the build
+def custom_ops_available(device: str | torch.device | None = None) -> bool:
+    """Whether dvllm's custom ops are loaded (builds them on the first call); with `device`,
+    whether they have kernels for that device's type."""
+    with _load_lock:
+        devices = _load()
+    if device is None:
+        return bool(devices)
+    # "cuda:1" -> "cuda" without building a torch.device (this runs on every op call).
+    return (device.type if isinstance(device, torch.device) else device.partition(":")[0]) in devices
+
+
+@functools.cache
+def _load() -> frozenset[str]:
+    """Builds and loads the extension; returns the device types it has kernels for."""
+    if os.environ.get(ENV_VAR, "1") == "0":
+        logger.info("%s=0: dvllm uses its pure-torch reference ops", ENV_VAR)
+        return frozenset()
+    from torch.utils import cpp_extension
+
+    with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None and torch.cuda.is_available()
+    sources = [CSRC / "state_ops.cpp"] + ([CSRC / "state_ops_cuda.cu"] if with_cuda else [])
+    try:
+        missing = [str(s) for s in sources if not s.is_file()]
+        if missing:
+            raise FileNotFoundError(f"sources not found: {missing}")
+        cpp_extension.load(
+            name="dvllm_C",
+            sources=[str(s) for s in sources],
+            # torch's CPU build runs at::parallel_for on OpenMP, which the header needs enabled.
+            extra_cflags=["-O3", "-fopenmp", *_f16c_flags()],
+            extra_ldflags=["-fopenmp"],
+            extra_cuda_cflags=["-O3"],
+            with_cuda=with_cuda,
+            is_python_module=False,  # the library registers torch.ops.dvllm.* when loaded
+        )
+    except Exception as e:  # any build failure: fall back, loudly once
+        logger.warning("dvllm custom ops could not be built; using the slower pure-torch reference ops "
+                       "(set %s=0 to skip the build). %s: %s", ENV_VAR, type(e).__name__, _tail(str(e)))
+        return frozenset()
+    from dvllm import ops  # the fake (meta) kernels live next to the wrappers
+
+    ops.register_fake_impls()
+    return frozenset({"cpu", "cuda"} if with_cuda else {"cpu"})
+
+
+def _f16c_flags() -> list[str]:
+    """Hardware float16 conversion when this x86 CPU has it (every x86 CPU since 2012 does):
+    without it the CPU kernels convert float16 in software, about 4x slower."""
+    try:
+        has_f16c = platform.machine() == "x86_64" and " f16c" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        has_f16c = False
+    return ["-mf16c"] if has_f16c else []
+
+
+def _tail(text: str, max_chars: int = 2000) -> str:
+    """The end of a compiler log, where the error is."""
+    text = text.strip()
+    return text if len(text) <= max_chars else "..." + text[-max_chars:]

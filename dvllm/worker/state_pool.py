@@ -1,0 +1,103 @@
+"""The state pool: one preallocated [num_blocks, block_numel] tensor on the worker's device.
+
+Every request's per-row state (latents of one image, its sampler history, a prompt's
+embeddings) is a flat vector in the blocks its block table lists; dvllm.ops gathers
+a batch out of the pool and scatters results back. The driver's BlockManager decides
+which blocks are whose; this only holds the memory.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from dvllm import ops
+from dvllm.config import CPU_STATE_POOL_MB, EngineConfig
+from dvllm.models.base import ModelAdapter, ModelInfo
+
+logger = logging.getLogger(__name__)
+
+
+def choose_block_numel(info: ModelInfo) -> int:
+    """Block size in elements, from the model's own data.
+
+    A quarter of one default-size image's latents, as a power of two in [256, 65536]:
+    images at the default size fill whole blocks, other sizes and the prompt
+    embeddings waste less than one block each (a few percent of their state), and a
+    block stays a contiguous run of at least 512 bytes, so gather/scatter copy runs,
+    not single elements. SD 1.5: 4096 elements (a 64x64x4 latent is 4 blocks, a
+    77x768 embedding 15).
+    """
+    target = max(1, info.latent_numel(info.default_height, info.default_width) // 4)
+    return min(65536, max(256, 1 << (target.bit_length() - 1)))
+
+
+class StatePool:
+    def __init__(self, num_blocks: int, block_numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.num_blocks = num_blocks
+        self.block_numel = block_numel
+        self.device = device
+        self.data = torch.empty((num_blocks, block_numel), dtype=dtype, device=device)
+
+    def table(self, rows: list[list[int]]) -> torch.Tensor:
+        """Block ids, one list per row -> the int32 table the ops take."""
+        return torch.tensor(rows, dtype=torch.int32).to(self.device, non_blocking=True)
+
+    def read(self, rows: list[list[int]], numel: int) -> torch.Tensor:
+        return ops.gather_blocks(self.data, self.table(rows), numel)
+
+    def write(self, rows: list[list[int]], values: torch.Tensor) -> None:
+        ops.scatter_blocks(values.reshape(len(rows), -1), self.data, self.table(rows))
+
+    def blocks_for(self, numel: int) -> int:
+        return math.ceil(numel / self.block_numel)
+
+
+def create_state_pool(config: EngineConfig, adapter: ModelAdapter) -> StatePool:
+    info = adapter.info
+    block_numel = choose_block_numel(info)
+    bytes_per_block = block_numel * torch.empty((), dtype=adapter.dtype).element_size()
+    if config.num_state_blocks is not None:
+        num_blocks = config.num_state_blocks
+    else:
+        num_blocks = _pool_bytes(config, adapter) // bytes_per_block
+    pool = StatePool(num_blocks, block_numel, adapter.dtype, adapter.device)
+    logger.info("state pool: %d blocks of %d elements (%.1f MiB)", num_blocks, block_numel,
+                num_blocks * bytes_per_block / 2**20)
+    return pool
+
+
+def _pool_bytes(config: EngineConfig, adapter: ModelAdapter) -> int:
+    if config.state_pool_mb is not None:
+        return int(config.state_pool_mb * 2**20)
+    device = adapter.device
+    if device.type != "cuda":
+        return CPU_STATE_POOL_MB * 2**20
+    # As vLLM sizes its KV cache: what is left of gpu_memory_utilization once the weights
+    # are in and a forward at max_batch_size has shown its peak activation memory.
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    _profile_forward(adapter, config.max_batch_size)
+    torch.cuda.synchronize(device)
+    activations = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * config.gpu_memory_utilization) - (total - free) - activations
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the state pool: the model and its activations use "
+            f"{(total - free + activations) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB with "
+            f"gpu_memory_utilization={config.gpu_memory_utilization}; raise it or lower max_batch_size"
+        )
+    return budget
+
+
+@torch.inference_mode()
+def _profile_forward(adapter: ModelAdapter, rows: int) -> None:
+    info = adapter.info
+    latents = torch.zeros((rows, *info.latent_shape(info.default_height, info.default_width)),
+                          dtype=adapter.dtype, device=adapter.device)
+    conditions = {k: torch.zeros((rows, *shape), dtype=adapter.dtype, device=adapter.device)
+                  for k, shape in info.condition_shapes.items()}
+    ones = torch.ones(rows, device=adapter.device)
+    adapter.denoise(latents, ones * 500, conditions, ones * info.default_guidance)
