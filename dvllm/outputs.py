@@ -35,6 +35,8 @@ class RequestOutput:
     metrics: RequestMetrics
     images: list[Any] = field(default_factory=list)
     error: str | None = None
+    # On a progress output: partial images decoded from this step's x0 estimate, when asked for.
+    previews: list[Any] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

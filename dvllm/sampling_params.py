@@ -26,6 +26,7 @@ class SamplingParams:
     sampler: str | None = None
     output_type: str = "pil"
     priority: int = 0
+    num_previews: int = 0  # partial images decoded from the x0 estimate, spread over the steps
 
     def validate(self) -> None:
         """Checks that need no model; raises ValueError naming the field."""
@@ -50,6 +51,7 @@ class SamplingParams:
             raise ValueError(f"output_type must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        _optional_int("num_previews", self.num_previews, low=0)
 
     def resolve(self, info: "ModelInfo", config: "EngineConfig") -> "SamplingParams":
         """A copy with every default filled from the model, checked against the engine's limits."""

@@ -68,6 +68,12 @@ class Request:
         return ("prompt", self.prompt), (("negative", self.params.negative_prompt) if self.cfg else None)
 
     @property
+    def preview_steps(self) -> frozenset[int]:
+        """Step counts after which a preview is decoded: num_previews of them, evenly spread."""
+        count = min(self.params.num_previews, self.num_steps - 1)
+        return frozenset((j + 1) * self.num_steps // (count + 1) for j in range(count))
+
+    @property
     def shape_key(self) -> tuple[int, int]:
         """Requests share a forward only if their latents have one shape."""
         return (self.params.height, self.params.width)
@@ -80,7 +86,7 @@ class Request:
     def is_finished(self) -> bool:
         return self.status not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
-    def output(self) -> RequestOutput:
+    def output(self, previews: list[Any] | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -91,4 +97,5 @@ class Request:
             metrics=RequestMetrics(self.arrival_time, self.first_scheduled_time, self.finished_time),
             images=self.images,
             error=self.error,
+            previews=previews or [],
         )

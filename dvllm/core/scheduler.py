@@ -108,6 +108,7 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         out.scheduled_ids = [r.request_id for r in batch]
+        out.num_rows = sum(r.rows for r in batch)
         out.freed_ids, self._freed = self._freed, []
         return out
 
@@ -278,7 +279,7 @@ class Scheduler:
                 del self.requests[request_id]
                 self._release(request)
                 self._finish(request, RequestStatus.FINISHED, None, now)
-            outputs.append(request.output())
+            outputs.append(request.output(runner_out.previews.get(request_id)))
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus, error: str | None, now: float | None = None) -> None:
@@ -304,5 +305,5 @@ def _new_request_data(request: Request, tables: BlockTables) -> NewRequestData:
     return NewRequestData(
         request_id=request.request_id, prompt=request.prompt, negative_prompt=p.negative_prompt, n=p.n,
         height=p.height, width=p.width, seed=p.seed, guidance_scale=p.guidance_scale, cfg=request.cfg,
-        output_type=p.output_type, plan=request.plan, blocks=tables,
+        output_type=p.output_type, plan=request.plan, blocks=tables, preview_steps=request.preview_steps,
     )

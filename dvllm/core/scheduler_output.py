@@ -33,6 +33,7 @@ class NewRequestData:
     output_type: str
     plan: Any  # dvllm.samplers.SamplerPlan
     blocks: BlockTables
+    preview_steps: frozenset[int] = frozenset()  # after these step counts, decode a preview
 
 
 @dataclass
@@ -52,6 +53,7 @@ class SchedulerOutput:
     resumed_requests: list[ResumedRequestData] = field(default_factory=list)
     # One denoiser forward: these requests (one latent shape) each take their next step.
     scheduled_ids: list[str] = field(default_factory=list)
+    num_rows: int = 0  # denoiser rows of that forward (CFG rows included)
     # Requests whose state the workers must drop (aborted).
     freed_ids: list[str] = field(default_factory=list)
 
@@ -67,3 +69,5 @@ class RunnerOutput:
     images: dict[str, list[Any]] = field(default_factory=dict)
     # Requests that failed on the worker, with the message; the worker has freed them.
     errors: dict[str, str] = field(default_factory=dict)
+    # Partial images of requests that asked for previews at this step.
+    previews: dict[str, list[Any]] = field(default_factory=dict)

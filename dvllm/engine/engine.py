@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from dvllm.config import EngineConfig
@@ -17,6 +18,15 @@ from dvllm.samplers import SamplerPlan, build_plan
 from dvllm.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What the latest step() did: for metrics."""
+
+    num_rows: int      # denoiser rows in its forward
+    num_requests: int  # requests that took a step
+    seconds: float
+
+
 class DiffusionEngine:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
@@ -28,6 +38,7 @@ class DiffusionEngine:
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         self._undelivered: list[RequestOutput] = []  # outputs of others' requests seen inside generate()
+        self.last_step = StepStats(0, 0, 0.0)
         self._check_pool_holds_a_default_request()
 
     # -- the low-level loop ----------------------------------------------------
@@ -36,9 +47,11 @@ class DiffusionEngine:
         self.scheduler.add_request(self._make_request(request_id, prompt, params, arrival_time))
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         sched_out = self.scheduler.schedule()
         runner_out = RunnerOutput() if sched_out.is_empty else self.executor.execute(sched_out)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        self.last_step = StepStats(sched_out.num_rows, len(sched_out.scheduled_ids), time.perf_counter() - start)
         if self._undelivered:
             outputs, self._undelivered = self._undelivered + outputs, []
         return outputs

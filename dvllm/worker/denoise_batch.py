@@ -20,8 +20,10 @@ from dvllm.worker.request_state import RequestState, row_bounds
 from dvllm.worker.state_pool import StatePool
 
 
-def denoise_step(adapter: ModelAdapter, pool: StatePool, states: list[RequestState], errors: dict[str, str]) -> None:
-    """Advance every state by one step. The pool is written only after the forward succeeded."""
+def denoise_step(adapter: ModelAdapter, pool: StatePool, states: list[RequestState], errors: dict[str, str],
+                 previews: dict[str, torch.Tensor]) -> None:
+    """Advance every state by one step. The pool is written only after the forward succeeded.
+    Requests due for a preview leave their x0 estimate in `previews`."""
     info = adapter.info
     states = sorted(states, key=lambda s: not s.data.cfg)  # stable: CFG requests first
     shape = info.latent_shape(states[0].data.height, states[0].data.width)
@@ -59,6 +61,9 @@ def denoise_step(adapter: ModelAdapter, pool: StatePool, states: list[RequestSta
     if any(s.plan.uses_history for s in states):
         history_table = pool.table([r for s in states for r in s.history_rows(len(s.blocks.latents[0]))])
     clip = any(r.coeffs[CLIP] != float("inf") for r in rows)
+    for s, (lo, hi) in zip(states, bounds):
+        if s.fallback is None and s.step + 1 in s.data.preview_steps:
+            previews[s.request_id] = ops.sampler_update(sample[lo:hi], out[lo:hi], coeffs[lo:hi], clip=clip)[1]
     ops.scatter_update(pool.data, latent_table, out.reshape(len(sample), -1), coeffs, history_table,
                        None if noise is None else noise.reshape(len(sample), -1), clip)
 
@@ -67,8 +72,11 @@ def denoise_step(adapter: ModelAdapter, pool: StatePool, states: list[RequestSta
             try:
                 t = s.fallback.timesteps[s.step]
                 kwargs = {"generator": s.generator} if _accepts_generator(s.fallback) else {}
-                prev = s.fallback.step(out[lo:hi], t, sample[lo:hi], return_dict=False, **kwargs)[0]
-                pool.write(s.blocks.latents, prev)
+                result = s.fallback.step(out[lo:hi], t, sample[lo:hi], **kwargs)
+                pool.write(s.blocks.latents, result.prev_sample)
+                x0 = getattr(result, "pred_original_sample", None)  # not every scheduler reports one
+                if x0 is not None and s.step + 1 in s.data.preview_steps:
+                    previews[s.request_id] = x0
             except Exception as e:  # this request's sampler failed: only it fails
                 errors[s.request_id] = f"sampler {s.plan.name!r} failed: {type(e).__name__}: {e}"
                 continue

@@ -6,6 +6,7 @@ retried request by request, and only the requests that still fail are dropped.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -18,6 +19,7 @@ from dvllm.worker.request_state import RequestState, row_bounds
 from dvllm.worker.state_pool import StatePool
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -37,13 +39,16 @@ class ModelRunner:
         for resumed in out.resumed_requests:
             _per_request([resumed], self._swap_in, errors, "swap-in")
         batch = [self.states[i] for i in out.scheduled_ids if i in self.states and i not in errors]
+        x0: dict[str, torch.Tensor] = {}
         if batch:
-            _per_request(batch, lambda group: denoise_step(self.adapter, self.pool, group, errors), errors, "denoise")
+            _per_request(batch, lambda group: denoise_step(self.adapter, self.pool, group, errors, x0),
+                         errors, "denoise")
         finished = [s for s in batch if s.done and s.request_id not in errors]
         images = self._decode(finished, errors)
+        previews = self._decode_previews({k: v for k, v in x0.items() if k not in errors})
         for request_id in [*images, *errors]:
             self.states.pop(request_id, None)
-        return RunnerOutput(images=images, errors=errors)
+        return RunnerOutput(images=images, errors=errors, previews=previews)
 
     # 1-2. encode prompts (one text-encoder call for all cache misses), prepare latents
     def _add_requests(self, new: list[NewRequestData], errors: dict[str, str]) -> None:
@@ -131,6 +136,22 @@ class ModelRunner:
         if blocks.uncond is not None and blocks.write_uncond:
             self.pool.write([blocks.uncond], host["uncond"])
         state.blocks, state.host = blocks, None
+
+    def _decode_previews(self, x0: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
+        """Partial images: x0 estimates through the VAE, in one call. A failed preview is skipped, not fatal."""
+        if not x0:
+            return {}
+        try:
+            decoded = self.adapter.decode(torch.cat(list(x0.values())).to(self.adapter.dtype))
+        except Exception:
+            logger.exception("preview decode failed for %s; skipping these previews", sorted(x0))
+            return {}
+        previews, lo = {}, 0
+        for request_id, latents in x0.items():
+            kind = self.states[request_id].data.output_type
+            previews[request_id] = _convert(decoded[lo:lo + len(latents)], "pil" if kind == "latent" else kind)
+            lo += len(latents)
+        return previews
 
     # 4. decode the requests that took their last step (one VAE call), convert to the output type
     def _decode(self, finished: list[RequestState], errors: dict[str, str]) -> dict[str, list[Any]]:

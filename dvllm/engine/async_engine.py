@@ -1,0 +1,179 @@
+"""AsyncDiffusionEngine: the step loop on a background thread, one async stream per request.
+
+The DiffusionEngine is touched only by its loop thread: requests and aborts reach it
+through a command queue and are applied between steps; outputs come back to the
+event loop with call_soon_threadsafe. The denoiser runs off the event loop, so an
+asyncio server stays responsive while the model works.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from dvllm.engine.engine import DiffusionEngine, StepStats
+from dvllm.outputs import RequestOutput
+from dvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; no request can finish."""
+
+
+class EngineShuttingDownError(RuntimeError):
+    """The engine no longer accepts requests."""
+
+
+class AsyncDiffusionEngine:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = DiffusionEngine(model, **engine_args)  # loads the model: blocking
+        self.model_info = self.engine.model_info
+        self.config = self.engine.config
+        self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []  # run on the loop thread
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}  # touched only on the event loop
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._accepting = True
+        self.dead: BaseException | None = None
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self) -> None:
+        """Starts the loop thread; call from the event loop that will consume the streams."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="dvllm-engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    async def shutdown(self, grace_seconds: float = 30.0) -> None:
+        """Stops accepting; lets running requests finish for up to grace_seconds; aborts the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + grace_seconds
+        while self._streams and self.is_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            self._send("abort", request_id, "server shutting down")
+        while self._streams and self.is_running and time.monotonic() < deadline + 5:
+            await asyncio.sleep(0.02)
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+
+    # -- requests ------------------------------------------------------------------
+    async def generate(self, prompt: str, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Progress outputs (step k of n, previews when asked), then the final output.
+
+        Bad input raises ValueError and a full queue QueueFullError before anything is
+        yielded. Leaving the iteration early (a client gone, a timeout) aborts the request.
+        """
+        if not self._accepting:
+            raise EngineShuttingDownError("the engine is shutting down")
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop is not running: {self.dead!r}")
+        request_id = request_id or f"async-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        accepted = self._loop.create_future()
+        finished = False
+        try:
+            self._send("add", request_id, prompt, params, accepted)
+            await accepted  # raises what add_request raised
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and accepted.done() and accepted.exception() is None:
+                self._send("abort", request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        self._send("abort", request_id, None)
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+    # -- the loop thread -------------------------------------------------------------
+    def _send(self, *command: Any) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                outputs = self.engine.step()
+                for listener in self.step_listeners:
+                    listener(self.engine.last_step, outputs)
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as e:  # the engine is broken: every open stream must hear of it
+            logger.exception("engine loop died")
+            self.dead = e
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop died: {e!r}"))
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, prompt, params, accepted = command
+                try:
+                    self.engine.add_request(request_id, prompt, params)
+                except Exception as e:  # bad input or a full queue: the caller's error
+                    self._loop.call_soon_threadsafe(_settle, accepted, e)
+                else:
+                    self._loop.call_soon_threadsafe(_settle, accepted, None)
+            else:
+                _, request_id, reason = command
+                if self.engine.abort_request(request_id) and reason:
+                    logger.info("aborted %s: %s", request_id, reason)
+
+    # -- on the event loop -------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(error)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
