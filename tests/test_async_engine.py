@@ -1,0 +1,171 @@
+"""AsyncDiffusionEngine: streams, aborts, errors and shutdown, on a tiny model."""
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import numpy as np
+import pytest
+
+from dvllm import AsyncDiffusionEngine, DiffusionEngine, QueueFullError, SamplingParams
+from dvllm.engine.async_engine import EngineShuttingDownError
+
+
+def P(**kwargs) -> SamplingParams:
+    return SamplingParams(**{**dict(num_inference_steps=4, guidance_scale=5.0, height=16, width=16,
+                                    output_type="np"), **kwargs})
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(engine: AsyncDiffusionEngine, prompt: str, params: SamplingParams, request_id=None):
+    outs = []
+    async for out in engine.generate(prompt, params, request_id):
+        outs.append(out)
+    return outs
+
+
+def test_concurrent_streams_match_the_offline_engine(sd_eps_path):
+    params = [P(seed=i, num_inference_steps=3 + i % 3, sampler=("ddim", "euler_a", "dpmpp_2m")[i % 3])
+              for i in range(6)]
+    prompts = [f"prompt {i}" for i in range(6)]
+    offline = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32").generate(prompts, params,
+                                                                                         use_tqdm=False)
+
+    async def main():
+        engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
+        engine.start()
+        results = await asyncio.gather(*(collect(engine, p, sp) for p, sp in zip(prompts, params)))
+        await engine.shutdown(1)
+        return results
+
+    for outs, want, sp in zip(run(main()), offline, params):
+        steps = [o.num_steps_done for o in outs]
+        assert steps == list(range(1, sp.num_inference_steps + 1))  # one progress output per step
+        final = outs[-1]
+        assert final.finished and final.error is None and not any(o.finished for o in outs[:-1])
+        np.testing.assert_allclose(final.images[0], want.images[0], atol=1e-3, rtol=0)
+
+
+def test_leaving_a_stream_aborts_the_request_and_frees_its_state(sd_eps_path):
+    async def main():
+        engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
+        engine.start()
+        stream = engine.generate("long", P(num_inference_steps=200, seed=1))
+        first = await stream.__anext__()
+        assert first.num_steps_done == 1
+        await stream.aclose()  # the client went away
+        for _ in range(100):
+            stats = engine.stats()
+            if stats["num_running"] == 0 and stats["pool_used_blocks"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        await engine.shutdown(1)
+        return stats, engine.engine.executor.worker.runner.states
+
+    stats, states = run(main())
+    assert stats["num_running"] == 0 and stats["pool_used_blocks"] == 0 and states == {}
+
+
+def test_bad_input_and_full_queue_raise_before_anything_streams(sd_eps_path):
+    async def main():
+        engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", max_num_waiting=1,
+                                      max_batch_size=2)
+        engine.start()
+        with pytest.raises(ValueError, match="num_inference_steps"):
+            await collect(engine, "x", P(num_inference_steps=0))
+        with pytest.raises(ValueError, match="prompt must be a string"):
+            await collect(engine, 7, P())
+        # one running (2 rows fill the batch), one waiting: the third finds the queue full
+        tasks = []
+        for i in range(2):
+            tasks.append(asyncio.create_task(collect(engine, f"r{i}", P(num_inference_steps=30, seed=i))))
+            await asyncio.sleep(0.3)
+        with pytest.raises(QueueFullError):
+            await collect(engine, "third", P())
+        done = await asyncio.gather(*tasks)
+        await engine.shutdown(1)
+        return done
+
+    assert all(outs[-1].error is None for outs in run(main()))
+
+
+def test_one_requests_failure_reaches_only_its_stream(sd_eps_path):
+    async def main():
+        engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
+        adapter = engine.engine.executor.worker.runner.adapter
+        real = adapter.encode_prompt
+
+        def encode(texts):
+            if any(t == "explode" for t, _ in texts):
+                raise RuntimeError("text encoder failure")
+            return real(texts)
+
+        adapter.encode_prompt = encode
+        engine.start()
+        good, bad = await asyncio.gather(collect(engine, "fine", P(seed=1)), collect(engine, "explode", P(seed=2)))
+        await engine.shutdown(1)
+        return good, bad
+
+    good, bad = run(main())
+    assert good[-1].error is None and len(good[-1].images) == 1
+    assert bad[-1].finished and "text encoder failure" in bad[-1].error
+
+
+def test_shutdown_lets_running_requests_finish_and_refuses_new_ones(sd_eps_path):
+    async def main():
+        engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
+        engine.start()
+        task = asyncio.create_task(collect(engine, "finishing", P(num_inference_steps=20, seed=3)))
+        await asyncio.sleep(0.1)
+        await engine.shutdown(grace_seconds=30)
+        outs = await task
+        with pytest.raises(EngineShuttingDownError):
+            await collect(engine, "too late", P())
+        return outs, engine.is_running
+
+    outs, running = run(main())
+    assert outs[-1].finished and outs[-1].error is None and not running
+
+
+def test_event_loop_stays_responsive_while_the_model_runs(sd_eps_path):
+    async def main():
+        engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
+        engine.start()
+        tasks = [asyncio.create_task(collect(engine, f"busy {i}", P(num_inference_steps=40, seed=i, height=32,
+                                                                     width=32))) for i in range(6)]
+        await asyncio.sleep(0.2)
+        delays = []
+        for _ in range(20):
+            start = time.perf_counter()
+            await asyncio.sleep(0)
+            delays.append(time.perf_counter() - start)
+            await asyncio.sleep(0.01)
+        busy = engine.stats()["num_running"]
+        await asyncio.gather(*tasks)
+        await engine.shutdown(1)
+        return delays, busy
+
+    delays, busy = run(main())
+    assert busy > 0, "the engine must be working while we measure"
+    assert statistics.median(delays) < 0.05
+
+
+def test_previews_are_spread_over_the_steps_and_converge(sd_eps_path):
+    async def main():
+        engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
+        engine.start()
+        outs = await collect(engine, "preview me", P(num_inference_steps=12, seed=4, num_previews=3))
+        await engine.shutdown(1)
+        return outs
+
+    outs = run(main())
+    with_previews = [o for o in outs if o.previews]
+    assert [o.num_steps_done for o in with_previews] == [3, 6, 9]
+    final = outs[-1].images[0]
+    errors = [float(np.abs(o.previews[0] - final).mean()) for o in with_previews]
+    assert errors[-1] < errors[0]  # the x0 estimate approaches the final image
+    assert all(o.previews[0].shape == final.shape for o in with_previews)
