@@ -56,3 +56,45 @@ def sd_guidance_embed_path(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-sd-lcm")
     tiny_sd_pipeline("epsilon", time_cond_proj_dim=8).save_pretrained(path)
     return str(path)
+
+
+def tiny_sdxl_pipeline(force_zeros: bool = True):
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+    from transformers import CLIPTextModelWithProjection
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        block_out_channels=(16, 32), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
+        addition_time_embed_dim=8, transformer_layers_per_block=(1, 2),
+        projection_class_embeddings_input_dim=6 * 8 + 24, cross_attention_dim=48, norm_num_groups=8,
+    )
+    torch.manual_seed(1)
+    vae = AutoencoderKL(
+        block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+    )
+    text_config = dict(hidden_size=24, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
+                       vocab_size=600, max_position_embeddings=77, bos_token_id=512, eos_token_id=513,
+                       pad_token_id=513, projection_dim=24, hidden_act="gelu")
+    torch.manual_seed(2)
+    text_encoder = CLIPTextModel(CLIPTextConfig(**text_config))
+    torch.manual_seed(3)
+    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**text_config))
+    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                       steps_offset=1, timestep_spacing="leading")
+    pipe = StableDiffusionXLPipeline(
+        vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=byte_clip_tokenizer(),
+        tokenizer_2=byte_clip_tokenizer(pad_token="!"), unet=unet, scheduler=scheduler,
+        force_zeros_for_empty_prompt=force_zeros, add_watermarker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="session")
+def sdxl_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-sdxl")
+    tiny_sdxl_pipeline().save_pretrained(path)
+    return str(path)

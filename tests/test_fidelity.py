@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
-                       EulerDiscreteScheduler, LCMScheduler, PNDMScheduler, StableDiffusionPipeline)
+                       EulerDiscreteScheduler, LCMScheduler, PNDMScheduler, StableDiffusionPipeline,
+                       StableDiffusionXLPipeline)
 
 from dvllm import DiffusionEngine, SamplingParams
 
@@ -88,7 +89,14 @@ def vpred(sd_v_path):
     return engine_for(sd_v_path), pipe
 
 
-@pytest.mark.parametrize("family", ["eps", "vpred"])
+@pytest.fixture(scope="module")
+def sdxl(sdxl_path):
+    pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_path)
+    pipe.set_progress_bar_config(disable=True)
+    return engine_for(sdxl_path), pipe
+
+
+@pytest.mark.parametrize("family", ["eps", "vpred", "sdxl"])
 def test_mixed_batch_matches_pipeline_per_request(family, request):
     engine, pipe = request.getfixturevalue(family)
     batch = mixed_batch()

@@ -220,3 +220,28 @@ def test_unreadable_model_index_names_the_file(tmp_path):
     (folder / "model_index.json").write_text("{not json")
     with pytest.raises(ValueError, match="model_index.json"):
         DiffusionEngine(model=str(folder), device="cpu")
+
+
+# Published parameter counts of the real models the presets mirror (approximate, in millions).
+PRESET_SIZES = {
+    "sd-1.5": {"unet": 860, "vae": 83.7, "text_encoder": 123},
+    "sd-2.1": {"unet": 866, "vae": 83.7, "text_encoder": 340},
+    "sdxl": {"unet": 2567, "vae": 83.7, "text_encoder": 123, "text_encoder_2": 695},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_SIZES))
+def test_presets_build_the_published_architectures(name):
+    """Each preset component instantiates at full size on the meta device (no memory) with the
+    published parameter count, so the GPU suite times the real architectures."""
+    import importlib
+
+    preset = load_preset(name)
+    for component, millions in PRESET_SIZES[name].items():
+        library, class_name = preset["model_index"][component]
+        cls = getattr(importlib.import_module(library), class_name)
+        config = preset["components"][component]
+        with torch.device("meta"):
+            model = cls.from_config(config) if hasattr(cls, "from_config") else cls(cls.config_class(**config))
+        count = sum(p.numel() for p in model.parameters()) / 1e6
+        assert count == pytest.approx(millions, rel=0.01), f"{name}/{component}: {count:.1f}M parameters"

@@ -109,7 +109,10 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
 def _dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed: int) -> dict[str, Any]:
     components: dict[str, Any] = {}
     for name, spec in source.model_index.items():
-        if name.startswith("_") or not isinstance(spec, list):
+        if name.startswith("_"):
+            continue
+        if not isinstance(spec, list):  # a pipeline setting, e.g. force_zeros_for_empty_prompt
+            components[name] = adapter_cls.load_kwargs.get(name, spec)
             continue
         library, class_name = spec
         if library is None or adapter_cls.load_kwargs.get(name, "") is None:

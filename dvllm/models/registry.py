@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dvllm.models.base import ModelAdapter
 from dvllm.models.stable_diffusion import StableDiffusionAdapter
+from dvllm.models.stable_diffusion_xl import StableDiffusionXLAdapter
 
-ADAPTERS: tuple[type[ModelAdapter], ...] = (StableDiffusionAdapter,)
+ADAPTERS: tuple[type[ModelAdapter], ...] = (StableDiffusionAdapter, StableDiffusionXLAdapter)
 
 
 def supported_pipelines() -> list[str]:

@@ -12,6 +12,8 @@ from dvllm.models.base import Conditions, ModelAdapter, ModelInfo
 class StableDiffusionAdapter(ModelAdapter):
     pipeline_classes = ("StableDiffusionPipeline",)
     load_kwargs = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+    family = "stable-diffusion"
+    default_guidance = 7.5  # the pipeline's __call__ defaults
 
     @cached_property
     def info(self) -> ModelInfo:
@@ -24,11 +26,11 @@ class StableDiffusionAdapter(ModelAdapter):
         scheduler_config["_class_name"] = type(pipe.scheduler).__name__
         return ModelInfo(
             name=self.name,
-            family="stable-diffusion",
+            family=self.family,
             pipeline_class=type(pipe).__name__,
             scheduler_config=scheduler_config,
-            default_steps=50,  # StableDiffusionPipeline.__call__ defaults
-            default_guidance=7.5,
+            default_steps=50,
+            default_guidance=self.default_guidance,
             default_height=default_size,
             default_width=default_size,
             size_factor=max(8, factor),  # the pipeline's check_inputs wants multiples of 8
@@ -55,19 +57,21 @@ class StableDiffusionAdapter(ModelAdapter):
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                 guidance: torch.Tensor) -> torch.Tensor:
-        unet = self.pipeline.unet
-        timestep_cond = None
-        if unet.config.time_cond_proj_dim is not None:
-            timestep_cond = self.pipeline.get_guidance_scale_embedding(
-                guidance.float().cpu() - 1, embedding_dim=unet.config.time_cond_proj_dim
-            ).to(device=self.device, dtype=latents.dtype)
-        return unet(
+        return self.pipeline.unet(
             latents,
             timesteps,
             encoder_hidden_states=conditions["prompt_embeds"],
-            timestep_cond=timestep_cond,
+            timestep_cond=self._timestep_cond(guidance, latents.dtype),
             return_dict=False,
         )[0]
+
+    def _timestep_cond(self, guidance: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """LCM-distilled UNets take (guidance - 1) per row as an embedding; others take nothing."""
+        dim = self.pipeline.unet.config.time_cond_proj_dim
+        if dim is None:
+            return None
+        embedding = self.pipeline.get_guidance_scale_embedding(guidance.float().cpu() - 1, embedding_dim=dim)
+        return embedding.to(device=self.device, dtype=dtype)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipeline.vae

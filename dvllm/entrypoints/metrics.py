@@ -1,0 +1,101 @@
+"""Prometheus metrics of one server, in a registry of its own (no global state)."""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dvllm.engine.engine import StepStats
+from dvllm.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+OUTCOMES = ("success", "bad_request", "rejected", "unavailable", "timeout", "disconnected", "error")
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class ServerMetrics:
+    """Request outcomes and latencies (event loop), step stats (engine loop thread), engine gauges."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, int]], in_flight: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("dvllm_requests", "Image generation requests by outcome.", ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)  # present at 0 from the start
+        self.queue_time = Histogram("dvllm_request_queue_time_seconds", "Arrival to first denoising step.",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("dvllm_request_latency_seconds", "Arrival to final images (successful requests).",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_time = Histogram("dvllm_step_time_seconds", "Wall time of one engine step.",
+                                   buckets=_STEP_BUCKETS, registry=r)
+        self.batch_rows = Histogram("dvllm_batch_rows", "Denoiser rows in one step's forward.",
+                                    buckets=_ROW_BUCKETS, registry=r)
+        self._engine_stats = engine_stats
+        self._snapshot = engine_stats()  # replaced from the loop thread after every step
+        self._lock = threading.Lock()
+        r.register(_EngineCollector(self.snapshot, in_flight))
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._snapshot)
+
+    def on_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
+        """An engine step listener. Runs on the engine's loop thread, where its stats are consistent;
+        it must never raise, or it would take the engine loop down with it."""
+        try:
+            if stats.num_rows:
+                self.step_time.observe(stats.seconds)
+                self.batch_rows.observe(stats.num_rows)
+            snapshot = self._engine_stats()
+            with self._lock:
+                self._snapshot = snapshot
+        except Exception:  # noqa: BLE001 - metrics must not kill the engine
+            logger.exception("metrics step listener failed")
+
+    def request_done(self, outcome: str, output: RequestOutput | None = None) -> None:
+        self.requests.labels(outcome).inc()
+        if outcome == "success" and output is not None:
+            if output.metrics.queue_time is not None:
+                self.queue_time.observe(output.metrics.queue_time)
+            if output.metrics.latency is not None:
+                self.latency.observe(output.metrics.latency)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    """Scheduler, state-pool and prompt-cache counters from the latest snapshot, read at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, int]], in_flight: Callable[[], int]) -> None:
+        self._snapshot = snapshot
+        self._in_flight = in_flight
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        gauges = {
+            "dvllm_num_requests_running": ("Requests holding state and taking steps.", s["num_running"]),
+            "dvllm_num_requests_waiting": ("Requests waiting for admission.", s["num_waiting"]),
+            "dvllm_pool_used_blocks": ("State-pool blocks held by live requests.", s["pool_used_blocks"]),
+            "dvllm_pool_cached_blocks": ("State-pool blocks held only by the prompt cache.",
+                                         s["pool_cached_blocks"]),
+            "dvllm_pool_total_blocks": ("State-pool blocks in all.", s["pool_total_blocks"]),
+            "dvllm_prompt_cache_hit_rate": ("Prompt-cache hits / queries since start.",
+                                            s["prompt_cache_hits"] / max(1, s["prompt_cache_queries"])),
+            "dvllm_server_requests_in_flight": ("Generation requests accepted by the server and not yet answered.",
+                                                self._in_flight()),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("dvllm_preemptions", "Requests preempted (state swapped out).",
+                                  value=s["num_preemptions"])
+        yield CounterMetricFamily("dvllm_prompt_cache_queries", "Prompt-cache lookups.",
+                                  value=s["prompt_cache_queries"])
+        yield CounterMetricFamily("dvllm_prompt_cache_hits", "Prompt-cache hits.", value=s["prompt_cache_hits"])

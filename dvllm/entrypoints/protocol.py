@@ -1,0 +1,197 @@
+"""The OpenAI Images API as dvllm speaks it: request and response bodies, and the error shape.
+
+Requests are strict (no "5" for 5, no true for 1) so a typo'd type is a 400, not a guess.
+Unknown fields are accepted and ignored, as vLLM does; the server logs them.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dvllm.sampling_params import SEED_LIMIT, SamplingParams
+
+MAX_PROMPT_CHARS = 32000  # OpenAI's limit; the text encoder truncates far earlier anyway
+MAX_PARTIAL_IMAGES = 3
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ImageGenerationRequest(BaseModel):
+    """POST /v1/images/generations."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    model: str | None = None
+    n: int | None = Field(None, ge=1)
+    size: str | None = None  # "WIDTHxHEIGHT" or "auto" (the model's default)
+    response_format: Literal["b64_json", "url"] | None = None
+    output_format: Literal["png", "jpeg", "webp"] | None = None
+    output_compression: int | None = Field(None, ge=0, le=100)
+    stream: bool | None = None
+    partial_images: int | None = Field(None, ge=0, le=MAX_PARTIAL_IMAGES)
+    user: str | None = None
+    # OpenAI fields that do not apply to a diffusion model: accepted, ignored.
+    quality: Any = None
+    background: Any = None
+    moderation: Any = None
+    style: Any = None
+    safety_identifier: Any = None
+    complexity: Any = None
+    # dvllm's own fields, in the same body (as vLLM's extensions are)
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, ge=0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    sampler: str | None = Field(None, min_length=1)
+    priority: int | None = None
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> "ImageGenerationRequest":
+        """Validates a decoded JSON object; a bad field is an APIError 400 naming it in `param`."""
+        try:
+            return cls.model_validate(body)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+
+    @property
+    def image_count(self) -> int:
+        return 1 if self.n is None else self.n
+
+    @property
+    def format(self) -> str:
+        return self.output_format or "png"
+
+    def sampling_params(self) -> SamplingParams:
+        height, width = parse_size(self.size)
+        return SamplingParams(
+            num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
+            negative_prompt=self.negative_prompt, height=height, width=width, seed=self.seed,
+            n=self.image_count, sampler=self.sampler, output_type="pil", priority=self.priority or 0,
+            # previews cost a VAE decode each: only streaming shows them
+            num_previews=(self.partial_images or 0) if self.stream else 0,
+        )
+
+
+_SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+
+
+def parse_size(size: str | None) -> tuple[int | None, int | None]:
+    """'WxH' -> (height, width); None or 'auto' -> the model's default (None, None)."""
+    if size is None or size == "auto":
+        return None, None
+    match = _SIZE.match(size)
+    if match is None:
+        raise APIError(400, f"Invalid value for 'size': expected 'WIDTHxHEIGHT' (e.g. 512x512) or 'auto', "
+                            f"got {size!r}.", param="size", code="invalid_value")
+    width, height = int(match.group(1)), int(match.group(2))
+    if width < 1 or height < 1:
+        raise APIError(400, f"Invalid value for 'size': width and height must be >= 1, got {size!r}.",
+                       param="size", code="invalid_value")
+    return height, width
+
+
+# What the engine's ValueError messages start with -> the request field to name in `param`.
+_ENGINE_FIELDS = {"height": "size", "width": "size", "height*width": "size", "num_previews": "partial_images",
+                  "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale", "n": "n",
+                  "seed": "seed", "sampler": "sampler", "negative_prompt": "negative_prompt", "prompt": "prompt",
+                  "priority": "priority"}
+
+
+def engine_value_error(error: ValueError) -> APIError:
+    """The engine's ValueErrors start with the field name ("height must be ..."): name it in `param`."""
+    message = str(error)
+    match = re.match(r"[A-Za-z_*]+", message)
+    param = _ENGINE_FIELDS.get(match.group(0)) if match else None
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    first = e.errors()[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    if first["type"] == "missing":
+        return APIError(400, f"Missing required parameter: '{param}'.", param=param,
+                        code="missing_required_parameter")
+    return APIError(400, f"Invalid value for '{param}': {first['msg']}.", param=param, code="invalid_value")
+
+
+# -- responses -------------------------------------------------------------------------------
+
+class ImageData(BaseModel):
+    b64_json: str | None = None
+    url: str | None = None
+    # With n > 1 every image has the request's seed: like diffusers, dvllm draws the n images
+    # from one generator seeded once, so (seed, n) reproduces the whole set.
+    seed: int
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+    output_format: str
+    size: str
+
+
+class UsageDetails(BaseModel):
+    image_tokens: int = 0
+    text_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Required by the streamed completed event's schema; dvllm counts no tokens, so all zeros."""
+
+    input_tokens: int = 0
+    input_tokens_details: UsageDetails = Field(default_factory=UsageDetails)
+    output_tokens: int = 0
+    total_tokens: int = 0
+
+
+class _ImageEvent(BaseModel):
+    b64_json: str
+    background: str = "opaque"
+    created_at: int
+    output_format: str
+    quality: str = "auto"
+    size: str
+
+
+class PartialImageEvent(_ImageEvent):
+    type: Literal["image_generation.partial_image"] = "image_generation.partial_image"
+    partial_image_index: int
+
+
+class CompletedEvent(_ImageEvent):
+    type: Literal["image_generation.completed"] = "image_generation.completed"
+    usage: Usage = Field(default_factory=Usage)
+    seed: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dvllm"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

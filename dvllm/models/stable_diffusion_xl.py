@@ -1,0 +1,73 @@
+"""SDXL: two CLIP text encoders, pooled embeddings, and the added time ids (size, crop) per request."""
+from __future__ import annotations
+
+import torch
+
+from dvllm.models.base import Conditions
+from dvllm.models.stable_diffusion import StableDiffusionAdapter
+
+
+class StableDiffusionXLAdapter(StableDiffusionAdapter):
+    pipeline_classes = ("StableDiffusionXLPipeline",)
+    load_kwargs = {"add_watermarker": False}  # dvllm returns the model's own pixels
+    family = "stable-diffusion-xl"
+    default_guidance = 5.0
+
+    def __init__(self, pipeline, name: str, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(pipeline, name, device, dtype)
+        vae = pipeline.vae
+        # The pipeline decodes in float32 when a float16 VAE would overflow; keep that copy resident
+        # instead of casting the VAE back and forth at every decode.
+        if vae.dtype == torch.float16 and vae.config.force_upcast:
+            vae.to(torch.float32)
+
+    def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
+        # A missing negative prompt is all zeros when the model says so (force_zeros_for_empty_prompt);
+        # any other text, negative or not, goes through both encoders exactly as a prompt does.
+        zero = [neg and text is None and self.pipeline.config.force_zeros_for_empty_prompt for text, neg in texts]
+        prompts = [text or "" for (text, _), z in zip(texts, zero) if not z]
+        encoded: list[Conditions] = []
+        if prompts:
+            embeds, _, pooled, _ = self.pipeline.encode_prompt(
+                prompts, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=False
+            )
+            encoded = [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds.split(1), pooled.split(1))]
+        out, it = [], iter(encoded)
+        for z in zero:
+            out.append(self._zeros() if z else next(it))
+        return out
+
+    def _zeros(self) -> Conditions:
+        # (info probes with a positive prompt, so this never runs before info exists)
+        shapes = self.info.condition_shapes
+        return {k: torch.zeros((1, *shape), dtype=self.dtype, device=self.device) for k, shape in shapes.items()}
+
+    def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
+                guidance: torch.Tensor) -> torch.Tensor:
+        pipe = self.pipeline
+        # One forward has one latent shape, so one (original size, crop, target size) for every row.
+        size = (latents.shape[-2] * pipe.vae_scale_factor, latents.shape[-1] * pipe.vae_scale_factor)
+        pooled = conditions["pooled_prompt_embeds"]
+        projection_dim = (pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None
+                          else pooled.shape[-1])
+        time_ids = pipe._get_add_time_ids(size, (0, 0), size, dtype=conditions["prompt_embeds"].dtype,
+                                          text_encoder_projection_dim=projection_dim)
+        return pipe.unet(
+            latents, timesteps, encoder_hidden_states=conditions["prompt_embeds"],
+            timestep_cond=self._timestep_cond(guidance, latents.dtype),
+            added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids.to(self.device).repeat(len(latents), 1)},
+            return_dict=False,
+        )[0]
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        vae = self.pipeline.vae
+        config = vae.config
+        latents = latents.to(vae.dtype)
+        if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
+            mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+            std = torch.tensor(config.latents_std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+            latents = latents * std / config.scaling_factor + mean
+        else:
+            latents = latents / config.scaling_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        return self.pipeline.image_processor.postprocess(image, output_type="pt")
