@@ -98,3 +98,88 @@ def sdxl_path(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-sdxl")
     tiny_sdxl_pipeline().save_pretrained(path)
     return str(path)
+
+
+def tiny_sd3_pipeline(shift: float = 3.0):
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from dvllm.models.byte_tokenizer import byte_t5_tokenizer
+
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(
+        sample_size=8, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+        caption_projection_dim=32, joint_attention_dim=48, pooled_projection_dim=48, out_channels=4,
+    )
+    clip = dict(hidden_size=24, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2, vocab_size=600,
+                max_position_embeddings=77, bos_token_id=512, eos_token_id=513, pad_token_id=513,
+                projection_dim=24, hidden_act="gelu")
+    torch.manual_seed(1)
+    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**clip))
+    torch.manual_seed(2)
+    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip))
+    torch.manual_seed(3)
+    text_encoder_3 = T5EncoderModel(T5Config(d_model=48, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                             vocab_size=300, decoder_start_token_id=0))
+    torch.manual_seed(4)
+    vae = AutoencoderKL(
+        block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035,
+    )
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), vae=vae,
+        text_encoder=text_encoder, tokenizer=byte_clip_tokenizer(), text_encoder_2=text_encoder_2,
+        tokenizer_2=byte_clip_tokenizer(pad_token="!"), text_encoder_3=text_encoder_3,
+        tokenizer_3=byte_t5_tokenizer(),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="session")
+def sd3_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-sd3")
+    tiny_sd3_pipeline().save_pretrained(path)
+    return str(path)
+
+
+def tiny_flux_pipeline():
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import T5Config, T5EncoderModel
+
+    from dvllm.models.byte_tokenizer import byte_t5_tokenizer
+
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=24, axes_dims_rope=[4, 4, 8],
+        guidance_embeds=True,
+    )
+    torch.manual_seed(1)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        hidden_size=24, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2, vocab_size=600,
+        max_position_embeddings=77, bos_token_id=512, eos_token_id=513, pad_token_id=513, projection_dim=24,
+        hidden_act="gelu"))
+    torch.manual_seed(2)
+    text_encoder_2 = T5EncoderModel(T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                             vocab_size=300, decoder_start_token_id=0))
+    torch.manual_seed(3)
+    vae = AutoencoderKL(
+        block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=4, max_image_seq_len=64, shift=3.0)
+    pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=byte_clip_tokenizer(),
+                        text_encoder_2=text_encoder_2, tokenizer_2=byte_t5_tokenizer(512), transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="session")
+def flux_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-flux")
+    tiny_flux_pipeline().save_pretrained(path)
+    return str(path)

@@ -73,24 +73,35 @@ def test_leaving_a_stream_aborts_the_request_and_frees_its_state(sd_eps_path):
 def test_bad_input_and_full_queue_raise_before_anything_streams(sd_eps_path):
     async def main():
         engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", max_num_waiting=1,
-                                      max_batch_size=2)
+                                      max_batch_size=2, max_inference_steps=1000)
         engine.start()
         with pytest.raises(ValueError, match="num_inference_steps"):
             await collect(engine, "x", P(num_inference_steps=0))
         with pytest.raises(ValueError, match="prompt must be a string"):
             await collect(engine, 7, P())
-        # one running (2 rows fill the batch), one waiting: the third finds the queue full
-        tasks = []
-        for i in range(2):
-            tasks.append(asyncio.create_task(collect(engine, f"r{i}", P(num_inference_steps=30, seed=i))))
-            await asyncio.sleep(0.3)
+        # one running (its 2 rows fill the batch), one waiting: the third finds the queue full
+        first = asyncio.create_task(collect(engine, "r0", P(num_inference_steps=500, seed=0)))
+        await until(lambda: engine.stats()["num_running"] == 1)
+        second = asyncio.create_task(collect(engine, "r1", P(num_inference_steps=500, seed=1)))
+        await until(lambda: engine.stats()["num_waiting"] == 1)
         with pytest.raises(QueueFullError):
             await collect(engine, "third", P())
-        done = await asyncio.gather(*tasks)
+        for task in (first, second):  # cancelling a stream aborts its request
+            task.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
+        await until(lambda: engine.stats()["num_running"] == engine.stats()["num_waiting"] == 0)
         await engine.shutdown(1)
-        return done
 
-    assert all(outs[-1].error is None for outs in run(main()))
+    run(main())
+
+
+async def until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
 
 
 def test_one_requests_failure_reaches_only_its_stream(sd_eps_path):

@@ -132,10 +132,10 @@ def test_failure_in_the_forward_fails_only_that_request(engine, sd_eps_path):
     adapter = engine.executor.worker.runner.adapter
     real = adapter.denoise
 
-    def denoise(latents, timesteps, conditions, guidance):
+    def denoise(latents, timesteps, conditions, guidance, image_size):
         if bool((guidance == 13.0).any()):
             raise RuntimeError("CUDA error: an illegal memory access")
-        return real(latents, timesteps, conditions, guidance)
+        return real(latents, timesteps, conditions, guidance, image_size)
 
     adapter.denoise = denoise
     prompts = ["one", "poison", "two"]
@@ -154,13 +154,13 @@ def test_failure_in_decode_fails_only_that_request(engine):
     real = adapter.decode
     calls = []
 
-    def decode(latents):
+    def decode(latents, image_size):
         calls.append(len(latents))
         if len(latents) == 3:  # the batched call and the n=2 request's own call fail
             raise RuntimeError("out of memory")
         if len(latents) == 2:
             raise RuntimeError("out of memory")
-        return real(latents)
+        return real(latents, image_size)
 
     adapter.decode = decode
     outs = engine.generate(["a", "b"], [P(seed=1, num_inference_steps=3), P(seed=2, num_inference_steps=3, n=2)],
@@ -188,7 +188,7 @@ def test_new_prompts_encode_in_one_call_and_finishers_decode_together(engine):
     encode_calls, decode_calls, forward_rows = [], [], []
     real_encode, real_decode, real_denoise = adapter.encode_prompt, adapter.decode, adapter.denoise
     adapter.encode_prompt = lambda texts: encode_calls.append(list(texts)) or real_encode(texts)
-    adapter.decode = lambda latents: decode_calls.append(len(latents)) or real_decode(latents)
+    adapter.decode = lambda latents, size: decode_calls.append(len(latents)) or real_decode(latents, size)
     adapter.denoise = lambda x, *a: forward_rows.append(len(x)) or real_denoise(x, *a)
     params = [P(seed=1, num_inference_steps=3), P(seed=2, num_inference_steps=3, guidance_scale=1.0),
               P(seed=3, num_inference_steps=3, negative_prompt="ugly"), P(seed=4, num_inference_steps=3)]

@@ -6,6 +6,7 @@ else shares the batch. The engine loads the tiny pipelines through its real load
 """
 from __future__ import annotations
 
+import diffusers
 import numpy as np
 import pytest
 import torch
@@ -29,9 +30,12 @@ SCHEDULERS = {
 }
 
 
-def reference(pipe: StableDiffusionPipeline, prompt: str, p: SamplingParams) -> np.ndarray:
+def reference(pipe, prompt: str, p: SamplingParams) -> np.ndarray:
     base = pipe.scheduler
-    cls, overrides = SCHEDULERS[p.sampler] if p.sampler else (type(base), {})
+    if p.sampler is None:
+        cls, overrides = type(base), {}
+    else:
+        cls, overrides = SCHEDULERS.get(p.sampler) or (getattr(diffusers, p.sampler), {})
     pipe.scheduler = cls.from_config(base.config, **overrides)
     try:
         return pipe(prompt, negative_prompt=p.negative_prompt, num_inference_steps=p.num_inference_steps,
@@ -169,3 +173,41 @@ def test_guidance_embedding_unet_matches_pipeline(sd_guidance_embed_path):
     outs = engine.generate([b[0] for b in batch], [b[1] for b in batch], use_tqdm=False)
     for (prompt, params), out in zip(batch, outs):
         assert_matches_pipeline(pipe, prompt, params, out)
+
+
+def flow_batch(heun: bool) -> list[tuple[str, SamplingParams]]:
+    """Flow-matching requests differing in steps, guidance, sizes (so the shift mu), n and negatives."""
+    P = SamplingParams
+    batch = [
+        ("a red circle", P(num_inference_steps=5, guidance_scale=4.0, seed=1, height=16, width=16)),
+        ("a blue square", P(num_inference_steps=7, guidance_scale=1.0, seed=2, height=16, width=16)),
+        ("a green star", P(num_inference_steps=4, guidance_scale=6.0, seed=3, n=2, height=32, width=16,
+                           negative_prompt="blurry")),
+        ("a red circle", P(num_inference_steps=6, guidance_scale=3.5, seed=4, height=32, width=32)),
+    ]
+    if heun:  # a scheduler without a vectorized update: the per-request fallback
+        batch.append(("heun", P(num_inference_steps=3, guidance_scale=3.0, seed=5, height=16, width=16,
+                                sampler="FlowMatchHeunDiscreteScheduler")))
+    return batch
+
+
+FLOW_PIPELINES = {"sd3": ("sd3_path", "StableDiffusion3Pipeline"), "flux": ("flux_path", "FluxPipeline")}
+
+
+@pytest.mark.parametrize("family", sorted(FLOW_PIPELINES))
+def test_flow_matching_families_match_pipeline_per_request(family, request):
+    import diffusers
+
+    fixture, pipeline_class = FLOW_PIPELINES[family]
+    path = request.getfixturevalue(fixture)
+    engine = engine_for(path)
+    pipe = getattr(diffusers, pipeline_class).from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    batch = flow_batch(heun=family == "sd3")
+    params = [dataclass_np(p) for _, p in batch]
+    outs = engine.generate([prompt for prompt, _ in batch], params, use_tqdm=False)
+    for (prompt, _), p, out in zip(batch, params, outs):
+        assert_matches_pipeline(pipe, prompt, p, out)
+    if family == "flux":  # Flux's shift `mu` cannot go to FlowMatchHeun (diffusers fails too): refused up front
+        with pytest.raises(ValueError, match="FlowMatchHeunDiscreteScheduler"):
+            engine.add_request("heun", "x", SamplingParams(sampler="FlowMatchHeunDiscreteScheduler"))

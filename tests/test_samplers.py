@@ -31,7 +31,7 @@ def fake_denoiser(x_in: torch.Tensor, t: float, table: torch.Tensor) -> torch.Te
 def diffusers_trajectory(scheduler, x, table, generator):
     out = []
     for t in scheduler.timesteps:
-        x_in = scheduler.scale_model_input(x, t)
+        x_in = scheduler.scale_model_input(x, t) if hasattr(scheduler, "scale_model_input") else x
         mo = fake_denoiser(x_in, float(t), table)
         x = scheduler.step(mo, t, x, generator=generator, return_dict=False)[0]
         out.append(x)
@@ -104,7 +104,7 @@ def test_dpm_heun_and_first_order_are_vectorized():
 def test_unsupported_configs_fall_back_to_diffusers():
     cfg = base_config("epsilon")
     assert not build_plan(cfg, "PNDMScheduler", 10).vectorized
-    assert not build_plan(cfg, "flow_euler", 10).vectorized
+    assert not build_plan(cfg, "FlowMatchHeunDiscreteScheduler", 10).vectorized
     assert not build_plan(cfg, "HeunDiscreteScheduler", 10).vectorized
     third_order = dict(cfg, solver_order=3, _class_name="DPMSolverMultistepScheduler")
     assert not build_plan(third_order, None, 10).vectorized
@@ -127,3 +127,26 @@ def test_bad_sampler_and_step_count_raise_value_error():
         build_plan(cfg, "UNet2DConditionModel", 10)
     with pytest.raises(ValueError, match="num_inference_steps=80"):
         build_plan(cfg, "lcm", 80)
+    with pytest.raises(ValueError, match="num_inference_steps=1000"):  # steps_offset pushes past t=999
+        build_plan(cfg, "ddim", 1000)
+
+
+@pytest.mark.parametrize("overrides", [{"shift": 3.0}, {"shift": 1.0, "stochastic_sampling": True},
+                                       {"use_dynamic_shifting": True}])
+def test_flow_euler_matches_diffusers(overrides):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    cfg = dict(FlowMatchEulerDiscreteScheduler(**overrides).config)
+    cfg["_class_name"] = "FlowMatchEulerDiscreteScheduler"
+    # dynamic shifting needs the pipeline's resolution-dependent mu, and Flux passes its own sigmas
+    extra = {"mu": 0.8, "sigmas": [1.0 - i / 7 for i in range(7)]} if overrides.get("use_dynamic_shifting") else {}
+    plan = build_plan(cfg, "flow_euler", 7, **extra)
+    assert plan.vectorized and plan.num_steps == 7
+    reference = make_scheduler(cfg, "flow_euler")
+    reference.set_timesteps(**({"num_inference_steps": 7} if not extra else {}), **extra)
+    gen = torch.Generator().manual_seed(2)
+    x, table = torch.randn(2, 4, 8, 8, generator=gen), torch.randn(2, 4, 8, 8, generator=gen)
+    ours = dvllm_trajectory(plan, x.clone(), table, torch.Generator().manual_seed(9))
+    theirs = diffusers_trajectory(reference, x.clone(), table, torch.Generator().manual_seed(9))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)

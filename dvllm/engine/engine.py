@@ -7,6 +7,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from dvllm.config import EngineConfig
 from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request
@@ -34,7 +36,7 @@ class DiffusionEngine:
         self.model_info = self.executor.model_info()
         num_blocks, self.block_numel = self.executor.pool_info()
         self.scheduler = Scheduler(self.config, BlockManager(num_blocks, self.config.enable_prompt_cache))
-        self._plans: OrderedDict[tuple[str | None, int], SamplerPlan] = OrderedDict()
+        self._plans: OrderedDict[tuple, SamplerPlan] = OrderedDict()
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         self._undelivered: list[RequestOutput] = []  # outputs of others' requests seen inside generate()
@@ -111,36 +113,48 @@ class DiffusionEngine:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         resolved = (params or SamplingParams()).resolve(self.model_info, self.config)
-        plan = self._plan(resolved.sampler, resolved.num_inference_steps)
         info = self.model_info
+        plan = self._plan(resolved)
         request = Request(
             request_id=request_id, prompt=prompt, params=resolved, num_steps=plan.num_steps,
             cfg=info.uses_cfg(resolved.guidance_scale), plan=plan,
             arrival_time=time.time() if arrival_time is None else arrival_time, arrival_seq=next(self._arrivals),
-            latent_blocks=-(-info.latent_numel(resolved.height, resolved.width) // self.block_numel),
-            cond_blocks=-(-info.condition_numel // self.block_numel), uses_history=plan.uses_history,
+            latent_blocks=self._blocks(info.latent_numel(resolved.height, resolved.width)),
+            cond_blocks=self._blocks(info.condition_numel), uses_history=plan.uses_history,
         )
         self.scheduler.check_fits(request)
         return request
 
     def _check_pool_holds_a_default_request(self) -> None:
-        try:
-            self._make_request("startup-check", "", SamplingParams(seed=0, guidance_scale=2.0,
-                                                                   sampler="dpmpp_2m"))
-        except ValueError as e:
-            raise ValueError(f"the state pool is too small for even one default request: {e}") from None
+        """One image at the default size, with history (multistep samplers) and both prompts (CFG)."""
+        info, total = self.model_info, self.scheduler.blocks.num_blocks
+        need = 2 * self._blocks(info.latent_numel(info.default_height, info.default_width)) \
+            + 2 * self._blocks(info.condition_numel)
+        if need > total:
+            raise ValueError(f"the state pool is too small for even one default request: it needs {need} "
+                             f"blocks and the pool has {total}; raise state_pool_mb")
 
-    def _plan(self, sampler: str | None, num_steps: int) -> SamplerPlan:
-        key = (sampler, num_steps)
+    def _blocks(self, numel: int) -> int:
+        return -(-numel // self.block_numel)
+
+    def _plan(self, params: SamplingParams) -> SamplerPlan:
+        info, steps = self.model_info, params.num_inference_steps
+        extra = info.timestep_kwargs(params.height, params.width, steps, info.scheduler_config) \
+            if info.timestep_kwargs else {}
+        key = (params.sampler, steps, tuple(sorted((k, _hashable(v)) for k, v in extra.items())))
         plan = self._plans.get(key)
         if plan is None:
-            plan = build_plan(self.model_info.scheduler_config, sampler, num_steps)
+            plan = build_plan(info.scheduler_config, params.sampler, steps, **extra)
             self._plans[key] = plan
             if len(self._plans) > self.config.sampler_plan_cache_size:
                 self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(key)
         return plan
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, (list, np.ndarray)) else value
 
 
 def _progress_bar(total: int, enabled: bool):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -30,17 +30,27 @@ class ModelInfo:
     # One text's Conditions: key -> shape (no batch dimension); the pool stores them flat, in this order.
     condition_shapes: dict[str, tuple[int, ...]]
     supports_cfg: bool = True
+    # Packed latents (Flux, Qwen-Image): patches of latent_patch x latent_patch latent pixels become
+    # one token of channels * latent_patch**2 features. 0: unpacked [C, h, w] latents.
+    latent_patch: int = 0
+    # (height, width, num_steps, scheduler config) -> extra set_timesteps arguments, for schedules that
+    # depend on the image (flow matching's resolution-dependent shift). A module-level function: picklable.
+    timestep_kwargs: Callable[[int, int, int, dict[str, Any]], dict[str, Any]] | None = None
 
     def uses_cfg(self, guidance_scale: float) -> bool:
         """As diffusers: guidance above 1 adds unconditional rows."""
         return self.supports_cfg and guidance_scale > 1.0
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        return (self.latent_channels, height // self.latent_scale, width // self.latent_scale)
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """One image's latents as the denoiser takes them (no batch dimension)."""
+        c, h, w = self.latent_channels, height // self.latent_scale, width // self.latent_scale
+        if self.latent_patch:
+            p = self.latent_patch
+            return ((h // p) * (w // p), c * p * p)
+        return (c, h, w)
 
     def latent_numel(self, height: int, width: int) -> int:
-        c, h, w = self.latent_shape(height, width)
-        return c * h * w
+        return math.prod(self.latent_shape(height, width))
 
     @property
     def condition_numel(self) -> int:
@@ -80,9 +90,9 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor) -> torch.Tensor:
-        """One batched forward; every argument has one row per model row."""
+                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+        """One batched forward; every tensor has one row per model row; one (height, width) for all."""
 
     @abstractmethod
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         """Batched VAE decode to [B, 3, H, W] images in [0, 1]."""

@@ -10,7 +10,7 @@ import json
 import os
 import tempfile
 
-from transformers import CLIPTokenizer
+from transformers import CLIPTokenizer, PreTrainedTokenizerFast
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 
@@ -41,3 +41,18 @@ def byte_clip_tokenizer(model_max_length: int = 77, pad_token: str = EOS) -> CLI
         with open(merges, "w") as f:
             f.write("#version: 0.2\n")
         return CLIPTokenizer(vocab, merges, model_max_length=model_max_length, pad_token=pad_token)
+
+
+def byte_t5_tokenizer(model_max_length: int = 256) -> PreTrainedTokenizerFast:
+    """A T5-style tokenizer (pad 0, eos 1, unk 2, one token per byte, </s> appended) from no files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+    for char in _byte_alphabet():
+        vocab[char] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>",
+                                   unk_token="<unk>", model_max_length=model_max_length)

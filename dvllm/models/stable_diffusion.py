@@ -56,7 +56,7 @@ class StableDiffusionAdapter(ModelAdapter):
         return randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype) * init_noise_sigma
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor) -> torch.Tensor:
+                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         return self.pipeline.unet(
             latents,
             timesteps,
@@ -73,7 +73,7 @@ class StableDiffusionAdapter(ModelAdapter):
         embedding = self.pipeline.get_guidance_scale_embedding(guidance.float().cpu() - 1, embedding_dim=dim)
         return embedding.to(device=self.device, dtype=dtype)
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         vae = self.pipeline.vae
         image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
         return self.pipeline.image_processor.postprocess(image, output_type="pt")

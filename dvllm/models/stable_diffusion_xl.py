@@ -43,10 +43,9 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         return {k: torch.zeros((1, *shape), dtype=self.dtype, device=self.device) for k, shape in shapes.items()}
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor) -> torch.Tensor:
+                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         pipe = self.pipeline
-        # One forward has one latent shape, so one (original size, crop, target size) for every row.
-        size = (latents.shape[-2] * pipe.vae_scale_factor, latents.shape[-1] * pipe.vae_scale_factor)
+        size = image_size  # one forward, one size: one (original size, crop, target size) for every row
         pooled = conditions["pooled_prompt_embeds"]
         projection_dim = (pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None
                           else pooled.shape[-1])
@@ -59,7 +58,7 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
             return_dict=False,
         )[0]
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         vae = self.pipeline.vae
         config = vae.config
         latents = latents.to(vae.dtype)

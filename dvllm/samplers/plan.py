@@ -52,5 +52,9 @@ def fallback_plan(name: str, scheduler: SchedulerMixin) -> SamplerPlan:
     # The vectorized update leaves these rows as they are (prev = sample); diffusers steps them.
     identity = tuple(1.0 if i == CS else (float("inf") if i == CLIP else 0.0) for i in range(NUM_COEFFS))
     steps = [StepRow(float(t), 1.0, identity) for t in scheduler.timesteps]
-    # Flow-matching schedulers have no init_noise_sigma: their pipelines use the noise as is.
-    return SamplerPlan(name, steps, float(getattr(scheduler, "init_noise_sigma", 1.0)), fallback=scheduler)
+    return SamplerPlan(name, steps, init_noise_sigma(scheduler), fallback=scheduler)
+
+
+def init_noise_sigma(scheduler: SchedulerMixin) -> float:
+    # Flow-matching schedulers have none: their pipelines use the noise as drawn.
+    return float(getattr(scheduler, "init_noise_sigma", 1.0))

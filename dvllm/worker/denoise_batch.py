@@ -7,6 +7,7 @@ unconditional half of the forward is one contiguous block and no row is indexed.
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
@@ -27,17 +28,18 @@ def denoise_step(adapter: ModelAdapter, pool: StatePool, states: list[RequestSta
     info = adapter.info
     states = sorted(states, key=lambda s: not s.data.cfg)  # stable: CFG requests first
     shape = info.latent_shape(states[0].data.height, states[0].data.width)
-    numel = shape[0] * shape[1] * shape[2]
+    numel = math.prod(shape)
+    per_row = (-1,) + (1,) * len(shape)  # broadcasts a per-row scalar over one image's latents
     rows = [s.plan.steps[s.step] for s in states]
     table = _step_table(states, rows).to(pool.device)
     timesteps, c_in, guidance, coeffs = table[:, 0], table[:, 1], table[:, 2], table[:, 3:]
 
     latent_table = pool.table([r for s in states for r in s.blocks.latents])
     sample = ops.gather_blocks(pool.data, latent_table, numel).view(-1, *shape)
-    model_in = sample * c_in.to(sample.dtype)[:, None, None, None]
+    model_in = sample * c_in.to(sample.dtype).view(per_row)
     bounds = row_bounds(states)
     for s, (lo, hi) in zip(states, bounds):
-        if s.fallback is not None:
+        if s.fallback is not None and hasattr(s.fallback, "scale_model_input"):  # flow schedulers have none
             model_in[lo:hi] = s.fallback.scale_model_input(sample[lo:hi], s.fallback.timesteps[s.step])
 
     cfg_states = [s for s in states if s.data.cfg]
@@ -50,10 +52,10 @@ def denoise_step(adapter: ModelAdapter, pool: StatePool, states: list[RequestSta
         timesteps_in, guidance_in = torch.cat([timesteps, timesteps[:num_cfg]]), torch.cat([guidance, guidance[:num_cfg]])
     else:
         timesteps_in, guidance_in = timesteps, guidance
-    out = adapter.denoise(model_in, timesteps_in, conditions, guidance_in)
+    out = adapter.denoise(model_in, timesteps_in, conditions, guidance_in, (states[0].data.height, states[0].data.width))
     if num_cfg:  # as diffusers: uncond + g * (cond - uncond)
         cond, uncond = out[: len(sample)], out[len(sample):]
-        g = guidance[:num_cfg, None, None, None].to(out.dtype)
+        g = guidance[:num_cfg].to(out.dtype).view(per_row)
         out = torch.cat([uncond + g * (cond[:num_cfg] - uncond), cond[num_cfg:]])
 
     noise = _noise(states, rows, sample) if any(r.draws_noise for r in rows) else None

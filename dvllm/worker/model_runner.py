@@ -7,6 +7,7 @@ retried request by request, and only the requests that still fail are dropped.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -142,7 +143,8 @@ class ModelRunner:
         if not x0:
             return {}
         try:
-            decoded = self.adapter.decode(torch.cat(list(x0.values())).to(self.adapter.dtype))
+            first = self.states[next(iter(x0))].data  # one forward, one size
+            decoded = self.adapter.decode(torch.cat(list(x0.values())).to(self.adapter.dtype), (first.height, first.width))
         except Exception:
             logger.exception("preview decode failed for %s; skipping these previews", sorted(x0))
             return {}
@@ -162,11 +164,12 @@ class ModelRunner:
         shape = info.latent_shape(finished[0].data.height, finished[0].data.width)
 
         def decode(group: list[RequestState]) -> None:
-            latents = self.pool.read([r for s in group for r in s.blocks.latents], shape[0] * shape[1] * shape[2])
+            latents = self.pool.read([r for s in group for r in s.blocks.latents], math.prod(shape))
             latents = latents.view(-1, *shape)
             bounds = row_bounds(group)
             pixels = [latents[lo:hi] for s, (lo, hi) in zip(group, bounds) if s.data.output_type != "latent"]
-            decoded = self.adapter.decode(torch.cat(pixels)) if pixels else None
+            size = (group[0].data.height, group[0].data.width)
+            decoded = self.adapter.decode(torch.cat(pixels), size) if pixels else None
             lo_img = 0
             for s, (lo, hi) in zip(group, bounds):
                 if s.data.output_type == "latent":

@@ -100,4 +100,5 @@ def _profile_forward(adapter: ModelAdapter, rows: int) -> None:
     conditions = {k: torch.zeros((rows, *shape), dtype=adapter.dtype, device=adapter.device)
                   for k, shape in info.condition_shapes.items()}
     ones = torch.ones(rows, device=adapter.device)
-    adapter.denoise(latents, ones * 500, conditions, ones * info.default_guidance)
+    adapter.denoise(latents, ones * 500, conditions, ones * info.default_guidance,
+                    (info.default_height, info.default_width))

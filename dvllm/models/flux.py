@@ -1,0 +1,82 @@
+"""Flux: CLIP (pooled) + T5, packed latents with position ids, distilled guidance as an embedding.
+
+Flux-dev embeds the guidance scale; there are no unconditional rows (the pipeline's
+optional "true CFG" is not served). The schedule depends on the image size (mu).
+"""
+from __future__ import annotations
+
+from functools import cached_property, partial
+from typing import Any
+
+import torch
+
+from dvllm.models.base import Conditions, ModelAdapter, ModelInfo
+from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len, linear_sigmas
+
+MAX_SEQUENCE_LENGTH = 512  # the pipeline's default T5 length
+
+
+def flux_timestep_kwargs(vae_scale: int, height: int, width: int, num_steps: int,
+                         config: dict[str, Any]) -> dict[str, Any]:
+    """As FluxPipeline: sigmas from 1 to 1/steps (unless the scheduler makes its own) and a size-dependent mu."""
+    kwargs: dict[str, Any] = {"mu": dynamic_shift_mu(config, image_seq_len(height, width, vae_scale, 2))}
+    if not config.get("use_flow_sigmas"):
+        kwargs["sigmas"] = linear_sigmas(num_steps)
+    return kwargs
+
+
+class FluxAdapter(ModelAdapter):
+    pipeline_classes = ("FluxPipeline",)
+    load_kwargs: dict[str, Any] = {}
+
+    @cached_property
+    def info(self) -> ModelInfo:
+        pipe = self.pipeline
+        with torch.inference_mode():
+            probe = self.encode_prompt([("", False)])[0]
+        factor = pipe.vae_scale_factor
+        scheduler_config = {**pipe.scheduler.config, "_class_name": type(pipe.scheduler).__name__}
+        return ModelInfo(
+            name=self.name, family="flux", pipeline_class=type(pipe).__name__, scheduler_config=scheduler_config,
+            default_steps=28, default_guidance=3.5,
+            default_height=pipe.default_sample_size * factor, default_width=pipe.default_sample_size * factor,
+            size_factor=factor * 2,  # latents are packed in 2x2 patches
+            latent_channels=pipe.transformer.config.in_channels // 4, latent_scale=factor, latent_patch=2,
+            condition_shapes={k: tuple(v.shape[1:]) for k, v in probe.items()},
+            supports_cfg=False, timestep_kwargs=partial(flux_timestep_kwargs, factor),
+        )
+
+    def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
+        prompts = [text or "" for text, _ in texts]
+        embeds, pooled, _ = self.pipeline.encode_prompt(
+            prompts, None, device=self.device, num_images_per_prompt=1, max_sequence_length=MAX_SEQUENCE_LENGTH,
+        )
+        return [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds.split(1), pooled.split(1))]
+
+    def prepare_latents(self, n: int, height: int, width: int, generator: torch.Generator,
+                        init_noise_sigma: float) -> torch.Tensor:
+        channels = self.pipeline.transformer.config.in_channels // 4
+        latents, _ = self.pipeline.prepare_latents(n, channels, height, width, self.dtype, self.device, generator)
+        return latents * init_noise_sigma
+
+    def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
+                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+        pipe = self.pipeline
+        height, width = (2 * (s // (pipe.vae_scale_factor * 2)) for s in image_size)
+        img_ids = pipe._prepare_latent_image_ids(len(latents), height // 2, width // 2, self.device, latents.dtype)
+        embeds = conditions["prompt_embeds"]
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=embeds.dtype)
+        return pipe.transformer(
+            hidden_states=latents,
+            timestep=timesteps.to(latents.dtype) / 1000,
+            guidance=guidance.float() if pipe.transformer.config.guidance_embeds else None,
+            pooled_projections=conditions["pooled_prompt_embeds"], encoder_hidden_states=embeds,
+            txt_ids=txt_ids, img_ids=img_ids, return_dict=False,
+        )[0]
+
+    def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+        pipe = self.pipeline
+        latents = pipe._unpack_latents(latents, image_size[0], image_size[1], pipe.vae_scale_factor)
+        config = pipe.vae.config
+        image = pipe.vae.decode(latents / config.scaling_factor + config.shift_factor, return_dict=False)[0]
+        return pipe.image_processor.postprocess(image, output_type="pt")

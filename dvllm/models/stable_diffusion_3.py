@@ -1,0 +1,68 @@
+"""SD3 / SD3.5: MMDiT transformer, CLIP x2 + T5 encoders, flow matching with shift."""
+from __future__ import annotations
+
+from functools import cached_property, partial
+from typing import Any
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from dvllm.models.base import Conditions, ModelAdapter, ModelInfo
+from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len
+
+MAX_SEQUENCE_LENGTH = 256  # the pipeline's default T5 length
+
+
+def sd3_timestep_kwargs(vae_scale: int, patch: int, height: int, width: int, num_steps: int,
+                        config: dict[str, Any]) -> dict[str, Any]:
+    """As StableDiffusion3Pipeline: a shift `mu` from the image size only with dynamic shifting."""
+    if not config.get("use_dynamic_shifting"):
+        return {}
+    return {"mu": dynamic_shift_mu(config, image_seq_len(height, width, vae_scale, patch))}
+
+
+class StableDiffusion3Adapter(ModelAdapter):
+    pipeline_classes = ("StableDiffusion3Pipeline",)
+    load_kwargs: dict[str, Any] = {}
+
+    @cached_property
+    def info(self) -> ModelInfo:
+        pipe = self.pipeline
+        with torch.inference_mode():
+            probe = self.encode_prompt([("", False)])[0]
+        factor, patch = pipe.vae_scale_factor, pipe.patch_size
+        scheduler_config = {**pipe.scheduler.config, "_class_name": type(pipe.scheduler).__name__}
+        return ModelInfo(
+            name=self.name, family="stable-diffusion-3", pipeline_class=type(pipe).__name__,
+            scheduler_config=scheduler_config, default_steps=28, default_guidance=7.0,
+            default_height=pipe.default_sample_size * factor, default_width=pipe.default_sample_size * factor,
+            size_factor=factor * patch, latent_channels=pipe.transformer.config.in_channels, latent_scale=factor,
+            condition_shapes={k: tuple(v.shape[1:]) for k, v in probe.items()},
+            timestep_kwargs=partial(sd3_timestep_kwargs, factor, patch),
+        )
+
+    def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
+        # A missing negative prompt is "", encoded like any prompt (as the pipeline does).
+        prompts = [text or "" for text, _ in texts]
+        embeds, _, pooled, _ = self.pipeline.encode_prompt(
+            prompts, None, None, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=False,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+        )
+        return [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds.split(1), pooled.split(1))]
+
+    def prepare_latents(self, n: int, height: int, width: int, generator: torch.Generator,
+                        init_noise_sigma: float) -> torch.Tensor:
+        shape = (n, *self.latent_shape(height, width))
+        return randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype) * init_noise_sigma
+
+    def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
+                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+        return self.pipeline.transformer(
+            hidden_states=latents, timestep=timesteps, encoder_hidden_states=conditions["prompt_embeds"],
+            pooled_projections=conditions["pooled_prompt_embeds"], return_dict=False,
+        )[0]
+
+    def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+        config = self.pipeline.vae.config
+        image = self.pipeline.vae.decode(latents / config.scaling_factor + config.shift_factor, return_dict=False)[0]
+        return self.pipeline.image_processor.postprocess(image, output_type="pt")
