@@ -71,12 +71,12 @@ def test_folder_without_model_index_is_not_a_diffusers_folder(tmp_path):
 
 
 def test_unsupported_pipeline_class_lists_the_supported_ones(tmp_path):
-    folder = write_model_index(tmp_path / "flux", {"_class_name": "FluxPipeline",
-                                                   "transformer": ["diffusers", "FluxTransformer2DModel"]})
+    folder = write_model_index(tmp_path / "wan", {"_class_name": "WanPipeline",
+                                                  "transformer": ["diffusers", "WanTransformer3DModel"]})
     with pytest.raises(ValueError) as err:
         DiffusionEngine(model=str(folder), device="cpu")
     message = str(err.value)
-    assert "FluxPipeline" in message and "StableDiffusionPipeline" in message
+    assert "WanPipeline" in message and "StableDiffusionPipeline" in message and "FluxPipeline" in message
 
 
 def test_model_index_without_class_name_is_a_value_error(tmp_path):
@@ -227,6 +227,9 @@ PRESET_SIZES = {
     "sd-1.5": {"unet": 860, "vae": 83.7, "text_encoder": 123},
     "sd-2.1": {"unet": 866, "vae": 83.7, "text_encoder": 340},
     "sdxl": {"unet": 2567, "vae": 83.7, "text_encoder": 123, "text_encoder_2": 695},
+    "sd3-medium": {"transformer": 2028, "vae": 83.8, "text_encoder": 124, "text_encoder_2": 695,
+                   "text_encoder_3": 4762},
+    "flux-dev": {"transformer": 11901, "vae": 83.8, "text_encoder": 123, "text_encoder_2": 4762},
 }
 
 

@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from dvllm.models.base import ModelAdapter
-from dvllm.models.byte_tokenizer import byte_clip_tokenizer
+from dvllm.models.byte_tokenizer import byte_clip_tokenizer, byte_t5_tokenizer
 from dvllm.models.registry import adapter_for
 
 DEFAULT_MODEL = "tiny-sd"
@@ -131,7 +131,10 @@ def _dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed
 def _build_component(cls: type, name: str, source: ModelSource) -> Any:
     if source.preset is not None:
         config = source.preset["components"][name]
-        if config.get("byte_level"):
+        kind = config.get("byte_level")
+        if kind == "t5":
+            return byte_t5_tokenizer(config["model_max_length"])
+        if kind:  # "clip" (or true, as older presets say)
             return byte_clip_tokenizer(config["model_max_length"], config.get("pad_token", "<|endoftext|>"))
         if hasattr(cls, "from_config"):  # diffusers models and schedulers
             return cls.from_config(config)
