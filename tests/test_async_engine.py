@@ -180,3 +180,20 @@ def test_previews_are_spread_over_the_steps_and_converge(sd_eps_path):
     errors = [float(np.abs(o.previews[0] - final).mean()) for o in with_previews]
     assert errors[-1] < errors[0]  # the x0 estimate approaches the final image
     assert all(o.previews[0].shape == final.shape for o in with_previews)
+
+
+def test_a_stream_cancelled_before_acceptance_leaves_nothing_running(sd_eps_path):
+    async def main():
+        engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", max_inference_steps=1000)
+        engine.start()
+        task = asyncio.create_task(collect(engine, "cancelled early", P(num_inference_steps=500, seed=1)))
+        await asyncio.sleep(0)  # the stream has sent its request and waits to hear it was accepted
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.3)
+        await until(lambda: engine.stats()["num_running"] == engine.stats()["num_waiting"] == 0)
+        states = dict(engine.engine.executor.worker.runner.states)
+        await engine.shutdown(1)
+        return states
+
+    assert run(main()) == {}

@@ -45,6 +45,7 @@ class AsyncDiffusionEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._accepting = True
+        self._stats = self.engine.stats()
         self.dead: BaseException | None = None
 
     # -- lifecycle ---------------------------------------------------------------
@@ -74,6 +75,7 @@ class AsyncDiffusionEngine:
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
+        self._fail_all(EngineShuttingDownError("the engine shut down before this request finished"))
 
     # -- requests ------------------------------------------------------------------
     async def generate(self, prompt: str, params: SamplingParams | None = None,
@@ -90,6 +92,11 @@ class AsyncDiffusionEngine:
         request_id = request_id or f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        # Bad parameters are answered now, not after the step the loop thread is in; the
+        # resolved copy (its seed drawn) is what the engine gets.
+        params = (params or SamplingParams()).resolve(self.model_info, self.config)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         accepted = self._loop.create_future()
@@ -107,14 +114,15 @@ class AsyncDiffusionEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not finished and accepted.done() and accepted.exception() is None:
+            if not finished:  # gone early (or never accepted: aborting an unknown id does nothing)
                 self._send("abort", request_id, None)
 
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id, None)
 
     def stats(self) -> dict[str, int]:
-        return self.engine.stats()
+        """The engine's counters as of its latest step (a snapshot taken on the loop thread)."""
+        return dict(self._stats)
 
     # -- the loop thread -------------------------------------------------------------
     def _send(self, *command: Any) -> None:
@@ -125,13 +133,18 @@ class AsyncDiffusionEngine:
         try:
             while not self._stop.is_set():
                 self._apply_commands()
+                self._stats = self.engine.stats()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step()
+                self._stats = self.engine.stats()
                 for listener in self.step_listeners:
-                    listener(self.engine.last_step, outputs)
+                    try:
+                        listener(self.engine.last_step, outputs)
+                    except Exception:  # metrics must never take the engine down
+                        logger.exception("step listener %r failed", listener)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as e:  # the engine is broken: every open stream must hear of it

@@ -1,4 +1,4 @@
-"""The `dvllm` command: `dvllm generate` (offline batches)."""
+"""The `dvllm` command: `dvllm generate` (offline batches) and `dvllm serve` (the OpenAI-compatible server)."""
 from __future__ import annotations
 
 import argparse
@@ -23,9 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="Generate images offline.")
     _add_generate_args(gen)
+    serve = sub.add_parser("serve", help="Serve a model over the OpenAI Images API.")
+    _add_serve_args(serve)
     args = parser.parse_args(argv)
     try:
-        return run_generate(args)
+        return run_serve(args) if args.command == "serve" else run_generate(args)
     except ValueError as e:
         parser.exit(2, f"dvllm {args.command}: error: {e}\n")
 
@@ -44,6 +46,56 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=1, help="Images per prompt.")
     p.add_argument("--no-progress", action="store_true", help="No progress bar.")
     add_engine_args(p)
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="Diffusers folder, Hub id or preset (same as --model; default: the built-in tiny-sd).")
+    p.add_argument("--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1).")
+    p.add_argument("--port", type=int, default=8000, help="Port to bind (default: 8000).")
+    p.add_argument("--served-model-name", help="Model id in /v1/models and requests' `model` (default: the model's).")
+    p.add_argument("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 routes (default: $DVLLM_API_KEY).")
+    p.add_argument("--max-queue-len", type=int,
+                   help="Requests in flight at the server beyond which new ones get 429 (default: no limit "
+                        "beyond the engine's max_num_waiting).")
+    p.add_argument("--request-timeout", type=float,
+                   help="Seconds after which a request is aborted and answered 504 (default: none).")
+    p.add_argument("--max-body-mb", type=float, default=1.0, help="Largest request body, in MiB (default: 1).")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="On SIGTERM, seconds running requests get to finish before they are aborted (default: 30).")
+    p.add_argument("--image-store-size", type=int, default=64,
+                   help="Images kept for response_format=url (least recently used out first; 0 turns url off; "
+                        "default: 64).")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Resolves MODEL vs --model and the API key, and checks the server flags."""
+    if args.model_tag is not None:
+        if args.model is not None:
+            raise ValueError(f"give the model once: positional MODEL {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    args.api_key = args.api_key or os.environ.get("DVLLM_API_KEY") or None
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue_len is not None and args.max_queue_len < 1:
+        raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
+    for flag, value in (("--request-timeout", args.request_timeout), ("--max-body-mb", args.max_body_mb)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
+    if not args.shutdown_grace >= 0:
+        raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    if args.image_store_size < 0:
+        raise ValueError(f"--image-store-size must be >= 0, got {args.image_store_size}")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    check_serve_args(args)
+    from dvllm.entrypoints.api_server import run_server  # fastapi and uvicorn only when serving
+
+    run_server(args)
+    return 0
 
 
 def parse_size(size: object) -> tuple[int, int]:

@@ -24,7 +24,7 @@ class ServerMetrics:
     """Request outcomes and latencies (event loop), step stats (engine loop thread), engine gauges."""
 
     def __init__(self, engine_stats: Callable[[], dict[str, int]], in_flight: Callable[[], int]) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry()  # collectors without describe() are not called at registration
         r = self.registry
         self.requests = Counter("dvllm_requests", "Image generation requests by outcome.", ["outcome"], registry=r)
         for outcome in OUTCOMES:

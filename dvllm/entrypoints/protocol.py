@@ -14,7 +14,6 @@ from dvllm.sampling_params import SEED_LIMIT, SamplingParams
 
 MAX_PROMPT_CHARS = 32000  # OpenAI's limit; the text encoder truncates far earlier anyway
 MAX_PARTIAL_IMAGES = 3
-OUTPUT_FORMATS = ("png", "jpeg", "webp")
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 

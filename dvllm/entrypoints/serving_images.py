@@ -1,0 +1,338 @@
+"""POST /v1/images/generations: one engine request per HTTP request, plain JSON or server-sent events.
+
+Every accepted request ends in exactly one answer: its images, or an OpenAI-shaped error. A client
+that leaves, a timeout or a shutdown aborts the engine request, which frees its state.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from dvllm.engine.async_engine import AsyncDiffusionEngine, EngineDeadError, EngineShuttingDownError
+from dvllm.entrypoints.image_store import ImageStore, encode_b64, encode_image
+from dvllm.entrypoints.metrics import ServerMetrics
+from dvllm.entrypoints.protocol import (
+    APIError,
+    CompletedEvent,
+    ImageData,
+    ImageGenerationRequest,
+    ImagesResponse,
+    PartialImageEvent,
+    engine_value_error,
+)
+from dvllm.errors import QueueFullError
+from dvllm.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+RETRY_AFTER_SECONDS = "1"
+_STATUS_OUTCOME = {429: "rejected", 499: "disconnected", 503: "unavailable", 504: "timeout"}
+
+
+@dataclass
+class ServerContext:
+    """Everything one app's routes share: no module-level mutable state."""
+
+    engine: AsyncDiffusionEngine
+    model_name: str
+    metrics: ServerMetrics
+    images: ImageStore
+    api_key: str | None = None
+    max_in_flight: int | None = None
+    request_timeout: float | None = None
+    max_body_bytes: int = 1 << 20
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    in_flight: int = 0
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
+def outcome_of(status: int) -> str:
+    if status < 400:
+        return "success"
+    return _STATUS_OUTCOME.get(status, "bad_request" if status < 500 else "error")
+
+
+async def create_images(request: Request, ctx: ServerContext) -> Response:
+    try:
+        return await _create_images(request, ctx)
+    except APIError as e:  # every refusal counts, whichever check made it
+        ctx.metrics.request_done(outcome_of(e.status))
+        raise
+
+
+async def _create_images(request: Request, ctx: ServerContext) -> Response:
+    request_id = f"img-{uuid.uuid4().hex}"
+    loop = asyncio.get_running_loop()
+    deadline = None if ctx.request_timeout is None else loop.time() + ctx.request_timeout
+    if ctx.draining or not ctx.engine.is_running:
+        raise APIError(503, "The server is shutting down or its engine is not running.", code="service_unavailable")
+    req = ImageGenerationRequest.parse(await read_json_body(request, ctx.max_body_bytes))
+    if req.model_extra:
+        logger.warning("%s: ignoring unknown field(s) %s", request_id, sorted(req.model_extra))
+    if req.model is not None and req.model != ctx.model_name:
+        raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{ctx.model_name}'.",
+                       param="model", code="model_not_found")
+    if req.stream and req.image_count > 1:
+        raise APIError(400, "n must be 1 when stream is true (a stream carries one image); send n requests.",
+                       param="n", code="invalid_value")
+    if req.response_format == "url" and ctx.images.capacity == 0:
+        raise APIError(400, "response_format 'url' is off on this server (--image-store-size 0); use 'b64_json'.",
+                       param="response_format", code="invalid_value")
+    params = req.sampling_params()
+    if ctx.max_in_flight is not None and ctx.in_flight >= ctx.max_in_flight:
+        raise APIError(429, f"{ctx.in_flight} requests are in flight (--max-queue-len {ctx.max_in_flight}); "
+                            "retry later.", type="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": RETRY_AFTER_SECONDS})
+
+    ctx.in_flight += 1
+    handed_off = False
+    agen = ctx.engine.generate(req.prompt, params, request_id)
+    try:
+        if req.stream:
+            # Headers go out with the first step's output, so a refusal (bad input, full queue) can
+            # still be a plain HTTP error rather than an error event.
+            first = await _guard(_engine_call(anext(agen)), request, deadline)
+            stream = _ImageEventStream(request_id, req, ctx, agen, first, deadline)
+            handed_off = True  # the stream's close() owns the cleanup from here
+            return EventStreamResponse(stream.events(), stream.close, headers={"X-Request-Id": request_id})
+        final = await _guard(_engine_call(_last(agen)), request, deadline)
+        _raise_if_failed(final, request_id, ctx)
+        data = await asyncio.to_thread(_encode_all, final, req, ctx, str(request.base_url))
+        body = ImagesResponse(created=int(time.time()), data=data, output_format=req.format,
+                              size=f"{final.images[0].width}x{final.images[0].height}")
+        ctx.metrics.request_done("success", final)
+        return JSONResponse(body.model_dump(exclude_none=True), headers={"X-Request-Id": request_id})
+    except ClientGone:
+        logger.info("%s: client disconnected; request aborted", request_id)
+        ctx.metrics.request_done("disconnected")
+        return Response(status_code=499)  # nobody is listening
+    except APIError:
+        raise
+    except Exception:
+        logger.exception("%s: internal error", request_id)
+        raise APIError(500, f"The server had an error while processing the request (request id {request_id}).",
+                       code="internal_error") from None
+    finally:
+        if not handed_off:
+            ctx.in_flight -= 1
+            await agen.aclose()
+            await ctx.engine.abort(request_id)  # no-op if finished; covers a cancel before acceptance
+
+
+async def _engine_call(awaitable: Awaitable[Any]) -> Any:
+    """The engine's exceptions, as HTTP errors."""
+    try:
+        return await awaitable
+    except ValueError as e:
+        raise engine_value_error(e) from None
+    except QueueFullError as e:
+        raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": RETRY_AFTER_SECONDS}) from None
+    except EngineShuttingDownError:
+        raise APIError(503, "The server is shutting down.", code="service_unavailable") from None
+    except EngineDeadError:
+        raise APIError(503, "The engine loop is not running.", code="service_unavailable") from None
+
+
+async def _last(agen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    async for out in agen:
+        if out.finished:
+            return out
+    raise RuntimeError("the engine stream ended without a final output")
+
+
+async def _guard(coro: Coroutine[Any, Any, Any], request: Request, deadline: float | None) -> Any:
+    """Awaits coro unless the client leaves (ClientGone) or the deadline passes (504) first; then coro is
+    cancelled, which ends the engine stream and so aborts the request."""
+    task = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(wait_disconnect(request.receive))
+    timeout = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+    try:
+        done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, gone):
+            t.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    if task in done:
+        return task.result()
+    if gone in done:
+        raise ClientGone()
+    raise _timeout_error()
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Returns when the client disconnects (the body is read already: ASGI receive only waits for that)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _timeout_error() -> APIError:
+    return APIError(504, "The request took longer than the server's --request-timeout and was aborted.",
+                    type="timeout_error", code="timeout")
+
+
+def _raise_if_failed(final: RequestOutput, request_id: str, ctx: ServerContext) -> None:
+    if final.error is None:
+        return
+    if ctx.draining:  # the engine aborted it when the shutdown grace period ran out
+        raise APIError(503, "The server shut down before the request finished.", code="service_unavailable")
+    logger.error("%s: generation failed: %s", request_id, final.error)
+    raise APIError(500, f"The server had an error while generating the image (request id {request_id}).",
+                   code="internal_error")
+
+
+def _encode_all(final: RequestOutput, req: ImageGenerationRequest, ctx: ServerContext,
+                base_url: str) -> list[ImageData]:
+    """Runs in a worker thread: image encoding would otherwise stall the event loop."""
+    fmt, compression, data = req.format, req.output_compression, []
+    for image in final.images:
+        if req.response_format == "url":
+            image_id = ctx.images.put(encode_image(image, fmt, compression), fmt)
+            data.append(ImageData(url=f"{base_url}v1/images/{image_id}", seed=final.seed))
+        else:
+            data.append(ImageData(b64_json=encode_b64(image, fmt, compression), seed=final.seed))
+    return data
+
+
+async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object; 415 for another content type, 413 past max_bytes (by Content-Length
+    and by what actually arrives, so chunked bodies are bounded too), 400 for anything not a JSON object."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None and content_type.split(";")[0].strip().lower() != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got {content_type!r}.",
+                       code="unsupported_media_type")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"The request body is {declared} bytes; the limit is {max_bytes}.",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"The request body is over the limit of {max_bytes} bytes.", code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise APIError(400, "The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        body = json.loads(raw, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"The request body is not valid JSON: {e}.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"The request body must be a JSON object, got a JSON {type(body).__name__}.",
+                       code="invalid_json")
+    return body
+
+
+def _no_constants(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _sse(event: Any) -> bytes:
+    return f"event: {event.type}\ndata: {event.model_dump_json()}\n\n".encode()
+
+
+def _sse_error(error: APIError) -> bytes:
+    return f"event: error\ndata: {json.dumps({'type': 'error', **error.body()})}\n\n".encode()
+
+
+class _ImageEventStream:
+    """The events of one streamed request: partial images as the engine decodes them, then the image."""
+
+    def __init__(self, request_id: str, req: ImageGenerationRequest, ctx: ServerContext,
+                 agen: AsyncIterator[RequestOutput], first: RequestOutput, deadline: float | None) -> None:
+        self.request_id, self.req, self.ctx, self.agen = request_id, req, ctx, agen
+        self.first, self.deadline = first, deadline
+        self.outcome = "disconnected"  # until the stream says otherwise
+        self.final: RequestOutput | None = None
+
+    async def events(self) -> AsyncIterator[bytes]:
+        try:
+            async for frame in self._frames():
+                yield frame
+        except APIError as e:
+            self.outcome = outcome_of(e.status)
+            yield _sse_error(e)
+        except Exception:
+            logger.exception("%s: internal error while streaming", self.request_id)
+            self.outcome = "error"
+            yield _sse_error(APIError(500, "The server had an error while processing the request "
+                                           f"(request id {self.request_id}).", code="internal_error"))
+
+    async def _frames(self) -> AsyncIterator[bytes]:
+        fmt, compression = self.req.format, self.req.output_compression
+        out, index = self.first, 0
+        while True:
+            for preview in out.previews[:1]:  # n is 1 when streaming
+                b64 = await asyncio.to_thread(encode_b64, preview, fmt, compression)
+                yield _sse(PartialImageEvent(b64_json=b64, created_at=int(time.time()), output_format=fmt,
+                                             size=f"{preview.width}x{preview.height}", partial_image_index=index))
+                index += 1
+            if out.finished:
+                break
+            try:
+                async with asyncio.timeout_at(self.deadline):
+                    out = await _engine_call(anext(self.agen))
+            except TimeoutError:
+                raise _timeout_error() from None
+        _raise_if_failed(out, self.request_id, self.ctx)
+        for image in out.images:
+            b64 = await asyncio.to_thread(encode_b64, image, fmt, compression)
+            yield _sse(CompletedEvent(b64_json=b64, created_at=int(time.time()), output_format=fmt,
+                                      size=f"{image.width}x{image.height}", seed=out.seed))
+        self.outcome, self.final = "success", out
+
+    async def close(self) -> None:
+        try:
+            await self.agen.aclose()
+            if self.outcome != "success":
+                await self.ctx.engine.abort(self.request_id)
+        finally:
+            self.ctx.in_flight -= 1
+            self.ctx.metrics.request_done(self.outcome, self.final)
+            if self.outcome == "disconnected":
+                logger.info("%s: client disconnected; request aborted", self.request_id)
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that stop (and clean up) as soon as the client disconnects, even while
+    waiting for the engine, and whose cleanup runs however the response ends."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", **headers})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streamer = asyncio.ensure_future(self._send_all(send))
+        gone = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait({streamer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (streamer, gone):
+                t.cancel()
+            await asyncio.gather(streamer, gone, return_exceptions=True)
+            await self._on_close()
+
+    async def _send_all(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for frame in self.body_iterator:
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client went away mid-write
+            pass

@@ -1,0 +1,397 @@
+"""`dvllm serve` end to end: the real server in a subprocess, driven by the openai client and raw httpx.
+
+Three servers on the tiny saved pipeline: `server` (auth off, small limits) for most tests, `limited`
+(--api-key, --max-queue-len 1, --request-timeout) for auth, 429 and 504, and one per SIGTERM test.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import socket
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+from utils_server import RemoteServer
+
+from dvllm import DiffusionEngine, SamplingParams
+
+MODEL = "tiny"
+KEY = "sk-test-key"
+FAST = {"num_inference_steps": 4, "size": "16x16"}
+BASE_ARGS = ["--device", "cpu", "--dtype", "float32", "--state-pool-mb", "32", "--max-image-pixels", "4096",
+             "--max-images-per-prompt", "4", "--max-body-mb", "0.25", "--log-level", "warning"]
+SERVER_ARGS = [*BASE_ARGS, "--served-model-name", MODEL]
+LONG = 900  # steps: far longer than any test waits (about 10 ms each here)
+
+
+@pytest.fixture(scope="module")
+def server(sd_eps_path):
+    with RemoteServer(sd_eps_path, SERVER_ARGS) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def limited(sd_eps_path):
+    args = [*SERVER_ARGS, "--max-queue-len", "1", "--request-timeout", "2"]
+    with RemoteServer(sd_eps_path, args, env={"DVLLM_API_KEY": KEY}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def png_pixels(b64: str) -> np.ndarray:
+    with Image.open(io.BytesIO(base64.b64decode(b64))) as image:
+        assert image.format == "PNG"
+        return np.asarray(image.convert("RGB"))
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample, keyed by name and labels: {'dvllm_requests_total{outcome="success"}': 3.0, ...}."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return out
+
+
+def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def running(url: str) -> float:
+    return metrics(url)["dvllm_num_requests_running"]
+
+
+def assert_idle(url: str) -> None:
+    """No request holds engine state: none running or waiting, no pool block held by a request."""
+    def idle() -> bool:
+        m = metrics(url)
+        return (m["dvllm_num_requests_running"], m["dvllm_num_requests_waiting"], m["dvllm_pool_used_blocks"],
+                m["dvllm_server_requests_in_flight"]) == (0, 0, 0, 0)
+    wait_until(idle, what="the engine to be idle")
+
+
+def raw_post(url: str, body: dict, headers: dict[str, str] | None = None) -> socket.socket:
+    """Sends a generation request on a bare socket, so the test can drop the connection at will."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    data = json.dumps(body).encode()
+    head = {"Host": f"{host}:{port}", "Content-Type": "application/json", "Content-Length": str(len(data)),
+            **(headers or {})}
+    sock.sendall(("POST /v1/images/generations HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items())
+                  + "\r\n").encode() + data)
+    return sock
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = "any") -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"] and "Traceback" not in response.text
+    if param != "any":
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+# -- the openai client --------------------------------------------------------------------------
+
+def test_openai_client_plain(client):
+    result = client.images.generate(model=MODEL, prompt="a red circle", size="16x16", n=2,
+                                    extra_body={"seed": 7, "num_inference_steps": 4})
+    assert result.size == "16x16" and result.output_format == "png" and len(result.data) == 2
+    for image in result.data:
+        assert png_pixels(image.b64_json).shape == (16, 16, 3)
+        assert image.model_extra["seed"] == 7  # n images drawn from one generator seeded once
+    again = client.images.generate(prompt="a red circle", size="16x16",
+                                   extra_body={"seed": 7, "num_inference_steps": 4})
+    assert np.array_equal(png_pixels(again.data[0].b64_json), png_pixels(result.data[0].b64_json))
+
+
+def test_openai_client_streams_partial_images_then_the_image(client):
+    stream = client.images.generate(model=MODEL, prompt="a blue square", size="16x16", stream=True, partial_images=2,
+                                    extra_body={"seed": 3, "num_inference_steps": 6})
+    events = list(stream)
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    assert [e.partial_image_index for e in events[:2]] == [0, 1]
+    for e in events:
+        assert e.size == "16x16" and e.output_format == "png" and e.created_at > 0
+        assert png_pixels(e.b64_json).shape == (16, 16, 3)
+    done = events[-1]
+    assert done.usage.total_tokens == 0 and done.model_extra["seed"] == 3
+    plain = client.images.generate(prompt="a blue square", size="16x16",
+                                   extra_body={"seed": 3, "num_inference_steps": 6})
+    assert np.array_equal(png_pixels(done.b64_json), png_pixels(plain.data[0].b64_json))  # previews change nothing
+
+
+def test_models_health_version(client, http):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert http.get("/health").status_code == 200
+    assert http.get("/version").json()["version"]
+
+
+def test_url_store_and_output_formats(http):
+    r = http.post("/v1/images/generations", json={"prompt": "x", "response_format": "url", "seed": 1, **FAST})
+    url = r.json()["data"][0]["url"]
+    image = httpx.get(url)
+    assert image.headers["content-type"] == "image/png" and Image.open(io.BytesIO(image.content)).size == (16, 16)
+    for fmt, pil_name in (("jpeg", "JPEG"), ("webp", "WEBP")):
+        r = http.post("/v1/images/generations", json={"prompt": "x", "output_format": fmt, "output_compression": 50,
+                                                      **FAST})
+        assert r.json()["output_format"] == fmt
+        assert Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).format == pil_name
+
+
+def test_inapplicable_and_unknown_fields_are_ignored(http):
+    r = http.post("/v1/images/generations", json={
+        "prompt": "x", "quality": "high", "background": "transparent", "moderation": "low", "style": "vivid",
+        "user": "u1", "size": "auto", "made_up_field": [1, 2], **{k: v for k, v in FAST.items() if k != "size"}})
+    assert r.status_code == 200 and r.json()["size"] == "16x16"  # auto = the model's default
+
+
+# -- bad input: 4xx in OpenAI's shape, never a trace, and the server stays healthy ------------------
+
+BAD_BODIES = [  # (body, status, param)
+    ({}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "x" * 32001}, 400, "prompt"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "n": "2"}, 400, "n"),
+    ({"prompt": "x", "n": 5}, 400, "n"),  # over --max-images-per-prompt
+    ({"prompt": "x", "size": "big"}, 400, "size"),
+    ({"prompt": "x", "size": "20x16"}, 400, "size"),  # not a multiple of 8
+    ({"prompt": "x", "size": "128x128"}, 400, "size"),  # over --max-image-pixels
+    ({"prompt": "x", "response_format": "gif"}, 400, "response_format"),
+    ({"prompt": "x", "output_format": "bmp"}, 400, "output_format"),
+    ({"prompt": "x", "output_compression": 101}, 400, "output_compression"),
+    ({"prompt": "x", "stream": True, "partial_images": 4}, 400, "partial_images"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "stream": True, "n": 2}, 400, "n"),  # a stream carries one image
+    ({"prompt": "x", "num_inference_steps": 0}, 400, "num_inference_steps"),
+    ({"prompt": "x", "num_inference_steps": 1001}, 400, "num_inference_steps"),  # over max_inference_steps
+    ({"prompt": "x", "guidance_scale": -1}, 400, "guidance_scale"),
+    ({"prompt": "x", "guidance_scale": "high"}, 400, "guidance_scale"),
+    ({"prompt": "x", "seed": -1}, 400, "seed"),
+    ({"prompt": "x", "seed": 2**63}, 400, "seed"),
+    ({"prompt": "x", "sampler": "nope"}, 400, "sampler"),
+    ({"prompt": "x", "priority": 1.5}, 400, "priority"),
+    ({"prompt": "x", "negative_prompt": ["a"]}, 400, "negative_prompt"),
+    ({"prompt": "x", "user": 5}, 400, "user"),
+    ({"prompt": "x", "model": "dall-e-3"}, 404, "model"),
+]
+
+BAD_RAW = [  # (method, path, content, content type, status)
+    ("POST", "/v1/images/generations", b'{"prompt": ', "application/json", 400),  # malformed JSON
+    ("POST", "/v1/images/generations", b'["a red circle"]', "application/json", 400),  # not an object
+    ("POST", "/v1/images/generations", b'{"prompt": "x", "guidance_scale": NaN}', "application/json", 400),
+    ("POST", "/v1/images/generations", b"", "application/json", 400),  # empty body
+    ("POST", "/v1/images/generations", b'{"prompt": "x"}', "text/plain", 415),
+    ("POST", "/v1/images/generations", b"prompt=x", "application/x-www-form-urlencoded", 415),
+    ("POST", "/v1/chat/completions", b'{"prompt": "x"}', "application/json", 404),  # unknown route
+    ("GET", "/v1/nothing", b"", None, 404),
+    ("GET", "/v1/images/deadbeef.png", b"", None, 404),  # never stored
+    ("GET", "/v1/models/other", b"", None, 404),
+    ("GET", "/v1/images/generations", b"", None, 405),
+    ("DELETE", "/health", b"", None, 405),
+]
+
+
+@pytest.mark.parametrize("body, status, param", BAD_BODIES,
+                         ids=[f"{i}-{list(b)[-1] if b else 'empty'}" for i, (b, _, _) in enumerate(BAD_BODIES)])
+def test_bad_body_is_a_4xx_naming_the_field(http, body, status, param):
+    assert_error(http.post("/v1/images/generations", json={**FAST, **body} if body else body), status, param)
+    assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("method, path, content, content_type, status", BAD_RAW)
+def test_bad_request_is_a_4xx(http, method, path, content, content_type, status):
+    headers = {"Content-Type": content_type} if content_type else {}
+    response = http.request(method, path, content=content, headers=headers)
+    assert_error(response, status, param="model" if "models/" in path else None if status != 404 else "any")
+    if status == 405:
+        assert response.headers["allow"]
+    assert http.get("/health").status_code == 200
+
+
+def test_body_over_the_limit_is_413(server, http):
+    big = {"prompt": "x", "negative_prompt": "y" * 300_000}
+    assert_error(http.post("/v1/images/generations", json=big), 413)  # by Content-Length
+
+    def chunks():  # no Content-Length: the limit holds on what actually arrives
+        body = json.dumps(big).encode()
+        for i in range(0, len(body), 16384):
+            yield body[i:i + 16384]
+    assert_error(http.post("/v1/images/generations", content=chunks(), headers={"Content-Type": "application/json"}),
+                 413)
+    assert http.get("/health").status_code == 200
+
+
+# -- fidelity under concurrency ---------------------------------------------------------------------
+
+def test_16_concurrent_requests_equal_the_offline_engine(server, sd_eps_path):
+    samplers = [None, "euler", "dpmpp_2m", "euler_a"]
+    jobs = [{"prompt": f"prompt {i % 5}", "seed": 100 + i, "num_inference_steps": 3 + i % 4, "guidance_scale": 5.0,
+             "sampler": samplers[i % 4], "size": "16x16", "n": 2 if i % 7 == 0 else 1} for i in range(16)]
+
+    def post(job: dict) -> dict:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            r = c.post("/v1/images/generations", json=job)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+    with ThreadPoolExecutor(16) as pool:
+        served = list(pool.map(post, jobs))
+    offline = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
+    expected = offline.generate([j["prompt"] for j in jobs], [
+        SamplingParams(num_inference_steps=j["num_inference_steps"], guidance_scale=5.0, seed=j["seed"], n=j["n"],
+                       sampler=j["sampler"], height=16, width=16, output_type="np") for j in jobs], use_tqdm=False)
+    for job, got, want in zip(jobs, served, expected):
+        assert len(got["data"]) == len(want.images) == job["n"]
+        for image, reference in zip(got["data"], want.images):
+            assert image["seed"] == job["seed"]
+            ref = np.round(reference * 255).astype(np.int16)  # what the PIL conversion does before the PNG
+            diff = np.abs(png_pixels(image["b64_json"]).astype(np.int16) - ref)
+            # batching may move a float by ~1e-6, which can flip a value sitting on a rounding edge by one level
+            assert diff.max() <= 1 and (diff == 0).mean() > 0.99, (job, diff.max(), (diff != 0).sum())
+
+
+# -- disconnects, load, metrics -----------------------------------------------------------------------
+
+def test_disconnect_aborts_and_frees_state(server):
+    before = metrics(server.url)['dvllm_requests_total{outcome="disconnected"}']
+    plain = raw_post(server.url, {"prompt": "long", "num_inference_steps": LONG, "size": "16x16"})
+    streamed = raw_post(server.url, {"prompt": "long", "num_inference_steps": LONG, "stream": True,
+                                     "partial_images": 3, "size": "16x16"})
+    wait_until(lambda: running(server.url) == 2, what="both requests to run")
+    assert metrics(server.url)["dvllm_pool_used_blocks"] > 0
+    plain.close()
+    streamed.close()
+    assert_idle(server.url)
+    wait_until(lambda: metrics(server.url)['dvllm_requests_total{outcome="disconnected"}'] == before + 2,
+               what="two disconnects counted")
+
+
+def test_health_is_fast_while_the_engine_is_loaded(server):
+    socks = [raw_post(server.url, {"prompt": f"load {i}", "num_inference_steps": LONG, "size": "16x16"})
+             for i in range(8)]  # 8 x CFG = 16 rows: every step a full batch
+    try:
+        wait_until(lambda: running(server.url) == 8, what="8 running requests")
+        times = []
+        with httpx.Client(base_url=server.url, timeout=10) as c:
+            for _ in range(30):
+                start = time.perf_counter()
+                assert c.get("/health").status_code == 200
+                times.append(time.perf_counter() - start)
+                time.sleep(0.01)
+        print(f"/health under load: p50 {statistics.median(times) * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms")
+        assert statistics.median(times) < 0.1
+    finally:
+        for s in socks:
+            s.close()
+    assert_idle(server.url)
+
+
+def test_metrics_parse_with_the_expected_families(server, http):
+    assert http.post("/v1/images/generations", json={"prompt": "m", **FAST}).status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    for name in ("dvllm_requests", "dvllm_request_queue_time_seconds", "dvllm_request_latency_seconds",
+                 "dvllm_step_time_seconds", "dvllm_batch_rows", "dvllm_num_requests_running",
+                 "dvllm_num_requests_waiting", "dvllm_pool_used_blocks", "dvllm_pool_total_blocks",
+                 "dvllm_prompt_cache_hit_rate", "dvllm_server_requests_in_flight"):
+        assert name in families, name
+    m = metrics(server.url)
+    assert m['dvllm_requests_total{outcome="success"}'] >= 1 and m['dvllm_requests_total{outcome="bad_request"}'] >= 1
+    assert m["dvllm_step_time_seconds_count"] >= 4 and m["dvllm_pool_total_blocks"] > 0
+    assert 0 < m["dvllm_prompt_cache_hit_rate"] <= 1  # the earlier tests repeat prompts
+
+
+# -- auth, 429, timeout ---------------------------------------------------------------------------------
+
+def test_auth_on(limited):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(limited.url + "/v1/images/generations", json={"prompt": "x", **FAST}, headers=headers)
+        assert assert_error(r, 401)["code"] == "invalid_api_key"
+        assert_error(httpx.get(limited.url + "/v1/models", headers=headers), 401)
+    for path in ("/health", "/metrics", "/version"):  # probes and scrapers need no key
+        assert httpx.get(limited.url + path).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=limited.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=limited.url + "/v1", api_key=KEY, max_retries=0)
+    result = good.images.generate(prompt="x", model=MODEL, size="16x16", response_format="url",
+                                  extra_body={"num_inference_steps": 2})
+    assert httpx.get(result.data[0].url).status_code == 200  # the random image id is the credential
+
+
+def test_auth_off(http):
+    assert http.get("/v1/models").status_code == 200  # `server` has no key
+
+
+def test_queue_full_is_429_and_timeout_is_504(limited):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(httpx.post, limited.url + "/v1/images/generations", headers=auth, timeout=30,
+                           json={"prompt": "slow", "num_inference_steps": LONG, "size": "16x16"})
+        wait_until(lambda: running(limited.url) == 1, what="the slow request to run")
+        r = httpx.post(limited.url + "/v1/images/generations", json={"prompt": "x", **FAST}, headers=auth)
+        assert assert_error(r, 429)["code"] == "rate_limit_exceeded" and int(r.headers["retry-after"]) >= 1
+        assert assert_error(slow.result(), 504)["code"] == "timeout"  # --request-timeout 2 aborts it
+    assert_idle(limited.url)
+    m = metrics(limited.url)
+    assert m['dvllm_requests_total{outcome="rejected"}'] == 1 and m['dvllm_requests_total{outcome="timeout"}'] == 1
+
+
+# -- graceful shutdown --------------------------------------------------------------------------------
+
+def test_sigterm_finishes_running_requests_and_exits_0():
+    # No MODEL: `dvllm serve` alone serves the built-in tiny-sd.
+    with RemoteServer(None, [*BASE_ARGS, "--shutdown-grace", "6"]) as s, ThreadPoolExecutor(2) as pool:
+        assert httpx.get(s.url + "/v1/models").json()["data"][0]["id"] == "tiny-sd"
+
+        def post(steps: int) -> httpx.Response:
+            return httpx.post(s.url + "/v1/images/generations", timeout=60,
+                              json={"prompt": "bye", "num_inference_steps": steps, "size": "16x16"})
+        short = pool.submit(post, 100)  # about 1.5 s: finishes within the grace period
+        endless = pool.submit(post, LONG)  # cannot: aborted when the grace period ends, answered 503
+        wait_until(lambda: running(s.url) == 2, what="both requests to run")
+        s.signal()
+        time.sleep(0.2)
+        assert_error(httpx.post(s.url + "/v1/images/generations", json={"prompt": "late", **FAST}), 503)
+        assert_error(httpx.get(s.url + "/health"), 503)
+        done = short.result()
+        assert done.status_code == 200 and png_pixels(done.json()["data"][0]["b64_json"]).shape == (16, 16, 3)
+        assert_error(endless.result(), 503)
+        assert s.proc.wait(30) == 0
+
+
+def test_stream_timeout_ends_with_an_error_event(limited):
+    good = openai.OpenAI(base_url=limited.url + "/v1", api_key=KEY, max_retries=0)
+    stream = good.images.generate(prompt="slow", model=MODEL, size="16x16", stream=True, partial_images=3,
+                                  extra_body={"num_inference_steps": LONG})
+    with pytest.raises(openai.APIError, match="request-timeout"):
+        list(stream)  # headers went out at the first step, so the timeout arrives as an error event
+    assert_idle(limited.url)
