@@ -12,6 +12,7 @@ from typing import Any
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+COMPILE_MODES = ("off", "dynamic", "bucketed")
 CPU_STATE_POOL_MB = 1024
 
 
@@ -52,6 +53,20 @@ class EngineConfig:
     enable_prompt_cache: bool = field(
         default=True, metadata={"help": "Share and keep identical prompt embeddings in the state pool."}
     )
+    compile: str = field(
+        default="off",
+        metadata={"help": "torch.compile the denoiser: off | dynamic (one graph for any batch) | bucketed "
+                          "(batches padded up to powers of two, one graph each)."},
+    )
+    cuda_graph: bool = field(
+        default=False,
+        metadata={"help": "Capture the denoiser forward as a CUDA graph per bucketed batch size and replay it "
+                          "(CUDA only; rows are padded to the bucket and discarded)."},
+    )
+    profile_steps: bool = field(
+        default=False,
+        metadata={"help": "Time each step's phases (schedule, gather, forward, ...); synchronizes the device."},
+    )
     priority_aging_iterations: int = field(
         default=100,
         metadata={"help": "With scheduling_policy=priority, one priority level is worth this many engine "
@@ -65,6 +80,9 @@ class EngineConfig:
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("dtype", self.dtype, DTYPES)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _choice("compile", self.compile, COMPILE_MODES)
+        if self.cuda_graph and self.device == "cpu":
+            raise ValueError("cuda_graph needs a CUDA device, but device is 'cpu'")
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("max_batch_size", "max_num_waiting", "max_inference_steps", "max_image_pixels",

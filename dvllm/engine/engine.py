@@ -16,6 +16,7 @@ from dvllm.core.scheduler import Scheduler
 from dvllm.core.scheduler_output import RunnerOutput
 from dvllm.executor.uniproc import UniProcExecutor
 from dvllm.outputs import RequestOutput
+from dvllm.profiler import PhaseTimer, breakdown
 from dvllm.samplers import SamplerPlan, build_plan
 from dvllm.sampling_params import SamplingParams
 
@@ -41,6 +42,8 @@ class DiffusionEngine:
         self._generate_ids = itertools.count()
         self._undelivered: list[RequestOutput] = []  # outputs of others' requests seen inside generate()
         self.last_step = StepStats(0, 0, 0.0)
+        self._timer = PhaseTimer(self.config.profile_steps)  # the driver's phases: scheduling
+        self._profiled_steps, self._profiled_seconds = 0, 0.0
         self._check_pool_holds_a_default_request()
 
     # -- the low-level loop ----------------------------------------------------
@@ -50,10 +53,14 @@ class DiffusionEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        sched_out = self.scheduler.schedule()
+        with self._timer.phase("schedule"):
+            sched_out = self.scheduler.schedule()
         runner_out = RunnerOutput() if sched_out.is_empty else self.executor.execute(sched_out)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         self.last_step = StepStats(sched_out.num_rows, len(sched_out.scheduled_ids), time.perf_counter() - start)
+        if sched_out.scheduled_ids:
+            self._profiled_steps += 1
+            self._profiled_seconds += self.last_step.seconds
         if self._undelivered:
             outputs, self._undelivered = self._undelivered + outputs, []
         return outputs
@@ -64,6 +71,16 @@ class DiffusionEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._undelivered)
+
+    def profile(self) -> dict:
+        """Where step time went, per phase (needs profile_steps=True): see dvllm.profiler.breakdown."""
+        if not self.config.profile_steps:
+            raise ValueError("profiling is off: create the engine with profile_steps=True")
+        seconds = self._timer.snapshot()
+        for worker_seconds in self.executor.collective_rpc("phase_seconds"):
+            for phase, value in worker_seconds.items():
+                seconds[phase] = seconds.get(phase, 0.0) + value
+        return breakdown(seconds, self._profiled_seconds, self._profiled_steps)
 
     def stats(self) -> dict[str, int]:
         """Queue, preemption, state-pool and prompt-cache counters."""

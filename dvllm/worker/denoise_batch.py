@@ -8,68 +8,111 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from dvllm import ops
-from dvllm.models.base import ModelAdapter
+from dvllm.models.base import Conditions, ModelAdapter
 from dvllm.ops import CLIP
+from dvllm.profiler import PhaseTimer
 from dvllm.samplers import StepRow
 from dvllm.worker.conditions import unflatten
+from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.request_state import RequestState, row_bounds
 from dvllm.worker.state_pool import StatePool
 
 
-def denoise_step(adapter: ModelAdapter, pool: StatePool, states: list[RequestState], errors: dict[str, str],
-                 previews: dict[str, torch.Tensor]) -> None:
+@dataclass
+class Batch:
+    states: list[RequestState]  # CFG requests first
+    rows: list[StepRow]         # each request's current step
+    bounds: list[tuple[int, int]]
+    sample: torch.Tensor        # [R, *latent shape], gathered from the pool
+    latent_table: torch.Tensor  # [R, blocks] where those latents live
+    timesteps: torch.Tensor     # [R]
+    c_in: torch.Tensor          # [R] input scale
+    guidance: torch.Tensor      # [R]
+    coeffs: torch.Tensor        # [R, NUM_COEFFS]
+    num_cfg: int                # the first num_cfg rows also run unconditionally
+
+    @property
+    def per_row(self) -> tuple[int, ...]:
+        """View shape that broadcasts a per-row scalar over one image's latents."""
+        return (-1,) + (1,) * (self.sample.dim() - 1)
+
+
+def denoise_step(adapter: ModelAdapter, denoiser: Denoiser, pool: StatePool, states: list[RequestState],
+                 errors: dict[str, str], previews: dict[str, torch.Tensor], timer: PhaseTimer) -> None:
     """Advance every state by one step. The pool is written only after the forward succeeded.
     Requests due for a preview leave their x0 estimate in `previews`."""
-    info = adapter.info
-    states = sorted(states, key=lambda s: not s.data.cfg)  # stable: CFG requests first
-    shape = info.latent_shape(states[0].data.height, states[0].data.width)
-    numel = math.prod(shape)
-    per_row = (-1,) + (1,) * len(shape)  # broadcasts a per-row scalar over one image's latents
+    with timer.phase("gather"):
+        batch = gather(adapter, pool, sorted(states, key=lambda s: not s.data.cfg))
+        model_in, conditions = model_inputs(adapter, pool, batch)
+        timesteps, guidance = batch.timesteps, batch.guidance
+        if batch.num_cfg:
+            timesteps = torch.cat([timesteps, timesteps[:batch.num_cfg]])
+            guidance = torch.cat([guidance, guidance[:batch.num_cfg]])
+    size = (states[0].data.height, states[0].data.width)
+    with timer.phase("forward"):
+        out = denoiser(model_in, timesteps, conditions, guidance, size)
+    with timer.phase("update_scatter"):
+        update(pool, batch, guide(batch, out), errors, previews)
+
+
+def gather(adapter: ModelAdapter, pool: StatePool, states: list[RequestState]) -> Batch:
+    shape = adapter.info.latent_shape(states[0].data.height, states[0].data.width)
     rows = [s.plan.steps[s.step] for s in states]
     table = _step_table(states, rows).to(pool.device)
-    timesteps, c_in, guidance, coeffs = table[:, 0], table[:, 1], table[:, 2], table[:, 3:]
-
     latent_table = pool.table([r for s in states for r in s.blocks.latents])
-    sample = ops.gather_blocks(pool.data, latent_table, numel).view(-1, *shape)
-    model_in = sample * c_in.to(sample.dtype).view(per_row)
-    bounds = row_bounds(states)
-    for s, (lo, hi) in zip(states, bounds):
-        if s.fallback is not None and hasattr(s.fallback, "scale_model_input"):  # flow schedulers have none
-            model_in[lo:hi] = s.fallback.scale_model_input(sample[lo:hi], s.fallback.timesteps[s.step])
+    sample = ops.gather_blocks(pool.data, latent_table, math.prod(shape)).view(-1, *shape)
+    return Batch(states=states, rows=rows, bounds=row_bounds(states), sample=sample, latent_table=latent_table,
+                 timesteps=table[:, 0], c_in=table[:, 1], guidance=table[:, 2], coeffs=table[:, 3:],
+                 num_cfg=sum(s.n for s in states if s.data.cfg))
 
+
+def model_inputs(adapter: ModelAdapter, pool: StatePool, batch: Batch) -> tuple[torch.Tensor, Conditions]:
+    """Scaled latents (the CFG rows appended) and the rows' conditions (negative prompts appended)."""
+    info, states = adapter.info, batch.states
+    model_in = batch.sample * batch.c_in.to(batch.sample.dtype).view(batch.per_row)
+    for s, (lo, hi) in zip(states, batch.bounds):
+        if s.fallback is not None and hasattr(s.fallback, "scale_model_input"):  # flow schedulers have none
+            model_in[lo:hi] = s.fallback.scale_model_input(batch.sample[lo:hi], s.fallback.timesteps[s.step])
     cfg_states = [s for s in states if s.data.cfg]
-    num_cfg = sum(s.n for s in cfg_states)
     cond_rows = [s.blocks.cond for s in states for _ in range(s.n)]
     cond_rows += [s.blocks.uncond for s in cfg_states for _ in range(s.n)]
     conditions = unflatten(pool.read(cond_rows, info.condition_numel), info.condition_shapes)
-    if num_cfg:
-        model_in = torch.cat([model_in, model_in[:num_cfg]])
-        timesteps_in, guidance_in = torch.cat([timesteps, timesteps[:num_cfg]]), torch.cat([guidance, guidance[:num_cfg]])
-    else:
-        timesteps_in, guidance_in = timesteps, guidance
-    out = adapter.denoise(model_in, timesteps_in, conditions, guidance_in, (states[0].data.height, states[0].data.width))
-    if num_cfg:  # as diffusers: uncond + g * (cond - uncond)
-        cond, uncond = out[: len(sample)], out[len(sample):]
-        g = guidance[:num_cfg].to(out.dtype).view(per_row)
-        out = torch.cat([uncond + g * (cond[:num_cfg] - uncond), cond[num_cfg:]])
+    if batch.num_cfg:
+        model_in = torch.cat([model_in, model_in[:batch.num_cfg]])
+    return model_in, conditions
 
+
+def guide(batch: Batch, out: torch.Tensor) -> torch.Tensor:
+    """As diffusers: uncond + g * (cond - uncond) on the CFG rows; the others as they came."""
+    if not batch.num_cfg:
+        return out
+    n = batch.num_cfg
+    cond, uncond = out[: len(batch.sample)], out[len(batch.sample):]
+    g = batch.guidance[:n].to(out.dtype).view(batch.per_row)
+    return torch.cat([uncond + g * (cond[:n] - uncond), cond[n:]])
+
+
+def update(pool: StatePool, batch: Batch, out: torch.Tensor, errors: dict[str, str],
+           previews: dict[str, torch.Tensor]) -> None:
+    states, rows, sample, coeffs = batch.states, batch.rows, batch.sample, batch.coeffs
     noise = _noise(states, rows, sample) if any(r.draws_noise for r in rows) else None
     history_table = None
     if any(s.plan.uses_history for s in states):
         history_table = pool.table([r for s in states for r in s.history_rows(len(s.blocks.latents[0]))])
     clip = any(r.coeffs[CLIP] != float("inf") for r in rows)
-    for s, (lo, hi) in zip(states, bounds):
+    for s, (lo, hi) in zip(states, batch.bounds):
         if s.fallback is None and s.step + 1 in s.data.preview_steps:
             previews[s.request_id] = ops.sampler_update(sample[lo:hi], out[lo:hi], coeffs[lo:hi], clip=clip)[1]
-    ops.scatter_update(pool.data, latent_table, out.reshape(len(sample), -1), coeffs, history_table,
+    ops.scatter_update(pool.data, batch.latent_table, out.reshape(len(sample), -1), coeffs, history_table,
                        None if noise is None else noise.reshape(len(sample), -1), clip)
 
-    for s, (lo, hi) in zip(states, bounds):
+    for s, (lo, hi) in zip(states, batch.bounds):
         if s.fallback is not None:  # its rows were left as they were; step them the diffusers way
             try:
                 t = s.fallback.timesteps[s.step]

@@ -15,7 +15,9 @@ import torch
 from dvllm.core.scheduler_output import NewRequestData, ResumedRequestData, RunnerOutput, SchedulerOutput
 from dvllm.models.base import ModelAdapter
 from dvllm.worker.conditions import flatten
+from dvllm.profiler import PhaseTimer
 from dvllm.worker.denoise_batch import denoise_step
+from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.request_state import RequestState, row_bounds
 from dvllm.worker.state_pool import StatePool
 
@@ -24,9 +26,11 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, adapter: ModelAdapter, pool: StatePool) -> None:
+    def __init__(self, adapter: ModelAdapter, pool: StatePool, denoiser: Denoiser, timer: PhaseTimer) -> None:
         self.adapter = adapter
         self.pool = pool
+        self.denoiser = denoiser
+        self.timer = timer
         self.states: dict[str, RequestState] = {}
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -36,17 +40,19 @@ class ModelRunner:
         # Preempted state leaves the pool before anyone writes into the blocks it frees.
         for request_id in out.preempted_ids:
             self._swap_out(self.states[request_id])
-        self._add_requests(out.new_requests, errors)
-        for resumed in out.resumed_requests:
-            _per_request([resumed], self._swap_in, errors, "swap-in")
+        with self.timer.phase("encode"):
+            self._add_requests(out.new_requests, errors)
+            for resumed in out.resumed_requests:
+                _per_request([resumed], self._swap_in, errors, "swap-in")
         batch = [self.states[i] for i in out.scheduled_ids if i in self.states and i not in errors]
         x0: dict[str, torch.Tensor] = {}
         if batch:
-            _per_request(batch, lambda group: denoise_step(self.adapter, self.pool, group, errors, x0),
-                         errors, "denoise")
+            _per_request(batch, lambda group: denoise_step(self.adapter, self.denoiser, self.pool, group, errors, x0,
+                                                           self.timer), errors, "denoise")
         finished = [s for s in batch if s.done and s.request_id not in errors]
-        images = self._decode(finished, errors)
-        previews = self._decode_previews({k: v for k, v in x0.items() if k not in errors})
+        with self.timer.phase("decode"):
+            images = self._decode(finished, errors)
+            previews = self._decode_previews({k: v for k, v in x0.items() if k not in errors})
         for request_id in [*images, *errors]:
             self.states.pop(request_id, None)
         return RunnerOutput(images=images, errors=errors, previews=previews)

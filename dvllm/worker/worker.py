@@ -8,6 +8,8 @@ from dvllm.config import EngineConfig
 from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
 from dvllm.models.base import ModelInfo
 from dvllm.models.loader import load_adapter
+from dvllm.profiler import PhaseTimer
+from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.model_runner import ModelRunner
 from dvllm.worker.state_pool import create_state_pool
 
@@ -36,10 +38,15 @@ class Worker:
         adapter = load_adapter(config.model, config.load_format, self.device, self.dtype, seed=config.dummy_weight_seed)
         self.pool = create_state_pool(config, adapter)
         custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step
-        self.runner = ModelRunner(adapter, self.pool)
+        self.timer = PhaseTimer(config.profile_steps, self.device)
+        self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer)
 
     def model_info(self) -> ModelInfo:
         return self.runner.adapter.info
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds spent per step phase on this worker (with profile_steps)."""
+        return self.timer.snapshot()
 
     def pool_info(self) -> tuple[int, int]:
         """(number of blocks, elements per block) of this worker's state pool."""

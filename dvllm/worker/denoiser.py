@@ -1,0 +1,95 @@
+"""The denoiser forward as the runner calls it: eager, torch.compile'd, or replayed from CUDA graphs.
+
+Bucketing pads a batch up to the next power of two by repeating its last row (real
+data, so no NaN or overflow can come from padding) and drops the extra rows after:
+each row's output depends on its own inputs only, so padding changes no result.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from dvllm.config import EngineConfig
+from dvllm.models.base import Conditions, ModelAdapter
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_rows: int) -> list[int]:
+    """Powers of two up to the first one that holds max_rows (CFG doubles a request's rows)."""
+    buckets = [1]
+    while buckets[-1] < max_rows:
+        buckets.append(buckets[-1] * 2)
+    return buckets
+
+
+class Denoiser:
+    def __init__(self, adapter: ModelAdapter, config: EngineConfig) -> None:
+        self.adapter = adapter
+        self.buckets = batch_buckets(2 * config.max_batch_size)
+        self.pad = config.compile == "bucketed" or config.cuda_graph
+        self.compiled = None
+        if config.compile != "off":
+            self.compiled = torch.compile(adapter.denoise, dynamic=config.compile == "dynamic")
+        if config.cuda_graph and adapter.device.type != "cuda":
+            raise ValueError(f"cuda_graph needs a CUDA device, but the model is on {adapter.device}")
+        self.graphs: dict[tuple, _Graph] | None = {} if config.cuda_graph else None
+
+    @property
+    def fn(self) -> Any:
+        return self.compiled or self.adapter.denoise  # looked up per call: the adapter's own, as it is now
+
+    def __call__(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
+                 guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+        if not self.pad:
+            return self.fn(latents, timesteps, conditions, guidance, image_size)
+        rows = len(latents)
+        bucket = next((b for b in self.buckets if b >= rows), rows)
+        args = (_pad(latents, bucket), _pad(timesteps, bucket), {k: _pad(v, bucket) for k, v in conditions.items()},
+                _pad(guidance, bucket))
+        if self.graphs is None:
+            return self.fn(*args, image_size)[:rows]
+        key = (bucket, tuple(latents.shape[1:]), image_size, tuple((k, v.shape[1:]) for k, v in conditions.items()))
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = _Graph.capture(self.fn, args, image_size)
+        return graph.replay(args)[:rows]
+
+
+def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if len(t) == rows:
+        return t
+    return torch.cat([t, t[-1:].expand(rows - len(t), *t.shape[1:])])
+
+
+class _Graph:
+    """One captured forward: static input buffers, the graph, its output buffer."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], output: torch.Tensor) -> None:
+        self.graph, self.inputs, self.output = graph, inputs, output
+
+    @classmethod
+    def capture(cls, fn: Any, args: tuple, image_size: tuple[int, int]) -> "_Graph":
+        latents, timesteps, conditions, guidance = (a.clone() if torch.is_tensor(a) else
+                                                    {k: v.clone() for k, v in a.items()} for a in args)
+        inputs = [latents, timesteps, guidance, *conditions.values()]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up off the capture: allocator, cuBLAS handles, autotuning
+            for _ in range(2):
+                fn(latents, timesteps, conditions, guidance, image_size)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = fn(latents, timesteps, conditions, guidance, image_size)
+        logger.info("captured a CUDA graph for %d rows of %s", len(latents), tuple(latents.shape[1:]))
+        return cls(graph, inputs, output)
+
+    def replay(self, args: tuple) -> torch.Tensor:
+        latents, timesteps, conditions, guidance = args
+        for buffer, value in zip(self.inputs, [latents, timesteps, guidance, *conditions.values()]):
+            buffer.copy_(value)
+        self.graph.replay()
+        return self.output.clone()  # the buffer is overwritten by the next replay

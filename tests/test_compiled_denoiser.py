@@ -1,0 +1,84 @@
+"""The denoiser wrapper: bucketed padding, torch.compile, CUDA graphs; and the step profile."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dvllm import DiffusionEngine, EngineConfig, SamplingParams
+from dvllm.worker.denoiser import Denoiser, batch_buckets
+
+
+class RowWiseAdapter:
+    """A stand-in whose output row depends only on its own input row, like a real denoiser."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.seen_rows: list[int] = []
+
+    def denoise(self, latents, timesteps, conditions, guidance, image_size):
+        self.seen_rows.append(len(latents))
+        scale = (timesteps + guidance)[:, None, None, None]
+        return latents * scale + conditions["prompt_embeds"].mean(dim=(1, 2))[:, None, None, None]
+
+
+def test_buckets_are_powers_of_two_covering_the_largest_batch():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(12) == [1, 2, 4, 8, 16]
+    assert batch_buckets(32) == [1, 2, 4, 8, 16, 32]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 8])
+def test_bucketed_padding_changes_no_row(rows):
+    adapter = RowWiseAdapter()
+    denoiser = Denoiser(adapter, EngineConfig(compile="bucketed", max_batch_size=4))
+    args = (torch.randn(rows, 4, 2, 2), torch.rand(rows), {"prompt_embeds": torch.randn(rows, 3, 5)}, torch.rand(rows))
+    out = denoiser(*args, (16, 16))
+    expected = adapter.denoise(*args, (16, 16))
+    assert adapter.seen_rows[0] == next(b for b in batch_buckets(8) if b >= rows)  # ran padded up
+    torch.testing.assert_close(out, expected)
+
+
+def test_cuda_graph_needs_cuda():
+    with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
+        EngineConfig(cuda_graph=True, device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_matches_eager(sd_eps_path):
+    params = [SamplingParams(num_inference_steps=6, guidance_scale=g, seed=s, height=16, width=16, output_type="np")
+              for g, s in ((5.0, 1), (1.0, 2), (7.5, 3))]
+    prompts = ["a", "b", "c"]
+    eager = DiffusionEngine(model=sd_eps_path, device="cuda", dtype="float32").generate(prompts, params, use_tqdm=False)
+    graphs = DiffusionEngine(model=sd_eps_path, device="cuda", dtype="float32", cuda_graph=True)
+    for want, got in zip(eager, graphs.generate(prompts, params, use_tqdm=False)):
+        np.testing.assert_allclose(got.images[0], want.images[0], atol=1e-3, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_denoiser_keeps_fidelity(sd_eps_path):
+    """torch.compile (dynamic batch) on the CPU: the same images as eager, for a mixed batch."""
+    params = [SamplingParams(num_inference_steps=5, guidance_scale=g, seed=s, sampler=sampler, n=n,
+                             height=16, width=16, output_type="np")
+              for g, s, sampler, n in ((5.0, 1, "ddim", 1), (1.0, 2, "euler_a", 2), (7.5, 3, "dpmpp_2m", 1))]
+    prompts = ["a", "b", "c"]
+    eager = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32").generate(prompts, params, use_tqdm=False)
+    compiled = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", compile="dynamic")
+    for want, got in zip(eager, compiled.generate(prompts, params, use_tqdm=False)):
+        assert got.error is None, got.error
+        for a, b in zip(got.images, want.images):
+            np.testing.assert_allclose(a, b, atol=1e-3, rtol=0)
+
+
+def test_profile_splits_the_step(sd_eps_path):
+    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", profile_steps=True)
+    engine.generate(["a", "b"], SamplingParams(num_inference_steps=3, height=16, width=16), use_tqdm=False)
+    report = engine.profile()
+    assert report["steps"] == 3
+    assert set(report["seconds"]) == {"schedule", "encode", "gather", "forward", "update_scatter", "decode",
+                                      "bookkeeping"}
+    assert report["seconds"]["forward"] > 0 and 0 < report["share_outside_forward"] < 1
+    assert sum(report["seconds"].values()) == pytest.approx(report["total_seconds"], rel=1e-6)
+    with pytest.raises(ValueError, match="profile_steps=True"):
+        DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32").profile()
