@@ -5,7 +5,7 @@ weights), the same prompts, seeds and parameters, on the same machine, interleav
 round by round so that machine noise hits each alike. Prints images/s and ratios.
 
     python benchmarks/benchmark_throughput.py                     # tiny preset, 8 x 20 steps, CFG, 16x16
-    python benchmarks/benchmark_throughput.py --model sd-1.5 --size 512x512 --num-requests 32
+    python benchmarks/benchmark_throughput.py --model sd15 --size 512x512 --num-requests 32
 """
 from __future__ import annotations
 

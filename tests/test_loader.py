@@ -117,13 +117,13 @@ def test_hub_id_is_resolved_through_its_fetched_configs(monkeypatch, sd_eps_path
 
 def test_preset_names():
     names = preset_names()
-    assert {"tiny-sd", "sd-1.5", "sd-2.1"} <= set(names)
+    assert {"tiny-sd", "sd15", "sd-2.1", "sd-turbo"} <= set(names)
     assert DEFAULT_MODEL in names
 
 
-@pytest.mark.parametrize("name", ["tiny-sd", "sd-1.5", "sd-2.1"])
+@pytest.mark.parametrize("name", ["tiny-sd", "sd15", "sd-2.1", "sd-turbo"])
 def test_preset_configs_parse_and_fit_together(name):
-    # Only the JSON is read: building sd-1.5 / sd-2.1 would take GBs and minutes.
+    # Only the JSON is read: building sd15 / sd-2.1 would take GBs and minutes.
     preset = load_preset(name)
     index, components = preset["model_index"], preset["components"]
     assert index["_class_name"] == "StableDiffusionPipeline"
@@ -224,8 +224,9 @@ def test_unreadable_model_index_names_the_file(tmp_path):
 
 # Published parameter counts of the real models the presets mirror (approximate, in millions).
 PRESET_SIZES = {
-    "sd-1.5": {"unet": 860, "vae": 83.7, "text_encoder": 123},
+    "sd15": {"unet": 860, "vae": 83.7, "text_encoder": 123},
     "sd-2.1": {"unet": 866, "vae": 83.7, "text_encoder": 340},
+    "sd-turbo": {"unet": 866, "vae": 83.7, "text_encoder": 340},
     "sdxl": {"unet": 2567, "vae": 83.7, "text_encoder": 123, "text_encoder_2": 695},
     "sd3-medium": {"transformer": 2028, "vae": 83.8, "text_encoder": 124, "text_encoder_2": 695,
                    "text_encoder_3": 4762},
