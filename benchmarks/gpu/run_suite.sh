@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The whole GPU check in one call (< 8 minutes on one H200): build the CUDA extension and run the
+# CUDA kernel tests, then time sd15 and sd-turbo (dvllm.benchmarks.gpu_suite).
+#
+#   benchmarks/gpu/run_suite.sh [--dry-run] [--out DIR]
+#
+# The GPU machine has torch preinstalled and reaches no package registry. What it lacks
+# (diffusers and its small pure-Python needs) travels as wheels in .whl/, fetched here with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+#       diffusers==0.42.1 importlib_metadata
+# and installed below into /tmp/site. --dry-run runs the same steps on the CPU with tiny-sd.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+dry=0 out=${OUT:-benchmarks/results}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) dry=1 ;;
+    --out) out=$2; shift ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+
+if [ $dry = 1 ]; then
+  echo "== dry run: CPU kernels and tiny-sd"
+  $python -m pytest -q -x tests/test_state_ops.py -k "cpu and dtype0" -p no:cacheprovider | tail -2
+  $python -m dvllm.benchmarks.gpu_suite --dry-run --output-json "$out/gpu_suite_dry.json"
+else
+  echo "== CUDA kernels: build and test"
+  PYTHON=$python tests/gpu/run.sh 2>&1 | tail -15
+  echo "== timing"
+  $python -m dvllm.benchmarks.gpu_suite --output-json "$out/gpu_suite.json" 2>&1 | tee "$out/gpu_suite.txt"
+fi

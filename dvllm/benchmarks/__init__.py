@@ -1,0 +1,1 @@
+"""Benchmarks that ship with the package, so the installed `dvllm bench` command can run them."""
