@@ -23,7 +23,8 @@ setup(
     # torch>=2.6 is met by the CPU build installed first (README) or pulls PyPI's CUDA build.
     install_requires=["torch>=2.6", *read_requirements("common.txt")],
     extras_require={
-        "test": ["pytest>=8.0", "openai>=1.99", "httpx>=0.27"],
+        "test": ["pytest>=8.0", "openai>=1.99", "httpx>=0.27", "matplotlib>=3.8"],
+        "bench": ["httpx>=0.27", "matplotlib>=3.8"],
         "ray": ["ray[default]>=2.40"],
         "xformers": ["xformers>=0.0.28"],
     },

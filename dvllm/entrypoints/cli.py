@@ -1,4 +1,5 @@
-"""The `dvllm` command: `dvllm generate` (offline batches) and `dvllm serve` (the OpenAI-compatible server)."""
+"""The `dvllm` command: `dvllm generate` (offline batches), `dvllm serve` (the OpenAI-compatible server)
+and `dvllm bench` (benchmarks)."""
 from __future__ import annotations
 
 import argparse
@@ -25,10 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate_args(gen)
     serve = sub.add_parser("serve", help="Serve a model over the OpenAI Images API.")
     _add_serve_args(serve)
+    _add_bench_args(sub.add_parser("bench", help="Benchmark a server (serve) or the engine offline (throughput)."))
     args = parser.parse_args(argv)
+    run = {"serve": run_serve, "generate": run_generate, "bench": run_bench}[args.command]
     try:
-        return run_serve(args) if args.command == "serve" else run_generate(args)
-    except ValueError as e:
+        return run(args)
+    except (ValueError, ConnectionError) as e:
         parser.exit(2, f"dvllm {args.command}: error: {e}\n")
 
 
@@ -68,6 +71,32 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "default: 64).")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
+
+
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    # Argument definitions only: torch, httpx and the model load when a benchmark runs.
+    from dvllm.benchmarks import serving, throughput
+
+    sub = p.add_subparsers(dest="bench_command", required=True)
+    serve = sub.add_parser("serve", help="Load-test a server speaking the Images API (dvllm serve or a baseline).",
+                           description=serving.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serving.add_cli_args(serve)
+    offline = sub.add_parser("throughput", help="Offline: serial pipeline vs best static batch vs dvllm, one run.",
+                             description=throughput.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    throughput.add_arguments(offline)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from dvllm.benchmarks import serving, throughput
+
+    if args.bench_command == "serve":
+        return serving.main(args)
+    result = throughput.run(args)  # what throughput.main does after parsing
+    throughput.print_report(result)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
 
 
 def check_serve_args(args: argparse.Namespace) -> None:

@@ -14,8 +14,8 @@ import torch
 
 from dvllm.core.scheduler_output import NewRequestData, ResumedRequestData, RunnerOutput, SchedulerOutput
 from dvllm.models.base import ModelAdapter
-from dvllm.worker.conditions import flatten
 from dvllm.profiler import PhaseTimer
+from dvllm.worker.conditions import flatten
 from dvllm.worker.denoise_batch import denoise_step
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.request_state import RequestState, row_bounds
@@ -39,7 +39,8 @@ class ModelRunner:
             self.states.pop(request_id, None)
         # Preempted state leaves the pool before anyone writes into the blocks it frees.
         for request_id in out.preempted_ids:
-            self._swap_out(self.states[request_id])
+            if request_id in self.states:
+                _per_request([self.states[request_id]], lambda group: self._swap_out(group[0]), errors, "swap-out")
         with self.timer.phase("encode"):
             self._add_requests(out.new_requests, errors)
             for resumed in out.resumed_requests:
@@ -73,21 +74,16 @@ class ModelRunner:
                 ready.append(d)
 
         def prepare(group: list[NewRequestData]) -> None:
-            latents, rows, history_rows = [], [], []
-            for d in group:
+            for d in group:  # new requests may differ in size: one write each
                 generator = torch.Generator("cpu").manual_seed(d.seed)
                 x = self.adapter.prepare_latents(d.n, d.height, d.width, generator, d.plan.init_noise_sigma)
-                latents.append(x.reshape(d.n, -1))
-                rows += d.blocks.latents
-                history_rows += d.blocks.history or []
+                self.pool.write(d.blocks.latents, x.reshape(d.n, -1))
+                if d.blocks.history:  # multistep history starts at zero (its first step reads it with weight 0)
+                    self.pool.write(d.blocks.history, self.pool.data.new_zeros(d.n, x[0].numel()))
                 self.states[d.request_id] = RequestState(
                     data=d, generator=generator, blocks=d.blocks,
                     fallback=None if d.plan.vectorized else d.plan.new_fallback_scheduler(),
                 )
-            self.pool.write(rows, torch.cat(latents))
-            if history_rows:  # multistep history starts at zero (its first step reads it with weight 0)
-                numel = latents[0].shape[1]
-                self.pool.write(history_rows, self.pool.data.new_zeros(len(history_rows), numel))
 
         if ready:
             _per_request(ready, prepare, errors, "latent preparation", key=lambda d: d.request_id)

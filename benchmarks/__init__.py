@@ -1,0 +1,1 @@
+"""Benchmarks and baselines (a package so `python -m benchmarks.baselines.server` runs from the repo root)."""

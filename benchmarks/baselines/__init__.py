@@ -1,0 +1,1 @@
+"""Baseline servers speaking dvllm's HTTP API: `serial` and `static` (see server.py)."""

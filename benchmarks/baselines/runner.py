@@ -1,0 +1,163 @@
+"""The diffusers pipeline behind the baselines, and the batcher that feeds it.
+
+`serial` is the batcher with batches of one and no window: requests run one at a time, oldest first.
+`static` collects compatible requests (same size, steps, guidance, sampler, n) for up to a window
+after the oldest arrived, up to max_batch_size, and calls the pipeline once on their prompts with one
+seeded CPU generator per image, so every image equals the one the request gets alone (and dvllm's).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dvllm.config import EngineConfig
+from dvllm.models.loader import load_adapter
+from dvllm.samplers import build_plan, make_scheduler
+from dvllm.sampling_params import SamplingParams
+from dvllm.worker.worker import resolve_device, resolve_dtype
+
+
+@dataclass
+class Job:
+    prompt: str
+    params: SamplingParams           # resolved: no None left but negative_prompt and sampler
+    future: asyncio.Future
+    arrival: float = field(default_factory=time.monotonic)
+    started: float | None = None     # when its pipeline call began
+
+    @property
+    def key(self) -> tuple:
+        """Requests with equal keys can share one pipeline call."""
+        p = self.params
+        return (p.height, p.width, p.num_inference_steps, p.guidance_scale, p.sampler, p.n,
+                p.negative_prompt is None)
+
+
+class PipelineRunner:
+    """Loads the model exactly as dvllm's worker does (same loader, dtype, dummy-weight seed)."""
+
+    def __init__(self, model: str | None, load_format: str = "auto", device: str = "auto", dtype: str = "auto",
+                 dummy_weight_seed: int = 0) -> None:
+        # The engine's limits (max steps, pixels, n) so both sides refuse the same requests.
+        self.config = EngineConfig(model=model, load_format=load_format, device=device, dtype=dtype,
+                                   dummy_weight_seed=dummy_weight_seed)
+        torch_device = resolve_device(device)
+        adapter = load_adapter(model, load_format, torch_device, resolve_dtype(dtype, torch_device),
+                               seed=dummy_weight_seed)
+        self.pipeline = adapter.pipeline
+        self.info = adapter.info
+        self._checked: set[tuple] = set()  # (sampler, steps, height, width) whose schedule builds
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        """Fills the model's defaults and checks what dvllm checks (limits, sampler, its schedule for this
+        step count), so a bad request is refused alone instead of failing the batch it would join."""
+        resolved = params.resolve(self.info, self.config)
+        info, steps = self.info, resolved.num_inference_steps
+        key = (resolved.sampler, steps, resolved.height, resolved.width)
+        if key not in self._checked:  # building a schedule costs about a millisecond: once per kind
+            extra = info.timestep_kwargs(resolved.height, resolved.width, steps, info.scheduler_config) \
+                if info.timestep_kwargs else {}
+            build_plan(info.scheduler_config, resolved.sampler, steps, **extra)
+            self._checked.add(key)
+        return resolved
+
+    def run(self, jobs: list[Job]) -> list[list[Any]]:
+        """One pipeline call for jobs that share a key; each job's PIL images. Runs on the worker thread."""
+        p = jobs[0].params
+        # A fresh scheduler per call: diffusers schedulers keep state between steps.
+        self.pipeline.scheduler = make_scheduler(self.info.scheduler_config, p.sampler)
+        if len(jobs) == 1:  # one generator draws all n images at once, as dvllm and diffusers do
+            generator: Any = torch.Generator("cpu").manual_seed(jobs[0].params.seed)
+        else:  # one per image; a request's n images share its generator, drawn in turn
+            generator = [g for job in jobs for g in [torch.Generator("cpu").manual_seed(job.params.seed)] * p.n]
+        negative = None if p.negative_prompt is None else [job.params.negative_prompt for job in jobs]
+        out = self.pipeline([job.prompt for job in jobs], negative_prompt=negative, height=p.height, width=p.width,
+                            num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
+                            num_images_per_prompt=p.n, generator=generator, output_type="pil")
+        return [out.images[i * p.n:(i + 1) * p.n] for i in range(len(jobs))]
+
+
+def load_on_worker(**runner_kwargs: Any) -> tuple[PipelineRunner, ThreadPoolExecutor]:
+    """The runner, loaded on the one thread that will run it. torch's OpenMP keeps a thread team per
+    calling thread: a model loaded on one thread and run on another ran 1.4-2.9x slower on a 2-core CPU."""
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
+    return worker.submit(PipelineRunner, **runner_kwargs).result(), worker
+
+
+class Batcher:
+    """Groups jobs by key and runs one group at a time on a single worker thread (one pipeline call at
+    a time, so /health and new arrivals stay served on the event loop)."""
+
+    def __init__(self, runner: PipelineRunner, worker: ThreadPoolExecutor, max_batch_size: int = 1,
+                 window_s: float = 0.0, on_batch: Callable[[int], None] | None = None) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be >= 1, got {max_batch_size}")
+        if window_s < 0:
+            raise ValueError(f"--batch-window-ms must be >= 0, got {window_s * 1000}")
+        self.runner = runner
+        self.max_batch_size = max_batch_size
+        self.window_s = window_s
+        self.on_batch = on_batch  # told each call's batch size (metrics)
+        self._groups: dict[tuple, list[Job]] = {}
+        self._wakeup = asyncio.Event()
+        self._worker = worker
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._worker.shutdown(wait=True)
+
+    def submit(self, job: Job) -> None:
+        self._groups.setdefault(job.key, []).append(job)
+        self._wakeup.set()
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._groups:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            # The group whose oldest job has waited longest goes next: no group starves.
+            key, jobs = min(self._groups.items(), key=lambda item: item[1][0].arrival)
+            wait = jobs[0].arrival + self.window_s - time.monotonic()
+            if len(jobs) < self.max_batch_size and wait > 0:
+                self._wakeup.clear()
+                try:  # until the window closes or a new job arrives (which may fill the batch)
+                    await asyncio.wait_for(self._wakeup.wait(), wait)
+                except TimeoutError:
+                    pass
+                continue
+            batch = jobs[:self.max_batch_size]
+            del jobs[:self.max_batch_size]
+            if not jobs:
+                del self._groups[key]
+            await self._run(loop, batch)
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[Job]) -> None:
+        started = time.monotonic()
+        for job in batch:
+            job.started = started
+        if self.on_batch is not None:
+            self.on_batch(len(batch))
+        try:
+            images = await loop.run_in_executor(self._worker, self.runner.run, batch)
+        except Exception as e:  # noqa: BLE001 - every job of the call hears of it
+            for job in batch:
+                if not job.future.done():
+                    job.future.set_exception(e)
+            return
+        for job, job_images in zip(batch, images):
+            if not job.future.done():  # its client may have gone
+                job.future.set_result(job_images)

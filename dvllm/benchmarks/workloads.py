@@ -1,0 +1,163 @@
+"""What a serving benchmark sends, and when: request specs (fixed, mix, trace) and arrival times.
+
+Everything is drawn from seeded generators, so two runs with the same --seed send the same
+requests at the same offsets to whichever server they measure.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
+
+_SIZE = re.compile(r"^\d+x\d+$")
+_TRACE_KEYS = {"prompt", "size", "steps", "num_inference_steps", "guidance", "guidance_scale", "sampler", "seed",
+               "n", "negative_prompt", "slo", "arrival"}
+
+
+@dataclass
+class RequestSpec:
+    prompt: str
+    size: str                     # "WxH"
+    steps: int
+    guidance: float
+    sampler: str | None           # None: the model's own scheduler
+    seed: int
+    n: int = 1
+    negative_prompt: str | None = None
+    slo: float | None = None      # seconds from send to answer; None: no SLO
+    arrival: float | None = None  # seconds from the start, when a trace fixes it
+
+    def body(self) -> dict[str, Any]:
+        """The POST /v1/images/generations body: dvllm's fields, which the baselines speak too."""
+        body: dict[str, Any] = {"prompt": self.prompt, "size": self.size, "n": self.n,
+                                "num_inference_steps": self.steps, "guidance_scale": self.guidance,
+                                "seed": self.seed, "response_format": "b64_json"}
+        if self.sampler is not None:
+            body["sampler"] = self.sampler
+        if self.negative_prompt is not None:
+            body["negative_prompt"] = self.negative_prompt
+        return body
+
+    @property
+    def denoising_steps(self) -> int:
+        """Denoising steps the request costs: n images take `steps` steps each."""
+        return self.steps * self.n
+
+
+def check_size(size: str, where: str = "size") -> str:
+    size = size.strip().lower()
+    if not _SIZE.match(size):
+        raise ValueError(f"{where} must look like WIDTHxHEIGHT (e.g. 32x32), got {size!r}")
+    return size
+
+
+def split_list(text: str, kind: type, where: str, allow_none: bool = False) -> list[Any]:
+    """'a,b,c' -> [kind(a), ...]; with allow_none, 'none' stands for None (the model's default sampler)."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"{where} is empty")
+    try:
+        return [None if allow_none and item.lower() == "none" else kind(item) for item in items]
+    except ValueError:
+        raise ValueError(f"{where} must be a comma-separated list of {kind.__name__}, got {text!r}") from None
+
+
+def _prompt(prefix: str, index: int, seed: int) -> str:
+    # Distinct within a run and across seeds: a repeated prompt would hand dvllm's prompt cache an
+    # advantage real traffic lacks (and that the baselines, which encode every prompt, cannot have).
+    return f"{prefix}a photo of object number {index} (run {seed})"
+
+
+def fixed_workload(num: int, *, size: str, steps: int, guidance: float, sampler: str | None, n: int = 1,
+                   seed: int = 0, slo: float | None = None, prefix: str = "") -> list[RequestSpec]:
+    rng = random.Random(seed)
+    return [RequestSpec(_prompt(prefix, i, seed), check_size(size), steps, guidance, sampler,
+                        rng.randrange(2**31), n=n, slo=slo) for i in range(num)]
+
+
+def mix_workload(num: int, *, sizes: list[str], steps: list[int], guidances: list[float],
+                 samplers: list[str | None], seed: int = 0, slo: float | None = None,
+                 prefix: str = "") -> list[RequestSpec]:
+    """Each request draws its size, step count, guidance (<= 1: no CFG) and sampler independently."""
+    rng = random.Random(seed)
+    sizes = [check_size(s, "--mix-sizes") for s in sizes]
+    return [RequestSpec(_prompt(prefix, i, seed), rng.choice(sizes), rng.choice(steps),
+                        rng.choice(guidances), rng.choice(samplers), rng.randrange(2**31), slo=slo)
+            for i in range(num)]
+
+
+def trace_workload(path: str, *, size: str, steps: int, guidance: float, sampler: str | None,
+                   seed: int = 0, slo: float | None = None) -> list[RequestSpec]:
+    """One request per JSONL line; a field a line leaves out takes the command line's value."""
+    rng = random.Random(seed)
+    specs = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON: {e}") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise ValueError(f"{where}: each line must be a JSON object with a string 'prompt'")
+            unknown = set(record) - _TRACE_KEYS
+            if unknown:
+                raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed {sorted(_TRACE_KEYS)}")
+            specs.append(_trace_spec(record, where, rng, size=size, steps=steps, guidance=guidance,
+                                     sampler=sampler, slo=slo))
+    if not specs:
+        raise ValueError(f"{path} holds no requests")
+    with_arrival = sum(s.arrival is not None for s in specs)
+    if with_arrival not in (0, len(specs)):
+        raise ValueError(f"{path}: give 'arrival' on every line or on none ({with_arrival} of {len(specs)} have it)")
+    if with_arrival:
+        if min(s.arrival for s in specs) < 0:
+            raise ValueError(f"{path}: 'arrival' is seconds from the start, so >= 0")
+        specs.sort(key=lambda s: s.arrival)  # sent in time order, whatever the file's order
+    return specs
+
+
+def _trace_spec(record: dict[str, Any], where: str, rng: random.Random, *, size: str, steps: int,
+                guidance: float, sampler: str | None, slo: float | None) -> RequestSpec:
+    def get(*names: str, default: Any) -> Any:
+        return next((record[k] for k in names if k in record), default)
+
+    try:
+        spec = RequestSpec(
+            prompt=record["prompt"], size=check_size(str(get("size", default=size)), f"{where}: size"),
+            steps=int(get("steps", "num_inference_steps", default=steps)),
+            guidance=float(get("guidance", "guidance_scale", default=guidance)),
+            sampler=get("sampler", default=sampler), seed=int(get("seed", default=rng.randrange(2**31))),
+            n=int(get("n", default=1)), negative_prompt=get("negative_prompt", default=None),
+            slo=_optional_float(get("slo", default=slo)), arrival=_optional_float(get("arrival", default=None)))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    if spec.steps < 1 or spec.n < 1 or (spec.slo is not None and spec.slo <= 0):
+        raise ValueError(f"{where}: steps and n must be >= 1 and slo > 0")
+    return spec
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def arrival_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Send offsets in seconds. Inter-arrival gaps are gamma-distributed with mean 1/rate: shape
+    `burstiness` 1.0 is a Poisson process, lower is burstier, higher more even. rate inf: all at 0."""
+    if not rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {rate}")
+    if not burstiness > 0:
+        raise ValueError(f"--burstiness must be > 0, got {burstiness}")
+    if math.isinf(rate):
+        return [0.0] * num
+    rng = random.Random(seed)
+    now, times = 0.0, []
+    for _ in range(num):
+        times.append(now)
+        now += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return times

@@ -1,0 +1,177 @@
+"""The serving benchmark harness: the load generator against a real `dvllm serve`, the static baseline's
+images against dvllm's, and plot.py. Both servers serve the tiny saved pipeline."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+from utils_server import RemoteServer, free_port
+
+from dvllm.benchmarks.workloads import arrival_times, mix_workload, trace_workload
+from dvllm.entrypoints.cli import main as dvllm_main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
+FAST = ["--size", "16x16", "--steps", "4", "--guidance", "7.5"]
+
+
+class BaselineServer(RemoteServer):
+    """`python -m benchmarks.baselines.server` on a free port; call wait_ready() before use."""
+
+    def __init__(self, model: str, args: list[str]) -> None:  # noqa: D107 - starts, does not wait
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(prefix="dvllm-baseline-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "benchmarks.baselines.server", "--model", model, "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+
+@pytest.fixture(scope="module")
+def servers(sd_eps_path):
+    # Both load at once: the baseline starts first and is waited for after dvllm.
+    static = BaselineServer(sd_eps_path, ["--mode", "static", "--batch-window-ms", "300", "--device", "cpu",
+                                          "--dtype", "float32"])
+    try:
+        with RemoteServer(sd_eps_path, ENGINE_ARGS) as dvllm:
+            static.wait_ready()
+            yield dvllm, static
+    finally:
+        static.stop()
+
+
+def run_bench(url: str, out: str, *args: str) -> dict:
+    assert dvllm_main(["bench", "serve", "--base-url", url, "--output-json", out, *args]) == 0
+    with open(out) as f:
+        return json.load(f)
+
+
+def test_load_generator_against_dvllm(servers, tmp_path):
+    dvllm, _ = servers
+    result = run_bench(dvllm.url, str(tmp_path / "fixed.json"), *FAST, "--num-requests", "6", "--request-rate",
+                       "40", "--warmup", "1", "--label", "dvllm")
+    s = result["summary"]
+    assert (s["num_requests"], s["completed"], s["failed"]) == (6, 6, 0), s["errors"]
+    assert s["latency_p50_s"] <= s["latency_p95_s"] <= s["latency_p99_s"] <= s["latency_max_s"]
+    assert s["steps_per_s"] == pytest.approx(6 * 4 / s["duration_s"])
+    assert s["queue_time_mean_s"] is not None  # dvllm's /metrics has the queue-time histogram
+    assert s["slo_attainment"] is None  # no SLO given: n/a, not invented
+    records = result["requests"]
+    assert [r["index"] for r in records] == list(range(6)) and all(r["ok"] and r["steps"] == 4 for r in records)
+    assert [r["arrival"] for r in records] == pytest.approx(arrival_times(6, 40.0, seed=0))
+    assert result["label"] == "dvllm" and result["request_rate"] == 40.0
+
+
+def test_trace_slo_and_failures(servers, tmp_path):
+    dvllm, _ = servers
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"prompt": "a", "size": "16x16", "steps": 3, "guidance": 1.0, "sampler": "euler", "slo": 60},
+             {"prompt": "b", "size": "16x16", "steps": 2, "guidance": 7.5, "slo": 1e-6},  # cannot be met
+             {"prompt": "c", "size": "15x15", "steps": 2}]  # not a multiple of 8: the server refuses it
+    trace.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    s = run_bench(dvllm.url, str(tmp_path / "trace.json"), "--workload", "trace", "--trace", str(trace),
+                  "--warmup", "0", "--slo", "30")["summary"]
+    assert (s["completed"], s["failed"]) == (2, 1)
+    assert "HTTP 400" in s["errors"][0]
+    assert s["slo_attainment"] == pytest.approx(1 / 3)  # the failed request counts as a miss
+    assert s["steps_per_s"] == pytest.approx(5 / s["duration_s"])
+
+
+def test_bad_arguments_are_clear(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        dvllm_main(["bench", "serve", "--workload", "trace"])
+    assert e.value.code == 2
+    with pytest.raises(ValueError, match="burstiness"):
+        arrival_times(3, 1.0, burstiness=0)
+
+
+def test_mix_workload_is_seeded_and_varied():
+    a = mix_workload(40, sizes=["16x16", "32x32"], steps=[10, 20], guidances=[1.0, 7.5], samplers=[None, "euler"])
+    b = mix_workload(40, sizes=["16x16", "32x32"], steps=[10, 20], guidances=[1.0, 7.5], samplers=[None, "euler"])
+    assert a == b
+    assert {s.size for s in a} == {"16x16", "32x32"} and {s.guidance for s in a} == {1.0, 7.5}
+
+
+def test_trace_arrivals_and_errors(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"prompt": "late", "arrival": 2.0}\n\n{"prompt": "early", "arrival": 0.5, "steps": 7}\n')
+    specs = trace_workload(str(trace), size="16x16", steps=20, guidance=7.5, sampler=None)
+    assert [(s.prompt, s.arrival, s.steps) for s in specs] == [("early", 0.5, 7), ("late", 2.0, 20)]
+    trace.write_text('{"prompt": "a"}\n{"prompt": "b", "stpes": 3}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:2: unknown key\(s\) \['stpes'\]"):
+        trace_workload(str(trace), size="16x16", steps=20, guidance=7.5, sampler=None)
+    gaps = np.diff(arrival_times(2000, 10.0, burstiness=0.5, seed=1))
+    assert gaps.mean() == pytest.approx(0.1, rel=0.1) and gaps.std() > 0.1  # burstier than Poisson (std = mean)
+
+
+def _pixels(b64: str) -> np.ndarray:
+    with Image.open(io.BytesIO(base64.b64decode(b64))) as image:
+        return np.asarray(image.convert("RGB")).astype(np.int16)
+
+
+async def _generate(url: str, bodies: list[dict]) -> list[dict]:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        responses = await asyncio.gather(*(client.post("/v1/images/generations", json=b) for b in bodies))
+    for r in responses:
+        assert r.status_code == 200, r.text
+    return [r.json() for r in responses]
+
+
+def test_static_baseline_images_equal_dvllm(servers):
+    dvllm, static = servers
+    # Sent together, so the static baseline answers them from one batched pipeline call.
+    bodies = [{"prompt": f"a red circle {i}", "size": "16x16", "num_inference_steps": 4, "seed": 10 + i,
+               "sampler": "euler_a"} for i in range(3)]
+    ours, theirs = asyncio.run(_generate(dvllm.url, bodies)), asyncio.run(_generate(static.url, bodies))
+    for body, a, b in zip(bodies, ours, theirs):
+        assert a["data"][0]["seed"] == b["data"][0]["seed"] == body["seed"]
+        assert np.abs(_pixels(a["data"][0]["b64_json"]) - _pixels(b["data"][0]["b64_json"])).max() <= 1
+    metrics = httpx.get(static.url + "/metrics").text
+    assert "baseline_batch_requests_count" in metrics
+    batches = float(next(line.split()[1] for line in metrics.splitlines()
+                         if line.startswith("baseline_batch_requests_count")))
+    assert batches < 3  # they did share a call
+
+
+def test_plot_writes_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = []
+    for label, rate, p50, p95 in (("dvllm", 1.0, 0.5, 0.7), ("dvllm", 3.0, 0.6, 0.9), ("static", 1.0, 0.6, 0.8)):
+        path = tmp_path / f"{label}_{rate}.json"
+        summary = {"requests_per_s": rate * 0.9, "latency_p50_s": p50, "latency_p95_s": p95}
+        path.write_text(json.dumps({"label": label, "request_rate": rate, "summary": summary}))
+        runs.append(str(path))
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"schedule": 0.001, "gather": 0.002, "forward": 0.05, "update_scatter": 0.003,
+                                   "decode": 0.004, "bookkeeping": 0.0005, "note": "ignored"}))
+    out = tmp_path / "figs"
+    subprocess.run([sys.executable, "benchmarks/plot.py", *runs, "--profile", str(profile), "--output-dir",
+                    str(out)], cwd=REPO, check=True, capture_output=True)
+    for name in ("latency_vs_throughput.png", "step_breakdown.png"):
+        with Image.open(out / name) as image:
+            assert image.width > 100 and image.height > 100
+
+
+def test_bench_throughput_subcommand(sd_eps_path, tmp_path):
+    out = tmp_path / "throughput.json"
+    assert dvllm_main(["bench", "throughput", "--model", sd_eps_path, "--device", "cpu", "--dtype", "float32",
+                       "--num-requests", "2", "--steps", "2", "--rounds", "1", "--static-batch-sizes", "2",
+                       "--output-json", str(out)]) == 0
+    assert set(json.loads(out.read_text())["images_per_s"]) == {"serial", "static(b=2)", "dvllm"}
