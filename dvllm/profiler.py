@@ -47,10 +47,13 @@ def breakdown(phase_seconds: dict[str, float], total_seconds: float, steps: int)
     seconds = {p: phase_seconds.get(p, 0.0) for p in PHASES if p != "bookkeeping"}
     seconds["bookkeeping"] = max(0.0, total_seconds - sum(seconds.values()))
     outside = total_seconds - seconds["forward"]
+    # The engine's own cost: what is neither the denoiser nor the text encoder and VAE it serves.
+    engine = sum(seconds[p] for p in ("schedule", "gather", "update_scatter", "bookkeeping"))
     return {
         "steps": steps,
         "total_seconds": total_seconds,
         "seconds": seconds,
         "ms_per_step": {p: 1000 * s / max(steps, 1) for p, s in seconds.items()},
         "share_outside_forward": outside / total_seconds if total_seconds else 0.0,
+        "share_engine_overhead": engine / total_seconds if total_seconds else 0.0,
     }

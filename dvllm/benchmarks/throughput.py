@@ -176,7 +176,8 @@ def print_report(result: dict) -> None:
         print(f"\ndvllm step profile ({prof['steps']} steps):")
         for phase, ms in prof["ms_per_step"].items():
             print(f"  {phase:<15}{ms:>9.2f} ms/step")
-        print(f"  share of step time outside the forward: {100 * prof['share_outside_forward']:.1f}%")
+        print(f"  share of step time outside the forward: {100 * prof['share_outside_forward']:.1f}% "
+              f"(engine overhead, without text encoder and VAE: {100 * prof['share_engine_overhead']:.1f}%)")
 
 
 def main(argv: list[str] | None = None) -> None:
