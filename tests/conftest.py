@@ -183,3 +183,41 @@ def flux_path(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-flux")
     tiny_flux_pipeline().save_pretrained(path)
     return str(path)
+
+
+def tiny_qwen_image_pipeline():
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from dvllm.models.byte_tokenizer import byte_qwen_tokenizer
+
+    torch.manual_seed(0)
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16,
+                                              guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+    torch.manual_seed(1)
+    vae = AutoencoderKLQwenImage(base_dim=4, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                 temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    torch.manual_seed(2)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, rope_theta=1000000.0, vocab_size=300, max_position_embeddings=2048,
+                         rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+                         bos_token_id=256, eos_token_id=258, pad_token_id=256),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16),
+        vocab_size=300, vision_start_token_id=290, image_token_id=291, video_token_id=292))
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_image_seq_len=4, max_image_seq_len=64,
+                                                base_shift=0.5, max_shift=1.15, shift_terminal=0.02, shift=1.0,
+                                                time_shift_type="exponential")
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                             tokenizer=byte_qwen_tokenizer(), transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="session")
+def qwen_image_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-qwen-image")
+    tiny_qwen_image_pipeline().save_pretrained(path)
+    return str(path)

@@ -37,10 +37,13 @@ def reference(pipe, prompt: str, p: SamplingParams) -> np.ndarray:
     else:
         cls, overrides = SCHEDULERS.get(p.sampler) or (getattr(diffusers, p.sampler), {})
     pipe.scheduler = cls.from_config(base.config, **overrides)
+    # dvllm's guidance_scale is Qwen-Image's true_cfg_scale
+    guidance = ({"true_cfg_scale": p.guidance_scale} if type(pipe).__name__ == "QwenImagePipeline"
+                else {"guidance_scale": p.guidance_scale})
     try:
         return pipe(prompt, negative_prompt=p.negative_prompt, num_inference_steps=p.num_inference_steps,
-                    guidance_scale=p.guidance_scale, height=p.height, width=p.width, num_images_per_prompt=p.n,
-                    generator=torch.Generator("cpu").manual_seed(p.seed), output_type="np").images
+                    height=p.height, width=p.width, num_images_per_prompt=p.n,
+                    generator=torch.Generator("cpu").manual_seed(p.seed), output_type="np", **guidance).images
     finally:
         pipe.scheduler = base
 
@@ -184,6 +187,8 @@ def flow_batch(heun: bool) -> list[tuple[str, SamplingParams]]:
         ("a green star", P(num_inference_steps=4, guidance_scale=6.0, seed=3, n=2, height=32, width=16,
                            negative_prompt="blurry")),
         ("a red circle", P(num_inference_steps=6, guidance_scale=3.5, seed=4, height=32, width=32)),
+        ("a much longer prompt, so text lengths differ within one forward", P(
+            num_inference_steps=5, guidance_scale=5.0, seed=6, height=16, width=16, negative_prompt="dull")),
     ]
     if heun:  # a scheduler without a vectorized update: the per-request fallback
         batch.append(("heun", P(num_inference_steps=3, guidance_scale=3.0, seed=5, height=16, width=16,
@@ -191,7 +196,8 @@ def flow_batch(heun: bool) -> list[tuple[str, SamplingParams]]:
     return batch
 
 
-FLOW_PIPELINES = {"sd3": ("sd3_path", "StableDiffusion3Pipeline"), "flux": ("flux_path", "FluxPipeline")}
+FLOW_PIPELINES = {"sd3": ("sd3_path", "StableDiffusion3Pipeline"), "flux": ("flux_path", "FluxPipeline"),
+                  "qwen-image": ("qwen_image_path", "QwenImagePipeline")}
 
 
 @pytest.mark.parametrize("family", sorted(FLOW_PIPELINES))
@@ -208,6 +214,6 @@ def test_flow_matching_families_match_pipeline_per_request(family, request):
     outs = engine.generate([prompt for prompt, _ in batch], params, use_tqdm=False)
     for (prompt, _), p, out in zip(batch, params, outs):
         assert_matches_pipeline(pipe, prompt, p, out)
-    if family == "flux":  # Flux's shift `mu` cannot go to FlowMatchHeun (diffusers fails too): refused up front
+    if family != "sd3":  # a shift `mu` cannot go to FlowMatchHeun (diffusers fails too): refused up front
         with pytest.raises(ValueError, match="FlowMatchHeunDiscreteScheduler"):
             engine.add_request("heun", "x", SamplingParams(sampler="FlowMatchHeunDiscreteScheduler"))

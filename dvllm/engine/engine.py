@@ -134,7 +134,7 @@ class DiffusionEngine:
         plan = self._plan(resolved)
         request = Request(
             request_id=request_id, prompt=prompt, params=resolved, num_steps=plan.num_steps,
-            cfg=info.uses_cfg(resolved.guidance_scale), plan=plan,
+            cfg=info.uses_cfg(resolved.guidance_scale, resolved.negative_prompt), plan=plan,
             arrival_time=time.time() if arrival_time is None else arrival_time, arrival_seq=next(self._arrivals),
             latent_blocks=self._blocks(info.latent_numel(resolved.height, resolved.width)),
             cond_blocks=self._blocks(info.condition_numel), uses_history=plan.uses_history,

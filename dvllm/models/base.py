@@ -30,6 +30,7 @@ class ModelInfo:
     # One text's Conditions: key -> shape (no batch dimension); the pool stores them flat, in this order.
     condition_shapes: dict[str, tuple[int, ...]]
     supports_cfg: bool = True
+    cfg_needs_negative_prompt: bool = False  # Qwen-Image's "true CFG" runs only with a negative prompt
     # Packed latents (Flux, Qwen-Image): patches of latent_patch x latent_patch latent pixels become
     # one token of channels * latent_patch**2 features. 0: unpacked [C, h, w] latents.
     latent_patch: int = 0
@@ -37,8 +38,10 @@ class ModelInfo:
     # depend on the image (flow matching's resolution-dependent shift). A module-level function: picklable.
     timestep_kwargs: Callable[[int, int, int, dict[str, Any]], dict[str, Any]] | None = None
 
-    def uses_cfg(self, guidance_scale: float) -> bool:
-        """As diffusers: guidance above 1 adds unconditional rows."""
+    def uses_cfg(self, guidance_scale: float, negative_prompt: str | None = None) -> bool:
+        """As diffusers: guidance above 1 adds unconditional rows (with some models, only for a negative prompt)."""
+        if self.cfg_needs_negative_prompt and negative_prompt is None:
+            return False
         return self.supports_cfg and guidance_scale > 1.0
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
@@ -92,6 +95,10 @@ class ModelAdapter(ABC):
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                 guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         """One batched forward; every tensor has one row per model row; one (height, width) for all."""
+
+    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Classifier-free guidance, as the diffusers pipelines write it; scale broadcasts per row."""
+        return uncond + scale * (cond - uncond)
 
     @abstractmethod
     def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:

@@ -56,3 +56,17 @@ def byte_t5_tokenizer(model_max_length: int = 256) -> PreTrainedTokenizerFast:
     tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>",
                                    unk_token="<unk>", model_max_length=model_max_length)
+
+
+def byte_qwen_tokenizer(model_max_length: int = 2048) -> PreTrainedTokenizerFast:
+    """A Qwen-style chat tokenizer (byte-level, <|im_start|>/<|im_end|> as single tokens) from no files."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {char: i for i, char in enumerate(_byte_alphabet())}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   additional_special_tokens=specials[1:], model_max_length=model_max_length)

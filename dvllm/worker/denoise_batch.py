@@ -58,7 +58,7 @@ def denoise_step(adapter: ModelAdapter, denoiser: Denoiser, pool: StatePool, sta
     with timer.phase("forward"):
         out = denoiser(model_in, timesteps, conditions, guidance, size)
     with timer.phase("update_scatter"):
-        update(pool, batch, guide(batch, out), errors, previews)
+        update(pool, batch, guide(adapter, batch, out), errors, previews)
 
 
 def gather(adapter: ModelAdapter, pool: StatePool, states: list[RequestState]) -> Batch:
@@ -88,14 +88,14 @@ def model_inputs(adapter: ModelAdapter, pool: StatePool, batch: Batch) -> tuple[
     return model_in, conditions
 
 
-def guide(batch: Batch, out: torch.Tensor) -> torch.Tensor:
-    """As diffusers: uncond + g * (cond - uncond) on the CFG rows; the others as they came."""
+def guide(adapter: ModelAdapter, batch: Batch, out: torch.Tensor) -> torch.Tensor:
+    """The model's guidance on the CFG rows; the other rows as they came."""
     if not batch.num_cfg:
         return out
     n = batch.num_cfg
     cond, uncond = out[: len(batch.sample)], out[len(batch.sample):]
     g = batch.guidance[:n].to(out.dtype).view(batch.per_row)
-    return torch.cat([uncond + g * (cond[:n] - uncond), cond[n:]])
+    return torch.cat([adapter.combine_guidance(cond[:n], uncond, g), cond[n:]])
 
 
 def update(pool: StatePool, batch: Batch, out: torch.Tensor, errors: dict[str, str],

@@ -1,0 +1,90 @@
+"""Qwen-Image: a Qwen2.5-VL text encoder, MMDiT over packed latents, "true" CFG with its own rescaling.
+
+Text embeddings have a different length for every prompt. The pool stores each one
+padded to the pipeline's maximum (MAX_TEXT_TOKENS) with its mask; a batch is cut back
+to its longest prompt, and the mask keeps the padding out of attention. Padding instead
+of packing keeps every prompt a fixed-size entry in the prompt cache, and the text
+positions of real tokens (Qwen's RoPE) do not change with padding.
+
+dvllm's guidance_scale is the pipeline's `true_cfg_scale`: as in diffusers, CFG runs only
+for requests with a negative prompt. Guidance-distilled variants (guidance_embeds) are not served.
+"""
+from __future__ import annotations
+
+from functools import cached_property, partial
+from typing import Any
+
+import torch
+
+from dvllm.models.base import Conditions, ModelAdapter, ModelInfo
+from dvllm.models.flux import flux_timestep_kwargs
+
+MAX_TEXT_TOKENS = 1024  # the pipeline's tokenizer_max_length and max_sequence_length
+
+
+class QwenImageAdapter(ModelAdapter):
+    pipeline_classes = ("QwenImagePipeline",)
+    load_kwargs: dict[str, Any] = {}
+
+    def __init__(self, pipeline: Any, name: str, device: torch.device, dtype: torch.dtype) -> None:
+        if pipeline.transformer.config.guidance_embeds:
+            raise ValueError(f"{name}: guidance-distilled Qwen-Image models (guidance_embeds) are not supported")
+        super().__init__(pipeline, name, device, dtype)
+
+    @cached_property
+    def info(self) -> ModelInfo:
+        pipe = self.pipeline
+        factor = pipe.vae_scale_factor
+        hidden = pipe.text_encoder.config.text_config.hidden_size
+        scheduler_config = {**pipe.scheduler.config, "_class_name": type(pipe.scheduler).__name__}
+        return ModelInfo(
+            name=self.name, family="qwen-image", pipeline_class=type(pipe).__name__, scheduler_config=scheduler_config,
+            default_steps=50, default_guidance=4.0,  # the pipeline's num_inference_steps and true_cfg_scale
+            default_height=pipe.default_sample_size * factor, default_width=pipe.default_sample_size * factor,
+            size_factor=factor * 2, latent_channels=pipe.transformer.config.in_channels // 4, latent_scale=factor,
+            latent_patch=2,
+            condition_shapes={"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
+            cfg_needs_negative_prompt=True, timestep_kwargs=partial(flux_timestep_kwargs, factor),
+        )
+
+    def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
+        embeds, mask = self.pipeline.encode_prompt([text or "" for text, _ in texts], device=self.device,
+                                                   num_images_per_prompt=1, max_sequence_length=MAX_TEXT_TOKENS)
+        if mask is None:
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
+        pad = MAX_TEXT_TOKENS - embeds.shape[1]
+        embeds = torch.nn.functional.pad(embeds, (0, 0, 0, pad))
+        mask = torch.nn.functional.pad(mask, (0, pad)).to(embeds.dtype)
+        return [{"prompt_embeds": e, "prompt_embeds_mask": m} for e, m in zip(embeds.split(1), mask.split(1))]
+
+    def prepare_latents(self, n: int, height: int, width: int, generator: torch.Generator,
+                        init_noise_sigma: float) -> torch.Tensor:
+        channels = self.pipeline.transformer.config.in_channels // 4
+        latents = self.pipeline.prepare_latents(n, channels, height, width, self.dtype, self.device, generator)
+        return latents * init_noise_sigma
+
+    def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
+                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+        pipe = self.pipeline
+        mask = conditions["prompt_embeds_mask"] > 0.5
+        length = int(mask.sum(dim=1).max())  # the batch's longest prompt: the rest is padding
+        mask, embeds = mask[:, :length], conditions["prompt_embeds"][:, :length]
+        patches = (1, image_size[0] // pipe.vae_scale_factor // 2, image_size[1] // pipe.vae_scale_factor // 2)
+        return pipe.transformer(
+            hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000, guidance=None,
+            encoder_hidden_states_mask=None if bool(mask.all()) else mask.long(), encoder_hidden_states=embeds,
+            img_shapes=[[patches]] * len(latents), return_dict=False,
+        )[0]
+
+    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        # As QwenImagePipeline: CFG, then each token rescaled to the conditional prediction's norm.
+        combined = uncond + scale * (cond - uncond)
+        return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+
+    def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+        pipe, config = self.pipeline, self.pipeline.vae.config
+        latents = pipe._unpack_latents(latents, image_size[0], image_size[1], pipe.vae_scale_factor).to(pipe.vae.dtype)
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        image = pipe.vae.decode(latents / std + mean, return_dict=False)[0][:, :, 0]
+        return pipe.image_processor.postprocess(image, output_type="pt")
