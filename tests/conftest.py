@@ -221,3 +221,39 @@ def qwen_image_path(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-qwen-image")
     tiny_qwen_image_pipeline().save_pretrained(path)
     return str(path)
+
+
+def tiny_z_image_pipeline():
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    from dvllm.models.byte_tokenizer import byte_qwen_tokenizer
+
+    torch.manual_seed(0)
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2, n_refiner_layers=1,
+        n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[8, 4, 4], axes_lens=[256, 32, 32],
+    )
+    torch.manual_seed(1)
+    vae = AutoencoderKL(
+        block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.1159, scaling_factor=0.3611,
+    )
+    torch.manual_seed(2)
+    text_encoder = Qwen3Model(Qwen3Config(hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=2, head_dim=8, vocab_size=300,
+                                          max_position_embeddings=1024))
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_image_seq_len=4, max_image_seq_len=64,
+                                                base_shift=0.5, max_shift=1.15, shift=3.0)
+    pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=byte_qwen_tokenizer(),
+                          transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="session")
+def z_image_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-z-image")
+    tiny_z_image_pipeline().save_pretrained(path)
+    return str(path)

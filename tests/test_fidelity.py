@@ -197,7 +197,7 @@ def flow_batch(heun: bool) -> list[tuple[str, SamplingParams]]:
 
 
 FLOW_PIPELINES = {"sd3": ("sd3_path", "StableDiffusion3Pipeline"), "flux": ("flux_path", "FluxPipeline"),
-                  "qwen-image": ("qwen_image_path", "QwenImagePipeline")}
+                  "qwen-image": ("qwen_image_path", "QwenImagePipeline"), "z-image": ("z_image_path", "ZImagePipeline")}
 
 
 @pytest.mark.parametrize("family", sorted(FLOW_PIPELINES))

@@ -31,6 +31,7 @@ class ModelInfo:
     condition_shapes: dict[str, tuple[int, ...]]
     supports_cfg: bool = True
     cfg_needs_negative_prompt: bool = False  # Qwen-Image's "true CFG" runs only with a negative prompt
+    cfg_threshold: float = 1.0  # CFG for guidance above this (Z-Image: above 0)
     # Packed latents (Flux, Qwen-Image): patches of latent_patch x latent_patch latent pixels become
     # one token of channels * latent_patch**2 features. 0: unpacked [C, h, w] latents.
     latent_patch: int = 0
@@ -42,7 +43,7 @@ class ModelInfo:
         """As diffusers: guidance above 1 adds unconditional rows (with some models, only for a negative prompt)."""
         if self.cfg_needs_negative_prompt and negative_prompt is None:
             return False
-        return self.supports_cfg and guidance_scale > 1.0
+        return self.supports_cfg and guidance_scale > self.cfg_threshold
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """One image's latents as the denoiser takes them (no batch dimension)."""

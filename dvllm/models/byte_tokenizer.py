@@ -68,5 +68,14 @@ def byte_qwen_tokenizer(model_max_length: int = 2048) -> PreTrainedTokenizerFast
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+    qwen = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>", eos_token="<|im_end|>",
                                    additional_special_tokens=specials[1:], model_max_length=model_max_length)
+    qwen.chat_template = CHAT_TEMPLATE
+    return qwen
+
+
+# The ChatML layout Qwen's tokenizers use (Z-Image formats prompts with it).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)

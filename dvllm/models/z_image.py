@@ -1,0 +1,84 @@
+"""Z-Image: a Qwen3 text encoder, a single-stream DiT over lists of variable-length captions.
+
+As Qwen-Image, each prompt's embedding is stored padded to MAX_TEXT_TOKENS with its mask
+(a fixed-size prompt-cache entry); the transformer takes a list with each caption cut
+back to its own length. Z-Image's guidance is pos + g * (pos - neg), on whenever g > 0,
+and its transformer predicts the negated velocity on reversed time, which denoise()
+turns into what the flow scheduler steps on.
+"""
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from dvllm.models.base import Conditions, ModelAdapter, ModelInfo
+from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len
+
+MAX_TEXT_TOKENS = 512  # the pipeline's max_sequence_length
+
+
+def z_image_timestep_kwargs(vae_scale: int, height: int, width: int, num_steps: int,
+                            config: dict[str, Any]) -> dict[str, Any]:
+    """As ZImagePipeline: sigmas from 1 to 1/steps (torch's float32 linspace) and a size-dependent mu."""
+    return {"sigmas": torch.linspace(1.0, 1 / num_steps, num_steps).tolist(),
+            "mu": dynamic_shift_mu(config, image_seq_len(height, width, vae_scale, 2))}
+
+
+class ZImageAdapter(ModelAdapter):
+    pipeline_classes = ("ZImagePipeline",)
+    load_kwargs: dict[str, Any] = {}
+
+    @cached_property
+    def info(self) -> ModelInfo:
+        from functools import partial
+
+        pipe = self.pipeline
+        factor = pipe.vae_scale_factor
+        hidden = pipe.text_encoder.config.hidden_size
+        scheduler_config = {**pipe.scheduler.config, "_class_name": type(pipe.scheduler).__name__}
+        return ModelInfo(
+            name=self.name, family="z-image", pipeline_class=type(pipe).__name__, scheduler_config=scheduler_config,
+            default_steps=50, default_guidance=5.0, default_height=1024, default_width=1024,  # the pipeline's defaults
+            size_factor=factor * 2, latent_channels=pipe.transformer.in_channels, latent_scale=factor,
+            condition_shapes={"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
+            cfg_threshold=0.0, timestep_kwargs=partial(z_image_timestep_kwargs, factor),
+        )
+
+    def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
+        embeds, _ = self.pipeline.encode_prompt([text or "" for text, _ in texts], device=self.device,
+                                                do_classifier_free_guidance=False, max_sequence_length=MAX_TEXT_TOKENS)
+        out = []
+        for e in embeds:  # [length, hidden] each
+            padded = e.new_zeros(1, MAX_TEXT_TOKENS, e.shape[-1])
+            padded[0, :len(e)] = e
+            mask = e.new_zeros(1, MAX_TEXT_TOKENS)
+            mask[0, :len(e)] = 1
+            out.append({"prompt_embeds": padded, "prompt_embeds_mask": mask})
+        return out
+
+    def prepare_latents(self, n: int, height: int, width: int, generator: torch.Generator,
+                        init_noise_sigma: float) -> torch.Tensor:
+        # The pipeline keeps its latents in float32 whatever the model's dtype.
+        latents = self.pipeline.prepare_latents(n, self.pipeline.transformer.in_channels, height, width,
+                                                torch.float32, self.device, generator)
+        return (latents * init_noise_sigma).to(self.dtype)
+
+    def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
+                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+        transformer = self.pipeline.transformer
+        lengths = (conditions["prompt_embeds_mask"] > 0.5).sum(dim=1).tolist()
+        captions = [e[:int(n)] for e, n in zip(conditions["prompt_embeds"], lengths)]
+        frames = list(latents.to(transformer.dtype).unsqueeze(2).unbind(dim=0))
+        out = transformer(frames, (1000 - timesteps) / 1000, captions, return_dict=False)[0]
+        return -torch.stack([o.float() for o in out]).squeeze(2)
+
+    def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return cond + scale * (cond - uncond)  # Z-Image's form: g = 0 is no guidance
+
+    def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+        vae = self.pipeline.vae
+        latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        return self.pipeline.image_processor.postprocess(image, output_type="pt")
