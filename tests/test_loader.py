@@ -231,6 +231,8 @@ PRESET_SIZES = {
     "sd3-medium": {"transformer": 2028, "vae": 83.8, "text_encoder": 124, "text_encoder_2": 695,
                    "text_encoder_3": 4762},
     "flux-dev": {"transformer": 11901, "vae": 83.8, "text_encoder": 123, "text_encoder_2": 4762},
+    "qwen-image": {"transformer": 20430, "vae": 126.9, "text_encoder": 8292},
+    "z-image-turbo": {"transformer": 6155, "vae": 83.8, "text_encoder": 4022},
 }
 
 

@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from dvllm.models.base import ModelAdapter
-from dvllm.models.byte_tokenizer import byte_clip_tokenizer, byte_t5_tokenizer
+from dvllm.models.byte_tokenizer import byte_clip_tokenizer, byte_qwen_tokenizer, byte_t5_tokenizer
 from dvllm.models.registry import adapter_for
 
 DEFAULT_MODEL = "tiny-sd"
@@ -134,6 +134,8 @@ def _build_component(cls: type, name: str, source: ModelSource) -> Any:
         kind = config.get("byte_level")
         if kind == "t5":
             return byte_t5_tokenizer(config["model_max_length"])
+        if kind == "qwen":
+            return byte_qwen_tokenizer(config["model_max_length"])
         if kind:  # "clip" (or true, as older presets say)
             return byte_clip_tokenizer(config["model_max_length"], config.get("pad_token", "<|endoftext|>"))
         if hasattr(cls, "from_config"):  # diffusers models and schedulers
