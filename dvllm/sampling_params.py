@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dvllm.config import EngineConfig
@@ -27,6 +27,10 @@ class SamplingParams:
     output_type: str = "pil"
     priority: int = 0
     num_previews: int = 0  # partial images decoded from the x0 estimate, spread over the steps
+    # Image-to-image: a PIL image, an HxWx3 uint8 array or a file path; strength in (0, 1] is how much of
+    # the schedule it runs (1.0 ignores the image's content). None: the model's default strength.
+    image: Any = None
+    strength: float | None = None
 
     def validate(self) -> None:
         """Checks that need no model; raises ValueError naming the field."""
@@ -52,17 +56,29 @@ class SamplingParams:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
         _optional_int("num_previews", self.num_previews, low=0)
+        if self.strength is not None:
+            if isinstance(self.strength, bool) or not isinstance(self.strength, (int, float)) \
+                    or not 0 < self.strength <= 1:
+                raise ValueError(f"strength must be in (0, 1], got {self.strength!r}")
+            if self.image is None:
+                raise ValueError("strength needs an image (image-to-image)")
 
     def resolve(self, info: "ModelInfo", config: "EngineConfig") -> "SamplingParams":
         """A copy with every default filled from the model, checked against the engine's limits."""
         self.validate()
+        image = None if self.image is None else _load_image(self.image, info, config)
+        # An image sets the size, rounded down to the model's size factor, as the img2img pipelines do.
+        image_h, image_w = (info.default_height, info.default_width) if image is None else \
+            (image.height // info.size_factor * info.size_factor, image.width // info.size_factor * info.size_factor)
         resolved = dataclasses.replace(
             self,
             num_inference_steps=self.num_inference_steps or info.default_steps,
             guidance_scale=info.default_guidance if self.guidance_scale is None else float(self.guidance_scale),
-            height=self.height or info.default_height,
-            width=self.width or info.default_width,
+            height=self.height or image_h,
+            width=self.width or image_w,
             seed=secrets.randbelow(SEED_LIMIT) if self.seed is None else self.seed,
+            image=image,
+            strength=None if image is None else (info.default_strength if self.strength is None else self.strength),
         )
         if resolved.num_inference_steps > config.max_inference_steps:
             raise ValueError(
@@ -87,3 +103,31 @@ def _optional_int(name: str, value: object, low: int) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _load_image(image: Any, info: "ModelInfo", config: "EngineConfig") -> Any:
+    """An RGB PIL image from what the caller gave; ValueError naming `image` otherwise."""
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    if not info.supports_img2img:
+        raise ValueError(f"image: image-to-image is not supported for the {info.family} family")
+    try:
+        if isinstance(image, str):
+            with Image.open(image) as f:
+                image = f.copy()
+        elif isinstance(image, np.ndarray):
+            if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+                raise ValueError(f"an array must be HxWx3 uint8, got {image.dtype} {image.shape}")
+            image = Image.fromarray(image)
+        elif not isinstance(image, Image.Image):
+            raise ValueError(f"expected a PIL image, an HxWx3 uint8 array or a path, got {type(image).__name__}")
+        if image.width * image.height > config.max_image_pixels:
+            raise ValueError(f"{image.width}x{image.height} is over max_image_pixels={config.max_image_pixels}")
+        if min(image.width, image.height) < info.size_factor:
+            raise ValueError(f"{image.width}x{image.height} is smaller than {info.size_factor} px on a side")
+        return image.convert("RGB")
+    except (OSError, UnidentifiedImageError) as e:
+        raise ValueError(f"image: cannot read it as an image: {e}") from None
+    except ValueError as e:
+        raise ValueError(str(e) if str(e).startswith("image") else f"image: {e}") from None

@@ -34,6 +34,7 @@ class NewRequestData:
     plan: Any  # dvllm.samplers.SamplerPlan
     blocks: BlockTables
     preview_steps: frozenset[int] = frozenset()  # after these step counts, decode a preview
+    image: Any = None  # image-to-image: the start image (PIL, RGB), sent once
 
 
 @dataclass

@@ -158,10 +158,10 @@ class DiffusionEngine:
         info, steps = self.model_info, params.num_inference_steps
         extra = info.timestep_kwargs(params.height, params.width, steps, info.scheduler_config) \
             if info.timestep_kwargs else {}
-        key = (params.sampler, steps, tuple(sorted((k, _hashable(v)) for k, v in extra.items())))
+        key = (params.sampler, steps, params.strength, tuple(sorted((k, _hashable(v)) for k, v in extra.items())))
         plan = self._plans.get(key)
         if plan is None:
-            plan = build_plan(info.scheduler_config, params.sampler, steps, **extra)
+            plan = build_plan(info.scheduler_config, params.sampler, steps, params.strength, **extra)
             self._plans[key] = plan
             if len(self._plans) > self.config.sampler_plan_cache_size:
                 self._plans.popitem(last=False)

@@ -32,6 +32,8 @@ class ModelInfo:
     supports_cfg: bool = True
     cfg_needs_negative_prompt: bool = False  # Qwen-Image's "true CFG" runs only with a negative prompt
     cfg_threshold: float = 1.0  # CFG for guidance above this (Z-Image: above 0)
+    supports_img2img: bool = False
+    default_strength: float = 0.8  # the img2img pipeline's default
     # Packed latents (Flux, Qwen-Image): patches of latent_patch x latent_patch latent pixels become
     # one token of channels * latent_patch**2 features. 0: unpacked [C, h, w] latents.
     latent_patch: int = 0
@@ -91,6 +93,11 @@ class ModelAdapter(ABC):
     def prepare_latents(self, n: int, height: int, width: int, generator: torch.Generator,
                         init_noise_sigma: float) -> torch.Tensor:
         """Initial noise for n images, drawn exactly as the diffusers pipeline draws it."""
+
+    def encode_image(self, image: Any, n: int, height: int, width: int, generator: torch.Generator,
+                     start_noise: tuple[float, float]) -> torch.Tensor:
+        """Image-to-image start latents: the image through the VAE, noised as the img2img pipeline does."""
+        raise ValueError(f"image-to-image is not supported for the {self.info.family} family")
 
     @abstractmethod
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,

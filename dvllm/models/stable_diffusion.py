@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from functools import cached_property
+from typing import Any
 
 import torch
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 
 from dvllm.models.base import Conditions, ModelAdapter, ModelInfo
@@ -14,6 +16,7 @@ class StableDiffusionAdapter(ModelAdapter):
     load_kwargs = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
     family = "stable-diffusion"
     default_guidance = 7.5  # the pipeline's __call__ defaults
+    default_strength = 0.8  # StableDiffusionImg2ImgPipeline's
 
     @cached_property
     def info(self) -> ModelInfo:
@@ -39,6 +42,7 @@ class StableDiffusionAdapter(ModelAdapter):
             condition_shapes={k: tuple(v.shape[1:]) for k, v in probe.items()},
             # LCM-distilled UNets embed the guidance scale instead of running CFG rows.
             supports_cfg=pipe.unet.config.time_cond_proj_dim is None,
+            supports_img2img=True, default_strength=self.default_strength,
         )
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
@@ -54,6 +58,22 @@ class StableDiffusionAdapter(ModelAdapter):
                         init_noise_sigma: float) -> torch.Tensor:
         shape = (n, *self.latent_shape(height, width))
         return randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype) * init_noise_sigma
+
+    def encode_image(self, image: Any, n: int, height: int, width: int, generator: torch.Generator,
+                     start_noise: tuple[float, float]) -> torch.Tensor:
+        # As the img2img pipeline's prepare_latents: a VAE sample (drawn from the request's generator),
+        # scaled, repeated for n images, then noised to the start step with the same generator.
+        pixels = self.pipeline.image_processor.preprocess(image, height=height, width=width)
+        vae = self.pipeline.vae
+        latents = retrieve_latents(vae.encode(pixels.to(self.device, vae.dtype)), generator=generator)
+        latents = self._scale_image_latents(latents.to(self.dtype))
+        latents = torch.cat([latents] * n)
+        noise = randn_tensor(latents.shape, generator=generator, device=self.device, dtype=self.dtype)
+        a, b = start_noise
+        return a * latents + b * noise
+
+    def _scale_image_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.pipeline.vae.config.scaling_factor * latents
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                 guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:

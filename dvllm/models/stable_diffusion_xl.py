@@ -12,6 +12,7 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
     load_kwargs = {"add_watermarker": False}  # dvllm returns the model's own pixels
     family = "stable-diffusion-xl"
     default_guidance = 5.0
+    default_strength = 0.3  # StableDiffusionXLImg2ImgPipeline's
 
     def __init__(self, pipeline, name: str, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__(pipeline, name, device, dtype)
@@ -57,6 +58,14 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
             added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids.to(self.device).repeat(len(latents), 1)},
             return_dict=False,
         )[0]
+
+    def _scale_image_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        config = self.pipeline.vae.config
+        if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
+            mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+            std = torch.tensor(config.latents_std).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+            return (latents - mean) * config.scaling_factor / std
+        return config.scaling_factor * latents
 
     def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         vae = self.pipeline.vae

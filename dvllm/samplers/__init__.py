@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 from diffusers import SchedulerMixin
 
 from dvllm.samplers.discrete import ddim_steps, lcm_steps
@@ -42,9 +43,10 @@ _VECTORIZED: dict[str, tuple[Callable[[Any], bool], Callable[[Any], list[StepRow
 
 
 def build_plan(model_scheduler_config: dict[str, Any], sampler: str | None, num_steps: int,
-               **timestep_kwargs: Any) -> SamplerPlan:
+               strength: float | None = None, **timestep_kwargs: Any) -> SamplerPlan:
     """The schedule of `sampler` for `num_steps`, as diffusers computes it; ValueError if it cannot run.
-    timestep_kwargs go to set_timesteps as the model's pipeline passes them (sigmas, mu)."""
+    timestep_kwargs go to set_timesteps as the model's pipeline passes them (sigmas, mu). With a
+    strength (image-to-image) the run skips the schedule's first steps, as the img2img pipelines do."""
     scheduler = make_scheduler(model_scheduler_config, sampler)
     name = sampler or model_scheduler_config["_class_name"]
     try:
@@ -52,14 +54,35 @@ def build_plan(model_scheduler_config: dict[str, Any], sampler: str | None, num_
             scheduler.set_timesteps(device="cpu", **timestep_kwargs)
         else:
             scheduler.set_timesteps(num_steps, device="cpu", **timestep_kwargs)
-        return plan_for(name, scheduler)
+        if strength is None:
+            return plan_for(name, scheduler)
+        return _img2img_plan(name, scheduler, num_steps, strength)
     except (ValueError, TypeError, IndexError) as e:  # e.g. a schedule that indexes past the training steps
         raise ValueError(f"num_inference_steps={num_steps} does not work with sampler {name!r}: {e}") from e
 
 
-def plan_for(name: str, scheduler: SchedulerMixin) -> SamplerPlan:
+def plan_for(name: str, scheduler: SchedulerMixin, start: int = 0) -> SamplerPlan:
     entry = _VECTORIZED.get(type(scheduler).__name__)
     if entry is None or not entry[0](scheduler.config):
-        return fallback_plan(name, scheduler)
+        return fallback_plan(name, scheduler, start)
     _, steps_of, uses_history = entry
-    return SamplerPlan(name, steps_of(scheduler), init_noise_sigma(scheduler), uses_history=uses_history)
+    return SamplerPlan(name, steps_of(scheduler, start)[start:], init_noise_sigma(scheduler), uses_history=uses_history,
+                       start_index=start)
+
+
+def _img2img_plan(name: str, scheduler: SchedulerMixin, num_steps: int, strength: float) -> SamplerPlan:
+    # As the img2img pipelines' get_timesteps: skip the first (1 - strength) of the schedule.
+    start = (num_steps - min(int(num_steps * strength), num_steps)) * scheduler.order
+    if start >= len(scheduler.timesteps):
+        raise ValueError(f"strength={strength} leaves no step to run out of {num_steps}; raise strength or steps")
+    if not hasattr(scheduler, "add_noise"):
+        raise ValueError(f"sampler {name!r} cannot start from an image (its scheduler has no add_noise)")
+    if hasattr(scheduler, "set_begin_index"):
+        scheduler.set_begin_index(start)
+    # add_noise is linear in (image latents, noise): read its two coefficients at the start timestep.
+    t = scheduler.timesteps[start:start + 1]
+    one, zero = torch.ones(1), torch.zeros(1)
+    a, b = float(scheduler.add_noise(one, zero, t)), float(scheduler.add_noise(zero, one, t))
+    plan = plan_for(name, scheduler, start)
+    plan.start_noise = (a, b)
+    return plan

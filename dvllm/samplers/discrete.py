@@ -32,7 +32,7 @@ def _alpha(scheduler, timestep: int) -> float:
     return float(scheduler.final_alpha_cumprod)
 
 
-def ddim_steps(scheduler) -> list[StepRow]:
+def ddim_steps(scheduler, start: int = 0) -> list[StepRow]:
     config = scheduler.config
     ratio = config.num_train_timesteps // scheduler.num_inference_steps
     clip = clip_value(config)
@@ -53,7 +53,7 @@ def ddim_steps(scheduler) -> list[StepRow]:
     return rows
 
 
-def lcm_steps(scheduler) -> list[StepRow]:
+def lcm_steps(scheduler, start: int = 0) -> list[StepRow]:
     config = scheduler.config
     timesteps = scheduler.timesteps
     clip = clip_value(config)

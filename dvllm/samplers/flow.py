@@ -10,7 +10,7 @@ from dvllm.samplers.plan import StepRow
 INF = float("inf")
 
 
-def flow_euler_steps(scheduler) -> list[StepRow]:
+def flow_euler_steps(scheduler, start: int = 0) -> list[StepRow]:
     sigmas = scheduler.sigmas.tolist()
     stochastic = scheduler.config.stochastic_sampling
     rows = []

@@ -34,6 +34,9 @@ class SamplerPlan:
     uses_history: bool = False
     # Set only for schedulers served per request: a prototype copied for each request.
     fallback: SchedulerMixin | None = field(default=None, repr=False)
+    # Image-to-image: the run begins at this index of the full schedule, from a * image_latents + b * noise.
+    start_index: int = 0
+    start_noise: tuple[float, float] | None = None
 
     @property
     def num_steps(self) -> int:
@@ -48,11 +51,11 @@ class SamplerPlan:
         return copy.deepcopy(self.fallback)
 
 
-def fallback_plan(name: str, scheduler: SchedulerMixin) -> SamplerPlan:
+def fallback_plan(name: str, scheduler: SchedulerMixin, start: int = 0) -> SamplerPlan:
     # The vectorized update leaves these rows as they are (prev = sample); diffusers steps them.
     identity = tuple(1.0 if i == CS else (float("inf") if i == CLIP else 0.0) for i in range(NUM_COEFFS))
-    steps = [StepRow(float(t), 1.0, identity) for t in scheduler.timesteps]
-    return SamplerPlan(name, steps, init_noise_sigma(scheduler), fallback=scheduler)
+    steps = [StepRow(float(t), 1.0, identity) for t in scheduler.timesteps[start:]]
+    return SamplerPlan(name, steps, init_noise_sigma(scheduler), fallback=scheduler, start_index=start)
 
 
 def init_noise_sigma(scheduler: SchedulerMixin) -> float:

@@ -25,7 +25,7 @@ def _c_in(sigma: float) -> float:
     return 1.0 / math.sqrt(sigma**2 + 1.0)
 
 
-def euler_steps(scheduler) -> list[StepRow]:
+def euler_steps(scheduler, start: int = 0) -> list[StepRow]:
     sigmas = scheduler.sigmas.tolist()
     prediction = scheduler.config.prediction_type
     rows = []
@@ -37,7 +37,7 @@ def euler_steps(scheduler) -> list[StepRow]:
     return rows
 
 
-def euler_ancestral_steps(scheduler) -> list[StepRow]:
+def euler_ancestral_steps(scheduler, start: int = 0) -> list[StepRow]:
     sigmas = scheduler.sigmas.tolist()
     prediction = scheduler.config.prediction_type
     if prediction not in ("epsilon", "v_prediction"):
@@ -59,8 +59,9 @@ def _alpha_sigma(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return alpha, sigma * alpha
 
 
-def dpmpp_steps(scheduler) -> list[StepRow]:
-    """DPM-Solver++ (multistep, order 1 or 2, midpoint or heun); history holds the previous x0."""
+def dpmpp_steps(scheduler, start: int = 0) -> list[StepRow]:
+    """DPM-Solver++ (multistep, order 1 or 2, midpoint or heun); history holds the previous x0.
+    A run that begins at `start` (image-to-image) takes its first step at first order, as diffusers does."""
     config = scheduler.config
     sigmas = scheduler.sigmas.to(torch.float64)
     num = len(scheduler.timesteps)
@@ -84,7 +85,7 @@ def dpmpp_steps(scheduler) -> list[StepRow]:
         alpha_t, sigma_t = alphas[i + 1].item(), sigma_ts[i + 1].item()
         phi = alpha_t * (math.exp(-h) - 1.0)
         cs, cx, ch = sigma_t / sigma_s, -phi, 0.0
-        if config.solver_order == 2 and i >= 1 and not lower_order_final:
+        if config.solver_order == 2 and i - start >= 1 and not lower_order_final:
             r0 = (lambdas[i] - lambdas[i - 1]).item() / h
             if config.solver_type == "midpoint":
                 cx, ch = -phi - 0.5 * phi / r0, 0.5 * phi / r0

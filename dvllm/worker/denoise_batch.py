@@ -78,7 +78,7 @@ def model_inputs(adapter: ModelAdapter, pool: StatePool, batch: Batch) -> tuple[
     model_in = batch.sample * batch.c_in.to(batch.sample.dtype).view(batch.per_row)
     for s, (lo, hi) in zip(states, batch.bounds):
         if s.fallback is not None and hasattr(s.fallback, "scale_model_input"):  # flow schedulers have none
-            model_in[lo:hi] = s.fallback.scale_model_input(batch.sample[lo:hi], s.fallback.timesteps[s.step])
+            model_in[lo:hi] = s.fallback.scale_model_input(batch.sample[lo:hi], s.fallback_timestep)
     cfg_states = [s for s in states if s.data.cfg]
     cond_rows = [s.blocks.cond for s in states for _ in range(s.n)]
     cond_rows += [s.blocks.uncond for s in cfg_states for _ in range(s.n)]
@@ -115,7 +115,7 @@ def update(pool: StatePool, batch: Batch, out: torch.Tensor, errors: dict[str, s
     for s, (lo, hi) in zip(states, batch.bounds):
         if s.fallback is not None:  # its rows were left as they were; step them the diffusers way
             try:
-                t = s.fallback.timesteps[s.step]
+                t = s.fallback_timestep
                 kwargs = {"generator": s.generator} if _accepts_generator(s.fallback) else {}
                 result = s.fallback.step(out[lo:hi], t, sample[lo:hi], **kwargs)
                 pool.write(s.blocks.latents, result.prev_sample)

@@ -76,7 +76,10 @@ class ModelRunner:
         def prepare(group: list[NewRequestData]) -> None:
             for d in group:  # new requests may differ in size: one write each
                 generator = torch.Generator("cpu").manual_seed(d.seed)
-                x = self.adapter.prepare_latents(d.n, d.height, d.width, generator, d.plan.init_noise_sigma)
+                if d.image is not None:
+                    x = self.adapter.encode_image(d.image, d.n, d.height, d.width, generator, d.plan.start_noise)
+                else:
+                    x = self.adapter.prepare_latents(d.n, d.height, d.width, generator, d.plan.init_noise_sigma)
                 self.pool.write(d.blocks.latents, x.reshape(d.n, -1))
                 if d.blocks.history:  # multistep history starts at zero (its first step reads it with weight 0)
                     self.pool.write(d.blocks.history, self.pool.data.new_zeros(d.n, x[0].numel()))

@@ -32,6 +32,11 @@ class RequestState:
         return self.data.n
 
     @property
+    def fallback_timestep(self) -> torch.Tensor:
+        """The diffusers scheduler's own timestep for this step (an img2img run starts into its schedule)."""
+        return self.fallback.timesteps[self.plan.start_index + self.step]
+
+    @property
     def done(self) -> bool:
         return self.step >= self.plan.num_steps
 
