@@ -28,6 +28,7 @@ from dvllm.engine.async_engine import AsyncDiffusionEngine
 from dvllm.entrypoints.image_store import ImageStore
 from dvllm.entrypoints.metrics import ServerMetrics
 from dvllm.entrypoints.protocol import APIError, ModelCard, ModelList
+from dvllm.entrypoints.serving_edits import create_edit
 from dvllm.entrypoints.serving_images import ServerContext, create_images
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,10 @@ def _v1_routes(ctx: ServerContext) -> APIRouter:
     @guarded.post("/v1/images/generations")
     async def images_generations(request: Request) -> Response:
         return await create_images(request, ctx)
+
+    @guarded.post("/v1/images/edits")
+    async def images_edits(request: Request) -> Response:
+        return await create_edit(request, ctx)
 
     @guarded.get("/v1/models")
     async def list_models() -> dict:

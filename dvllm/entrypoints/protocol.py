@@ -6,7 +6,7 @@ Unknown fields are accepted and ignored, as vLLM does; the server logs them.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -72,6 +72,9 @@ class ImageGenerationRequest(BaseModel):
         except ValidationError as e:
             raise _validation_error(e) from None
 
+    # The streamed events' type prefix (OpenAI names edits' events image_edit.*).
+    event_prefix: ClassVar[str] = "image_generation"
+
     @property
     def image_count(self) -> int:
         return 1 if self.n is None else self.n
@@ -113,7 +116,7 @@ def parse_size(size: str | None) -> tuple[int | None, int | None]:
 _ENGINE_FIELDS = {"height": "size", "width": "size", "height*width": "size", "num_previews": "partial_images",
                   "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale", "n": "n",
                   "seed": "seed", "sampler": "sampler", "negative_prompt": "negative_prompt", "prompt": "prompt",
-                  "priority": "priority"}
+                  "priority": "priority", "image": "image", "strength": "strength"}
 
 
 def engine_value_error(error: ValueError) -> APIError:
@@ -174,12 +177,12 @@ class _ImageEvent(BaseModel):
 
 
 class PartialImageEvent(_ImageEvent):
-    type: Literal["image_generation.partial_image"] = "image_generation.partial_image"
+    type: str = "image_generation.partial_image"  # image_edit.partial_image for /v1/images/edits
     partial_image_index: int
 
 
 class CompletedEvent(_ImageEvent):
-    type: Literal["image_generation.completed"] = "image_generation.completed"
+    type: str = "image_generation.completed"  # image_edit.completed for /v1/images/edits
     usage: Usage = Field(default_factory=Usage)
     seed: int
 
@@ -194,3 +197,17 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ImageEditRequest(ImageGenerationRequest):
+    """POST /v1/images/edits (multipart): the generation fields, the start image, and dvllm's strength."""
+
+    event_prefix: ClassVar[str] = "image_edit"
+    strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    input_fidelity: Any = None  # OpenAI's; does not apply
+    image: Any = Field(None, exclude=True)  # the decoded PIL image, attached after parsing
+
+    def sampling_params(self) -> SamplingParams:
+        params = super().sampling_params()
+        params.image, params.strength = self.image, self.strength
+        return params

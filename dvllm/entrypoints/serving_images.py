@@ -66,20 +66,31 @@ def outcome_of(status: int) -> str:
 
 
 async def create_images(request: Request, ctx: ServerContext) -> Response:
+    """POST /v1/images/generations: a JSON body."""
+    async def parse() -> ImageGenerationRequest:
+        return ImageGenerationRequest.parse(await read_json_body(request, ctx.max_body_bytes))
+
+    return await serve_request(request, ctx, parse)
+
+
+async def serve_request(request: Request, ctx: ServerContext,
+                        parse: Callable[[], Awaitable[ImageGenerationRequest]]) -> Response:
+    """One images request, generations or edits, whatever its body: parse it, then run it."""
     try:
-        return await _create_images(request, ctx)
+        return await _serve(request, ctx, parse)
     except APIError as e:  # every refusal counts, whichever check made it
         ctx.metrics.request_done(outcome_of(e.status))
         raise
 
 
-async def _create_images(request: Request, ctx: ServerContext) -> Response:
+async def _serve(request: Request, ctx: ServerContext,
+                 parse: Callable[[], Awaitable[ImageGenerationRequest]]) -> Response:
     request_id = f"img-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
     deadline = None if ctx.request_timeout is None else loop.time() + ctx.request_timeout
     if ctx.draining or not ctx.engine.is_running:
         raise APIError(503, "The server is shutting down or its engine is not running.", code="service_unavailable")
-    req = ImageGenerationRequest.parse(await read_json_body(request, ctx.max_body_bytes))
+    req = await parse()
     if req.model_extra:
         logger.warning("%s: ignoring unknown field(s) %s", request_id, sorted(req.model_extra))
     if req.model is not None and req.model != ctx.model_name:
@@ -208,23 +219,13 @@ def _encode_all(final: RequestOutput, req: ImageGenerationRequest, ctx: ServerCo
 
 
 async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object; 415 for another content type, 413 past max_bytes (by Content-Length
-    and by what actually arrives, so chunked bodies are bounded too), 400 for anything not a JSON object."""
+    """The body as a JSON object; 415 for another content type, 413 past max_bytes, 400 for anything
+    not a JSON object."""
     content_type = request.headers.get("content-type")
     if content_type is not None and content_type.split(";")[0].strip().lower() != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {content_type!r}.",
                        code="unsupported_media_type")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"The request body is {declared} bytes; the limit is {max_bytes}.",
-                       code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"The request body is over the limit of {max_bytes} bytes.", code="request_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    raw = await read_body(request, max_bytes)
     if not raw.strip():
         raise APIError(400, "The request body is empty; send a JSON object.", code="invalid_json")
     try:
@@ -235,6 +236,22 @@ async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
         raise APIError(400, f"The request body must be a JSON object, got a JSON {type(body).__name__}.",
                        code="invalid_json")
     return body
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The raw body; 413 past max_bytes, by Content-Length and by what actually arrives (so chunked
+    bodies are bounded too)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"The request body is {declared} bytes; the limit is {max_bytes}.",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"The request body is over the limit of {max_bytes} bytes.", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _no_constants(name: str) -> None:
@@ -278,8 +295,9 @@ class _ImageEventStream:
         while True:
             for preview in out.previews[:1]:  # n is 1 when streaming
                 b64 = await asyncio.to_thread(encode_b64, preview, fmt, compression)
-                yield _sse(PartialImageEvent(b64_json=b64, created_at=int(time.time()), output_format=fmt,
-                                             size=f"{preview.width}x{preview.height}", partial_image_index=index))
+                yield _sse(PartialImageEvent(type=f"{self.req.event_prefix}.partial_image", b64_json=b64,
+                                         created_at=int(time.time()), output_format=fmt,
+                                         size=f"{preview.width}x{preview.height}", partial_image_index=index))
                 index += 1
             if out.finished:
                 break
@@ -291,7 +309,8 @@ class _ImageEventStream:
         _raise_if_failed(out, self.request_id, self.ctx)
         for image in out.images:
             b64 = await asyncio.to_thread(encode_b64, image, fmt, compression)
-            yield _sse(CompletedEvent(b64_json=b64, created_at=int(time.time()), output_format=fmt,
+            yield _sse(CompletedEvent(type=f"{self.req.event_prefix}.completed", b64_json=b64,
+                                      created_at=int(time.time()), output_format=fmt,
                                       size=f"{image.width}x{image.height}", seed=out.seed))
         self.outcome, self.final = "success", out
 
