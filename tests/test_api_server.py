@@ -376,7 +376,7 @@ def test_sigterm_finishes_running_requests_and_exits_0():
         def post(steps: int) -> httpx.Response:
             return httpx.post(s.url + "/v1/images/generations", timeout=60,
                               json={"prompt": "bye", "num_inference_steps": steps, "size": "16x16"})
-        short = pool.submit(post, 20)  # about 0.3 s here: finishes within the grace period
+        short = pool.submit(post, 60)  # about 1 s here: finishes well within the grace period
         endless = pool.submit(post, LONG)  # cannot: aborted when the grace period ends, answered 503
         wait_until(lambda: running(s.url) == 2, what="both requests to run")
         s.signal()
