@@ -81,6 +81,17 @@ class ModelAdapter(ABC):
     @abstractmethod
     def info(self) -> ModelInfo: ...
 
+    def scheduler_config(self) -> dict[str, Any]:
+        """The pipeline's scheduler config, with its class name: what every sampler is built from."""
+        scheduler = self.pipeline.scheduler
+        return {**scheduler.config, "_class_name": type(scheduler).__name__}
+
+    def probe_condition_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One text's Conditions shapes, read off an encoding of the empty prompt."""
+        with torch.inference_mode():
+            probe = self.encode_prompt([("", False)])[0]
+        return {key: tuple(value.shape[1:]) for key, value in probe.items()}
+
     @abstractmethod
     def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
         """One text-encoder pass for all (text, is_negative) items; one Conditions each."""

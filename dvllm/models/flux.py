@@ -32,17 +32,14 @@ class FluxAdapter(ModelAdapter):
     @cached_property
     def info(self) -> ModelInfo:
         pipe = self.pipeline
-        with torch.inference_mode():
-            probe = self.encode_prompt([("", False)])[0]
         factor = pipe.vae_scale_factor
-        scheduler_config = {**pipe.scheduler.config, "_class_name": type(pipe.scheduler).__name__}
         return ModelInfo(
-            name=self.name, family="flux", pipeline_class=type(pipe).__name__, scheduler_config=scheduler_config,
+            name=self.name, family="flux", pipeline_class=type(pipe).__name__, scheduler_config=self.scheduler_config(),
             default_steps=28, default_guidance=3.5,
             default_height=pipe.default_sample_size * factor, default_width=pipe.default_sample_size * factor,
             size_factor=factor * 2,  # latents are packed in 2x2 patches
             latent_channels=pipe.transformer.config.in_channels // 4, latent_scale=factor, latent_patch=2,
-            condition_shapes={k: tuple(v.shape[1:]) for k, v in probe.items()},
+            condition_shapes=self.probe_condition_shapes(),
             supports_cfg=False, timestep_kwargs=partial(flux_timestep_kwargs, factor),
         )
 

@@ -36,9 +36,9 @@ class QwenImageAdapter(ModelAdapter):
         pipe = self.pipeline
         factor = pipe.vae_scale_factor
         hidden = pipe.text_encoder.config.text_config.hidden_size
-        scheduler_config = {**pipe.scheduler.config, "_class_name": type(pipe.scheduler).__name__}
         return ModelInfo(
-            name=self.name, family="qwen-image", pipeline_class=type(pipe).__name__, scheduler_config=scheduler_config,
+            name=self.name, family="qwen-image", pipeline_class=type(pipe).__name__,
+            scheduler_config=self.scheduler_config(),
             default_steps=50, default_guidance=4.0,  # the pipeline's num_inference_steps and true_cfg_scale
             default_height=pipe.default_sample_size * factor, default_width=pipe.default_sample_size * factor,
             size_factor=factor * 2, latent_channels=pipe.transformer.config.in_channels // 4, latent_scale=factor,

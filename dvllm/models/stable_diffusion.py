@@ -21,17 +21,13 @@ class StableDiffusionAdapter(ModelAdapter):
     @cached_property
     def info(self) -> ModelInfo:
         pipe = self.pipeline
-        with torch.inference_mode():
-            probe = self.encode_prompt([("", False)])[0]
         factor = pipe.vae_scale_factor
         default_size = pipe.unet.config.sample_size * factor
-        scheduler_config = dict(pipe.scheduler.config)
-        scheduler_config["_class_name"] = type(pipe.scheduler).__name__
         return ModelInfo(
             name=self.name,
             family=self.family,
             pipeline_class=type(pipe).__name__,
-            scheduler_config=scheduler_config,
+            scheduler_config=self.scheduler_config(),
             default_steps=50,
             default_guidance=self.default_guidance,
             default_height=default_size,
@@ -39,7 +35,7 @@ class StableDiffusionAdapter(ModelAdapter):
             size_factor=max(8, factor),  # the pipeline's check_inputs wants multiples of 8
             latent_channels=pipe.unet.config.in_channels,
             latent_scale=factor,
-            condition_shapes={k: tuple(v.shape[1:]) for k, v in probe.items()},
+            condition_shapes=self.probe_condition_shapes(),
             # LCM-distilled UNets embed the guidance scale instead of running CFG rows.
             supports_cfg=pipe.unet.config.time_cond_proj_dim is None,
             supports_img2img=True, default_strength=self.default_strength,

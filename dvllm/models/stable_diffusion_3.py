@@ -28,16 +28,13 @@ class StableDiffusion3Adapter(ModelAdapter):
     @cached_property
     def info(self) -> ModelInfo:
         pipe = self.pipeline
-        with torch.inference_mode():
-            probe = self.encode_prompt([("", False)])[0]
         factor, patch = pipe.vae_scale_factor, pipe.patch_size
-        scheduler_config = {**pipe.scheduler.config, "_class_name": type(pipe.scheduler).__name__}
         return ModelInfo(
             name=self.name, family="stable-diffusion-3", pipeline_class=type(pipe).__name__,
-            scheduler_config=scheduler_config, default_steps=28, default_guidance=7.0,
+            scheduler_config=self.scheduler_config(), default_steps=28, default_guidance=7.0,
             default_height=pipe.default_sample_size * factor, default_width=pipe.default_sample_size * factor,
             size_factor=factor * patch, latent_channels=pipe.transformer.config.in_channels, latent_scale=factor,
-            condition_shapes={k: tuple(v.shape[1:]) for k, v in probe.items()},
+            condition_shapes=self.probe_condition_shapes(),
             timestep_kwargs=partial(sd3_timestep_kwargs, factor, patch),
         )
 

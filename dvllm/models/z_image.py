@@ -37,9 +37,9 @@ class ZImageAdapter(ModelAdapter):
         pipe = self.pipeline
         factor = pipe.vae_scale_factor
         hidden = pipe.text_encoder.config.hidden_size
-        scheduler_config = {**pipe.scheduler.config, "_class_name": type(pipe.scheduler).__name__}
         return ModelInfo(
-            name=self.name, family="z-image", pipeline_class=type(pipe).__name__, scheduler_config=scheduler_config,
+            name=self.name, family="z-image", pipeline_class=type(pipe).__name__,
+            scheduler_config=self.scheduler_config(),
             default_steps=50, default_guidance=5.0, default_height=1024, default_width=1024,  # the pipeline's defaults
             size_factor=factor * 2, latent_channels=pipe.transformer.in_channels, latent_scale=factor,
             condition_shapes={"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
