@@ -35,7 +35,7 @@ class Denoiser:
             self.compiled = torch.compile(adapter.denoise, dynamic=config.compile == "dynamic")
         if config.cuda_graph and adapter.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a CUDA device, but the model is on {adapter.device}")
-        self.graphs: dict[tuple, _Graph] | None = {} if config.cuda_graph else None
+        self.graphs: dict[tuple, _Graph | None] | None = {} if config.cuda_graph else None  # None: eager
 
     @property
     def fn(self) -> Any:
@@ -52,9 +52,15 @@ class Denoiser:
         if self.graphs is None:
             return self.fn(*args, image_size)[:rows]
         key = (bucket, tuple(latents.shape[1:]), image_size, tuple((k, v.shape[1:]) for k, v in conditions.items()))
-        graph = self.graphs.get(key)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = _Graph.capture(self.fn, args, image_size)
+            except Exception:  # e.g. a host-to-device copy inside the forward: not capturable
+                logger.warning("cannot capture a CUDA graph for %s; running it eagerly", key, exc_info=True)
+                self.graphs[key] = None
+        graph = self.graphs[key]
         if graph is None:
-            graph = self.graphs[key] = _Graph.capture(self.fn, args, image_size)
+            return self.fn(*args, image_size)[:rows]
         return graph.replay(args)[:rows]
 
 
