@@ -19,13 +19,16 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["dvllm", "dvllm.*"]),
-    package_data={"dvllm.models.presets": ["*.json"]},
+    package_data={"dvllm.models.presets": ["*.json"],
+                  "dvllm.models": ["builtin/*/*.json", "builtin/*/*/*.json", "builtin/*/*/*.txt",
+                                   "builtin/*/*/*.safetensors"],
+                  "dvllm.entrypoints": ["static/*"]},
     # torch>=2.6 is met by the CPU build installed first (README) or pulls PyPI's CUDA build.
     install_requires=["torch>=2.6", *read_requirements("common.txt")],
     extras_require={
-        "test": ["pytest>=8.0", "openai>=1.99", "httpx>=0.27", "matplotlib>=3.8"],
+        "test": ["pytest>=8.0", "openai>=1.99", "httpx>=0.27", "matplotlib>=3.8", "selenium>=4.20", "ray>=2.40"],
         "bench": ["httpx>=0.27", "matplotlib>=3.8"],
-        "ray": ["ray[default]>=2.40"],
+        "ray": ["ray>=2.40"],
         "xformers": ["xformers>=0.0.28"],
     },
 )

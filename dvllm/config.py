@@ -13,6 +13,7 @@ LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 COMPILE_MODES = ("off", "dynamic", "bucketed")
+EXECUTORS = ("uniproc", "ray")
 CPU_STATE_POOL_MB = 1024
 
 
@@ -72,6 +73,34 @@ class EngineConfig:
         metadata={"help": "With scheduling_policy=priority, one priority level is worth this many engine "
                           "iterations of earlier arrival, so low priorities are delayed, never starved."},
     )
+    executor: str = field(
+        default="uniproc",
+        metadata={"help": "uniproc: one worker in this process | ray: num_workers Ray actors, data parallel "
+                          "(pip install dvllm[ray])."},
+    )
+    num_workers: int = field(default=1, metadata={"help": "Workers (Ray actors), each with its own model and "
+                                                          "state pool; needs executor=ray when > 1."})
+    ray_address: str | None = field(
+        default=None,
+        metadata={"help": "None: start a local Ray (or use the one this process already joined); "
+                          "'auto' or host:port: join that cluster."},
+    )
+    worker_num_gpus: float | None = field(
+        default=None, metadata={"help": "GPUs per Ray worker (default: 1 when the cluster has GPUs, else 0)."}
+    )
+    worker_num_cpus: float = field(
+        default=1.0, metadata={"help": "CPUs per Ray worker; a CPU worker runs this many torch threads."}
+    )
+    ray_startup_timeout_s: float = field(
+        default=120.0, metadata={"help": "How long Ray start-up may wait for the workers' resources."}
+    )
+    max_worker_restarts: int = field(
+        default=3, metadata={"help": "Times a dead Ray worker is restarted (per worker) before it is given up."}
+    )
+    worker_restart_timeout_s: float = field(
+        default=300.0,
+        metadata={"help": "With no worker alive, requests wait this long for a restart before they fail."},
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,18 +110,33 @@ class EngineConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _choice("compile", self.compile, COMPILE_MODES)
+        _choice("executor", self.executor, EXECUTORS)
         if self.cuda_graph and self.device == "cpu":
             raise ValueError("cuda_graph needs a CUDA device, but device is 'cpu'")
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("max_batch_size", "max_num_waiting", "max_inference_steps", "max_image_pixels",
-                     "max_images_per_prompt", "sampler_plan_cache_size", "priority_aging_iterations"):
+                     "max_images_per_prompt", "sampler_plan_cache_size", "priority_aging_iterations",
+                     "num_workers"):
             _positive_int(name, getattr(self, name))
         if self.num_state_blocks is not None:
             _positive_int("num_state_blocks", self.num_state_blocks)
         if self.state_pool_mb is not None and not (isinstance(self.state_pool_mb, (int, float))
                                                    and self.state_pool_mb > 0):
             raise ValueError(f"state_pool_mb must be a number > 0, got {self.state_pool_mb!r}")
+        if self.num_workers > 1 and self.executor != "ray":
+            raise ValueError(f"num_workers={self.num_workers} needs executor='ray' (the uniproc executor has one)")
+        if self.executor != "ray" and self.ray_address is not None:
+            raise ValueError("ray_address is set but executor is not 'ray'")
+        if self.worker_num_gpus is not None:
+            _non_negative("worker_num_gpus", self.worker_num_gpus)
+        _non_negative("worker_num_cpus", self.worker_num_cpus)
+        for name in ("ray_startup_timeout_s", "worker_restart_timeout_s"):
+            if not (_is_number(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a number > 0, got {getattr(self, name)!r}")
+        if not isinstance(self.max_worker_restarts, int) or isinstance(self.max_worker_restarts, bool) \
+                or self.max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts must be an integer >= 0, got {self.max_worker_restarts!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
@@ -113,6 +157,15 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _non_negative(name: str, value: Any) -> None:
+    if not (_is_number(value) and value >= 0):
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
 
 
 def _is_cuda_index(device: str) -> bool:

@@ -3,3 +3,7 @@
 
 class QueueFullError(RuntimeError):
     """The waiting queue holds max_num_waiting requests; retry later (HTTP 429)."""
+
+
+class NoWorkerError(RuntimeError):
+    """Every worker is dead and none will come back; the engine cannot run requests (HTTP 503)."""

@@ -1,6 +1,6 @@
 """Talk to a running `dvllm serve` with the stock openai client: one plain request, one streamed.
 
-    dvllm serve &                      # the built-in tiny-sd on 127.0.0.1:8000
+    dvllm serve &                      # the built-in tiny-shapes on 127.0.0.1:8000
     python examples/api_client.py --out-dir out/
 
 Writes out/plain-<seed>-<k>.png, and out/stream-partial-<i>.png then out/stream-final.png.

@@ -1,11 +1,11 @@
 """Offline batch generation with the Python API: the job of `dvllm generate --prompts-file`.
 
-    python examples/offline_batch.py                      # built-in prompts, built-in tiny-sd model
+    python examples/offline_batch.py                      # built-in prompts, built-in tiny-shapes model
     python examples/offline_batch.py --prompts-file prompts.txt --model path/to/sd --output-dir out/
 
 Requests with different steps, guidance, samplers, seeds and image counts share one engine:
 each engine step runs one denoiser forward over all of them, and no image depends on its
-neighbours in the batch. With the default tiny-sd (random weights) the images are noise.
+neighbours in the batch. The default model, tiny-shapes, draws simple coloured shapes.
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import time
 
 from dvllm import DiffusionEngine, SamplingParams
 
-PROMPTS = [
+PROMPTS = [  # what the built-in tiny-shapes model knows: colours, shapes, sizes, positions
     "a red circle on a white background",
-    "a blue square, flat illustration",
-    "a green star in the night sky",
-    "two yellow triangles",
-    "an orange sunset over the sea",
+    "a small blue square on the left",
+    "a large green star",
+    "a yellow triangle at the top",
+    "an orange circle in the center",
 ]
 
 # One mix of settings per prompt, in turn. None (the default) takes the model's own value.
@@ -82,7 +82,7 @@ def run_step_loop(engine: DiffusionEngine, prompts: list[str], output_dir: str) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts-file", help="One prompt per line (default: a few built-in prompts).")
-    parser.add_argument("--model", default=None, help="Diffusers folder, Hub id or preset (default: tiny-sd).")
+    parser.add_argument("--model", default=None, help="Diffusers folder, Hub id or preset (default: tiny-shapes).")
     parser.add_argument("--device", default="auto")
     # A temp folder by default, so a run from the repository leaves nothing in it.
     parser.add_argument("--output-dir", default=os.path.join(tempfile.gettempdir(), "dvllm-offline-batch"))

@@ -368,10 +368,10 @@ def test_queue_full_is_429_and_timeout_is_504(limited):
 # -- graceful shutdown --------------------------------------------------------------------------------
 
 def test_sigterm_finishes_running_requests_and_exits_0():
-    # No MODEL: `dvllm serve` alone serves the built-in tiny-sd.
+    # No MODEL: `dvllm serve` alone serves the built-in tiny-shapes.
     # A wide margin between the short request and the grace period: CI machines are shared and slow.
     with RemoteServer(None, [*BASE_ARGS, "--shutdown-grace", "8"]) as s, ThreadPoolExecutor(2) as pool:
-        assert httpx.get(s.url + "/v1/models").json()["data"][0]["id"] == "tiny-sd"
+        assert httpx.get(s.url + "/v1/models").json()["data"][0]["id"] == "tiny-shapes"
 
         def post(steps: int) -> httpx.Response:
             return httpx.post(s.url + "/v1/images/generations", timeout=60,

@@ -219,5 +219,5 @@ def test_console_script_default_model(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     with Image.open(out) as image:
-        assert image.size == (64, 64)  # tiny-sd's default size
+        assert image.size == (64, 64)  # tiny-shapes' default size
     assert "1 images in" in proc.stdout

@@ -11,7 +11,8 @@ import torch
 
 import dvllm.engine.engine as engine_module
 from dvllm import DiffusionEngine, EngineConfig
-from dvllm.models.loader import DEFAULT_MODEL, load_adapter, load_preset, preset_names, resolve_model
+from dvllm.models.loader import (DEFAULT_MODEL, builtin_folder, load_adapter, load_preset, preset_names,
+                                 resolve_model)
 
 CPU = torch.device("cpu")
 
@@ -118,7 +119,7 @@ def test_hub_id_is_resolved_through_its_fetched_configs(monkeypatch, sd_eps_path
 def test_preset_names():
     names = preset_names()
     assert {"tiny-sd", "sd15", "sd-2.1", "sd-turbo"} <= set(names)
-    assert DEFAULT_MODEL in names
+    assert builtin_folder(DEFAULT_MODEL) is not None  # the default ships with weights
 
 
 @pytest.mark.parametrize("name", ["tiny-sd", "sd15", "sd-2.1", "sd-turbo"])
@@ -134,13 +135,27 @@ def test_preset_configs_parse_and_fit_together(name):
     assert resolve_model(name).preset == preset
 
 
-def test_engine_without_model_loads_default_tiny_sd():
+def test_engine_without_model_loads_the_trained_tiny_shapes():
     engine = DiffusionEngine(device="cpu")
     assert engine.config.model is None
     info = engine.model_info
-    assert info.name == "tiny-sd"
+    assert info.name == "tiny-shapes"
     assert info.pipeline_class == "StableDiffusionPipeline"
-    assert info.default_height == info.default_width == 64  # what the README promises for tiny-sd
+    # its dvllm_defaults.json: what it was trained for, not the pipeline's generic 50 steps at 512 px
+    assert (info.default_height, info.default_width, info.default_steps, info.default_guidance) == (64, 64, 25, 5.0)
+
+
+def test_a_folders_dvllm_defaults_must_be_known_keys(sd_eps_path, tmp_path):
+    import shutil
+
+    folder = tmp_path / "with-defaults"
+    shutil.copytree(sd_eps_path, folder)
+    (folder / "dvllm_defaults.json").write_text(json.dumps({"num_inference_steps": 7, "height": 24}))
+    info = DiffusionEngine(model=str(folder), device="cpu", dtype="float32").model_info
+    assert (info.default_steps, info.default_height) == (7, 24)
+    (folder / "dvllm_defaults.json").write_text(json.dumps({"steps": 7}))
+    with pytest.raises(ValueError, match="unknown keys"):
+        DiffusionEngine(model=str(folder), device="cpu", dtype="float32")
 
 
 # -- load_format="dummy" ---------------------------------------------------------------------

@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="Also split dvllm's steps into phases (an extra run).")
     p.add_argument("--compile", default="off", help="dvllm's compile mode (off | dynamic | bucketed)")
     p.add_argument("--cuda-graph", action="store_true", help="dvllm replays CUDA graphs")
+    p.add_argument("--executor", choices=("uniproc", "ray"), default="uniproc",
+                   help="ray: compare in-process vs Ray with 1 and --num-workers workers instead")
+    p.add_argument("--num-workers", type=int, default=2, help="Ray workers (with --executor ray)")
+    p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
     p.add_argument("--output-json", default=None)
 
 
@@ -184,8 +188,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    result = run(args)
-    print_report(result)
+    if args.executor == "ray":
+        from dvllm.benchmarks import data_parallel
+
+        result = data_parallel.run(args)
+        data_parallel.print_report(result)
+    else:
+        result = run(args)
+        print_report(result)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

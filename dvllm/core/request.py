@@ -46,6 +46,13 @@ class Request:
     swapped: bool = False       # preempted: its state waits in the worker's host memory
     num_preemptions: int = 0
     arrival_iteration: int = 0  # the scheduler iteration it arrived in (priority aging)
+    failed_workers: set[int] = field(default_factory=set)  # workers that died while holding it
+
+    def reset(self) -> None:
+        """Its worker died: start over from the seed (the images come out the same)."""
+        self.status, self.num_steps_done, self.last_scheduled = RequestStatus.WAITING, 0, -1
+        self.blocks = self.cond_entry = self.uncond_entry = None
+        self.swapped, self.images = False, []
 
     @property
     def rows(self) -> int:

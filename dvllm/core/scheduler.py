@@ -60,15 +60,52 @@ class Scheduler:
                 "lower n or the size, or raise state_pool_mb"
             )
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, check_queue: bool = True, age: int = 0) -> None:
+        """Queues a request. `check_queue=False` takes one the engine already accepted (moved here from
+        another worker); `age` keeps the iterations it already waited there, for priority aging."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.check_fits(request)
-        if len(self.waiting) >= self.max_num_waiting:
+        if check_queue and len(self.waiting) >= self.max_num_waiting:
             raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_num_waiting); retry later")
-        request.arrival_iteration = self.iteration
+        request.arrival_iteration = self.iteration - age
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def take_waiting(self, request: Request) -> int:
+        """Removes a request that never started here (no state on the worker); returns its age."""
+        if request.status != RequestStatus.WAITING or request.swapped or request not in self.waiting:
+            raise ValueError(f"request {request.request_id!r} has state on this worker and cannot move")
+        self.waiting.remove(request)
+        del self.requests[request.request_id]
+        return self.iteration - request.arrival_iteration
+
+    def unstarted(self) -> list[Request]:
+        """Waiting requests with nothing on the worker, most urgent first: they may move to another worker."""
+        return sorted((r for r in self.waiting if not r.swapped), key=self.urgency)
+
+    def can_admit(self, request: Request, extra_rows: int = 0, extra_blocks: int = 0) -> bool:
+        """Whether admission would take `request` now, without preempting anyone, after requests
+        needing `extra_rows` of its shape and `extra_blocks` more were admitted."""
+        rows = sum(r.rows for r in self.running if r.shape_key == request.shape_key) + extra_rows
+        return (rows + request.rows <= self.max_batch_size
+                and self.blocks.can_allocate(self._blocks_needed(request) + extra_blocks))
+
+    @property
+    def num_rows_queued(self) -> int:
+        """Denoiser rows of every request here, running or waiting: this worker's load."""
+        return sum(r.rows for r in self.requests.values())
+
+    def evacuate(self) -> tuple[list[Request], list[RequestOutput]]:
+        """The worker is gone with all its state: hands back every unfinished request, reset to start
+        over from its seed, and the outputs of aborts not yet reported. The scheduler is left empty."""
+        outputs = [r.output() for r in self._aborted]
+        requests = sorted(self.requests.values(), key=self.urgency)
+        for request in requests:
+            request.reset()
+        self.requests, self.waiting, self.running = {}, [], []
+        self._aborted, self._freed, self._writers = [], [], {}
+        return requests, outputs
 
     def abort_request(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)

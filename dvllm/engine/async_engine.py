@@ -125,8 +125,9 @@ class AsyncDiffusionEngine:
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id, None)
 
-    def stats(self) -> dict[str, int]:
-        """The engine's counters as of its latest step (a snapshot taken on the loop thread)."""
+    def stats(self) -> dict:
+        """The engine's counters as of its latest step (a snapshot taken on the loop thread), with
+        one entry per worker under "workers"."""
         return dict(self._stats)
 
     # -- the loop thread -------------------------------------------------------------
@@ -137,7 +138,7 @@ class AsyncDiffusionEngine:
     def _run(self, model: str | None, engine_args: dict[str, Any], loaded: threading.Event) -> None:
         try:
             self.engine = DiffusionEngine(model, **engine_args)
-            self._stats = self.engine.stats()
+            self._snapshot_stats()
         except BaseException as e:  # bad arguments, a missing model: the constructor raises it
             self.dead = e
             return
@@ -147,13 +148,17 @@ class AsyncDiffusionEngine:
         try:
             while not self._stop.is_set():
                 self._apply_commands()
-                self._stats = self.engine.stats()
+                self._snapshot_stats()
                 if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait()
+                    restarting = self.engine.workers_restarting  # idle, yet a restarted worker must be let in
+                    self._wakeup.wait(0.5 if restarting else None)
                     self._wakeup.clear()
+                    if restarting:
+                        self.engine.poll_workers()
+                        self._snapshot_stats()
                     continue
                 outputs = self.engine.step()
-                self._stats = self.engine.stats()
+                self._snapshot_stats()
                 for listener in self.step_listeners:
                     try:
                         listener(self.engine.last_step, outputs)
@@ -166,6 +171,11 @@ class AsyncDiffusionEngine:
             self.dead = e
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop died: {e!r}"))
+        finally:
+            self.engine.shutdown()  # Ray workers go with the loop that drove them
+
+    def _snapshot_stats(self) -> None:
+        self._stats = {**self.engine.stats(), "workers": self.engine.worker_stats()}
 
     def _apply_commands(self) -> None:
         while True:

@@ -10,11 +10,10 @@ from typing import Any
 import numpy as np
 
 from dvllm.config import EngineConfig
-from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request
-from dvllm.core.scheduler import Scheduler
 from dvllm.core.scheduler_output import RunnerOutput
-from dvllm.executor.uniproc import UniProcExecutor
+from dvllm.engine.lanes import Lane, Lanes
+from dvllm.executor import WorkerDied, create_executor
 from dvllm.outputs import RequestOutput
 from dvllm.profiler import PhaseTimer, breakdown
 from dvllm.samplers import SamplerPlan, build_plan
@@ -25,7 +24,7 @@ from dvllm.sampling_params import SamplingParams
 class StepStats:
     """What the latest step() did: for metrics."""
 
-    num_rows: int      # denoiser rows in its forward
+    num_rows: int      # denoiser rows in its forward(s): one per worker that completed a step
     num_requests: int  # requests that took a step
     seconds: float
 
@@ -33,10 +32,14 @@ class StepStats:
 class DiffusionEngine:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
-        self.executor = UniProcExecutor(self.config)
-        self.model_info = self.executor.model_info()
-        num_blocks, self.block_numel = self.executor.pool_info()
-        self.scheduler = Scheduler(self.config, BlockManager(num_blocks, self.config.enable_prompt_cache))
+        self.executor = create_executor(self.config)
+        try:
+            self.model_info = self.executor.model_info()
+            self.lanes = Lanes(self.config, self.executor)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.block_numel = self.lanes.block_numel
         self._plans: OrderedDict[tuple, SamplerPlan] = OrderedDict()
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
@@ -46,31 +49,76 @@ class DiffusionEngine:
         self._profiled_steps, self._profiled_seconds = 0, 0.0
         self._check_pool_holds_a_default_request()
 
+    @property
+    def scheduler(self):
+        """The scheduler of the first worker (the only one with the in-process executor)."""
+        return self.lanes.lanes[0].scheduler
+
     # -- the low-level loop ----------------------------------------------------
     def add_request(self, request_id: str, prompt: str, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        self.scheduler.add_request(self._make_request(request_id, prompt, params, arrival_time))
+        self.lanes.add(self._make_request(request_id, prompt, params, arrival_time))
 
     def step(self) -> list[RequestOutput]:
+        """Starts a step on every idle worker, then collects the steps that are done (at least one,
+        when any is running). Workers step independently: a slow one holds no other back."""
         start = time.perf_counter()
-        with self._timer.phase("schedule"):
-            sched_out = self.scheduler.schedule()
-        runner_out = RunnerOutput() if sched_out.is_empty else self.executor.execute(sched_out)
-        outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        self.last_step = StepStats(sched_out.num_rows, len(sched_out.scheduled_ids), time.perf_counter() - start)
-        if sched_out.scheduled_ids:
+        outputs: list[RequestOutput] = []
+        for lane in self.lanes.live():
+            if lane.in_flight is None:
+                outputs += self._start_step(lane)
+        done = self.executor.wait() if any(lane.in_flight is not None for lane in self.lanes.live()) else {}
+        rows = requests = 0
+        for index, result in done.items():
+            lane = self.lanes.lanes[index]
+            sched_out, lane.in_flight = lane.in_flight, None
+            if isinstance(result, WorkerDied):
+                outputs += self.lanes.on_death(lane, result.reason)
+                continue
+            outputs += lane.scheduler.update_from_output(sched_out, result)
+            lane.steps, lane.rows = lane.steps + 1, lane.rows + sched_out.num_rows
+            lane.busy_seconds += time.perf_counter() - lane.submitted_at
+            rows, requests = rows + sched_out.num_rows, requests + len(sched_out.scheduled_ids)
+        outputs += self.lanes.tend()
+        if not done and self.lanes.orphans:
+            time.sleep(0.05)  # every worker is down: wait for one to come back without spinning
+        self.last_step = StepStats(rows, requests, time.perf_counter() - start)
+        if requests:
             self._profiled_steps += 1
             self._profiled_seconds += self.last_step.seconds
         if self._undelivered:
             outputs, self._undelivered = self._undelivered + outputs, []
+        self.lanes.finished(outputs)
         return outputs
+
+    def _start_step(self, lane: Lane) -> list[RequestOutput]:
+        with self._timer.phase("schedule"):
+            self.lanes.rebalance(lane)
+            sched_out = lane.scheduler.schedule()
+        if sched_out.is_empty:  # nothing to run; aborts may still have outputs
+            return lane.scheduler.update_from_output(sched_out, RunnerOutput())
+        lane.in_flight, lane.submitted_at = sched_out, time.perf_counter()
+        self.executor.submit(lane.index, sched_out)
+        return []
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request and frees its state; its final output (error "request aborted") comes from step()."""
-        return self.scheduler.abort_request(request_id)
+        result = self.lanes.abort(request_id)
+        if isinstance(result, RequestOutput):
+            self._undelivered.append(result)
+            return True
+        return result
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._undelivered)
+        return self.lanes.has_unfinished() or bool(self._undelivered)
+
+    @property
+    def workers_restarting(self) -> bool:
+        return any(lane.restarting for lane in self.lanes.lanes)
+
+    def poll_workers(self) -> None:
+        """Brings in restarted workers while there is no request to step (step() does it otherwise)."""
+        self._undelivered += self.lanes.tend()
 
     def profile(self) -> dict:
         """Where step time went, per phase (needs profile_steps=True): see dvllm.profiler.breakdown."""
@@ -83,8 +131,17 @@ class DiffusionEngine:
         return breakdown(seconds, self._profiled_seconds, self._profiled_steps)
 
     def stats(self) -> dict[str, int]:
-        """Queue, preemption, state-pool and prompt-cache counters."""
-        return self.scheduler.stats()
+        """Queue, preemption, state-pool and prompt-cache counters, summed over the live workers,
+        and how many workers there are and are alive."""
+        return self.lanes.stats()
+
+    def worker_stats(self) -> list[dict]:
+        """One entry per worker: alive, rows per step, steps/s, blocks used, restarts, where it runs."""
+        return self.lanes.worker_stats()
+
+    def shutdown(self) -> None:
+        """Stops the workers (Ray actors); the in-process worker just goes with the engine."""
+        self.executor.shutdown()
 
     # -- offline batch ---------------------------------------------------------
     def generate(self, prompts: str | list[str], params: SamplingParams | list[SamplingParams] | None = None,
@@ -106,8 +163,8 @@ class DiffusionEngine:
         bar = _progress_bar(len(requests), use_tqdm)
         start, images, done = time.perf_counter(), 0, 0
         while done < len(requests):
-            while pending and len(self.scheduler.waiting) < self.config.max_num_waiting:
-                self.scheduler.add_request(pending.pop())
+            while pending and self.lanes.num_waiting < self.config.max_num_waiting:
+                self.lanes.add(pending.pop())
             for out in self.step():
                 if out.request_id not in order:
                     self._undelivered.append(out)
@@ -139,12 +196,12 @@ class DiffusionEngine:
             latent_blocks=self._blocks(info.latent_numel(resolved.height, resolved.width)),
             cond_blocks=self._blocks(info.condition_numel), uses_history=plan.uses_history,
         )
-        self.scheduler.check_fits(request)
+        self.lanes.check_fits(request)
         return request
 
     def _check_pool_holds_a_default_request(self) -> None:
         """One image at the default size, with history (multistep samplers) and both prompts (CFG)."""
-        info, total = self.model_info, self.scheduler.blocks.num_blocks
+        info, total = self.model_info, self.lanes.num_blocks
         need = 2 * self._blocks(info.latent_numel(info.default_height, info.default_width)) \
             + 2 * self._blocks(info.condition_numel)
         if need > total:

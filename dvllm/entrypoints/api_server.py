@@ -15,13 +15,14 @@ import secrets
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from importlib import resources
 from types import FrameType
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 import dvllm
 from dvllm.engine.async_engine import AsyncDiffusionEngine
@@ -133,7 +134,14 @@ def _open_routes(ctx: ServerContext) -> APIRouter:
         if ctx.draining or not ctx.engine.is_running:
             raise APIError(503, "The server is shutting down or its engine loop is not running.",
                            code="service_unavailable")
-        return JSONResponse({"status": "ok"})
+        stats = ctx.engine.stats()
+        alive, total = stats["num_workers_alive"], stats["num_workers"]
+        if alive == 0:
+            raise APIError(503, f"No worker is alive (0 of {total}); requests wait for a restart.",
+                           code="service_unavailable")
+        # Degraded still serves (200): fewer workers, requests moved to the survivors.
+        return JSONResponse({"status": "ok" if alive == total else "degraded",
+                             "workers": total, "workers_alive": alive})
 
     @router.get("/metrics")
     async def metrics() -> Response:
@@ -142,6 +150,13 @@ def _open_routes(ctx: ServerContext) -> APIRouter:
     @router.get("/version")
     async def version() -> dict:
         return {"version": dvllm.__version__}
+
+    # The playground: one static page, open like /health; its API calls carry the key when one is set.
+    page = (resources.files("dvllm.entrypoints") / "static" / "playground.html").read_text()
+
+    @router.get("/")
+    async def playground() -> Response:
+        return HTMLResponse(page)
 
     return router
 

@@ -53,7 +53,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", metavar="MODEL",
-                   help="Diffusers folder, Hub id or preset (same as --model; default: the built-in tiny-sd).")
+                   help="Diffusers folder, Hub id or preset (same as --model; default: the built-in tiny-shapes).")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1).")
     p.add_argument("--port", type=int, default=8000, help="Port to bind (default: 8000).")
     p.add_argument("--served-model-name", help="Model id in /v1/models and requests' `model` (default: the model's).")
@@ -221,9 +221,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
     jobs = read_jobs(args)
     engine = DiffusionEngine(**engine_kwargs(args))
-    start = time.perf_counter()
-    outputs = engine.generate([p for p, _, _ in jobs], [sp for _, sp, _ in jobs], use_tqdm=not args.no_progress)
-    elapsed = time.perf_counter() - start
+    try:
+        start = time.perf_counter()
+        outputs = engine.generate([p for p, _, _ in jobs], [sp for _, sp, _ in jobs], use_tqdm=not args.no_progress)
+        elapsed = time.perf_counter() - start
+    finally:
+        engine.shutdown()  # Ray workers, when there are any
     batch_mode = args.prompts_file is not None
     if batch_mode:
         os.makedirs(args.output_dir, exist_ok=True)

@@ -23,7 +23,7 @@ _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class ServerMetrics:
     """Request outcomes and latencies (event loop), step stats (engine loop thread), engine gauges."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, int]], in_flight: Callable[[], int]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict], in_flight: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()  # collectors without describe() are not called at registration
         r = self.registry
         self.requests = Counter("dvllm_requests", "Image generation requests by outcome.", ["outcome"], registry=r)
@@ -42,7 +42,7 @@ class ServerMetrics:
         self._lock = threading.Lock()
         r.register(_EngineCollector(self.snapshot, in_flight))
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict:
         with self._lock:
             return dict(self._snapshot)
 
@@ -74,7 +74,7 @@ class ServerMetrics:
 class _EngineCollector(Collector):
     """Scheduler, state-pool and prompt-cache counters from the latest snapshot, read at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, int]], in_flight: Callable[[], int]) -> None:
+    def __init__(self, snapshot: Callable[[], dict], in_flight: Callable[[], int]) -> None:
         self._snapshot = snapshot
         self._in_flight = in_flight
 
@@ -91,9 +91,26 @@ class _EngineCollector(Collector):
                                             s["prompt_cache_hits"] / max(1, s["prompt_cache_queries"])),
             "dvllm_server_requests_in_flight": ("Generation requests accepted by the server and not yet answered.",
                                                 self._in_flight()),
+            "dvllm_num_workers": ("Workers (each with its own model and state pool).", s["num_workers"]),
+            "dvllm_num_workers_alive": ("Workers alive; fewer than dvllm_num_workers means degraded.",
+                                        s["num_workers_alive"]),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
+        per_worker = {
+            "dvllm_worker_alive": ("1 when the worker is alive.", lambda w: float(w["alive"])),
+            "dvllm_worker_rows_per_step": ("Mean denoiser rows per step on the worker.", lambda w: w["rows_per_step"]),
+            "dvllm_worker_steps_per_second": ("Steps per second while the worker was busy.",
+                                              lambda w: w["steps_per_s"]),
+            "dvllm_worker_pool_used_blocks": ("State-pool blocks in use on the worker.",
+                                              lambda w: w["pool_used_blocks"]),
+            "dvllm_worker_restarts": ("Times the worker was restarted after dying.", lambda w: w["restarts"]),
+        }
+        for name, (doc, read) in per_worker.items():
+            family = GaugeMetricFamily(name, doc, labels=["worker"])
+            for w in s.get("workers", []):
+                family.add_metric([str(w["worker"])], read(w))
+            yield family
         yield CounterMetricFamily("dvllm_preemptions", "Requests preempted (state swapped out).",
                                   value=s["num_preemptions"])
         yield CounterMetricFamily("dvllm_prompt_cache_queries", "Prompt-cache lookups.",

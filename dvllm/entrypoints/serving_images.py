@@ -30,7 +30,7 @@ from dvllm.entrypoints.protocol import (
     PartialImageEvent,
     engine_value_error,
 )
-from dvllm.errors import QueueFullError
+from dvllm.errors import NoWorkerError, QueueFullError
 from dvllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -156,6 +156,8 @@ async def _engine_call(awaitable: Awaitable[Any]) -> Any:
         raise APIError(503, "The server is shutting down.", code="service_unavailable") from None
     except EngineDeadError:
         raise APIError(503, "The engine loop is not running.", code="service_unavailable") from None
+    except NoWorkerError as e:
+        raise APIError(503, str(e), code="service_unavailable") from None
 
 
 async def _last(agen: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -1,10 +1,11 @@
-"""The default executor: one worker in this process."""
+"""The default executor: one worker in this process; a step runs when it is submitted."""
 from __future__ import annotations
 
 from typing import Any
 
 from dvllm.config import EngineConfig
-from dvllm.executor.base import Executor
+from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
+from dvllm.executor.base import Executor, WorkerDied
 from dvllm.worker.worker import Worker
 
 
@@ -12,6 +13,16 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.worker = Worker(config)
+        self._done: RunnerOutput | None = None
 
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        return [getattr(self.worker, method)(*args)]
+    def call(self, worker: int, method: str, *args: Any) -> Any:
+        return getattr(self.worker, method)(*args)
+
+    def submit(self, worker: int, scheduler_output: SchedulerOutput) -> None:
+        # A failure here is a bug in this process, not a lost worker: it propagates.
+        self._done = self.worker.execute(scheduler_output)
+
+    def wait(self, timeout: float | None = None) -> dict[int, RunnerOutput | WorkerDied]:
+        done, self._done = self._done, None
+        return {} if done is None else {0: done}
+

@@ -6,6 +6,7 @@ always load that way.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -21,7 +22,17 @@ from dvllm.models.base import ModelAdapter
 from dvllm.models.byte_tokenizer import byte_clip_tokenizer, byte_qwen_tokenizer, byte_t5_tokenizer
 from dvllm.models.registry import adapter_for
 
-DEFAULT_MODEL = "tiny-sd"
+DEFAULT_MODEL = "tiny-shapes"  # trained in the repo (scripts/train_tiny_shapes.py), shipped in the package
+DEFAULTS_FILE = "dvllm_defaults.json"  # a model folder's own defaults (steps, guidance, size) for dvllm
+
+
+def builtin_folder(name: str) -> str | None:
+    """The path of a model shipped inside the package (with weights), or None."""
+    builtin = resources.files("dvllm.models") / "builtin"
+    if not builtin.is_dir() or name not in {p.name for p in builtin.iterdir()}:  # a bare name, never a path
+        return None
+    folder = builtin / name
+    return str(folder) if (folder / "model_index.json").is_file() else None
 
 
 def preset_names() -> list[str]:
@@ -49,6 +60,11 @@ class ModelSource:
 def resolve_model(model: str | None) -> ModelSource:
     """A preset, a local folder with model_index.json, or a Hub id; ValueError naming the path otherwise."""
     model = model or DEFAULT_MODEL
+    builtin = builtin_folder(model)
+    if builtin is not None:
+        source = resolve_model(builtin)
+        source.name = model
+        return source
     if model in preset_names():
         preset = load_preset(model)
         return ModelSource(name=model, model_index=preset["model_index"], preset=preset)
@@ -103,7 +119,23 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     # Dummy components are built in float32; cast only when asked for another dtype.
     pipeline.to(device=device, **({"dtype": dtype} if pipeline.dtype != dtype else {}))
     pipeline.set_progress_bar_config(disable=True)
-    return adapter_cls(pipeline, source.name, device, dtype)
+    adapter = adapter_cls(pipeline, source.name, device, dtype)
+    if source.folder and os.path.isfile(os.path.join(source.folder, DEFAULTS_FILE)):
+        _apply_defaults(adapter, os.path.join(source.folder, DEFAULTS_FILE))
+    return adapter
+
+
+def _apply_defaults(adapter: ModelAdapter, path: str) -> None:
+    """A folder's dvllm_defaults.json (num_inference_steps, guidance_scale, height, width) replaces the
+    pipeline's generic defaults: a model trained for 25 steps at 64x64 should get them when none are asked."""
+    with open(path) as f:
+        defaults = json.load(f)
+    names = {"num_inference_steps": "default_steps", "guidance_scale": "default_guidance",
+             "height": "default_height", "width": "default_width"}
+    unknown = sorted(set(defaults) - set(names))
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {unknown}; allowed {sorted(names)}")
+    adapter.info = dataclasses.replace(adapter.info, **{names[k]: v for k, v in defaults.items()})
 
 
 def _dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed: int) -> dict[str, Any]:

@@ -1,0 +1,84 @@
+"""Data parallel over Ray workers vs the in-process executor, on the same jobs, in one run.
+
+Three engines run the same requests, interleaved round by round: in-process (one torch
+thread), Ray with one worker and Ray with N workers (one CPU and one thread each, or a
+GPU each). Reports images/s, N workers vs one, and the time per step that Ray adds to
+the in-process executor (both run the same schedule, so their step counts match).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from dvllm.benchmarks.throughput import Job, _machine, make_jobs
+from dvllm.engine.engine import DiffusionEngine
+from dvllm.sampling_params import SamplingParams
+
+
+def run(args: argparse.Namespace) -> dict:
+    import ray
+
+    jobs = make_jobs(args)
+    rows = args.max_batch_size or max(16, 2 * len(jobs))
+    torch.set_num_threads(1)  # the in-process engine gets what one worker gets
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=args.ray_address, include_dashboard=False, logging_level="warning")
+    common = dict(model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+                  max_batch_size=rows)
+    engines = {"in-process": DiffusionEngine(**common)}
+    engines["ray x1"] = DiffusionEngine(**common, executor="ray", num_workers=1, ray_address=args.ray_address)
+    engines[f"ray x{args.num_workers}"] = DiffusionEngine(**common, executor="ray", num_workers=args.num_workers,
+                                                          ray_address=args.ray_address)
+    try:
+        for engine in engines.values():  # warm-up
+            _generate(engine, jobs)
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        steps: dict[str, list[int]] = {name: [] for name in engines}
+        for _ in range(args.rounds):
+            for name, engine in engines.items():
+                before = _steps(engine)
+                start = time.perf_counter()
+                _generate(engine, jobs)
+                times[name].append(time.perf_counter() - start)
+                steps[name].append(_steps(engine) - before)
+        device = engines["in-process"].executor.worker.device
+        dtype = engines["in-process"].executor.worker.dtype
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+        if started:
+            ray.shutdown()
+    ips = {name: len(jobs) / statistics.median(t) for name, t in times.items()}
+    n = f"ray x{args.num_workers}"
+    one_steps = statistics.median(steps["ray x1"])
+    overhead = (statistics.median(times["ray x1"]) - statistics.median(times["in-process"])) / one_steps
+    return {"machine": _machine(device, dtype), "args": vars(args), "images_per_s": ips, "seconds": times,
+            "steps": steps, "scaling": ips[n] / ips["ray x1"], "ray_overhead_ms_per_step": 1000 * overhead}
+
+
+def _generate(engine: DiffusionEngine, jobs: list[Job]) -> None:
+    params = [SamplingParams(num_inference_steps=j.steps, guidance_scale=j.guidance, height=j.height, width=j.width,
+                             seed=j.seed, sampler=j.sampler) for j in jobs]
+    outs = engine.generate([j.prompt for j in jobs], params, use_tqdm=False)
+    failed = [o.error for o in outs if o.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[:3]}")
+
+
+def _steps(engine: DiffusionEngine) -> int:
+    return sum(w["steps"] for w in engine.worker_stats())
+
+
+def print_report(result: dict) -> None:
+    args = result["args"]
+    print(f"\nmodel={args['model']} requests={args['num_requests']} steps={args['steps']} size={args['size']} "
+          f"workers={args['num_workers']}  [{result['machine']}, one thread per worker]")
+    print(f"{'executor':<14}{'images/s':>10}{'steps':>8}")
+    for name, value in result["images_per_s"].items():
+        print(f"{name:<14}{value:>10.3f}{statistics.median(result['steps'][name]):>8.0f}")
+    print(f"\nray x{args['num_workers']} / ray x1 = {result['scaling']:.2f}x   "
+          f"Ray overhead vs in-process: {result['ray_overhead_ms_per_step']:.2f} ms/step")
