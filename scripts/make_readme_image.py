@@ -1,29 +1,40 @@
-"""Draws docs/images/tiny-shapes.png: what the built-in model makes for a few prompts (seed 0)."""
+"""Draws docs/images/tiny-shapes.png: the built-in model on the meaning test's 32 prompts.
+
+One column per colour, one row per shape, seed = the prompt's index (as tests/test_meaning.py
+runs them), at the model's default steps and guidance: what a newcomer gets, not a pick.
+"""
 from __future__ import annotations
 
+import itertools
 import os
 
 from PIL import Image, ImageDraw
 
 from dvllm import DiffusionEngine, SamplingParams
+from dvllm.tiny_shapes.data import COLORS, SHAPES
 
-PROMPTS = ["a red circle", "a blue square", "a green triangle", "an orange star",
-           "a small purple circle on the left", "a large yellow square", "a pink star at the top",
-           "a black triangle on the right"]
 OUT = os.path.join(os.path.dirname(__file__), "..", "docs", "images", "tiny-shapes.png")
 
 
+def prompt(colour: str, shape: str) -> str:
+    return f"{'an' if colour[0] in 'aeiou' else 'a'} {colour} {shape}"
+
+
 def main() -> None:
-    outs = DiffusionEngine().generate(PROMPTS, SamplingParams(seed=0), use_tqdm=False)
-    tile, pad, label = 128, 8, 34
-    sheet = Image.new("RGB", (len(PROMPTS) * (tile + pad) + pad, tile + label + pad), "white")
+    cases = list(itertools.product(COLORS, SHAPES))
+    outs = DiffusionEngine().generate([prompt(c, s) for c, s in cases],
+                                      [SamplingParams(seed=i) for i in range(len(cases))], use_tqdm=False)
+    tile, pad, top, left = 80, 6, 18, 58
+    columns, rows = len(COLORS), len(SHAPES)
+    sheet = Image.new("RGB", (left + columns * (tile + pad), top + rows * (tile + pad)), "white")
     draw = ImageDraw.Draw(sheet)
-    for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):
-        x = pad + i * (tile + pad)
-        sheet.paste(out.images[0].resize((tile, tile), Image.NEAREST), (x, pad))
-        words = prompt.split()
-        for line, text in enumerate((" ".join(words[:3]), " ".join(words[3:]))):
-            draw.text((x, pad + tile + 4 + 12 * line), text, fill=(60, 60, 60))
+    for c, colour in enumerate(COLORS):
+        draw.text((left + c * (tile + pad) + 4, 3), colour, fill=(60, 60, 60))
+    for r, shape in enumerate(SHAPES):
+        draw.text((4, top + r * (tile + pad) + tile // 2 - 6), shape, fill=(60, 60, 60))
+    for i, ((colour, shape), out) in enumerate(zip(cases, outs)):
+        c, r = list(COLORS).index(colour), SHAPES.index(shape)
+        sheet.paste(out.images[0].resize((tile, tile), Image.NEAREST), (left + c * (tile + pad), top + r * (tile + pad)))
     sheet.save(OUT)
     print(f"wrote {OUT}")
 

@@ -3,6 +3,7 @@ Hub look-ups are replaced by a stub, and only the tiny pipelines are ever built.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import huggingface_hub
@@ -23,7 +24,7 @@ def no_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the engine started loading a model before rejecting its arguments")
 
-    monkeypatch.setattr(engine_module, "UniProcExecutor", refuse)
+    monkeypatch.setattr(engine_module, "create_executor", refuse)
 
 
 def write_model_index(folder: Path, index: object) -> Path:
@@ -220,6 +221,12 @@ def test_unknown_engine_argument_is_named(no_loading):
     ("max_batch_size", True),
     ("scheduling_policy", "lifo"),
     ("load_format", "safetensors"),
+    ("executor", "mp"),
+    ("num_workers", 0),
+    ("worker_num_gpus", -1),
+    ("worker_num_cpus", "2"),
+    ("max_worker_restarts", -1),
+    ("ray_startup_timeout_s", 0),
 ])
 def test_bad_engine_config_value_names_the_field(no_loading, field, value):
     with pytest.raises(ValueError, match=field) as err:
@@ -227,6 +234,15 @@ def test_bad_engine_config_value_names_the_field(no_loading, field, value):
     assert repr(value) in str(err.value)
     with pytest.raises(ValueError, match=field):
         DiffusionEngine(**{field: value})
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"num_workers": 2}, "num_workers=2 needs executor='ray'"),
+    ({"ray_address": "auto"}, "ray_address is set but executor is not 'ray'"),
+])
+def test_ray_settings_need_the_ray_executor(no_loading, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DiffusionEngine(**kwargs)
 
 
 def test_unreadable_model_index_names_the_file(tmp_path):

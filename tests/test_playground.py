@@ -61,7 +61,8 @@ def test_playground_generates_with_previews_then_the_image(browser, tmp_path):
     with RemoteServer(None, ["--device", "cpu", "--dtype", "float32", "--api-key", KEY]) as server:
         browser.get(server.url + "/")
         wait = WebDriverWait(browser, 60)
-        wait.until(lambda d: "model: tiny-shapes" in d.find_element(By.ID, "model").text)
+        # the server wants a key the page does not have yet: it says so where the model name goes
+        wait.until(lambda d: "API key" in d.find_element(By.ID, "model").text)
         prompt = browser.find_element(By.ID, "prompt")
         prompt.clear()
         prompt.send_keys("a red circle")
@@ -73,6 +74,7 @@ def test_playground_generates_with_previews_then_the_image(browser, tmp_path):
 
         browser.find_element(By.ID, "key").send_keys(KEY)
         browser.find_element(By.ID, "generate").click()
+        wait.until(lambda d: d.find_element(By.ID, "model").text == "model: tiny-shapes")  # the key took
         preview = wait.until(ec.presence_of_element_located((By.ID, "preview")))
         assert image_of(preview).shape[2] == 3
         final = wait.until(ec.presence_of_element_located((By.ID, "final")))

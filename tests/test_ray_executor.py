@@ -3,6 +3,7 @@ worker loses nothing, a cluster started on its own is joined by address, and res
 cluster lacks fail fast. Ray start-up takes seconds, so the tests are few and each does much."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -238,3 +239,16 @@ def test_health_and_metrics_say_degraded(alive, status):
     metrics = client.get("/metrics").text
     assert f"dvllm_num_workers_alive {float(alive)}" in metrics
     assert f'dvllm_worker_alive{{worker="1"}} {1.0 if alive == 2 else 0.0}' in metrics
+
+
+def test_bench_throughput_with_ray_workers(sd_eps_path, tmp_path):
+    from dvllm.entrypoints.cli import main as dvllm_main
+
+    out = tmp_path / "ray.json"
+    assert dvllm_main(["bench", "throughput", "--model", sd_eps_path, "--executor", "ray", "--num-workers", "2",
+                       "--num-requests", "4", "--steps", "2", "--rounds", "1", "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["images_per_s"]) == {"in-process", "ray x1", "ray x2"}
+    # the same schedule in-process and on one Ray worker: the overhead compares like with like
+    assert result["steps"]["in-process"] == result["steps"]["ray x1"]
+    assert result["scaling"] > 0 and result["overhead_ms_per_step"]["ray x1"] > 0 and not ray.is_initialized()

@@ -26,7 +26,9 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)  # the in-process engine gets what one worker gets
     started = not ray.is_initialized()
     if started:
-        ray.init(address=args.ray_address, include_dashboard=False, logging_level="warning")
+        # logical CPUs for both Ray engines at once (they take turns, so the cores are not shared)
+        num_cpus = None if args.ray_address else args.num_workers + 1
+        ray.init(address=args.ray_address, num_cpus=num_cpus, include_dashboard=False, logging_level="warning")
     common = dict(model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
                   max_batch_size=rows)
     engines = {"in-process": DiffusionEngine(**common)}
@@ -38,6 +40,8 @@ def run(args: argparse.Namespace) -> dict:
             _generate(engine, jobs)
         times: dict[str, list[float]] = {name: [] for name in engines}
         steps: dict[str, list[int]] = {name: [] for name in engines}
+        for engine in engines.values():  # the per-step overhead counts timed rounds only
+            _reset_lane_times(engine)
         for _ in range(args.rounds):
             for name, engine in engines.items():
                 before = _steps(engine)
@@ -45,6 +49,9 @@ def run(args: argparse.Namespace) -> dict:
                 _generate(engine, jobs)
                 times[name].append(time.perf_counter() - start)
                 steps[name].append(_steps(engine) - before)
+        # what each executor adds to a step: the driver's round trip minus the worker's own time
+        overhead = {name: statistics.mean(w["overhead_ms_per_step"] for w in engine.worker_stats())
+                    for name, engine in engines.items()}
         device = engines["in-process"].executor.worker.device
         dtype = engines["in-process"].executor.worker.dtype
     finally:
@@ -55,9 +62,10 @@ def run(args: argparse.Namespace) -> dict:
     ips = {name: len(jobs) / statistics.median(t) for name, t in times.items()}
     n = f"ray x{args.num_workers}"
     one_steps = statistics.median(steps["ray x1"])
-    overhead = (statistics.median(times["ray x1"]) - statistics.median(times["in-process"])) / one_steps
+    end_to_end = (statistics.median(times["ray x1"]) - statistics.median(times["in-process"])) / one_steps
     return {"machine": _machine(device, dtype), "args": vars(args), "images_per_s": ips, "seconds": times,
-            "steps": steps, "scaling": ips[n] / ips["ray x1"], "ray_overhead_ms_per_step": 1000 * overhead}
+            "steps": steps, "scaling": ips[n] / ips["ray x1"], "overhead_ms_per_step": overhead,
+            "end_to_end_difference_ms_per_step": 1000 * end_to_end}
 
 
 def _generate(engine: DiffusionEngine, jobs: list[Job]) -> None:
@@ -67,6 +75,11 @@ def _generate(engine: DiffusionEngine, jobs: list[Job]) -> None:
     failed = [o.error for o in outs if o.error]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[:3]}")
+
+
+def _reset_lane_times(engine: DiffusionEngine) -> None:
+    for lane in engine.lanes.lanes:
+        lane.steps, lane.rows, lane.busy_seconds, lane.worker_seconds = 0, 0, 0.0, 0.0
 
 
 def _steps(engine: DiffusionEngine) -> int:
@@ -80,5 +93,9 @@ def print_report(result: dict) -> None:
     print(f"{'executor':<14}{'images/s':>10}{'steps':>8}")
     for name, value in result["images_per_s"].items():
         print(f"{name:<14}{value:>10.3f}{statistics.median(result['steps'][name]):>8.0f}")
-    print(f"\nray x{args['num_workers']} / ray x1 = {result['scaling']:.2f}x   "
-          f"Ray overhead vs in-process: {result['ray_overhead_ms_per_step']:.2f} ms/step")
+    over = result["overhead_ms_per_step"]
+    print(f"\nray x{args['num_workers']} / ray x1 = {result['scaling']:.2f}x")
+    print("time a step spends outside the worker's execute (driver round trip - worker time), ms/step: "
+          + ", ".join(f"{name} {value:.2f}" for name, value in over.items()))
+    print(f"Ray adds {over['ray x1'] - over['in-process']:.2f} ms/step (one worker); end-to-end difference "
+          f"ray x1 - in-process: {result['end_to_end_difference_ms_per_step']:.2f} ms/step")

@@ -184,10 +184,9 @@ def print_report(result: dict) -> None:
               f"(engine overhead, without text encoder and VAE: {100 * prof['share_engine_overhead']:.1f}%)")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
+def run_and_report(args: argparse.Namespace) -> dict:
+    """Runs the comparison args ask for (serial/static/dvllm, or with --executor ray in-process vs Ray
+    workers) and prints its report."""
     if args.executor == "ray":
         from dvllm.benchmarks import data_parallel
 
@@ -196,6 +195,14 @@ def main(argv: list[str] | None = None) -> None:
     else:
         result = run(args)
         print_report(result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    result = run_and_report(args)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

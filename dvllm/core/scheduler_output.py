@@ -72,3 +72,5 @@ class RunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # Partial images of requests that asked for previews at this step.
     previews: dict[str, list[Any]] = field(default_factory=dict)
+    # Wall time of the step on the worker: the driver's round trip minus this is the executor's overhead.
+    execute_seconds: float = 0.0

@@ -78,6 +78,7 @@ class DiffusionEngine:
             outputs += lane.scheduler.update_from_output(sched_out, result)
             lane.steps, lane.rows = lane.steps + 1, lane.rows + sched_out.num_rows
             lane.busy_seconds += time.perf_counter() - lane.submitted_at
+            lane.worker_seconds += result.execute_seconds
             rows, requests = rows + sched_out.num_rows, requests + len(sched_out.scheduled_ids)
         outputs += self.lanes.tend()
         if not done and self.lanes.orphans:

@@ -41,6 +41,7 @@ class Lane:
     steps: int = 0                         # steps completed, rows in them, seconds they were in flight
     rows: int = 0
     busy_seconds: float = 0.0
+    worker_seconds: float = 0.0            # of which the worker ran the step (the rest: transport, waiting)
     submitted_at: float = 0.0
 
     @property
@@ -93,7 +94,8 @@ class Lanes:
         if self.num_waiting >= self.config.max_num_waiting:
             raise QueueFullError(f"{self.num_waiting} requests are waiting (max_num_waiting); retry later")
         self.check_fits(request)
-        self._place(request)
+        if self._place(request) is not None:  # check_fits let it through, so a worker must exist for it
+            raise NoWorkerError("no worker can take the request")
 
     def _place(self, request: Request, age: int = 0) -> RequestOutput | None:
         """Queues `request` on the least loaded live worker it has not died on; else it waits for a
@@ -224,7 +226,8 @@ class Lanes:
         return dict(totals)
 
     def worker_stats(self) -> list[dict]:
-        """Per worker: liveness, rows per step, steps per second in flight, blocks used, restarts."""
+        """Per worker: liveness, rows per step, steps per second in flight, the time per step the executor
+        adds to the worker's own (transport, serialization, waiting for the driver), blocks used, restarts."""
         out = []
         for lane in self.lanes:
             s = lane.scheduler.stats() if lane.alive else {}
@@ -232,6 +235,8 @@ class Lanes:
                 "worker": lane.index, "alive": lane.alive, "restarts": lane.restarts, "steps": lane.steps,
                 "rows_per_step": lane.rows / lane.steps if lane.steps else 0.0,
                 "steps_per_s": lane.steps / lane.busy_seconds if lane.busy_seconds else 0.0,
+                "overhead_ms_per_step": 1000 * (lane.busy_seconds - lane.worker_seconds) / lane.steps
+                if lane.steps else 0.0,
                 "num_running": s.get("num_running", 0), "num_waiting": s.get("num_waiting", 0),
                 "pool_used_blocks": s.get("pool_used_blocks", 0), "pool_total_blocks": s.get("pool_total_blocks", 0),
                 **self.executor.describe(lane.index),

@@ -91,8 +91,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.bench_command == "serve":
         return serving.main(args)
-    result = throughput.run(args)  # what throughput.main does after parsing
-    throughput.print_report(result)
+    result = throughput.run_and_report(args)  # what throughput.main does after parsing
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -57,9 +57,11 @@ class RayExecutor(Executor):
             self.group = placement_group([dict(self.bundle)] * self.num_workers, strategy="PACK")
             ready, _ = ray.wait([self.group.ready()], timeout=config.ray_startup_timeout_s)
             if not ready:
+                free = {k: round(v, 2) for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
                 raise RuntimeError(f"Ray could not reserve {self.num_workers} worker(s) of {self.bundle} within "
                                    f"ray_startup_timeout_s={config.ray_startup_timeout_s}: "
-                                   f"{_describe_cluster(ray)}")
+                                   f"{_describe_cluster(ray)}; free now {free} (other workers or jobs hold "
+                                   "the rest)")
             self._start_all()
         except BaseException:
             self.shutdown()

@@ -1,6 +1,8 @@
 """The worker owns the device, the model and every request's state."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from dvllm._extension import custom_ops_available
@@ -54,4 +56,7 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        return self.runner.execute(scheduler_output)
+        start = time.perf_counter()
+        output = self.runner.execute(scheduler_output)
+        output.execute_seconds = time.perf_counter() - start
+        return output
