@@ -11,6 +11,7 @@ import numpy as np
 
 from dvllm.config import EngineConfig
 from dvllm.core.request import Request
+from dvllm.core.scheduler import Scheduler
 from dvllm.core.scheduler_output import RunnerOutput
 from dvllm.engine.lanes import Lane, Lanes
 from dvllm.executor import WorkerDied, create_executor
@@ -50,7 +51,7 @@ class DiffusionEngine:
         self._check_pool_holds_a_default_request()
 
     @property
-    def scheduler(self):
+    def scheduler(self) -> Scheduler | None:
         """The scheduler of the first worker (the only one with the in-process executor)."""
         return self.lanes.lanes[0].scheduler
 
