@@ -198,8 +198,12 @@ def test_join_a_cluster_by_address_and_fail_fast_on_missing_resources(sd_eps_pat
     params = [dict(seed=p.seed, num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
                    sampler=p.sampler, output_type="np") for p in _params()[:3]]
     out = tmp_path / "images.npz"
+    # The driver's auth mode must match the cluster's (none, see ray_head): a local ray.init earlier in
+    # this process set RAY_AUTH_MODE=token in os.environ, and the workers of a token-mode job on a
+    # cluster without auth never start.
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     run = subprocess.run([sys.executable, "-c", _JOINING_DRIVER, sd_eps_path, ray_head, str(out), repr(params),
-                          "|".join(PROMPTS[:3])], capture_output=True, text=True, timeout=600)
+                          "|".join(PROMPTS[:3])], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     images = np.load(out)
     for k, expected in enumerate(reference[:3]):
