@@ -72,13 +72,22 @@ def test_playground_generates_with_previews_then_the_image(browser, tmp_path):
         wait.until(lambda d: "API key" in d.find_element(By.ID, "status").text)
         assert "error" in browser.find_element(By.ID, "status").get_attribute("class")
 
+        # A preview lives only until the next one or the final image replaces it (a fraction of a
+        # second here), so the page's DOM changes are recorded as they happen, not polled for.
+        browser.execute_script(
+            "window.seenPreviews = [];"
+            "new MutationObserver(() => { const p = document.getElementById('preview');"
+            "  if (p) window.seenPreviews.push(p.src); })"
+            ".observe(document.getElementById('current'), {childList: true, subtree: true});")
         browser.find_element(By.ID, "key").send_keys(KEY)
         browser.find_element(By.ID, "generate").click()
         wait.until(lambda d: d.find_element(By.ID, "model").text == "model: tiny-shapes")  # the key took
-        preview = wait.until(ec.presence_of_element_located((By.ID, "preview")))
-        assert image_of(preview).shape[2] == 3
         final = wait.until(ec.presence_of_element_located((By.ID, "final")))
         wait.until(lambda d: d.find_element(By.ID, "status").text.startswith("done"))
+        previews = browser.execute_script("return window.seenPreviews")
+        assert len(previews) >= 1  # previews appeared while the steps ran, before the final image
+        first = np.asarray(Image.open(io.BytesIO(base64.b64decode(previews[0].split(",", 1)[1]))).convert("RGB"))
+        assert first.shape == (64, 64, 3)
         browser.save_screenshot(str(tmp_path / "playground.png"))
 
         pixels = image_of(final)
