@@ -36,26 +36,27 @@ def tiny_sd_pipeline(prediction_type: str = "epsilon", time_cond_proj_dim: int |
     return pipe
 
 
+def _saved(tmp_path_factory, name: str, pipe) -> str:
+    """Saves a tiny pipeline where the engine's real loader will read it back."""
+    path = tmp_path_factory.mktemp(name)
+    pipe.save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def sd_eps_path(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-sd-eps")
-    tiny_sd_pipeline("epsilon").save_pretrained(path)
-    return str(path)
+    return _saved(tmp_path_factory, "tiny-sd-eps", tiny_sd_pipeline("epsilon"))
 
 
 @pytest.fixture(scope="session")
 def sd_v_path(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-sd-v")
-    tiny_sd_pipeline("v_prediction").save_pretrained(path)
-    return str(path)
+    return _saved(tmp_path_factory, "tiny-sd-v", tiny_sd_pipeline("v_prediction"))
 
 
 @pytest.fixture(scope="session")
 def sd_guidance_embed_path(tmp_path_factory) -> str:
     """An LCM-distilled-style UNet: the guidance scale is embedded, no CFG rows."""
-    path = tmp_path_factory.mktemp("tiny-sd-lcm")
-    tiny_sd_pipeline("epsilon", time_cond_proj_dim=8).save_pretrained(path)
-    return str(path)
+    return _saved(tmp_path_factory, "tiny-sd-lcm", tiny_sd_pipeline("epsilon", time_cond_proj_dim=8))
 
 
 def tiny_sdxl_pipeline(force_zeros: bool = True):
@@ -95,9 +96,7 @@ def tiny_sdxl_pipeline(force_zeros: bool = True):
 
 @pytest.fixture(scope="session")
 def sdxl_path(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-sdxl")
-    tiny_sdxl_pipeline().save_pretrained(path)
-    return str(path)
+    return _saved(tmp_path_factory, "tiny-sdxl", tiny_sdxl_pipeline())
 
 
 def tiny_sd3_pipeline(shift: float = 3.0):
@@ -139,9 +138,7 @@ def tiny_sd3_pipeline(shift: float = 3.0):
 
 @pytest.fixture(scope="session")
 def sd3_path(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-sd3")
-    tiny_sd3_pipeline().save_pretrained(path)
-    return str(path)
+    return _saved(tmp_path_factory, "tiny-sd3", tiny_sd3_pipeline())
 
 
 def tiny_flux_pipeline():
@@ -180,9 +177,7 @@ def tiny_flux_pipeline():
 
 @pytest.fixture(scope="session")
 def flux_path(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-flux")
-    tiny_flux_pipeline().save_pretrained(path)
-    return str(path)
+    return _saved(tmp_path_factory, "tiny-flux", tiny_flux_pipeline())
 
 
 def tiny_qwen_image_pipeline():
@@ -218,9 +213,7 @@ def tiny_qwen_image_pipeline():
 
 @pytest.fixture(scope="session")
 def qwen_image_path(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-qwen-image")
-    tiny_qwen_image_pipeline().save_pretrained(path)
-    return str(path)
+    return _saved(tmp_path_factory, "tiny-qwen-image", tiny_qwen_image_pipeline())
 
 
 def tiny_z_image_pipeline():
@@ -254,6 +247,4 @@ def tiny_z_image_pipeline():
 
 @pytest.fixture(scope="session")
 def z_image_path(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-z-image")
-    tiny_z_image_pipeline().save_pretrained(path)
-    return str(path)
+    return _saved(tmp_path_factory, "tiny-z-image", tiny_z_image_pipeline())

@@ -65,10 +65,11 @@ class DiffusionEngine:
         when any is running). Workers step independently: a slow one holds no other back."""
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
-        for lane in self.lanes.live():
+        live = self.lanes.live()  # starting steps kills no worker: one list serves both loops
+        for lane in live:
             if lane.in_flight is None:
                 outputs += self._start_step(lane)
-        done = self.executor.wait() if any(lane.in_flight is not None for lane in self.lanes.live()) else {}
+        done = self.executor.wait() if any(lane.in_flight is not None for lane in live) else {}
         rows = requests = 0
         for index, result in done.items():
             lane = self.lanes.lanes[index]

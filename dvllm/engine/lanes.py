@@ -114,7 +114,7 @@ class Lanes:
         return _fail(request, f"the request's worker died on every try (workers {workers}); no worker is left "
                               "that it has not failed on")
 
-    def abort(self, request_id: str) -> RequestOutput | None | bool:
+    def abort(self, request_id: str) -> RequestOutput | bool:
         """True when a worker's scheduler took the abort (it reports the output); an output when the
         request was waiting for a worker; False when it is unknown."""
         lane = self.home.pop(request_id, None)
@@ -123,9 +123,7 @@ class Lanes:
         for request in self.orphans:
             if request.request_id == request_id:
                 self.orphans.remove(request)
-                request.status, request.error, request.finished_time = \
-                    RequestStatus.FINISHED_ABORTED, "request aborted", time.time()
-                return request.output()
+                return _end(request, RequestStatus.FINISHED_ABORTED, "request aborted")
         return False
 
     def finished(self, outputs: list[RequestOutput]) -> None:
@@ -244,6 +242,11 @@ class Lanes:
         return out
 
 
-def _fail(request: Request, message: str) -> RequestOutput:
-    request.status, request.error, request.finished_time = RequestStatus.FINISHED_ERROR, message, time.time()
+def _end(request: Request, status: RequestStatus, message: str) -> RequestOutput:
+    """Finishes a request held by no worker's scheduler (one holds it otherwise, and ends it)."""
+    request.status, request.error, request.finished_time = status, message, time.time()
     return request.output()
+
+
+def _fail(request: Request, message: str) -> RequestOutput:
+    return _end(request, RequestStatus.FINISHED_ERROR, message)

@@ -49,6 +49,7 @@ class RayExecutor(Executor):
         self._remove_group = remove_placement_group
         self.group = None
         self.actors: list[Any] = []
+        self.nodes: list[dict[str, Any]] = []  # where each worker runs (RayWorkerWrapper.node)
         self._in_flight: dict[Any, int] = {}   # step ObjectRef -> worker
         self._restarting: dict[Any, int] = {}  # start() ObjectRef of a restarted actor -> worker
         self._alive: list[bool] = []
@@ -110,9 +111,6 @@ class RayExecutor(Executor):
     def call(self, worker: int, method: str, *args: Any) -> Any:
         return self.ray.get(self.actors[worker].call.remote(method, *args))
 
-    def pool_info(self, worker: int) -> tuple[int, int]:
-        return self.call(worker, "pool_info")
-
     def submit(self, worker: int, scheduler_output: SchedulerOutput) -> None:
         self._in_flight[self.actors[worker].execute.remote(scheduler_output)] = worker
 
@@ -162,8 +160,8 @@ class RayExecutor(Executor):
         return settled
 
     def describe(self, worker: int) -> dict[str, Any]:
-        node = self.nodes[worker] if worker < len(getattr(self, "nodes", [])) else {}
-        return {"node_ip": node.get("node_ip"), "gpu_ids": node.get("gpu_ids", [])}
+        node = self.nodes[worker]
+        return {"node_ip": node["node_ip"], "gpu_ids": node["gpu_ids"]}
 
     def shutdown(self) -> None:
         for actor in self.actors:
