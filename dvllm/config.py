@@ -15,6 +15,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 COMPILE_MODES = ("off", "dynamic", "bucketed")
 EXECUTORS = ("uniproc", "ray")
 CPU_STATE_POOL_MB = 1024
+DEFAULT_PIXELS_FACTOR = 4  # default max_image_pixels: this many times the model's native area
 
 
 @dataclass
@@ -35,9 +36,29 @@ class EngineConfig:
     max_batch_size: int = field(default=16, metadata={"help": "Denoiser rows per forward (CFG requests count twice)."})
     max_num_waiting: int = field(default=1024, metadata={"help": "Requests allowed to wait for admission."})
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs | priority (lower value first)."})
-    max_inference_steps: int = field(default=1000, metadata={"help": "Largest num_inference_steps accepted."})
-    max_image_pixels: int = field(default=2048 * 2048, metadata={"help": "Largest height*width accepted."})
+    max_inference_steps: int = field(
+        default=1000,
+        metadata={"help": "Largest num_inference_steps accepted; a sampler that cannot run that many is refused "
+                          "with the most it can run."},
+    )
+    max_image_pixels: int | None = field(
+        default=None,
+        metadata={"help": "Largest height*width accepted (images and img2img uploads). "
+                          f"Default: {DEFAULT_PIXELS_FACTOR}x the model's native area."},
+    )
     max_images_per_prompt: int = field(default=8, metadata={"help": "Largest n accepted."})
+    max_prompt_chars: int = field(
+        default=10000,
+        metadata={"help": "Longest prompt or negative_prompt accepted, in characters. Every text encoder "
+                          "truncates far earlier (CLIP 77 tokens, T5 512); this bounds what one request may "
+                          "make the engine tokenize and keep."},
+    )
+    max_prompt_chars_per_step: int | None = field(
+        default=None,
+        metadata={"help": "Characters of new prompts tokenized per engine step (new requests beyond it wait "
+                          "for the next step; one is always admitted). Default: 2 * max_prompt_chars."},
+    )
+    max_guidance_scale: float = field(default=100.0, metadata={"help": "Largest guidance_scale accepted."})
     sampler_plan_cache_size: int = field(default=256, metadata={"help": "Sampler schedules kept per (sampler, steps)."})
     state_pool_mb: float | None = field(
         default=None,
@@ -115,10 +136,14 @@ class EngineConfig:
             raise ValueError("cuda_graph needs a CUDA device, but device is 'cpu'")
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        for name in ("max_batch_size", "max_num_waiting", "max_inference_steps", "max_image_pixels",
-                     "max_images_per_prompt", "sampler_plan_cache_size", "priority_aging_iterations",
-                     "num_workers"):
+        for name in ("max_batch_size", "max_num_waiting", "max_inference_steps", "max_images_per_prompt",
+                     "max_prompt_chars", "sampler_plan_cache_size", "priority_aging_iterations", "num_workers"):
             _positive_int(name, getattr(self, name))
+        for name in ("max_image_pixels", "max_prompt_chars_per_step"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if not (_is_number(self.max_guidance_scale) and 0 <= self.max_guidance_scale < float("inf")):
+            raise ValueError(f"max_guidance_scale must be a finite number >= 0, got {self.max_guidance_scale!r}")
         if self.num_state_blocks is not None:
             _positive_int("num_state_blocks", self.num_state_blocks)
         if self.state_pool_mb is not None and not (isinstance(self.state_pool_mb, (int, float))
@@ -139,6 +164,14 @@ class EngineConfig:
             raise ValueError(f"max_worker_restarts must be an integer >= 0, got {self.max_worker_restarts!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+    @property
+    def prompt_chars_per_step(self) -> int:
+        return self.max_prompt_chars_per_step or 2 * self.max_prompt_chars
+
+    def image_pixel_limit(self, default_height: int, default_width: int) -> int:
+        """max_image_pixels, or its default for a model of this native size."""
+        return self.max_image_pixels or DEFAULT_PIXELS_FACTOR * default_height * default_width
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

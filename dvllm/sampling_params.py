@@ -12,6 +12,11 @@ if TYPE_CHECKING:
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 SEED_LIMIT = 2**63
+# Seeds drawn for requests that name none stay below 2**53, so that JavaScript (a browser client, the
+# playground), whose numbers are doubles, shows and sends back exactly the seed that made the image.
+RANDOM_SEED_LIMIT = 2**53
+PRIORITY_LIMIT = 2**31  # priority is a 32-bit signed integer
+MAX_SAMPLER_CHARS = 128
 
 
 @dataclass
@@ -47,14 +52,17 @@ class SamplingParams:
                 raise ValueError(f"guidance_scale must be a number >= 0, got {self.guidance_scale!r}")
             if not self.guidance_scale >= 0 or self.guidance_scale == float("inf"):
                 raise ValueError(f"guidance_scale must be a finite number >= 0, got {self.guidance_scale!r}")
-        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
-            raise ValueError(f"negative_prompt must be a string or None, got {type(self.negative_prompt).__name__}")
-        if self.sampler is not None and (not isinstance(self.sampler, str) or not self.sampler):
-            raise ValueError(f"sampler must be a non-empty string or None, got {self.sampler!r}")
+        if self.negative_prompt is not None:
+            check_text("negative_prompt", self.negative_prompt)
+        if self.sampler is not None:
+            check_text("sampler", self.sampler, MAX_SAMPLER_CHARS)
+            if not self.sampler:
+                raise ValueError("sampler must be a non-empty string or None, got ''")
         if self.output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}")
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) \
+                or not -PRIORITY_LIMIT <= self.priority < PRIORITY_LIMIT:
+            raise ValueError(f"priority must be an integer in [-2**31, 2**31), got {self.priority!r}")
         _optional_int("num_previews", self.num_previews, low=0)
         if self.strength is not None:
             if isinstance(self.strength, bool) or not isinstance(self.strength, (int, float)) \
@@ -66,7 +74,13 @@ class SamplingParams:
     def resolve(self, info: "ModelInfo", config: "EngineConfig") -> "SamplingParams":
         """A copy with every default filled from the model, checked against the engine's limits."""
         self.validate()
-        image = None if self.image is None else _load_image(self.image, info, config)
+        max_pixels = config.image_pixel_limit(info.default_height, info.default_width)
+        if self.negative_prompt is not None:
+            check_text("negative_prompt", self.negative_prompt, config.max_prompt_chars)
+        if self.guidance_scale is not None and self.guidance_scale > config.max_guidance_scale:
+            raise ValueError(f"guidance_scale must be at most {config.max_guidance_scale} (max_guidance_scale), "
+                             f"got {self.guidance_scale!r}")
+        image = None if self.image is None else _load_image(self.image, info, max_pixels)
         # An image sets the size, rounded down to the model's size factor, as the img2img pipelines do.
         image_h, image_w = (info.default_height, info.default_width) if image is None else \
             (image.height // info.size_factor * info.size_factor, image.width // info.size_factor * info.size_factor)
@@ -76,7 +90,7 @@ class SamplingParams:
             guidance_scale=info.default_guidance if self.guidance_scale is None else float(self.guidance_scale),
             height=self.height or image_h,
             width=self.width or image_w,
-            seed=secrets.randbelow(SEED_LIMIT) if self.seed is None else self.seed,
+            seed=secrets.randbelow(RANDOM_SEED_LIMIT) if self.seed is None else self.seed,
             image=image,
             strength=None if image is None else (info.default_strength if self.strength is None else self.strength),
         )
@@ -88,14 +102,26 @@ class SamplingParams:
             value = getattr(resolved, name)
             if value % info.size_factor:
                 raise ValueError(f"{name} must be a positive multiple of {info.size_factor} for this model, got {value}")
-        if resolved.height * resolved.width > config.max_image_pixels:
+        if resolved.height * resolved.width > max_pixels:
             raise ValueError(
-                f"height*width must be at most {config.max_image_pixels} pixels, "
+                f"height*width must be at most {max_pixels} pixels (max_image_pixels), "
                 f"got {resolved.height}x{resolved.width}"
             )
         if resolved.n > config.max_images_per_prompt:
             raise ValueError(f"n must be in [1, {config.max_images_per_prompt}], got {resolved.n}")
         return resolved
+
+
+def check_text(name: str, value: object, max_chars: int | None = None) -> None:
+    """A text field: a string of valid Unicode (a lone surrogate cannot be encoded), bounded in length."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    if max_chars is not None and len(value) > max_chars:
+        raise ValueError(f"{name} must be at most {max_chars} characters, got {len(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} must be valid Unicode text: it has a lone surrogate at position {e.start}") from None
 
 
 def _optional_int(name: str, value: object, low: int) -> None:
@@ -105,7 +131,7 @@ def _optional_int(name: str, value: object, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
-def _load_image(image: Any, info: "ModelInfo", config: "EngineConfig") -> Any:
+def _load_image(image: Any, info: "ModelInfo", max_pixels: int) -> Any:
     """An RGB PIL image from what the caller gave; ValueError naming `image` otherwise."""
     import numpy as np
     from PIL import Image, UnidentifiedImageError
@@ -115,6 +141,7 @@ def _load_image(image: Any, info: "ModelInfo", config: "EngineConfig") -> Any:
     try:
         if isinstance(image, str):
             with Image.open(image) as f:
+                _check_image_size(f, info, max_pixels)  # from the header, before decoding
                 image = f.copy()
         elif isinstance(image, np.ndarray):
             if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
@@ -122,12 +149,16 @@ def _load_image(image: Any, info: "ModelInfo", config: "EngineConfig") -> Any:
             image = Image.fromarray(image)
         elif not isinstance(image, Image.Image):
             raise ValueError(f"expected a PIL image, an HxWx3 uint8 array or a path, got {type(image).__name__}")
-        if image.width * image.height > config.max_image_pixels:
-            raise ValueError(f"{image.width}x{image.height} is over max_image_pixels={config.max_image_pixels}")
-        if min(image.width, image.height) < info.size_factor:
-            raise ValueError(f"{image.width}x{image.height} is smaller than {info.size_factor} px on a side")
-        return image.convert("RGB")
-    except (OSError, UnidentifiedImageError) as e:
+        _check_image_size(image, info, max_pixels)
+        return image.convert("RGB")  # decodes a lazily opened file: its size is checked first
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as e:
         raise ValueError(f"image: cannot read it as an image: {e}") from None
     except ValueError as e:
         raise ValueError(str(e) if str(e).startswith("image") else f"image: {e}") from None
+
+
+def _check_image_size(image: Any, info: "ModelInfo", max_pixels: int) -> None:
+    if image.width * image.height > max_pixels:
+        raise ValueError(f"{image.width}x{image.height} is over max_image_pixels={max_pixels}")
+    if min(image.width, image.height) < info.size_factor:
+        raise ValueError(f"{image.width}x{image.height} is smaller than {info.size_factor} px on a side")

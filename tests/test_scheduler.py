@@ -5,7 +5,7 @@ import pytest
 
 from dvllm.config import EngineConfig
 from dvllm.core.block_manager import BlockManager
-from dvllm.core.request import Request, RequestStatus
+from dvllm.core.request import Request, RequestStatus, prompt_cache_key
 from dvllm.core.scheduler import Scheduler
 from dvllm.core.scheduler_output import RunnerOutput
 from dvllm.errors import QueueFullError
@@ -236,7 +236,8 @@ def test_cached_conditions_are_evicted_least_recently_used_first():
     assert s.stats()["pool_cached_blocks"] == 6
     s.add_request(c.request("big", steps=1, cfg=False, prompt="third", n=1, latent_blocks=2, cond_blocks=3))
     run_all(s)  # needs 5 blocks: 2 free + the 3 of "old"
-    assert ("prompt", "old") not in s.blocks.index and ("prompt", "newer") in s.blocks.index
+    assert not s.blocks.is_cached(prompt_cache_key("prompt", "old"))
+    assert s.blocks.is_cached(prompt_cache_key("prompt", "newer"))
 
 
 def test_without_the_cache_nothing_is_shared_or_kept():
@@ -322,3 +323,36 @@ def test_aging_keeps_low_priorities_from_starving():
     # Only urgent requests that arrived within priority x aging = 12 iterations after it can
     # overtake it: at most 12 of them, 2 iterations each, then its own 2 steps.
     assert finished_at <= 12 * 2 + 2 + 1
+
+
+def test_prompt_cache_keys_are_small_digests_of_role_and_text():
+    c = Clock()
+    long_text = "x" * 100_000
+    a = c.request("a", steps=1, prompt=long_text)
+    b = c.request("b", steps=1, prompt=long_text)
+    positive, negative = a.cond_keys
+    assert positive == b.cond_keys[0] and len(positive) == 16  # the cache keeps 16 bytes, not the text
+    assert negative != positive  # the negative role never shares the positive text's entry
+    assert prompt_cache_key("prompt", "x") != prompt_cache_key("prompt", "y")
+
+
+def test_one_iteration_admits_a_bounded_number_of_prompt_characters():
+    s, c = make(max_prompt_chars=100, max_prompt_chars_per_step=150), Clock()
+    for i in range(2):
+        s.add_request(c.request(f"long{i}", steps=4, cfg=False, prompt=str(i) * 100))
+    s.add_request(c.request("cached", steps=4, cfg=False, prompt="1" * 100))  # long1's text: no new encode
+    s.add_request(c.request("long2", steps=4, cfg=False, prompt="2" * 100))
+    out, _ = iterate(s)
+    assert [r.request_id for r in out.new_requests] == ["long0"]  # 100 chars; a second would make 200
+    out, _ = iterate(s)
+    assert [r.request_id for r in out.new_requests] == ["long1", "cached"]  # cached costs nothing
+    out, _ = iterate(s)
+    assert [r.request_id for r in out.new_requests] == ["long2"]
+
+
+def test_a_prompt_over_the_step_budget_is_still_admitted_alone():
+    s, c = make(max_prompt_chars=100, max_prompt_chars_per_step=10), Clock()
+    s.add_request(c.request("a", steps=1, cfg=False, prompt="a" * 100))
+    s.add_request(c.request("b", steps=1, cfg=False, prompt="b" * 100))
+    assert [r.request_id for r in iterate(s)[0].new_requests] == ["a"]
+    assert [r.request_id for r in iterate(s)[0].new_requests] == ["b"]

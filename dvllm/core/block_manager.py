@@ -71,6 +71,10 @@ class BlockManager:
         entry.refs += 1
         return entry
 
+    def is_cached(self, key: Hashable) -> bool:
+        """Whether a lookup of key would hit (without counting it as a query)."""
+        return key in self.index
+
     def insert(self, key: Hashable, num: int) -> CachedEntry:
         """A new entry of num blocks for key (after a miss); the caller fills its blocks."""
         entry = CachedEntry(key, self.allocate(num))

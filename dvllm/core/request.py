@@ -2,13 +2,23 @@
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from dvllm.core.block_manager import CachedEntry
 from dvllm.core.scheduler_output import BlockTables
 from dvllm.outputs import RequestMetrics, RequestOutput
 from dvllm.sampling_params import SamplingParams
+
+
+def prompt_cache_key(role: str, text: str | None) -> bytes:
+    """What identifies one text's conditions: its role and text (the adapter encodes nothing else per
+    request). A request field that changes encoding (a sequence length, an adapter) must join the key."""
+    payload = json.dumps([role, text], ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(payload, digest_size=16).digest()
 
 
 class RequestStatus(enum.Enum):
@@ -69,10 +79,12 @@ class Request:
         """Blocks it needs when no prompt embedding is shared: must fit the pool alone."""
         return self.private_blocks + self.cond_blocks * (2 if self.cfg else 1)
 
-    @property
-    def cond_keys(self) -> tuple[tuple, tuple | None]:
-        """Prompt-cache keys of its conditions (positive, and negative with CFG)."""
-        return ("prompt", self.prompt), (("negative", self.params.negative_prompt) if self.cfg else None)
+    @cached_property
+    def cond_keys(self) -> tuple[bytes, bytes | None]:
+        """Prompt-cache keys of its conditions (positive, and negative with CFG): digests, so the cache
+        holds a few bytes per entry however long the texts are."""
+        negative = prompt_cache_key("negative", self.params.negative_prompt) if self.cfg else None
+        return prompt_cache_key("prompt", self.prompt), negative
 
     @property
     def preview_steps(self) -> frozenset[int]:

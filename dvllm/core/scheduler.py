@@ -33,6 +33,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.max_batch_size = config.max_batch_size
         self.max_num_waiting = config.max_num_waiting
+        self.prompt_chars_per_step = config.prompt_chars_per_step
         self.by_priority = config.scheduling_policy == "priority"
         self.aging = config.priority_aging_iterations
         self.blocks = block_manager
@@ -47,18 +48,7 @@ class Scheduler:
 
     # -- requests in and out -------------------------------------------------
     def check_fits(self, request: Request) -> None:
-        """A request must fit one forward and the whole pool on its own, or it could never run."""
-        if request.rows > self.max_batch_size:
-            raise ValueError(
-                f"n={request.params.n} needs {request.rows} denoiser rows"
-                f"{' (doubled by CFG)' if request.cfg else ''} but max_batch_size is {self.max_batch_size}"
-            )
-        if request.max_blocks > self.blocks.num_blocks:
-            raise ValueError(
-                f"n={request.params.n} at {request.params.width}x{request.params.height} needs "
-                f"{request.max_blocks} state-pool blocks but the pool has {self.blocks.num_blocks}: "
-                "lower n or the size, or raise state_pool_mb"
-            )
+        check_fits(request, self.max_batch_size, self.blocks.num_blocks)
 
     def add_request(self, request: Request, check_queue: bool = True, age: int = 0) -> None:
         """Queues a request. `check_queue=False` takes one the engine already accepted (moved here from
@@ -156,10 +146,16 @@ class Scheduler:
         for request in self.running:
             rows[request.shape_key] += request.rows
         blocked = set()
+        # Prompts are tokenized on the step loop when their requests are admitted: bound how many
+        # characters one iteration takes on, so long prompts cannot stall everyone's next step.
+        chars_budget, admitted_new = self.prompt_chars_per_step, False
         for request in list(self.waiting):  # requests preempted below join the queue after this pass
             key = request.shape_key
             if key in blocked:
                 continue
+            chars = self._chars_to_encode(request)
+            if admitted_new and chars > chars_budget:
+                break  # in order: it goes first next iteration
             if not self._fits(request, rows):
                 preempted = self.by_priority and self._preempt_for(request, rows, out)
                 if not (preempted and self._fits(request, rows)):
@@ -168,7 +164,18 @@ class Scheduler:
                     blocked.add(key)  # rows are per shape: later requests of this shape wait behind it
                     continue
             rows[key] += request.rows
+            if chars:
+                chars_budget -= chars
+                admitted_new = True
             self._admit_one(request, out)
+
+    def _chars_to_encode(self, request: Request) -> int:
+        """Characters of its texts that admission would have the worker encode (prompt-cache misses)."""
+        if request.swapped:
+            return 0
+        texts = (request.prompt, request.params.negative_prompt or "")
+        return sum(len(text) for key, text in zip(request.cond_keys, texts)
+                   if key is not None and not self.blocks.is_cached(key))
 
     def _fits(self, request: Request, rows: dict) -> bool:
         return (rows[request.shape_key] + request.rows <= self.max_batch_size
@@ -335,6 +342,21 @@ class Scheduler:
             "prompt_cache_hits": self.blocks.cache_hits,
             "prompt_cache_queries": self.blocks.cache_queries,
         }
+
+
+def check_fits(request: Request, max_batch_size: int, num_blocks: int) -> None:
+    """A request must fit one forward and the whole pool on its own, or it could never run."""
+    if request.rows > max_batch_size:
+        raise ValueError(
+            f"n={request.params.n} needs {request.rows} denoiser rows"
+            f"{' (doubled by CFG)' if request.cfg else ''} but max_batch_size is {max_batch_size}"
+        )
+    if request.max_blocks > num_blocks:
+        raise ValueError(
+            f"n={request.params.n} at {request.params.width}x{request.params.height} needs "
+            f"{request.max_blocks} state-pool blocks but the pool has {num_blocks}: "
+            "lower n or the size, or raise state_pool_mb"
+        )
 
 
 def _new_request_data(request: Request, tables: BlockTables) -> NewRequestData:

@@ -97,17 +97,15 @@ class AsyncDiffusionEngine:
         request_id = request_id or f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-        # Bad parameters are answered now, not after the step the loop thread is in; the
-        # resolved copy (its seed drawn) is what the engine gets.
-        params = (params or SamplingParams()).resolve(self.model_info, self.config)
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        self._streams[request_id] = stream  # reserved now: the id is taken while the request is processed
         accepted = self._loop.create_future()
         finished = False
         try:
-            self._send("add", request_id, prompt, params, accepted)
+            # Checked completely here, off the event loop and off the step loop: a bad request is
+            # answered at once whatever the engine is running, and an upload decodes in this thread.
+            request = await asyncio.to_thread(self.engine.processor.process, request_id, prompt, params)
+            self._send("add", request, accepted)
             await accepted  # raises what add_request raised
             while True:
                 item = await stream.get()
@@ -184,9 +182,9 @@ class AsyncDiffusionEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt, params, accepted = command
+                _, request, accepted = command
                 try:
-                    self.engine.add_request(request_id, prompt, params)
+                    self.engine.add_processed(request)
                 except Exception as e:  # bad input or a full queue: the caller's error
                     self._loop.call_soon_threadsafe(_settle, accepted, e)
                 else:

@@ -3,21 +3,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from dvllm.config import EngineConfig
 from dvllm.core.request import Request
 from dvllm.core.scheduler import Scheduler
 from dvllm.core.scheduler_output import RunnerOutput
+from dvllm.engine.input_processor import InputProcessor
 from dvllm.engine.lanes import Lane, Lanes
 from dvllm.executor import WorkerDied, create_executor
 from dvllm.outputs import RequestOutput
 from dvllm.profiler import PhaseTimer, breakdown
-from dvllm.samplers import SamplerPlan, build_plan
 from dvllm.sampling_params import SamplingParams
 
 
@@ -41,8 +38,8 @@ class DiffusionEngine:
             self.executor.shutdown()
             raise
         self.block_numel = self.lanes.block_numel
-        self._plans: OrderedDict[tuple, SamplerPlan] = OrderedDict()
-        self._arrivals = itertools.count()
+        pool_blocks = min(self.executor.pool_info(i)[0] for i in range(self.executor.num_workers))
+        self.processor = InputProcessor(self.config, self.model_info, self.block_numel, pool_blocks)
         self._generate_ids = itertools.count()
         self._undelivered: list[RequestOutput] = []  # outputs of others' requests seen inside generate()
         self.last_step = StepStats(0, 0, 0.0)
@@ -58,7 +55,11 @@ class DiffusionEngine:
     # -- the low-level loop ----------------------------------------------------
     def add_request(self, request_id: str, prompt: str, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        self.lanes.add(self._make_request(request_id, prompt, params, arrival_time))
+        self.add_processed(self.processor.process(request_id, prompt, params, arrival_time))
+
+    def add_processed(self, request: Request) -> None:
+        """Queues a request the input processor made (the async engine processes off this thread)."""
+        self.lanes.add(request)
 
     def step(self) -> list[RequestOutput]:
         """Starts a step on every idle worker, then collects the steps that are done (at least one,
@@ -185,54 +186,18 @@ class DiffusionEngine:
     # -- helpers ---------------------------------------------------------------
     def _make_request(self, request_id: str, prompt: str, params: SamplingParams | None,
                       arrival_time: float | None = None) -> Request:
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        resolved = (params or SamplingParams()).resolve(self.model_info, self.config)
-        info = self.model_info
-        plan = self._plan(resolved)
-        request = Request(
-            request_id=request_id, prompt=prompt, params=resolved, num_steps=plan.num_steps,
-            cfg=info.uses_cfg(resolved.guidance_scale, resolved.negative_prompt), plan=plan,
-            arrival_time=time.time() if arrival_time is None else arrival_time, arrival_seq=next(self._arrivals),
-            latent_blocks=self._blocks(info.latent_numel(resolved.height, resolved.width)),
-            cond_blocks=self._blocks(info.condition_numel), uses_history=plan.uses_history,
-        )
+        request = self.processor.process(request_id, prompt, params, arrival_time)
         self.lanes.check_fits(request)
         return request
 
     def _check_pool_holds_a_default_request(self) -> None:
         """One image at the default size, with history (multistep samplers) and both prompts (CFG)."""
         info, total = self.model_info, self.lanes.num_blocks
-        need = 2 * self._blocks(info.latent_numel(info.default_height, info.default_width)) \
-            + 2 * self._blocks(info.condition_numel)
+        blocks = self.processor.blocks
+        need = 2 * blocks(info.latent_numel(info.default_height, info.default_width)) + 2 * blocks(info.condition_numel)
         if need > total:
             raise ValueError(f"the state pool is too small for even one default request: it needs {need} "
                              f"blocks and the pool has {total}; raise state_pool_mb")
-
-    def _blocks(self, numel: int) -> int:
-        return -(-numel // self.block_numel)
-
-    def _plan(self, params: SamplingParams) -> SamplerPlan:
-        info, steps = self.model_info, params.num_inference_steps
-        extra = info.timestep_kwargs(params.height, params.width, steps, info.scheduler_config) \
-            if info.timestep_kwargs else {}
-        key = (params.sampler, steps, params.strength, tuple(sorted((k, _hashable(v)) for k, v in extra.items())))
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = build_plan(info.scheduler_config, params.sampler, steps, params.strength, **extra)
-            self._plans[key] = plan
-            if len(self._plans) > self.config.sampler_plan_cache_size:
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(key)
-        return plan
-
-
-def _hashable(value: Any) -> Any:
-    return tuple(value) if isinstance(value, (list, np.ndarray)) else value
-
 
 def _progress_bar(total: int, enabled: bool):
     if not enabled:

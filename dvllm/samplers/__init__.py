@@ -12,7 +12,11 @@ from dvllm.samplers.registry import SHORT_NAMES, make_scheduler
 from dvllm.samplers.flow import flow_euler_steps
 from dvllm.samplers.sigma import dpmpp_steps, euler_ancestral_steps, euler_steps
 
-__all__ = ["SHORT_NAMES", "SamplerPlan", "StepRow", "build_plan", "make_scheduler"]
+__all__ = ["SHORT_NAMES", "PlanRefused", "SamplerPlan", "StepRow", "build_plan", "make_scheduler"]
+
+
+class PlanRefused(ValueError):
+    """dvllm's own refusal of a plan, already in the user's terms (not a failure inside diffusers)."""
 
 
 def _ddim_ok(c) -> bool:
@@ -57,6 +61,8 @@ def build_plan(model_scheduler_config: dict[str, Any], sampler: str | None, num_
         if strength is None:
             return plan_for(name, scheduler)
         return _img2img_plan(name, scheduler, num_steps, strength)
+    except PlanRefused:
+        raise
     except (ValueError, TypeError, IndexError) as e:  # e.g. a schedule that indexes past the training steps
         raise ValueError(f"num_inference_steps={num_steps} does not work with sampler {name!r}: {e}") from e
 
@@ -74,9 +80,9 @@ def _img2img_plan(name: str, scheduler: SchedulerMixin, num_steps: int, strength
     # As the img2img pipelines' get_timesteps: skip the first (1 - strength) of the schedule.
     start = (num_steps - min(int(num_steps * strength), num_steps)) * scheduler.order
     if start >= len(scheduler.timesteps):
-        raise ValueError(f"strength={strength} leaves no step to run out of {num_steps}; raise strength or steps")
+        raise PlanRefused(f"strength={strength} leaves no step to run out of {num_steps}; raise strength or steps")
     if not hasattr(scheduler, "add_noise"):
-        raise ValueError(f"sampler {name!r} cannot start from an image (its scheduler has no add_noise)")
+        raise PlanRefused(f"sampler {name!r} cannot start from an image (its scheduler has no add_noise)")
     if hasattr(scheduler, "set_begin_index"):
         scheduler.set_begin_index(start)
     # add_noise is linear in (image latents, noise): read its two coefficients at the start timestep.

@@ -1,0 +1,157 @@
+"""The input processor: (request id, prompt, SamplingParams) -> a Request checked completely.
+
+It runs once per request, at admission and before the request is queued: the async engine runs it
+off both the event loop and the step loop, so a bad request is answered at once whatever the engine
+is doing, and nothing that grows with one client's input (an image upload's decode, a sampler
+schedule of many steps) runs where it could stall other clients. Thread-safe.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import diffusers
+import numpy as np
+from diffusers import SchedulerMixin
+
+from dvllm.config import EngineConfig
+from dvllm.core.request import Request
+from dvllm.core.scheduler import check_fits
+from dvllm.models.base import ModelInfo
+from dvllm.samplers import SHORT_NAMES, PlanRefused, SamplerPlan, build_plan
+from dvllm.samplers.probe import probe_plan
+from dvllm.sampling_params import SamplingParams, check_text
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, info: ModelInfo, block_numel: int, pool_blocks: int) -> None:
+        self.config, self.info = config, info
+        self.block_numel = block_numel
+        self.pool_blocks = pool_blocks  # the smallest worker's pool: every request must fit it alone
+        self._lock = threading.Lock()
+        self._plans: OrderedDict[tuple, SamplerPlan | ValueError] = OrderedDict()  # failures are cached too
+        self._arrivals = itertools.count()
+        self._valid_samplers: list[str] | None = None
+
+    def process(self, request_id: str, prompt: str, params: SamplingParams | None,
+                arrival_time: float | None = None) -> Request:
+        """The request, resolved and checked; ValueError naming the field otherwise."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        check_text("prompt", prompt, self.config.max_prompt_chars)
+        resolved = (params or SamplingParams()).resolve(self.info, self.config)
+        info = self.info
+        plan = self.plan(resolved)
+        request = Request(
+            request_id=request_id, prompt=prompt, params=resolved, num_steps=plan.num_steps,
+            cfg=info.uses_cfg(resolved.guidance_scale, resolved.negative_prompt), plan=plan,
+            arrival_time=time.time() if arrival_time is None else arrival_time, arrival_seq=next(self._arrivals),
+            latent_blocks=self.blocks(info.latent_numel(resolved.height, resolved.width)),
+            cond_blocks=self.blocks(info.condition_numel), uses_history=plan.uses_history,
+        )
+        check_fits(request, self.config.max_batch_size, self.pool_blocks)
+        return request
+
+    def blocks(self, numel: int) -> int:
+        return -(-numel // self.block_numel)
+
+    # -- sampler plans ---------------------------------------------------------------------
+    def plan(self, params: SamplingParams) -> SamplerPlan:
+        """The request's schedule, built and probed once per (sampler, steps, strength, size-dependent
+        arguments); a sampler or step count that cannot run is a ValueError that says what can."""
+        steps, key = params.num_inference_steps, self._plan_key(params)
+        with self._lock:
+            cached = self._plans.get(key)
+            if cached is not None:
+                self._plans.move_to_end(key)
+        if cached is None:
+            try:
+                cached = self._build(params.sampler, steps, params.strength, params.height, params.width)
+            except PlanRefused as e:  # already in the user's terms
+                cached = e
+            except Exception:  # noqa: BLE001 - any failure inside diffusers means "cannot run"
+                cached = self._refusal(params)
+            with self._lock:
+                self._plans[key] = cached
+                while len(self._plans) > self.config.sampler_plan_cache_size:
+                    self._plans.popitem(last=False)
+        if isinstance(cached, ValueError):
+            raise ValueError(str(cached))
+        return cached
+
+    def _plan_key(self, params: SamplingParams) -> tuple:
+        extra = self._timestep_kwargs(params.height, params.width, params.num_inference_steps)
+        return (params.sampler, params.num_inference_steps, params.strength,
+                tuple(sorted((k, _hashable(v)) for k, v in extra.items())))
+
+    def _timestep_kwargs(self, height: int, width: int, steps: int) -> dict[str, Any]:
+        info = self.info
+        return info.timestep_kwargs(height, width, steps, info.scheduler_config) if info.timestep_kwargs else {}
+
+    def _build(self, sampler: str | None, steps: int, strength: float | None, height: int,
+               width: int) -> SamplerPlan:
+        plan = build_plan(self.info.scheduler_config, sampler, steps, strength,
+                          **self._timestep_kwargs(height, width, steps))
+        probe_plan(plan, self._probe_shape())
+        return plan
+
+    def _runs(self, sampler: str | None, steps: int, params: SamplingParams) -> bool:
+        try:
+            self._build(sampler, steps, params.strength, params.height, params.width)
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _refusal(self, params: SamplingParams) -> ValueError:
+        """Why this plan cannot run, in the user's terms (never diffusers' or torch's message)."""
+        sampler, steps = params.sampler, params.num_inference_steps
+        name = sampler or self.info.scheduler_config["_class_name"]
+        known = sampler is None or sampler in SHORT_NAMES or _scheduler_class(sampler) is not None
+        default = self.info.default_steps
+        if known and self._runs(sampler, default, params):
+            if steps > default:
+                most = self._most_steps(sampler, default, steps, params)
+                return ValueError(f"num_inference_steps must be at most {most} for sampler {name!r} on this model, "
+                                  f"got {steps}")
+            return ValueError(f"num_inference_steps={steps} does not work with sampler {name!r} on this model; "
+                              f"it runs {default} steps")
+        return ValueError(f"sampler {name!r} cannot run on this model; valid samplers: {self.valid_samplers()}")
+
+    def _most_steps(self, sampler: str | None, good: int, bad: int, params: SamplingParams) -> int:
+        """The largest step count in [good, bad) that runs, by bisection (schedules break past a point)."""
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if self._runs(sampler, mid, params):
+                good = mid
+            else:
+                bad = mid
+        return good
+
+    def _probe_shape(self) -> tuple[int, ...]:
+        # The smallest latent the model takes: the scheduler sees the model's channels and layout.
+        size = self.info.size_factor
+        return self.info.latent_shape(size, size)
+
+    def valid_samplers(self) -> list[str]:
+        """Short names and diffusers scheduler classes that run this model's default schedule (probed
+        once, on the first refusal)."""
+        if self._valid_samplers is None:
+            info, steps = self.info, self.info.default_steps
+            params = SamplingParams(num_inference_steps=steps, height=info.default_height, width=info.default_width)
+            candidates = list(SHORT_NAMES) + sorted(n for n in dir(diffusers) if _scheduler_class(n) is not None)
+            self._valid_samplers = [n for n in candidates if self._runs(n, steps, params)]
+        return self._valid_samplers
+
+
+def _scheduler_class(name: str) -> type | None:
+    if not name.endswith("Scheduler"):  # diffusers' lazy module imports whatever name it is asked for
+        return None
+    cls = getattr(diffusers, name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, SchedulerMixin) else None
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, (list, np.ndarray)) else value
