@@ -29,22 +29,29 @@ def encode_b64(image: Any, output_format: str, compression: int | None) -> str:
 
 
 class ImageStore:
-    """The newest `capacity` images, least recently used out first; ids are random (the id is the
-    capability: whoever has the URL may fetch the image). Thread-safe: encoders put from threads."""
+    """The newest images, at most `capacity` of them and `max_bytes` in all, least recently used out
+    first; ids are random (the id is the capability: whoever has the URL may fetch the image).
+    Thread-safe: encoders put from threads."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int = 256 << 20) -> None:
         if capacity < 0:
             raise ValueError(f"image_store_size must be >= 0, got {capacity}")
-        self.capacity = capacity
+        if max_bytes < 0:
+            raise ValueError(f"image_store_mb must be >= 0, got {max_bytes / (1 << 20)}")
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.num_bytes = 0
         self._items: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
         self._lock = threading.Lock()
 
     def put(self, data: bytes, output_format: str) -> str:
+        """Stores the image and returns its id; one larger than max_bytes is not kept (its URL answers 404)."""
         image_id = f"{secrets.token_hex(16)}.{output_format}"
         with self._lock:
             self._items[image_id] = (data, MEDIA_TYPES[output_format])
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+            self.num_bytes += len(data)
+            while self._items and (len(self._items) > self.capacity or self.num_bytes > self.max_bytes):
+                _, (old, _) = self._items.popitem(last=False)
+                self.num_bytes -= len(old)
         return image_id
 
     def get(self, image_id: str) -> tuple[bytes, str] | None:

@@ -8,13 +8,16 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from dvllm.sampling_params import SEED_LIMIT, SamplingParams
+from dvllm.sampling_params import PRIORITY_LIMIT, SEED_LIMIT, SamplingParams
 
-MAX_PROMPT_CHARS = 32000  # OpenAI's limit; the text encoder truncates far earlier anyway
 MAX_PARTIAL_IMAGES = 3
+MAX_NAME_CHARS = 256  # model, user, sampler: names, not texts (prompts are bounded by the engine)
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+
+
+_OBJECT_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 class APIError(Exception):
@@ -22,6 +25,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message = _OBJECT_ADDRESS.sub("", message)  # e.g. PIL's "<_io.BytesIO object at 0x7f...>"
         super().__init__(message)
         self.status = status
         self.message = message
@@ -39,8 +43,8 @@ class ImageGenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
-    model: str | None = None
+    prompt: str = Field(min_length=1)  # its length is the engine's max_prompt_chars
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
     n: int | None = Field(None, ge=1)
     size: str | None = None  # "WIDTHxHEIGHT" or "auto" (the model's default)
     response_format: Literal["b64_json", "url"] | None = None
@@ -48,7 +52,7 @@ class ImageGenerationRequest(BaseModel):
     output_compression: int | None = Field(None, ge=0, le=100)
     stream: bool | None = None
     partial_images: int | None = Field(None, ge=0, le=MAX_PARTIAL_IMAGES)
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     # OpenAI fields that do not apply to a diffusion model: accepted, ignored.
     quality: Any = None
     background: Any = None
@@ -61,8 +65,19 @@ class ImageGenerationRequest(BaseModel):
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
-    sampler: str | None = Field(None, min_length=1)
-    priority: int | None = None
+    sampler: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS)
+    priority: int | None = Field(None, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """JSON may carry a lone surrogate ("\\ud800"), which no encoder, log or response can take."""
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("must be valid Unicode text (it has a lone surrogate)") from None
+        return value
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> "ImageGenerationRequest":
@@ -94,14 +109,14 @@ class ImageGenerationRequest(BaseModel):
         )
 
 
-_SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+_SIZE = re.compile(r"([1-9][0-9]{0,5})x([1-9][0-9]{0,5})")  # strict: ASCII digits, a lowercase x, nothing else
 
 
 def parse_size(size: str | None) -> tuple[int | None, int | None]:
     """'WxH' -> (height, width); None or 'auto' -> the model's default (None, None)."""
     if size is None or size == "auto":
         return None, None
-    match = _SIZE.match(size)
+    match = _SIZE.fullmatch(size)
     if match is None:
         raise APIError(400, f"Invalid value for 'size': expected 'WIDTHxHEIGHT' (e.g. 512x512) or 'auto', "
                             f"got {size!r}.", param="size", code="invalid_value")
@@ -141,9 +156,11 @@ def _validation_error(e: ValidationError) -> APIError:
 class ImageData(BaseModel):
     b64_json: str | None = None
     url: str | None = None
-    # With n > 1 every image has the request's seed: like diffusers, dvllm draws the n images
-    # from one generator seeded once, so (seed, n) reproduces the whole set.
+    # With n > 1 every image has the request's seed: like diffusers' num_images_per_prompt, dvllm
+    # draws the n images from one generator seeded once. Image `index` of a request is reproduced by
+    # the same request (same seed and n) and taking its image `index`; alone, with n=1, only index 0 is.
     seed: int
+    index: int
 
 
 class ImagesResponse(BaseModel):

@@ -7,6 +7,7 @@ serves image-to-image, not inpainting, so far.
 from __future__ import annotations
 
 import io
+import re
 import types
 import typing
 from typing import Any
@@ -41,19 +42,26 @@ async def create_edit(request: Request, ctx: ServerContext) -> Response:
             raise APIError(400, "Send exactly one image file as 'image'.", param="image", code="invalid_value")
         fields = {k: v for k, v in form.multi_items() if k not in _FILE_FIELDS}
         req = ImageEditRequest.parse(_typed(fields))
-        req.image = _decode(await images[0].read())
+        info = ctx.engine.model_info
+        req.image = _open(await images[0].read(), ctx.engine.config.image_pixel_limit(info.default_height,
+                                                                                      info.default_width))
         return req
 
     return await serve_request(request, ctx, parse)
 
 
-def _decode(data: bytes) -> Image.Image:
+def _open(data: bytes, max_pixels: int) -> Image.Image:
+    """The upload, opened lazily: only its header is read here, on the event loop. Its size is checked
+    before anything is decoded; the engine's input processor decodes it, off the loop, once the
+    request is past the queue check."""
     try:
         image = Image.open(io.BytesIO(data))
-        image.load()
-    except (UnidentifiedImageError, OSError) as e:
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
         raise APIError(400, f"Invalid value for 'image': not a readable image ({e}).", param="image",
                        code="invalid_image") from None
+    if image.width * image.height > max_pixels:
+        raise APIError(400, f"Invalid value for 'image': {image.width}x{image.height} is over this server's "
+                            f"limit of {max_pixels} pixels (max_image_pixels).", param="image", code="invalid_image")
     return image
 
 
@@ -81,9 +89,16 @@ def _base_type(hint: Any) -> Any:
     return hint
 
 
+_INT = re.compile(r"-?[0-9]+")
+_FLOAT = re.compile(r"-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?")  # JSON's number syntax
+
+
 def _parse(value: str, kind: type) -> Any:
+    """Strictly, as JSON would: no "1_000", no spaces, no full-width digits, no "inf"."""
     if kind is bool:
-        if value.lower() not in ("true", "false"):
+        if value.lower() not in ("true", "false"):  # clients write Python's True too
             raise ValueError(value)
         return value.lower() == "true"
+    if not (_INT if kind is int else _FLOAT).fullmatch(value):
+        raise ValueError(value)
     return kind(value)

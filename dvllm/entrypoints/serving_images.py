@@ -47,12 +47,29 @@ class ServerContext:
     metrics: ServerMetrics
     images: ImageStore
     api_key: str | None = None
+    public_url: str = "http://127.0.0.1:8000"  # image URLs start with it (never with a client's Host header)
+    allow_client_priority: bool = False
     max_in_flight: int | None = None
     request_timeout: float | None = None
     max_body_bytes: int = 1 << 20
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     in_flight: int = 0
+    logged_fields: set[str] = field(default_factory=set)  # unknown field names already logged (bounded)
+
+
+class Slot:
+    """One request's place against --max-queue-len. Given back once: as soon as its client is known
+    to be gone (so the next request is not refused for a request nobody waits for), or when it ends."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx, self.held = ctx, True
+        ctx.in_flight += 1
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.ctx.in_flight -= 1
 
 
 class ClientGone(Exception):
@@ -92,7 +109,7 @@ async def _serve(request: Request, ctx: ServerContext,
         raise APIError(503, "The server is shutting down or its engine is not running.", code="service_unavailable")
     req = await parse()
     if req.model_extra:
-        logger.warning("%s: ignoring unknown field(s) %s", request_id, sorted(req.model_extra))
+        _log_unknown_fields(list(req.model_extra), ctx, request_id)
     if req.model is not None and req.model != ctx.model_name:
         raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{ctx.model_name}'.",
                        param="model", code="model_not_found")
@@ -102,26 +119,33 @@ async def _serve(request: Request, ctx: ServerContext,
     if req.response_format == "url" and ctx.images.capacity == 0:
         raise APIError(400, "response_format 'url' is off on this server (--image-store-size 0); use 'b64_json'.",
                        param="response_format", code="invalid_value")
+    if req.priority and not ctx.allow_client_priority:
+        raise APIError(400, "priority is set by the server on this deployment; start it with "
+                            "--allow-client-priority to honour clients' priorities.", param="priority",
+                       code="invalid_value")
     params = req.sampling_params()
+    if ctx.max_in_flight is not None and ctx.in_flight >= ctx.max_in_flight:
+        await asyncio.sleep(0)  # one turn of the event loop: disconnects already received free their slots
     if ctx.max_in_flight is not None and ctx.in_flight >= ctx.max_in_flight:
         raise APIError(429, f"{ctx.in_flight} requests are in flight (--max-queue-len {ctx.max_in_flight}); "
                             "retry later.", type="rate_limit_error", code="rate_limit_exceeded",
                        headers={"Retry-After": RETRY_AFTER_SECONDS})
 
-    ctx.in_flight += 1
+    slot = Slot(ctx)
     handed_off = False
     agen = ctx.engine.generate(req.prompt, params, request_id)
     try:
         if req.stream:
             # Headers go out with the first step's output, so a refusal (bad input, full queue) can
             # still be a plain HTTP error rather than an error event.
-            first = await _guard(_engine_call(anext(agen)), request, deadline)
-            stream = _ImageEventStream(request_id, req, ctx, agen, first, deadline)
+            first = await _guard(_engine_call(anext(agen)), request, deadline, slot)
+            stream = _ImageEventStream(request_id, req, ctx, agen, first, deadline, slot)
             handed_off = True  # the stream's close() owns the cleanup from here
-            return EventStreamResponse(stream.events(), stream.close, headers={"X-Request-Id": request_id})
-        final = await _guard(_engine_call(_last(agen)), request, deadline)
+            return EventStreamResponse(stream.events(), stream.close, headers={"X-Request-Id": request_id},
+                                       on_disconnect=slot.release)
+        final = await _guard(_engine_call(_last(agen)), request, deadline, slot)
         _raise_if_failed(final, request_id, ctx)
-        data = await asyncio.to_thread(_encode_all, final, req, ctx, str(request.base_url))
+        data = await asyncio.to_thread(_encode_all, final, req, ctx)
         body = ImagesResponse(created=int(time.time()), data=data, output_format=req.format,
                               size=f"{final.images[0].width}x{final.images[0].height}")
         ctx.metrics.request_done("success", final)
@@ -138,7 +162,7 @@ async def _serve(request: Request, ctx: ServerContext,
                        code="internal_error") from None
     finally:
         if not handed_off:
-            ctx.in_flight -= 1
+            slot.release()
             await agen.aclose()
             await ctx.engine.abort(request_id)  # no-op if finished; covers a cancel before acceptance
 
@@ -167,11 +191,11 @@ async def _last(agen: AsyncIterator[RequestOutput]) -> RequestOutput:
     raise RuntimeError("the engine stream ended without a final output")
 
 
-async def _guard(coro: Coroutine[Any, Any, Any], request: Request, deadline: float | None) -> Any:
+async def _guard(coro: Coroutine[Any, Any, Any], request: Request, deadline: float | None, slot: Slot) -> Any:
     """Awaits coro unless the client leaves (ClientGone) or the deadline passes (504) first; then coro is
     cancelled, which ends the engine stream and so aborts the request."""
     task = asyncio.ensure_future(coro)
-    gone = asyncio.ensure_future(wait_disconnect(request.receive))
+    gone = asyncio.ensure_future(wait_disconnect(request.receive, slot.release))
     timeout = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
     try:
         done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -186,10 +210,30 @@ async def _guard(coro: Coroutine[Any, Any, Any], request: Request, deadline: flo
     raise _timeout_error()
 
 
-async def wait_disconnect(receive: Receive) -> None:
-    """Returns when the client disconnects (the body is read already: ASGI receive only waits for that)."""
+async def wait_disconnect(receive: Receive, on_disconnect: Callable[[], None] | None = None) -> None:
+    """Returns when the client disconnects (the body is read already: ASGI receive only waits for that),
+    calling on_disconnect first, in the same turn of the event loop."""
     while (await receive())["type"] != "http.disconnect":
         pass
+    if on_disconnect is not None:
+        on_disconnect()
+
+
+_MAX_LOGGED_FIELDS = 1024  # distinct unknown field names remembered, so each is logged once
+_FIELDS_PER_LINE = 5
+
+
+def _log_unknown_fields(names: list[str], ctx: ServerContext, request_id: str) -> None:
+    """Logs unknown field names the server has not logged before: a few per line, each cut short, so a
+    body of 50k made-up fields costs one short line, not a 500 KB one."""
+    fresh = [name for name in names if name not in ctx.logged_fields][:_FIELDS_PER_LINE]
+    if not fresh:
+        return
+    if len(ctx.logged_fields) + len(fresh) <= _MAX_LOGGED_FIELDS:
+        ctx.logged_fields.update(fresh)
+    more = len(names) - len(fresh)
+    logger.warning("%s: ignoring unknown field(s) %s%s", request_id, ", ".join(ascii(n[:64]) for n in fresh),
+                   f" (and {more} more)" if more else "")
 
 
 def _timeout_error() -> APIError:
@@ -207,16 +251,15 @@ def _raise_if_failed(final: RequestOutput, request_id: str, ctx: ServerContext) 
                    code="internal_error")
 
 
-def _encode_all(final: RequestOutput, req: ImageGenerationRequest, ctx: ServerContext,
-                base_url: str) -> list[ImageData]:
+def _encode_all(final: RequestOutput, req: ImageGenerationRequest, ctx: ServerContext) -> list[ImageData]:
     """Runs in a worker thread: image encoding would otherwise stall the event loop."""
     fmt, compression, data = req.format, req.output_compression, []
-    for image in final.images:
+    for index, image in enumerate(final.images):
         if req.response_format == "url":
             image_id = ctx.images.put(encode_image(image, fmt, compression), fmt)
-            data.append(ImageData(url=f"{base_url}v1/images/{image_id}", seed=final.seed))
+            data.append(ImageData(url=f"{ctx.public_url}/v1/images/{image_id}", seed=final.seed, index=index))
         else:
-            data.append(ImageData(b64_json=encode_b64(image, fmt, compression), seed=final.seed))
+            data.append(ImageData(b64_json=encode_b64(image, fmt, compression), seed=final.seed, index=index))
     return data
 
 
@@ -272,8 +315,8 @@ class _ImageEventStream:
     """The events of one streamed request: partial images as the engine decodes them, then the image."""
 
     def __init__(self, request_id: str, req: ImageGenerationRequest, ctx: ServerContext,
-                 agen: AsyncIterator[RequestOutput], first: RequestOutput, deadline: float | None) -> None:
-        self.request_id, self.req, self.ctx, self.agen = request_id, req, ctx, agen
+                 agen: AsyncIterator[RequestOutput], first: RequestOutput, deadline: float | None, slot: Slot) -> None:
+        self.request_id, self.req, self.ctx, self.agen, self.slot = request_id, req, ctx, agen, slot
         self.first, self.deadline = first, deadline
         self.outcome = "disconnected"  # until the stream says otherwise
         self.final: RequestOutput | None = None
@@ -322,7 +365,7 @@ class _ImageEventStream:
             if self.outcome != "success":
                 await self.ctx.engine.abort(self.request_id)
         finally:
-            self.ctx.in_flight -= 1
+            self.slot.release()
             self.ctx.metrics.request_done(self.outcome, self.final)
             if self.outcome == "disconnected":
                 logger.info("%s: client disconnected; request aborted", self.request_id)
@@ -333,14 +376,14 @@ class EventStreamResponse(StreamingResponse):
     waiting for the engine, and whose cleanup runs however the response ends."""
 
     def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]],
-                 headers: dict[str, str]) -> None:
+                 headers: dict[str, str], on_disconnect: Callable[[], None] | None = None) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", **headers})
-        self._on_close = on_close
+        self._on_close, self._on_disconnect = on_close, on_disconnect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streamer = asyncio.ensure_future(self._send_all(send))
-        gone = asyncio.ensure_future(wait_disconnect(receive))
+        gone = asyncio.ensure_future(wait_disconnect(receive, self._on_disconnect))
         try:
             await asyncio.wait({streamer, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
