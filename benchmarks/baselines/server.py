@@ -101,7 +101,8 @@ def build_app(runner: PipelineRunner, worker: ThreadPoolExecutor, mode: str, max
                 from None
         fmt, compression = req.format, req.output_compression
         data = await asyncio.to_thread(
-            lambda: [ImageData(b64_json=encode_b64(im, fmt, compression), seed=params.seed) for im in images])
+            lambda: [ImageData(b64_json=encode_b64(im, fmt, compression), seed=params.seed, index=i)
+                     for i, im in enumerate(images)])
         done = time.monotonic()
         metrics.requests.labels("success").inc()
         metrics.queue_time.observe(job.started - job.arrival)

@@ -35,6 +35,7 @@ class InputProcessor:
         self._plans: OrderedDict[tuple, SamplerPlan | ValueError] = OrderedDict()  # failures are cached too
         self._arrivals = itertools.count()
         self._valid_samplers: list[str] | None = None
+        self._most: OrderedDict[tuple, int] = OrderedDict()  # (sampler, strength, size) -> most steps it runs
 
     def process(self, request_id: str, prompt: str, params: SamplingParams | None,
                 arrival_time: float | None = None) -> Request:
@@ -121,13 +122,22 @@ class InputProcessor:
         return ValueError(f"sampler {name!r} cannot run on this model; valid samplers: {self.valid_samplers()}")
 
     def _most_steps(self, sampler: str | None, good: int, bad: int, params: SamplingParams) -> int:
-        """The largest step count in [good, bad) that runs, by bisection (schedules break past a point)."""
+        """The largest step count in [good, bad) that runs, by bisection (schedules break past a point).
+        Remembered, so that asking again with other step counts costs nothing."""
+        key = (sampler, params.strength, params.height, params.width)
+        most = self._most.get(key)
+        if most is not None and most < bad:
+            return most
         while bad - good > 1:
             mid = (good + bad) // 2
             if self._runs(sampler, mid, params):
                 good = mid
             else:
                 bad = mid
+        with self._lock:
+            self._most[key] = good
+            while len(self._most) > self.config.sampler_plan_cache_size:
+                self._most.popitem(last=False)
         return good
 
     def _probe_shape(self) -> tuple[int, ...]:
