@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+from utils_cli import assert_quiet, cli, expect_usage_error, no_model_load, restore_logging  # noqa: F401 (fixtures)
 
+import dvllm
 from dvllm import DiffusionEngine, SamplingParams
-from dvllm.entrypoints.cli import main
+from dvllm.entrypoints.cli import check_model_name, check_sampler, main
+from dvllm.samplers.registry import SHORT_NAMES
 
 FAST = ["--device", "cpu", "--dtype", "float32", "--no-progress", "--steps", "3", "--size", "16x16"]
 
@@ -32,16 +38,6 @@ def write_lines(path: Path, lines: list[str | dict]) -> Path:
     return path
 
 
-def expect_usage_error(capsys, *argv: str) -> str:
-    """Bad input must end in exit code 2 with a one-line message, never a traceback."""
-    with pytest.raises(SystemExit) as exc:
-        main(list(argv))
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "dvllm generate: error:" in err and "Traceback" not in err
-    return err
-
-
 # -- one prompt --------------------------------------------------------------------------------
 
 def test_single_prompt_writes_png_and_summary(sd_eps_path, tmp_path, capsys):
@@ -52,6 +48,13 @@ def test_single_prompt_writes_png_and_summary(sd_eps_path, tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert f"{out}  (seed 1, 3 steps)" in stdout
     assert "1 images in" in stdout and "images/s" in stdout and "0 failed" in stdout
+    # The PNG says what made it; a single prompt writes no manifest.
+    with Image.open(out) as image:
+        assert image.text["prompt"] == "a red circle"
+        parameters = json.loads(image.text["parameters"])
+    assert {k: parameters[k] for k in ("prompt", "seed", "index", "steps", "size", "n", "sampler")} == \
+        {"prompt": "a red circle", "seed": 1, "index": 0, "steps": 3, "size": "16x16", "n": 1, "sampler": None}
+    assert not (tmp_path / "manifest.jsonl").exists()
 
 
 def test_n_images_get_numbered_files(sd_eps_path, tmp_path, capsys):
@@ -85,7 +88,8 @@ def test_prompts_file_plain_and_jsonl_lines(sd_eps_path, tmp_path, capsys):
         3: [named],
         4: [out_dir / "00004-10.png"],
     }
-    assert sorted(out_dir.iterdir()) == sorted(p for paths in files.values() for p in paths if p.parent == out_dir)
+    images_in_dir = [p for paths in files.values() for p in paths if p.parent == out_dir]
+    assert sorted(out_dir.iterdir()) == sorted([*images_in_dir, out_dir / "manifest.jsonl"])
     assert named.is_file()
     with Image.open(files[1][0]) as image:
         assert image.size == (24, 16)  # WxH
@@ -205,6 +209,190 @@ def test_jsonl_relative_output_goes_to_output_dir(sd_eps_path, tmp_path, monkeyp
     prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "x", "output": "named.png"}])
     assert generate(sd_eps_path, "--prompts-file", str(prompts), "--output-dir", str(tmp_path / "out")) == 0
     assert (tmp_path / "out" / "named.png").is_file() and not (tmp_path / "cwd" / "named.png").exists()
+
+
+def test_prompts_file_writes_a_manifest_and_png_metadata(sd_eps_path, tmp_path):
+    out_dir = tmp_path / "out"
+    prompts = write_lines(tmp_path / "p.jsonl", [
+        "a plain line",
+        {"prompt": "two of them", "n": 2, "seed": 8, "guidance": 2.5, "sampler": "euler", "negative_prompt": "dark",
+         "size": "24x16"},
+    ])
+    assert generate(sd_eps_path, "--prompts-file", str(prompts), "--output-dir", str(out_dir), "--seed", "5") == 0
+    lines = [json.loads(line) for line in (out_dir / "manifest.jsonl").read_text().splitlines()]
+    by_file = {line.pop("file"): line for line in lines}
+    assert sorted(by_file) == ["00000-5.png", "00001-8-0.png", "00001-8-1.png"]  # relative to --output-dir
+    model = by_file["00000-5.png"].pop("model")
+    assert isinstance(model, str) and model
+    assert by_file["00000-5.png"] == {"prompt": "a plain line", "seed": 5, "index": 0, "steps": 3, "guidance": 7.5,
+                                      "size": "16x16", "sampler": None, "negative_prompt": None, "n": 1}
+    for k in (0, 1):
+        assert by_file[f"00001-8-{k}.png"] == {
+            "prompt": "two of them", "seed": 8, "index": k, "steps": 3, "guidance": 2.5, "size": "24x16",
+            "sampler": "euler", "negative_prompt": "dark", "n": 2, "model": model}
+    for name, record in by_file.items():  # each PNG carries the same record
+        with Image.open(out_dir / name) as image:
+            assert image.text["prompt"] == record["prompt"]
+            assert json.loads(image.text["parameters"]) == {**record, "model": model}
+
+
+def test_progress_bar_counts_denoising_steps(sd_eps_path, tmp_path, capsys):
+    prompts = write_lines(tmp_path / "p.jsonl", ["three steps", {"prompt": "two steps", "steps": 2}])
+    argv = ["generate", "--prompts-file", str(prompts), "--output-dir", str(tmp_path / "o"), "--model", sd_eps_path,
+            *[a for a in FAST if a != "--no-progress"]]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "Generating" in err and "5/5" in err and "step" in err  # 3 + 2 steps, not 2 requests
+    assert "2/2" not in err and "req" not in err
+
+
+def test_admission_is_bounded_by_max_num_waiting(sd_eps_path, tmp_path, monkeypatch):
+    seen: list[int] = []
+    add_request = DiffusionEngine.add_request
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.stats()["num_waiting"])
+        return add_request(self, *args, **kwargs)
+    monkeypatch.setattr(DiffusionEngine, "add_request", spy)
+    prompts = write_lines(tmp_path / "p.txt", ["one", "two", "three", "four"])
+    assert generate(sd_eps_path, "--prompts-file", str(prompts), "--output-dir", str(tmp_path / "o"),
+                    "--max-num-waiting", "1") == 0
+    assert seen == [0, 0, 0, 0]  # each added only once the one before had left the waiting queue
+    assert len(list((tmp_path / "o").glob("*.png"))) == 4
+
+
+# -- checked before the model loads ---------------------------------------------------------------
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--size", "64X64"], "'64X64'"),
+    (["--size", " 64x64"], "' 64x64'"),
+    (["--size", "64x64 "], "'64x64 '"),
+    (["--size", "\uff16\uff14x64"], "WIDTHxHEIGHT"),  # full-width digits
+    (["--size", "64\u00d764"], "WIDTHxHEIGHT"),  # a multiplication sign
+    (["--size", "64x"], "WIDTHxHEIGHT"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["-n", "0"], "-n must be >= 1"),
+    (["--seed", "-3"], "--seed"),
+    (["--guidance", "-1"], "--guidance"),
+    (["--sampler", "eulr"], "did you mean 'euler'"),
+    (["--sampler", "NotAScheduler"], "'NotAScheduler'"),
+    (["--model", "tiny-shape"], "did you mean 'tiny-shapes'"),
+    (["--model", "sdxl-turbo"], "did you mean"),
+    (["--max-batch-size", "0"], "max_batch_size"),
+], ids=lambda v: v if isinstance(v, str) else " ".join(v))
+def test_bad_flags_fail_before_the_model_loads(sd_eps_path, tmp_path, capsys, no_model_load,  # noqa: F811
+                                               flags, expected):
+    err = expect_usage_error(capsys, "generate", "x", "-o", str(tmp_path / "x.png"), "--model", sd_eps_path,
+                             *FAST, *flags)
+    assert expected in err and len(err.strip().splitlines()) == 1, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_bad_prompts_file_line_fails_before_the_model_loads(sd_eps_path, tmp_path, capsys,
+                                                            no_model_load):  # noqa: F811
+    prompts = write_lines(tmp_path / "p.jsonl", ["fine", {"prompt": "x", "sampler": "dpm++"}])
+    err = expect_usage_error(capsys, "generate", "--prompts-file", str(prompts), "--output-dir", str(tmp_path / "o"),
+                             "--model", sd_eps_path, *FAST)
+    assert f"{prompts}:2:" in err and "'dpm++'" in err
+
+
+def test_model_suggestions_only_for_bare_names(tmp_path):
+    check_model_name(None)
+    check_model_name("tiny-shapes")
+    check_model_name("sdxl")
+    check_model_name("someone/sdxl-turb")  # a Hub id: the loader asks the Hub
+    (tmp_path / "tiny-shape").mkdir()
+    check_model_name(str(tmp_path / "tiny-shape"))  # an existing path: the loader says what is wrong with it
+    with pytest.raises(ValueError, match="did you mean 'sd15'"):
+        check_model_name("sd1.5")
+    with pytest.raises(ValueError) as e:
+        check_model_name("completely-unrelated-zzz")
+    assert "did you mean" not in str(e.value) and "tiny-shapes" in str(e.value)  # lists what exists
+
+
+def test_samplers_known_by_short_name_or_diffusers_class():
+    for name in [*SHORT_NAMES, "UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler"]:
+        check_sampler(name)
+    for name in ["eulr", "UNet2DConditionModel", "__class__", 5]:
+        with pytest.raises(ValueError, match="sampler"):
+            check_sampler(name)
+
+
+# -- help, --version -------------------------------------------------------------------------------
+
+def _help(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_help_states_each_default_once(capsys, command):
+    text = _help(capsys, command)
+    options = re.split(r"\n  (?=-)", text.split("options:", 1)[1])
+    assert len(options) > 30
+    for option in options:
+        assert option.lower().count("default") <= 1, option
+
+
+def test_help_groups_and_sampler_list(capsys):
+    serve = _help(capsys, "serve")
+    assert serve.index("\nserver:\n") < serve.index("\n  --port PORT") < serve.index("\nengine:\n")
+    assert serve.index("\n  --ssl-certfile") < serve.index("\nengine:\n")
+    generate = " ".join(_help(capsys, "generate").split())  # argparse wraps lines
+    for name in SHORT_NAMES:
+        assert name in generate
+    assert "flow_euler" in generate and "--log-level" in generate
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out == f"{dvllm.__version__}\n"
+
+
+# -- quiet start-up, Ctrl-C: the real command in a subprocess ------------------------------------------
+
+def test_generate_start_up_is_quiet(sd_eps_path, tmp_path):
+    out = tmp_path / "x.png"
+    proc = subprocess.run(cli("generate", "x", "-o", str(out), "--model", sd_eps_path, "--device", "cpu", "--dtype",
+                              "float32", "--steps", "3", "--size", "16x16"),
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert_quiet(proc.stderr)
+    assert "3/3" in proc.stderr  # what stderr does show: the bar, by step
+    assert out.is_file()
+
+
+def test_log_level_debug_brings_the_libraries_back(sd_eps_path, tmp_path, capfd):
+    assert generate(sd_eps_path, "x", "-o", str(tmp_path / "x.png"), "--log-level", "debug") == 0
+    assert "Loading pipeline components" in capfd.readouterr().err
+
+
+def test_ctrl_c_stops_at_the_next_step_and_keeps_finished_images(sd_eps_path, tmp_path):
+    out_dir = tmp_path / "out"
+    prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "quick", "steps": 2, "seed": 1},
+                                                 {"prompt": "endless", "steps": 900, "seed": 2}])
+    proc = subprocess.Popen(cli("generate", "--prompts-file", str(prompts), "--output-dir", str(out_dir), "--model",
+                                sd_eps_path, "--device", "cpu", "--dtype", "float32", "--size", "16x16",
+                                "--no-progress"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        with ThreadPoolExecutor(1) as pool:  # the first image's line, however long the model takes to load
+            first = pool.submit(proc.stdout.readline).result(timeout=300)
+        assert first.startswith(str(out_dir / "00000-1.png")), first
+        proc.send_signal(signal.SIGINT)  # "endless" has ~900 steps to go: it cannot finish first
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == "interrupted: 1 of 2 images written"
+    assert stdout == ""  # no summary line after the first image
+    assert sorted(p.name for p in out_dir.iterdir()) == ["00000-1.png", "manifest.jsonl"]
+    assert [json.loads(line)["prompt"] for line in (out_dir / "manifest.jsonl").read_text().splitlines()] == ["quick"]
 
 
 # -- the installed console script --------------------------------------------------------------

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import hashlib
 import logging
+import re
 import secrets
+import socket
+import signal
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -44,8 +49,11 @@ def build_app(engine: AsyncDiffusionEngine, args: argparse.Namespace) -> FastAPI
         engine=engine,
         model_name=getattr(args, "served_model_name", None) or engine.model_info.name,
         metrics=ServerMetrics(engine.stats, lambda: ctx.in_flight),  # called on the loop thread
-        images=ImageStore(getattr(args, "image_store_size", 64)),
+        images=ImageStore(getattr(args, "image_store_size", 64),
+                          int(getattr(args, "image_store_mb", 256.0) * (1 << 20))),
         api_key=getattr(args, "api_key", None) or None,
+        public_url=public_url(args),
+        allow_client_priority=getattr(args, "allow_client_priority", False),
         max_in_flight=getattr(args, "max_queue_len", None),
         request_timeout=getattr(args, "request_timeout", None),
         max_body_bytes=int(getattr(args, "max_body_mb", 1.0) * (1 << 20)),
@@ -62,10 +70,33 @@ def build_app(engine: AsyncDiffusionEngine, args: argparse.Namespace) -> FastAPI
     app = FastAPI(title="dvllm", version=dvllm.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.ctx = ctx
+    origins = getattr(args, "allowed_origins", None)
+    if origins:  # CORS only when asked for: without it browsers on other origins get no access
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=origins,
+                           allow_methods=getattr(args, "allowed_methods", None) or ["*"],
+                           allow_headers=getattr(args, "allowed_headers", None) or ["*"],
+                           allow_credentials=getattr(args, "allow_credentials", False))
     _add_error_handlers(app)
     app.include_router(_v1_routes(ctx))
     app.include_router(_open_routes(ctx))
     return app
+
+
+def public_url(args: argparse.Namespace) -> str:
+    """Where clients reach this server, for image URLs: --public-url, else the address it binds (a
+    wildcard bind names this host). Never the request's Host header, which any client can set."""
+    url = getattr(args, "public_url", None)
+    if url:
+        return url.rstrip("/")
+    host = getattr(args, "host", "127.0.0.1")
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    if ":" in host:
+        host = f"[{host}]"  # an IPv6 literal
+    scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
+    return f"{scheme}://{host}:{getattr(args, 'port', 8000)}"
 
 
 async def drain(ctx: ServerContext, grace: float) -> None:
@@ -113,8 +144,8 @@ def _v1_routes(ctx: ServerContext) -> APIRouter:
 
     @router.get("/v1/images/{image_id}")
     async def get_image(image_id: str) -> Response:
-        if image_id == "generations":  # this path shadows the POST route's; answer as its wrong method
-            raise APIError(405, "Method GET is not allowed on /v1/images/generations.", code="method_not_allowed",
+        if image_id in ("generations", "edits"):  # these paths shadow the POST routes: answer as a wrong method
+            raise APIError(405, f"Method GET is not allowed on /v1/images/{image_id}.", code="method_not_allowed",
                            headers={"Allow": "POST"})
         item = ctx.images.get(image_id)
         if item is None:
@@ -153,10 +184,23 @@ def _open_routes(ctx: ServerContext) -> APIRouter:
 
     # The playground: one static page, open like /health; its API calls carry the key when one is set.
     page = (resources.files("dvllm.entrypoints") / "static" / "playground.html").read_text()
+    # Its inline <script> and <style> are allowed by their hashes, taken once here, so an injected
+    # script or style (an XSS) does not run; images are data: URLs or this server's /v1/images/...
+    def sources(tag: str) -> str:
+        bodies = re.findall(rf"<{tag}>(.*?)</{tag}>", page, re.DOTALL)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in bodies)
+    page_headers = {
+        "Content-Security-Policy": (
+            f"default-src 'none'; script-src {sources('script')}; style-src {sources('style')}; "
+            "img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+            "frame-ancestors 'none'"),
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+    }
 
     @router.get("/")
     async def playground() -> Response:
-        return HTMLResponse(page)
+        return HTMLResponse(page, headers=page_headers)
 
     return router
 
@@ -196,30 +240,38 @@ def _add_error_handlers(app: FastAPI) -> None:
 # -- running it ------------------------------------------------------------------------------
 
 def run_server(args: argparse.Namespace) -> None:
-    """Loads the model, serves until SIGTERM/SIGINT, drains, returns (so the process exits 0)."""
+    """Binds host:port (a taken port fails at once, not after the model loads), loads the model, serves
+    (https with ssl_keyfile/ssl_certfile) until SIGTERM/SIGINT, drains, returns (so the process exits 0)."""
     from dvllm.entrypoints.cli_args import engine_kwargs
+    from dvllm.entrypoints.server_socket import bind_socket
 
-    _log_to_stderr(getattr(args, "log_level", "info"))
-    engine = AsyncDiffusionEngine(**engine_kwargs(args))
-    app = build_app(engine, args)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=getattr(args, "log_level", "info"),
-                            timeout_graceful_shutdown=10, lifespan="on")
-    GracefulServer(config, lambda: drain(app.state.ctx, args.shutdown_grace)).run()
+    log_level = getattr(args, "log_level", "info")
+    _log_to_stderr(log_level)
+    sock = bind_socket(args.host, args.port)
+    try:
+        engine = AsyncDiffusionEngine(**engine_kwargs(args))
+        app = build_app(engine, args)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
+                                timeout_graceful_shutdown=10, lifespan="on",
+                                ssl_keyfile=getattr(args, "ssl_keyfile", None),
+                                ssl_certfile=getattr(args, "ssl_certfile", None))
+        GracefulServer(config, lambda: drain(app.state.ctx, args.shutdown_grace)).run(sockets=[sock])
+    finally:
+        sock.close()
 
 
 def _log_to_stderr(level: str) -> None:
-    """uvicorn configures only its own loggers; dvllm's (drain, aborts, faults) need a handler too."""
-    root = logging.getLogger("dvllm")
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
-        root.addHandler(handler)
-    root.setLevel(level.upper())
+    """uvicorn configures only its own loggers; dvllm's (drain, aborts, faults) need a handler too.
+    Third-party start-up chatter (advice, loading bars) stays off unless the level is debug."""
+    from dvllm.entrypoints.logging_setup import setup_logging
+
+    setup_logging(level)
 
 
 class GracefulServer(uvicorn.Server):
     """On the first SIGTERM/SIGINT: drain (new requests get 503, running ones finish within the grace
-    period), then let uvicorn close. A second signal stops at once."""
+    period), then let uvicorn close. Later signals are logged and ignored: the drain has its own deadline,
+    and cutting it short would drop accepted requests."""
 
     def __init__(self, config: uvicorn.Config, drain_fn: Callable[[], Awaitable[None]]) -> None:
         super().__init__(config)
@@ -231,13 +283,21 @@ class GracefulServer(uvicorn.Server):
     async def startup(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if sockets is not None and self.started:  # uvicorn leaves the "running on" line to whoever bound them
+            self._log_started_message(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded in _captured_signals as uvicorn does: it re-raises those at exit, so the
         # process would die by the signal instead of exiting 0 after a clean drain.
-        if self._signalled or self._loop is None:
+        if self._loop is None:  # not started yet: nothing to drain, just do not start
             self.should_exit = True
-            self.force_exit = self._signalled
+            return
+        if self._signalled:
+            # A second signal used to force the exit: the process aborted mid-drain and clients got
+            # plain-text 500s or dropped connections. The drain already ends within the grace period.
+            # (Logged from the loop, not from inside the signal handler.)
+            self._loop.call_soon_threadsafe(logger.warning, "signal %s while shutting down: ignored, the drain "
+                                            "ends within the shutdown grace period", signal.Signals(sig).name)
             return
         self._signalled = True
         self._loop.call_soon_threadsafe(self._start_drain)

@@ -17,12 +17,28 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = _unwrap_optional(hints[f.name])
-        helptext = f"{f.metadata.get('help', '')} (default: {f.default})"
+        helptext = _help_with_default(f.metadata.get("help", ""), f.default)
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
+            group.add_argument(flag, action=_BooleanFlag, default=f.default, help=helptext)
         else:
             base = int if kind is int else float if kind is float else str
             group.add_argument(flag, type=base, default=f.default, help=helptext)
+
+
+def _help_with_default(text: str, default: Any) -> str:
+    """The field's help, plus its default unless the text already tells it (or there is none to tell)."""
+    text = text.replace("%", "%%")  # argparse formats help with %-style
+    if default is None or "default" in text.lower():
+        return text
+    return f"{text} (default: {default})"
+
+
+class _BooleanFlag(argparse.BooleanOptionalAction):
+    """--flag / --no-flag with the help as given: Python 3.10's action appends its own "(default: ...)"."""
+
+    def __init__(self, *args: Any, help: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, help=help, **kwargs)
+        self.help = help
 
 
 def _unwrap_optional(kind: Any) -> Any:

@@ -18,10 +18,10 @@ from dvllm.samplers.plan import SamplerPlan
 
 def probe_plan(plan: SamplerPlan, latent_shape: tuple[int, ...]) -> None:
     """Raises (any exception) if the plan cannot run to the end on latents of `latent_shape`."""
-    # CLIP is the x0 clamp's bound: infinite means no clamp.
-    if not all(_finite(row.timestep) and _finite(row.c_in) and all(_finite(c) for i, c in enumerate(row.coeffs) if i != CLIP)
-               for row in plan.steps):
-        raise ValueError("the schedule has non-finite coefficients")
+    for row in plan.steps:  # CLIP is the x0 clamp's bound: infinite means no clamp
+        values = [row.timestep, row.c_in, *(c for i, c in enumerate(row.coeffs) if i != CLIP)]
+        if not all(_finite(v) for v in values):
+            raise ValueError("the schedule has non-finite coefficients")
     if plan.fallback is None:
         return
     scheduler = plan.new_fallback_scheduler()
