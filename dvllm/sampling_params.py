@@ -36,6 +36,8 @@ class SamplingParams:
     # the schedule it runs (1.0 ignores the image's content). None: the model's default strength.
     image: Any = None
     strength: float | None = None
+    # DDIM's eta (and TCD's gamma), for pipelines that take one (SD, SDXL). None: the pipeline's default (0.0).
+    eta: float | None = None
 
     def validate(self) -> None:
         """Checks that need no model; raises ValueError naming the field."""
@@ -64,6 +66,9 @@ class SamplingParams:
                 or not -PRIORITY_LIMIT <= self.priority < PRIORITY_LIMIT:
             raise ValueError(f"priority must be an integer in [-2**31, 2**31), got {self.priority!r}")
         _optional_int("num_previews", self.num_previews, low=0)
+        if self.eta is not None and (isinstance(self.eta, bool) or not isinstance(self.eta, (int, float))
+                                     or not 0 <= self.eta <= 1):
+            raise ValueError(f"eta must be a number in [0, 1], got {self.eta!r}")
         if self.strength is not None:
             if isinstance(self.strength, bool) or not isinstance(self.strength, (int, float)) \
                     or not 0 < self.strength <= 1:
@@ -80,6 +85,8 @@ class SamplingParams:
         if self.guidance_scale is not None and self.guidance_scale > config.max_guidance_scale:
             raise ValueError(f"guidance_scale must be at most {config.max_guidance_scale} (max_guidance_scale), "
                              f"got {self.guidance_scale!r}")
+        if self.eta is not None and info.default_eta is None:
+            raise ValueError(f"eta: the {info.family} pipeline takes no eta")
         image = None if self.image is None else _load_image(self.image, info, max_pixels)
         # An image sets the size, rounded down to the model's size factor, as the img2img pipelines do.
         image_h, image_w = (info.default_height, info.default_width) if image is None else \
@@ -93,6 +100,7 @@ class SamplingParams:
             seed=secrets.randbelow(RANDOM_SEED_LIMIT) if self.seed is None else self.seed,
             image=image,
             strength=None if image is None else (info.default_strength if self.strength is None else self.strength),
+            eta=info.default_eta if self.eta is None else float(self.eta),
         )
         if resolved.num_inference_steps > config.max_inference_steps:
             raise ValueError(

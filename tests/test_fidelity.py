@@ -40,6 +40,8 @@ def reference(pipe, prompt: str, p: SamplingParams) -> np.ndarray:
     # dvllm's guidance_scale is Qwen-Image's true_cfg_scale
     guidance = ({"true_cfg_scale": p.guidance_scale} if type(pipe).__name__ == "QwenImagePipeline"
                 else {"guidance_scale": p.guidance_scale})
+    if p.eta is not None:  # left out, the pipeline's own default
+        guidance["eta"] = p.eta
     try:
         return pipe(prompt, negative_prompt=p.negative_prompt, num_inference_steps=p.num_inference_steps,
                     height=p.height, width=p.width, num_images_per_prompt=p.n,
@@ -127,6 +129,29 @@ def test_request_alone_equals_pipeline_and_batch(eps, sampler):
     outs = engine.generate([prompt] + [q for q, _ in others], [params] + [dataclass_np(p) for _, p in others],
                            use_tqdm=False)
     np.testing.assert_allclose(outs[0].images[0], alone.images[0], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("sampler, eta", [("TCDScheduler", None), ("TCDScheduler", 0.3), ("ddim", 0.7),
+                                         ("DDIMParallelScheduler", 0.5)])
+def test_eta_reaches_the_scheduler_as_the_pipeline_passes_it(eps, sampler, eta):
+    """The pipeline passes eta (its default 0.0) to every scheduler whose step() takes it: TCD's own
+    default is 0.3, and DDIM with eta > 0 draws noise, so each is stepped as diffusers would."""
+    engine, pipe = eps
+    prompt = "a red circle"
+    params = SamplingParams(num_inference_steps=3, guidance_scale=1.0, seed=0, sampler=sampler, eta=eta,
+                            height=32, width=32, output_type="np")
+    alone = engine.generate(prompt, params, use_tqdm=False)[0]
+    assert_matches_pipeline(pipe, prompt, params, alone)
+    others = mixed_batch()[:3]
+    outs = engine.generate([prompt] + [q for q, _ in others], [params] + [dataclass_np(p) for _, p in others],
+                           use_tqdm=False)
+    np.testing.assert_allclose(outs[0].images[0], alone.images[0], atol=TOL, rtol=0)
+
+
+def test_eta_is_refused_where_the_pipeline_takes_none(flux_path):
+    engine = engine_for(flux_path)
+    with pytest.raises(ValueError, match="eta: the flux pipeline takes no eta"):
+        engine.add_request("r", "x", SamplingParams(eta=0.5))
 
 
 def test_seed_changes_the_image(eps):

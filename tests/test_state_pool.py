@@ -93,7 +93,8 @@ def test_prompt_cache_skips_the_text_encoder(sd_eps_path):
 def test_requests_too_big_for_the_pool_are_refused_and_tiny_pools_at_start(sd_eps_path):
     with pytest.raises(ValueError, match="state pool is too small for even one default request"):
         DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", num_state_blocks=3)
-    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", num_state_blocks=30)
+    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", num_state_blocks=30,
+                             max_image_pixels=64 * 64)
     with pytest.raises(ValueError, match="state-pool blocks but the pool has 30"):
         engine.add_request("big", "x", SamplingParams(n=8, height=64, width=64, guidance_scale=5.0))
     assert not engine.has_unfinished_requests()

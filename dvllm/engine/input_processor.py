@@ -70,7 +70,7 @@ class InputProcessor:
                 self._plans.move_to_end(key)
         if cached is None:
             try:
-                cached = self._build(params.sampler, steps, params.strength, params.height, params.width)
+                cached = self._build(params.sampler, steps, params)
             except PlanRefused as e:  # already in the user's terms
                 cached = e
             except Exception:  # noqa: BLE001 - any failure inside diffusers means "cannot run"
@@ -85,23 +85,22 @@ class InputProcessor:
 
     def _plan_key(self, params: SamplingParams) -> tuple:
         extra = self._timestep_kwargs(params.height, params.width, params.num_inference_steps)
-        return (params.sampler, params.num_inference_steps, params.strength,
+        return (params.sampler, params.num_inference_steps, params.strength, params.eta,
                 tuple(sorted((k, _hashable(v)) for k, v in extra.items())))
 
     def _timestep_kwargs(self, height: int, width: int, steps: int) -> dict[str, Any]:
         info = self.info
         return info.timestep_kwargs(height, width, steps, info.scheduler_config) if info.timestep_kwargs else {}
 
-    def _build(self, sampler: str | None, steps: int, strength: float | None, height: int,
-               width: int) -> SamplerPlan:
-        plan = build_plan(self.info.scheduler_config, sampler, steps, strength,
-                          **self._timestep_kwargs(height, width, steps))
+    def _build(self, sampler: str | None, steps: int, params: SamplingParams) -> SamplerPlan:
+        plan = build_plan(self.info.scheduler_config, sampler, steps, params.strength, params.eta,
+                          self.info.step_kwargs, **self._timestep_kwargs(params.height, params.width, steps))
         probe_plan(plan, self._probe_shape())
         return plan
 
     def _runs(self, sampler: str | None, steps: int, params: SamplingParams) -> bool:
         try:
-            self._build(sampler, steps, params.strength, params.height, params.width)
+            self._build(sampler, steps, params)
             return True
         except Exception:  # noqa: BLE001
             return False
@@ -124,7 +123,7 @@ class InputProcessor:
     def _most_steps(self, sampler: str | None, good: int, bad: int, params: SamplingParams) -> int:
         """The largest step count in [good, bad) that runs, by bisection (schedules break past a point).
         Remembered, so that asking again with other step counts costs nothing."""
-        key = (sampler, params.strength, params.height, params.width)
+        key = (sampler, params.strength, params.eta, params.height, params.width)
         most = self._most.get(key)
         if most is not None and most < bad:
             return most

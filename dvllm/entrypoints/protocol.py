@@ -67,6 +67,7 @@ class ImageGenerationRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     sampler: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS)
     priority: int | None = Field(None, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)
+    eta: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # DDIM/TCD's, where the pipeline takes one
 
     @field_validator("*")
     @classmethod
@@ -105,7 +106,7 @@ class ImageGenerationRequest(BaseModel):
             negative_prompt=self.negative_prompt, height=height, width=width, seed=self.seed,
             n=self.image_count, sampler=self.sampler, output_type="pil", priority=self.priority or 0,
             # previews cost a VAE decode each: only streaming shows them
-            num_previews=(self.partial_images or 0) if self.stream else 0,
+            num_previews=(self.partial_images or 0) if self.stream else 0, eta=self.eta,
         )
 
 
@@ -131,7 +132,7 @@ def parse_size(size: str | None) -> tuple[int | None, int | None]:
 _ENGINE_FIELDS = {"height": "size", "width": "size", "height*width": "size", "num_previews": "partial_images",
                   "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale", "n": "n",
                   "seed": "seed", "sampler": "sampler", "negative_prompt": "negative_prompt", "prompt": "prompt",
-                  "priority": "priority", "image": "image", "strength": "strength"}
+                  "priority": "priority", "image": "image", "strength": "strength", "eta": "eta"}
 
 
 def engine_value_error(error: ValueError) -> APIError:

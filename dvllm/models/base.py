@@ -40,6 +40,11 @@ class ModelInfo:
     # (height, width, num_steps, scheduler config) -> extra set_timesteps arguments, for schedules that
     # depend on the image (flow matching's resolution-dependent shift). A module-level function: picklable.
     timestep_kwargs: Callable[[int, int, int, dict[str, Any]], dict[str, Any]] | None = None
+    # What the pipeline's denoising loop passes to scheduler.step besides (output, t, sample), each only
+    # when that step() takes it: SD and SDXL's prepare_extra_step_kwargs pass eta and generator; the DiT
+    # pipelines pass nothing. default_eta is the pipeline's eta default (None: it takes no eta).
+    step_kwargs: tuple[str, ...] = ()
+    default_eta: float | None = None
 
     def uses_cfg(self, guidance_scale: float, negative_prompt: str | None = None) -> bool:
         """As diffusers: guidance above 1 adds unconditional rows (with some models, only for a negative prompt)."""

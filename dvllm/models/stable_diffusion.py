@@ -39,6 +39,7 @@ class StableDiffusionAdapter(ModelAdapter):
             # LCM-distilled UNets embed the guidance scale instead of running CFG rows.
             supports_cfg=pipe.unet.config.time_cond_proj_dim is None,
             supports_img2img=True, default_strength=self.default_strength,
+            step_kwargs=("eta", "generator"), default_eta=0.0,  # prepare_extra_step_kwargs, __call__'s eta=0.0
         )
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:

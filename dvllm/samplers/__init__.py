@@ -1,6 +1,7 @@
 """Samplers: diffusers' schedules, dvllm's vectorized per-row updates."""
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -47,36 +48,46 @@ _VECTORIZED: dict[str, tuple[Callable[[Any], bool], Callable[[Any], list[StepRow
 
 
 def build_plan(model_scheduler_config: dict[str, Any], sampler: str | None, num_steps: int,
-               strength: float | None = None, **timestep_kwargs: Any) -> SamplerPlan:
+               strength: float | None = None, eta: float | None = None, step_kwargs: tuple[str, ...] = (),
+               **timestep_kwargs: Any) -> SamplerPlan:
     """The schedule of `sampler` for `num_steps`, as diffusers computes it; ValueError if it cannot run.
     timestep_kwargs go to set_timesteps as the model's pipeline passes them (sigmas, mu). With a
-    strength (image-to-image) the run skips the schedule's first steps, as the img2img pipelines do."""
+    strength (image-to-image) the run skips the schedule's first steps, as the img2img pipelines do.
+    step_kwargs names what the pipeline passes to scheduler.step ("eta", "generator") when it takes them."""
     scheduler = make_scheduler(model_scheduler_config, sampler)
     name = sampler or model_scheduler_config["_class_name"]
+    takes = set(inspect.signature(scheduler.step).parameters) & set(step_kwargs)
+    # The vectorized DDIM update is eta = 0's: another eta is stepped by diffusers itself.
+    vectorize = not ("eta" in takes and eta)
     try:
         if "sigmas" in timestep_kwargs:  # a custom sigma schedule: its length is the step count
             scheduler.set_timesteps(device="cpu", **timestep_kwargs)
         else:
             scheduler.set_timesteps(num_steps, device="cpu", **timestep_kwargs)
         if strength is None:
-            return plan_for(name, scheduler)
-        return _img2img_plan(name, scheduler, num_steps, strength)
+            plan = plan_for(name, scheduler, vectorize=vectorize)
+        else:
+            plan = _img2img_plan(name, scheduler, num_steps, strength, vectorize)
+        plan.eta = eta if "eta" in takes else None
+        plan.pass_generator = "generator" in takes
+        return plan
     except PlanRefused:
         raise
     except (ValueError, TypeError, IndexError) as e:  # e.g. a schedule that indexes past the training steps
         raise ValueError(f"num_inference_steps={num_steps} does not work with sampler {name!r}: {e}") from e
 
 
-def plan_for(name: str, scheduler: SchedulerMixin, start: int = 0) -> SamplerPlan:
+def plan_for(name: str, scheduler: SchedulerMixin, start: int = 0, vectorize: bool = True) -> SamplerPlan:
     entry = _VECTORIZED.get(type(scheduler).__name__)
-    if entry is None or not entry[0](scheduler.config):
+    if not vectorize or entry is None or not entry[0](scheduler.config):
         return fallback_plan(name, scheduler, start)
     _, steps_of, uses_history = entry
     return SamplerPlan(name, steps_of(scheduler, start)[start:], init_noise_sigma(scheduler), uses_history=uses_history,
                        start_index=start)
 
 
-def _img2img_plan(name: str, scheduler: SchedulerMixin, num_steps: int, strength: float) -> SamplerPlan:
+def _img2img_plan(name: str, scheduler: SchedulerMixin, num_steps: int, strength: float,
+                  vectorize: bool = True) -> SamplerPlan:
     # As the img2img pipelines' get_timesteps: skip the first (1 - strength) of the schedule.
     start = (num_steps - min(int(num_steps * strength), num_steps)) * scheduler.order
     if start >= len(scheduler.timesteps):
@@ -89,6 +100,6 @@ def _img2img_plan(name: str, scheduler: SchedulerMixin, num_steps: int, strength
     t = scheduler.timesteps[start:start + 1]
     one, zero = torch.ones(1), torch.zeros(1)
     a, b = float(scheduler.add_noise(one, zero, t)), float(scheduler.add_noise(zero, one, t))
-    plan = plan_for(name, scheduler, start)
+    plan = plan_for(name, scheduler, start, vectorize)
     plan.start_noise = (a, b)
     return plan

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any
 
 from diffusers import SchedulerMixin
 
@@ -37,6 +38,9 @@ class SamplerPlan:
     # Image-to-image: the run begins at this index of the full schedule, from a * image_latents + b * noise.
     start_index: int = 0
     start_noise: tuple[float, float] | None = None
+    # What a fallback scheduler's step() gets besides (output, t, sample), as the pipeline passes it.
+    eta: float | None = None
+    pass_generator: bool = False
 
     @property
     def num_steps(self) -> int:
@@ -45,6 +49,12 @@ class SamplerPlan:
     @property
     def vectorized(self) -> bool:
         return self.fallback is None
+
+    def step_kwargs(self, generator: Any) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {} if self.eta is None else {"eta": self.eta}
+        if self.pass_generator:
+            kwargs["generator"] = generator
+        return kwargs
 
     def new_fallback_scheduler(self) -> SchedulerMixin:
         assert self.fallback is not None

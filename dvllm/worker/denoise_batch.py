@@ -6,7 +6,6 @@ unconditional half of the forward is one contiguous block and no row is indexed.
 """
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -116,8 +115,7 @@ def update(pool: StatePool, batch: Batch, out: torch.Tensor, errors: dict[str, s
         if s.fallback is not None:  # its rows were left as they were; step them the diffusers way
             try:
                 t = s.fallback_timestep
-                kwargs = {"generator": s.generator} if _accepts_generator(s.fallback) else {}
-                result = s.fallback.step(out[lo:hi], t, sample[lo:hi], **kwargs)
+                result = s.fallback.step(out[lo:hi], t, sample[lo:hi], **s.plan.step_kwargs(s.generator))
                 pool.write(s.blocks.latents, result.prev_sample)
                 x0 = getattr(result, "pred_original_sample", None)  # not every scheduler reports one
                 if x0 is not None and s.step + 1 in s.data.preview_steps:
@@ -133,11 +131,6 @@ def _step_table(states: list[RequestState], rows: list[StepRow]) -> torch.Tensor
     per_request = torch.tensor([(r.timestep, r.c_in, s.data.guidance_scale, *r.coeffs)
                                 for r, s in zip(rows, states)], dtype=torch.float32)
     return per_request.repeat_interleave(torch.tensor([s.n for s in states]), dim=0)
-
-
-def _accepts_generator(scheduler) -> bool:
-    # As the pipelines' prepare_extra_step_kwargs: only schedulers whose step() takes one get it.
-    return "generator" in inspect.signature(scheduler.step).parameters
 
 
 def _noise(states: list[RequestState], rows: list[StepRow], sample: torch.Tensor) -> torch.Tensor:
