@@ -88,9 +88,11 @@ class SamplingParams:
         if self.eta is not None and info.default_eta is None:
             raise ValueError(f"eta: the {info.family} pipeline takes no eta")
         image = None if self.image is None else _load_image(self.image, info, max_pixels)
-        # An image sets the size, rounded down to the model's size factor, as the img2img pipelines do.
+        # An image sets the size, rounded down to the VAE's scale factor as the img2img pipelines' image
+        # processor rounds it; text-to-image sizes are multiples of the size factor its pipeline checks.
+        factor = info.size_factor if image is None else info.latent_scale
         image_h, image_w = (info.default_height, info.default_width) if image is None else \
-            (image.height // info.size_factor * info.size_factor, image.width // info.size_factor * info.size_factor)
+            (image.height // factor * factor, image.width // factor * factor)
         resolved = dataclasses.replace(
             self,
             num_inference_steps=self.num_inference_steps or info.default_steps,
@@ -108,8 +110,8 @@ class SamplingParams:
             )
         for name in ("height", "width"):
             value = getattr(resolved, name)
-            if value % info.size_factor:
-                raise ValueError(f"{name} must be a positive multiple of {info.size_factor} for this model, got {value}")
+            if value % factor:
+                raise ValueError(f"{name} must be a positive multiple of {factor} for this model, got {value}")
         if resolved.height * resolved.width > max_pixels:
             raise ValueError(
                 f"height*width must be at most {max_pixels} pixels (max_image_pixels), "

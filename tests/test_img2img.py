@@ -92,3 +92,18 @@ def test_flow_families_refuse_an_image(flux_path):
     engine = DiffusionEngine(model=flux_path, device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="image-to-image is not supported for the flux family"):
         engine.add_request("r", "x", SamplingParams(image=start_image(1)))
+
+
+def test_an_image_size_is_rounded_to_the_vae_scale_factor_as_the_pipeline_does(sd_eps_path):
+    """The tiny VAE's scale factor is 2: a 35x27 image runs at 34x26, as the img2img pipeline's image
+    processor rounds it (not at the text-to-image size factor, 8)."""
+    pipe = StableDiffusionImg2ImgPipeline.from_pipe(StableDiffusionPipeline.from_pretrained(sd_eps_path))
+    pipe.set_progress_bar_config(disable=True)
+    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
+    params = SamplingParams(image=start_image(7, (35, 27)), strength=0.7, num_inference_steps=5, guidance_scale=4.0,
+                            seed=7, output_type="np")
+    out = engine.generate("an odd size", params, use_tqdm=False)[0]
+    assert out.error is None, out.error
+    expected = reference(pipe, engine, "an odd size", params)
+    assert out.images[0].shape == expected[0].shape == (26, 34, 3)
+    assert float(np.abs(out.images[0] - expected[0]).max()) <= 1e-3
