@@ -38,6 +38,9 @@ class SamplingParams:
     strength: float | None = None
     # DDIM's eta (and TCD's gamma), for pipelines that take one (SD, SDXL). None: the pipeline's default (0.0).
     eta: float | None = None
+    # The text encoder's token limit, where the pipeline takes one (Qwen-Image, Z-Image; Flux and SD3 at
+    # their default only). None: the pipeline's __call__ default.
+    max_sequence_length: int | None = None
 
     def validate(self) -> None:
         """Checks that need no model; raises ValueError naming the field."""
@@ -66,6 +69,7 @@ class SamplingParams:
                 or not -PRIORITY_LIMIT <= self.priority < PRIORITY_LIMIT:
             raise ValueError(f"priority must be an integer in [-2**31, 2**31), got {self.priority!r}")
         _optional_int("num_previews", self.num_previews, low=0)
+        _optional_int("max_sequence_length", self.max_sequence_length, low=1)
         if self.eta is not None and (isinstance(self.eta, bool) or not isinstance(self.eta, (int, float))
                                      or not 0 <= self.eta <= 1):
             raise ValueError(f"eta must be a number in [0, 1], got {self.eta!r}")
@@ -87,6 +91,7 @@ class SamplingParams:
                              f"got {self.guidance_scale!r}")
         if self.eta is not None and info.default_eta is None:
             raise ValueError(f"eta: the {info.family} pipeline takes no eta")
+        _check_sequence_length(self.max_sequence_length, info)
         image = None if self.image is None else _load_image(self.image, info, max_pixels)
         # An image sets the size, rounded down to the VAE's scale factor as the img2img pipelines' image
         # processor rounds it; text-to-image sizes are multiples of the size factor its pipeline checks.
@@ -103,6 +108,7 @@ class SamplingParams:
             image=image,
             strength=None if image is None else (info.default_strength if self.strength is None else self.strength),
             eta=info.default_eta if self.eta is None else float(self.eta),
+            max_sequence_length=self.max_sequence_length or info.max_sequence_length,
         )
         if resolved.num_inference_steps > config.max_inference_steps:
             raise ValueError(
@@ -132,6 +138,19 @@ def check_text(name: str, value: object, max_chars: int | None = None) -> None:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ValueError(f"{name} must be valid Unicode text: it has a lone surrogate at position {e.start}") from None
+
+
+def _check_sequence_length(length: int | None, info: "ModelInfo") -> None:
+    if length is None:
+        return
+    if info.sequence_length_range is None:
+        raise ValueError(f"max_sequence_length: the {info.family} pipeline takes none")
+    low, high = info.sequence_length_range
+    if low == high and length != low:
+        raise ValueError(f"max_sequence_length: the {info.family} family serves its pipeline's default, {low}, "
+                         f"only (its text has no mask, so other lengths could not share a forward); got {length}")
+    if not low <= length <= high:
+        raise ValueError(f"max_sequence_length must be in [{low}, {high}] for the {info.family} family, got {length}")
 
 
 def _optional_int(name: str, value: object, low: int) -> None:

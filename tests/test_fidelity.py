@@ -42,6 +42,8 @@ def reference(pipe, prompt: str, p: SamplingParams) -> np.ndarray:
                 else {"guidance_scale": p.guidance_scale})
     if p.eta is not None:  # left out, the pipeline's own default
         guidance["eta"] = p.eta
+    if p.max_sequence_length is not None:
+        guidance["max_sequence_length"] = p.max_sequence_length
     try:
         return pipe(prompt, negative_prompt=p.negative_prompt, num_inference_steps=p.num_inference_steps,
                     height=p.height, width=p.width, num_images_per_prompt=p.n,
@@ -242,3 +244,33 @@ def test_flow_matching_families_match_pipeline_per_request(family, request):
     if family != "sd3":  # a shift `mu` cannot go to FlowMatchHeun (diffusers fails too): refused up front
         with pytest.raises(ValueError, match="FlowMatchHeunDiscreteScheduler"):
             engine.add_request("heun", "x", SamplingParams(sampler="FlowMatchHeunDiscreteScheduler"))
+
+
+@pytest.mark.parametrize("family, length", [("qwen-image", None), ("qwen-image", 700), ("z-image", 100)])
+def test_long_prompts_are_cut_where_the_pipeline_cuts_them(family, length, request):
+    """A ~840-token prompt: Qwen-Image's __call__ keeps 512 tokens by default (its encode_prompt 1024); a
+    request may ask for another length, and requests of different lengths share a forward."""
+    import diffusers
+
+    fixture, pipeline_class = FLOW_PIPELINES[family]
+    path = request.getfixturevalue(fixture)
+    engine = engine_for(path)
+    pipe = getattr(diffusers, pipeline_class).from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    long_prompt = "a red circle on a blue square, " * 28
+    P = SamplingParams
+    batch = [(long_prompt, P(num_inference_steps=4, guidance_scale=4.0, seed=3, height=16, width=16,
+                             negative_prompt="dull " * 40, max_sequence_length=length, output_type="np")),
+             (long_prompt, P(num_inference_steps=4, guidance_scale=4.0, seed=3, height=16, width=16,
+                             negative_prompt="dull " * 40, max_sequence_length=64, output_type="np"))]
+    outs = engine.generate([prompt for prompt, _ in batch], [p for _, p in batch], use_tqdm=False)
+    for (prompt, p), out in zip(batch, outs):
+        assert_matches_pipeline(pipe, prompt, p, out)
+    assert float(np.abs(outs[0].images[0] - outs[1].images[0]).max()) > TOL  # the cut is visible to the check
+
+
+def test_unmasked_text_families_serve_their_default_length_only(flux_path):
+    engine = engine_for(flux_path)
+    with pytest.raises(ValueError, match="max_sequence_length: the flux family serves its pipeline's default, 512"):
+        engine.add_request("r", "x", SamplingParams(max_sequence_length=256))
+    engine.add_request("ok", "x", SamplingParams(max_sequence_length=512, num_inference_steps=1, height=16, width=16))

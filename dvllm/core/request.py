@@ -14,10 +14,10 @@ from dvllm.outputs import RequestMetrics, RequestOutput
 from dvllm.sampling_params import SamplingParams
 
 
-def prompt_cache_key(role: str, text: str | None) -> bytes:
-    """What identifies one text's conditions: its role and text (the adapter encodes nothing else per
-    request). A request field that changes encoding (a sequence length, an adapter) must join the key."""
-    payload = json.dumps([role, text], ensure_ascii=False).encode("utf-8", "surrogatepass")
+def prompt_cache_key(role: str, text: str | None, max_sequence_length: int | None = None) -> bytes:
+    """What identifies one text's conditions: its role, text and the request fields that change its
+    encoding (the text length; an adapter would join them)."""
+    payload = json.dumps([role, text, max_sequence_length], ensure_ascii=False).encode("utf-8", "surrogatepass")
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
@@ -83,8 +83,9 @@ class Request:
     def cond_keys(self) -> tuple[bytes, bytes | None]:
         """Prompt-cache keys of its conditions (positive, and negative with CFG): digests, so the cache
         holds a few bytes per entry however long the texts are."""
-        negative = prompt_cache_key("negative", self.params.negative_prompt) if self.cfg else None
-        return prompt_cache_key("prompt", self.prompt), negative
+        length = self.params.max_sequence_length
+        negative = prompt_cache_key("negative", self.params.negative_prompt, length) if self.cfg else None
+        return prompt_cache_key("prompt", self.prompt, length), negative
 
     @property
     def preview_steps(self) -> frozenset[int]:

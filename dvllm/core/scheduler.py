@@ -365,5 +365,5 @@ def _new_request_data(request: Request, tables: BlockTables) -> NewRequestData:
         request_id=request.request_id, prompt=request.prompt, negative_prompt=p.negative_prompt, n=p.n,
         height=p.height, width=p.width, seed=p.seed, guidance_scale=p.guidance_scale, cfg=request.cfg,
         output_type=p.output_type, plan=request.plan, blocks=tables, preview_steps=request.preview_steps,
-        image=p.image,
+        image=p.image, max_sequence_length=p.max_sequence_length,
     )

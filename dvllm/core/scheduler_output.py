@@ -35,6 +35,7 @@ class NewRequestData:
     blocks: BlockTables
     preview_steps: frozenset[int] = frozenset()  # after these step counts, decode a preview
     image: Any = None  # image-to-image: the start image (PIL, RGB), sent once
+    max_sequence_length: int | None = None  # the text encoder's length (None: the pipeline takes none)
 
 
 @dataclass

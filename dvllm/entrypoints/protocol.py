@@ -68,6 +68,7 @@ class ImageGenerationRequest(BaseModel):
     sampler: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS)
     priority: int | None = Field(None, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)
     eta: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # DDIM/TCD's, where the pipeline takes one
+    max_sequence_length: int | None = Field(None, ge=1)  # the text encoder's, where the pipeline takes one
 
     @field_validator("*")
     @classmethod
@@ -107,6 +108,7 @@ class ImageGenerationRequest(BaseModel):
             n=self.image_count, sampler=self.sampler, output_type="pil", priority=self.priority or 0,
             # previews cost a VAE decode each: only streaming shows them
             num_previews=(self.partial_images or 0) if self.stream else 0, eta=self.eta,
+            max_sequence_length=self.max_sequence_length,
         )
 
 
@@ -132,7 +134,8 @@ def parse_size(size: str | None) -> tuple[int | None, int | None]:
 _ENGINE_FIELDS = {"height": "size", "width": "size", "height*width": "size", "num_previews": "partial_images",
                   "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale", "n": "n",
                   "seed": "seed", "sampler": "sampler", "negative_prompt": "negative_prompt", "prompt": "prompt",
-                  "priority": "priority", "image": "image", "strength": "strength", "eta": "eta"}
+                  "priority": "priority", "image": "image", "strength": "strength", "eta": "eta",
+                  "max_sequence_length": "max_sequence_length"}
 
 
 def engine_value_error(error: ValueError) -> APIError:

@@ -45,6 +45,11 @@ class ModelInfo:
     # pipelines pass nothing. default_eta is the pipeline's eta default (None: it takes no eta).
     step_kwargs: tuple[str, ...] = ()
     default_eta: float | None = None
+    # The text encoder's length, as the pipeline's __call__ takes it (None: it takes none): its default
+    # and the range a request may ask for. Masked text (Qwen-Image, Z-Image) lets any length in the range
+    # share a forward; unmasked T5 text (Flux, SD3) would not, so those serve their default only.
+    max_sequence_length: int | None = None
+    sequence_length_range: tuple[int, int] | None = None
 
     def uses_cfg(self, guidance_scale: float, negative_prompt: str | None = None) -> bool:
         """As diffusers: guidance above 1 adds unconditional rows (with some models, only for a negative prompt)."""
@@ -98,8 +103,10 @@ class ModelAdapter(ABC):
         return {key: tuple(value.shape[1:]) for key, value in probe.items()}
 
     @abstractmethod
-    def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
-        """One text-encoder pass for all (text, is_negative) items; one Conditions each."""
+    def encode_prompt(self, texts: list[tuple[str | None, bool]],
+                      max_sequence_length: int | None = None) -> list[Conditions]:
+        """One text-encoder pass for all (text, is_negative) items; one Conditions each. max_sequence_length:
+        the request's (None: the pipeline's default), for families whose pipeline takes one."""
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """Shape of one image's latents, without the batch dimension."""

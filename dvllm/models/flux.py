@@ -41,9 +41,11 @@ class FluxAdapter(ModelAdapter):
             latent_channels=pipe.transformer.config.in_channels // 4, latent_scale=factor, latent_patch=2,
             condition_shapes=self.probe_condition_shapes(),
             supports_cfg=False, timestep_kwargs=partial(flux_timestep_kwargs, factor),
+            max_sequence_length=MAX_SEQUENCE_LENGTH, sequence_length_range=(MAX_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH),
         )
 
-    def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
+    def encode_prompt(self, texts: list[tuple[str | None, bool]],
+                      max_sequence_length: int | None = None) -> list[Conditions]:
         prompts = [text or "" for text, _ in texts]
         embeds, pooled, _ = self.pipeline.encode_prompt(
             prompts, None, device=self.device, num_images_per_prompt=1, max_sequence_length=MAX_SEQUENCE_LENGTH,

@@ -19,7 +19,8 @@ import torch
 from dvllm.models.base import Conditions, ModelAdapter, ModelInfo
 from dvllm.models.flux import flux_timestep_kwargs
 
-MAX_TEXT_TOKENS = 1024  # the pipeline's tokenizer_max_length and max_sequence_length
+MAX_TEXT_TOKENS = 1024  # the pipeline's tokenizer_max_length and the most max_sequence_length it accepts
+DEFAULT_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s max_sequence_length
 
 
 class QwenImageAdapter(ModelAdapter):
@@ -45,11 +46,14 @@ class QwenImageAdapter(ModelAdapter):
             latent_patch=2,
             condition_shapes={"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
             cfg_needs_negative_prompt=True, timestep_kwargs=partial(flux_timestep_kwargs, factor),
+            max_sequence_length=DEFAULT_SEQUENCE_LENGTH, sequence_length_range=(1, MAX_TEXT_TOKENS),
         )
 
-    def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
+    def encode_prompt(self, texts: list[tuple[str | None, bool]],
+                      max_sequence_length: int | None = None) -> list[Conditions]:
+        length = max_sequence_length or DEFAULT_SEQUENCE_LENGTH
         embeds, mask = self.pipeline.encode_prompt([text or "" for text, _ in texts], device=self.device,
-                                                   num_images_per_prompt=1, max_sequence_length=MAX_TEXT_TOKENS)
+                                                   num_images_per_prompt=1, max_sequence_length=length)
         if mask is None:
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
         pad = MAX_TEXT_TOKENS - embeds.shape[1]

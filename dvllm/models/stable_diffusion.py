@@ -42,7 +42,8 @@ class StableDiffusionAdapter(ModelAdapter):
             step_kwargs=("eta", "generator"), default_eta=0.0,  # prepare_extra_step_kwargs, __call__'s eta=0.0
         )
 
-    def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
+    def encode_prompt(self, texts: list[tuple[str | None, bool]],
+                      max_sequence_length: int | None = None) -> list[Conditions]:
         # An absent negative prompt is the empty string, as in the pipeline. Every text is
         # padded to the tokenizer's max length, so one batched pass equals separate ones.
         prompts = [text or "" for text, _ in texts]

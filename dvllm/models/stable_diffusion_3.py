@@ -36,9 +36,11 @@ class StableDiffusion3Adapter(ModelAdapter):
             size_factor=factor * patch, latent_channels=pipe.transformer.config.in_channels, latent_scale=factor,
             condition_shapes=self.probe_condition_shapes(),
             timestep_kwargs=partial(sd3_timestep_kwargs, factor, patch),
+            max_sequence_length=MAX_SEQUENCE_LENGTH, sequence_length_range=(MAX_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH),
         )
 
-    def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
+    def encode_prompt(self, texts: list[tuple[str | None, bool]],
+                      max_sequence_length: int | None = None) -> list[Conditions]:
         # A missing negative prompt is "", encoded like any prompt (as the pipeline does).
         prompts = [text or "" for text, _ in texts]
         embeds, _, pooled, _ = self.pipeline.encode_prompt(

@@ -22,7 +22,8 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         if vae.dtype == torch.float16 and vae.config.force_upcast:
             vae.to(torch.float32)
 
-    def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
+    def encode_prompt(self, texts: list[tuple[str | None, bool]],
+                      max_sequence_length: int | None = None) -> list[Conditions]:
         # A missing negative prompt is all zeros when the model says so (force_zeros_for_empty_prompt);
         # any other text, negative or not, goes through both encoders exactly as a prompt does.
         zero = [neg and text is None and self.pipeline.config.force_zeros_for_empty_prompt for text, neg in texts]

@@ -44,11 +44,14 @@ class ZImageAdapter(ModelAdapter):
             size_factor=factor * 2, latent_channels=pipe.transformer.in_channels, latent_scale=factor,
             condition_shapes={"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
             cfg_threshold=0.0, timestep_kwargs=partial(z_image_timestep_kwargs, factor),
+            max_sequence_length=MAX_TEXT_TOKENS, sequence_length_range=(1, MAX_TEXT_TOKENS),
         )
 
-    def encode_prompt(self, texts: list[tuple[str | None, bool]]) -> list[Conditions]:
+    def encode_prompt(self, texts: list[tuple[str | None, bool]],
+                      max_sequence_length: int | None = None) -> list[Conditions]:
         embeds, _ = self.pipeline.encode_prompt([text or "" for text, _ in texts], device=self.device,
-                                                do_classifier_free_guidance=False, max_sequence_length=MAX_TEXT_TOKENS)
+                                                do_classifier_free_guidance=False,
+                                                max_sequence_length=max_sequence_length or MAX_TEXT_TOKENS)
         out = []
         for e in embeds:  # [length, hidden] each
             padded = e.new_zeros(1, MAX_TEXT_TOKENS, e.shape[-1])

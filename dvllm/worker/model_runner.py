@@ -93,19 +93,22 @@ class ModelRunner:
 
     def _write_conditions(self, new: list[NewRequestData]) -> dict[tuple[int, ...], str]:
         """Encodes every text whose blocks must be filled (one call); returns failed blocks -> message."""
-        targets: dict[tuple[int, ...], tuple[str | None, bool]] = {}
+        targets: dict[tuple[int, ...], tuple[str | None, bool, int | None]] = {}
         for d in new:
             if d.blocks.write_cond:
-                targets[tuple(d.blocks.cond)] = (d.prompt, False)
+                targets[tuple(d.blocks.cond)] = (d.prompt, False, d.max_sequence_length)
             if d.cfg and d.blocks.write_uncond:
-                targets[tuple(d.blocks.uncond)] = (d.negative_prompt, True)
+                targets[tuple(d.blocks.uncond)] = (d.negative_prompt, True, d.max_sequence_length)
         if not targets:
             return {}
         shapes = self.adapter.info.condition_shapes
         failed: dict[tuple[int, ...], str] = {}
 
-        def encode(texts: list[tuple[str | None, bool]]) -> None:
-            encoded = dict(zip(texts, self.adapter.encode_prompt(texts)))
+        def encode(texts: list[tuple[str | None, bool, int | None]]) -> None:
+            encoded = {}
+            for length in dict.fromkeys(t[2] for t in texts):  # one encoder call per text length
+                group = [t for t in texts if t[2] == length]
+                encoded.update(zip(group, self.adapter.encode_prompt([t[:2] for t in group], length)))
             blocks = [b for b, text in targets.items() if text in encoded]
             self.pool.write([list(b) for b in blocks], torch.cat([flatten(encoded[targets[b]], shapes) for b in blocks]))
 
