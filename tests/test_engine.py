@@ -200,3 +200,29 @@ def test_new_prompts_encode_in_one_call_and_finishers_decode_together(engine):
     assert len(encode_calls[0]) == 5
     assert decode_calls == [4]
     assert forward_rows == [7, 7, 7]  # 4 conditional rows + 3 unconditional (guidance 1.0 has none)
+
+
+def test_a_batched_step_that_fails_after_drawing_noise_is_retried_from_the_same_noise(engine, sd_eps_path,
+                                                                                     monkeypatch):
+    """euler_a draws each request's noise from its generator before the fused update; the update then
+    fails once for the whole batch. The per-request retry must draw that noise again, not the next."""
+    from dvllm.worker import denoise_batch
+
+    real, calls = denoise_batch.ops.scatter_update, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second step of the batch, after its noise was drawn
+            raise RuntimeError("transient device error")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(denoise_batch.ops, "scatter_update", fails_once)
+    prompts = ["one", "two", "three"]
+    params = [P(seed=s, sampler="euler_a", num_inference_steps=4) for s in (1, 2, 3)]
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    assert len(calls) > 4  # the failed batch was retried request by request
+    monkeypatch.undo()
+    expected = _expected(sd_eps_path, prompts, params)
+    for out, want in zip(outs, expected):
+        assert out.error is None, out.error
+        np.testing.assert_allclose(out.images[0], want.images[0], atol=1e-3)

@@ -49,7 +49,7 @@ class ModelRunner:
         x0: dict[str, torch.Tensor] = {}
         if batch:
             _per_request(batch, lambda group: denoise_step(self.adapter, self.denoiser, self.pool, group, errors, x0,
-                                                           self.timer), errors, "denoise")
+                                                           self.timer), errors, "denoise", checkpoint=_rng_checkpoint)
         finished = [s for s in batch if s.done and s.request_id not in errors]
         with self.timer.phase("decode"):
             images = self._decode(finished, errors)
@@ -108,7 +108,11 @@ class ModelRunner:
             encoded = {}
             for length in dict.fromkeys(t[2] for t in texts):  # one encoder call per text length
                 group = [t for t in texts if t[2] == length]
-                encoded.update(zip(group, self.adapter.encode_prompt([t[:2] for t in group], length)))
+                items = [t[:2] for t in group]
+                # the length only where the family has one: adapters without it keep the one-argument call
+                conditions = self.adapter.encode_prompt(items) if length is None else \
+                    self.adapter.encode_prompt(items, max_sequence_length=length)
+                encoded.update(zip(group, conditions))
             blocks = [b for b, text in targets.items() if text in encoded]
             self.pool.write([list(b) for b in blocks], torch.cat([flatten(encoded[targets[b]], shapes) for b in blocks]))
 
@@ -190,6 +194,21 @@ class ModelRunner:
         return images
 
 
+def _rng_checkpoint(states: list[RequestState]) -> Callable[[], None]:
+    """Each request's generator and step counter as they are now. A batched step may draw noise from
+    every generator before it fails; a retry from the advanced generators would draw other noise than
+    diffusers does, so the retry starts from these states. (Pool writes happen last, in the fused
+    update, and fallback samplers' own failures are caught per request: neither needs restoring.)"""
+    saved = [(s, s.generator.get_state(), s.step) for s in states]
+
+    def restore() -> None:
+        for s, rng, step in saved:
+            s.generator.set_state(rng)
+            s.step = step
+
+    return restore
+
+
 def _convert(images: torch.Tensor, output_type: str) -> list[Any]:
     """[B, 3, H, W] in [0, 1] -> the output type, as diffusers' VaeImageProcessor.postprocess does."""
     if output_type == "pt":
@@ -203,8 +222,11 @@ def _convert(images: torch.Tensor, output_type: str) -> list[Any]:
 
 
 def _per_request(items: list[T], run: Callable[[list[T]], None], errors: dict, what: str,
-                 key: Callable[[T], Any] = lambda s: s.request_id) -> None:
-    """Run on the whole group; if that raises, run on each item alone and fail only those that raise."""
+                 key: Callable[[T], Any] = lambda s: s.request_id,
+                 checkpoint: Callable[[list[T]], Callable[[], None]] | None = None) -> None:
+    """Run on the whole group; if that raises, run on each item alone and fail only those that raise.
+    `checkpoint(items)` returns what puts the items back as they were before the failed group run."""
+    restore = checkpoint(items) if checkpoint is not None and len(items) > 1 else None
     try:
         run(items)
         return
@@ -212,6 +234,8 @@ def _per_request(items: list[T], run: Callable[[list[T]], None], errors: dict, w
         if len(items) == 1:
             errors[key(items[0])] = f"{what} failed: {type(e).__name__}: {e}"
             return
+    if restore is not None:
+        restore()
     for item in items:
         try:
             run([item])
