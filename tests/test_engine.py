@@ -226,3 +226,45 @@ def test_a_batched_step_that_fails_after_drawing_noise_is_retried_from_the_same_
     for out, want in zip(outs, expected):
         assert out.error is None, out.error
         np.testing.assert_allclose(out.images[0], want.images[0], atol=1e-3)
+
+
+def test_a_request_sharing_an_entry_whose_refill_failed_fails_instead_of_reading_garbage(sd_eps_path, monkeypatch):
+    """A is preempted and its prompt's cache entry evicted; when A resumes it is to refill a new entry,
+    and B, admitted in the same step with the same prompt, shares it. A's swap-in fails: B must not
+    denoise from the unwritten blocks (it fails, or its image is exact)."""
+    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", scheduling_policy="priority",
+                             max_batch_size=2)
+    scheduler, runner = engine.scheduler, engine.executor.worker.runner
+    shared = P(seed=4, guidance_scale=1.0, num_inference_steps=30, priority=5)
+    engine.add_request("A", "a shared prompt", shared)
+    engine.step()
+    engine.add_request("U", "urgent", P(seed=5, guidance_scale=1.0, num_inference_steps=1, n=2, priority=-5))
+    while "U" in scheduler.requests:  # U preempts A (both rows), runs its step and leaves
+        engine.step()
+    a = scheduler.requests["A"]
+    assert a.swapped
+    scheduler.blocks.invalidate(scheduler.blocks.index[a.cond_keys[0]])  # evicted while A was out
+    engine.add_request("B", "a shared prompt", P(seed=6, guidance_scale=1.0, num_inference_steps=3, priority=5))
+    real_swap_in = runner._swap_in
+
+    def swap_in(group):
+        if group[0].request_id == "A":
+            raise RuntimeError("host copy lost")
+        return real_swap_in(group)
+
+    monkeypatch.setattr(runner, "_swap_in", swap_in)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["A"].error == "swap-in failed: RuntimeError: host copy lost"
+    b = outs["B"]
+    if b.error is None:  # re-encoded: then exactly the image B gets alone
+        expected = _expected(sd_eps_path, ["a shared prompt"], [P(seed=6, guidance_scale=1.0, num_inference_steps=3)])
+        np.testing.assert_allclose(b.images[0], expected[0].images[0], atol=1e-3)
+    else:
+        assert b.error.startswith("its prompt embedding could not be written: swap-in failed")
+    assert worker_states(engine) == {}
+    # the entry was invalidated with A: a later request with the prompt encodes it afresh, and is exact
+    after = engine.generate("a shared prompt", P(seed=6, guidance_scale=1.0, num_inference_steps=3), use_tqdm=False)
+    expected = _expected(sd_eps_path, ["a shared prompt"], [P(seed=6, guidance_scale=1.0, num_inference_steps=3)])
+    np.testing.assert_allclose(after[0].images[0], expected[0].images[0], atol=1e-3)

@@ -42,9 +42,12 @@ class ModelRunner:
             if request_id in self.states:
                 _per_request([self.states[request_id]], lambda group: self._swap_out(group[0]), errors, "swap-out")
         with self.timer.phase("encode"):
-            self._add_requests(out.new_requests, errors)
+            unwritten = self._add_requests(out.new_requests, errors)
             for resumed in out.resumed_requests:
                 _per_request([resumed], self._swap_in, errors, "swap-in")
+                if resumed.request_id in errors:  # it was to refill shared entries: they hold nothing
+                    unwritten.update(dict.fromkeys(_written_conditions(resumed.blocks), errors[resumed.request_id]))
+            _fail_readers([*out.new_requests, *out.resumed_requests], unwritten, errors)
         batch = [self.states[i] for i in out.scheduled_ids if i in self.states and i not in errors]
         x0: dict[str, torch.Tensor] = {}
         if batch:
@@ -59,9 +62,10 @@ class ModelRunner:
         return RunnerOutput(images=images, errors=errors, previews=previews)
 
     # 1-2. encode prompts (one text-encoder call for all cache misses), prepare latents
-    def _add_requests(self, new: list[NewRequestData], errors: dict[str, str]) -> None:
+    def _add_requests(self, new: list[NewRequestData], errors: dict[str, str]) -> dict[tuple[int, ...], str]:
+        """Encodes and seeds the new requests; returns the condition blocks left unwritten (-> why)."""
         if not new:
-            return
+            return {}
         failed = self._write_conditions(new)
         ready = []
         for d in new:
@@ -90,6 +94,7 @@ class ModelRunner:
 
         if ready:
             _per_request(ready, prepare, errors, "latent preparation", key=lambda d: d.request_id)
+        return failed
 
     def _write_conditions(self, new: list[NewRequestData]) -> dict[tuple[int, ...], str]:
         """Encodes every text whose blocks must be filled (one call); returns failed blocks -> message."""
@@ -192,6 +197,27 @@ class ModelRunner:
 
         _per_request(finished, decode, errors, "decode")
         return images
+
+
+def _written_conditions(blocks: Any) -> list[tuple[int, ...]]:
+    """The condition blocks a request was to fill this iteration (prompt-cache misses)."""
+    out = [tuple(blocks.cond)] if blocks.write_cond else []
+    if blocks.uncond is not None and blocks.write_uncond:
+        out.append(tuple(blocks.uncond))
+    return out
+
+
+def _fail_readers(admitted: list[Any], unwritten: dict[tuple[int, ...], str], errors: dict[str, str]) -> None:
+    """A request admitted this iteration may share a prompt-cache entry that another one was to fill and
+    did not (its encoding or its swap-in failed): it fails too, rather than denoise from unwritten blocks."""
+    if not unwritten:
+        return
+    for data in admitted:
+        tables = data.blocks
+        reads = [tuple(tables.cond)] + ([tuple(tables.uncond)] if tables.uncond is not None else [])
+        bad = next((b for b in reads if b in unwritten), None)
+        if bad is not None and data.request_id not in errors:
+            errors[data.request_id] = f"its prompt embedding could not be written: {unwritten[bad]}"
 
 
 def _rng_checkpoint(states: list[RequestState]) -> Callable[[], None]:
