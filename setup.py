@@ -26,7 +26,7 @@ setup(
     # torch>=2.6 is met by the CPU build installed first (README) or pulls PyPI's CUDA build.
     install_requires=["torch>=2.6", *read_requirements("common.txt")],
     extras_require={
-        "test": ["pytest>=8.0", "openai>=1.99", "httpx>=0.27", "matplotlib>=3.8", "selenium>=4.20", "ray>=2.40"],
+        "test": read_requirements("test.txt"),  # one list: requirements/test.txt
         "bench": ["httpx>=0.27", "matplotlib>=3.8"],
         "ray": ["ray>=2.40"],
         "xformers": ["xformers>=0.0.28"],
