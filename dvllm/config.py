@@ -69,6 +69,14 @@ class EngineConfig:
     gpu_memory_utilization: float = field(
         default=0.9, metadata={"help": "Share of GPU memory dvllm may use in all (model, activations, state pool)."}
     )
+    max_decode_batch: int = field(
+        default=4,
+        metadata={"help": "Most images one VAE decode call takes (finishers decode in chunks of this many): "
+                          "bounds the decode's memory, which the GPU pool sizing counts."},
+    )
+    max_cuda_graphs: int = field(
+        default=16, metadata={"help": "Most CUDA graphs kept captured (least recently used out first)."}
+    )
     num_state_blocks: int | None = field(
         default=None, metadata={"help": "Override the state pool's block count (testing, tuning)."}
     )
@@ -137,7 +145,8 @@ class EngineConfig:
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("max_batch_size", "max_num_waiting", "max_inference_steps", "max_images_per_prompt",
-                     "max_prompt_chars", "sampler_plan_cache_size", "priority_aging_iterations", "num_workers"):
+                     "max_prompt_chars", "sampler_plan_cache_size", "priority_aging_iterations", "num_workers",
+                     "max_decode_batch", "max_cuda_graphs"):
             _positive_int(name, getattr(self, name))
         for name in ("max_image_pixels", "max_prompt_chars_per_step"):
             if getattr(self, name) is not None:

@@ -7,6 +7,7 @@ each row's output depends on its own inputs only, so padding changes no result.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -35,7 +36,11 @@ class Denoiser:
             self.compiled = torch.compile(adapter.denoise, dynamic=config.compile == "dynamic")
         if config.cuda_graph and adapter.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a CUDA device, but the model is on {adapter.device}")
-        self.graphs: dict[tuple, _Graph | None] | None = {} if config.cuda_graph else None  # None: eager
+        # Captured graphs, least recently used first; all share one memory pool, so together they hold about
+        # one forward's activations (memory_profile.py holds that back), and at most max_cuda_graphs are kept.
+        self.graphs: OrderedDict[tuple, _Graph | None] | None = OrderedDict() if config.cuda_graph else None
+        self.max_graphs = config.max_cuda_graphs
+        self.graph_pool = torch.cuda.graph_pool_handle() if config.cuda_graph else None
 
     @property
     def fn(self) -> Any:
@@ -53,11 +58,14 @@ class Denoiser:
             return self.fn(*args, image_size)[:rows]
         key = (bucket, tuple(latents.shape[1:]), image_size, tuple((k, v.shape[1:]) for k, v in conditions.items()))
         if key not in self.graphs:
+            if len(self.graphs) >= self.max_graphs:
+                self.graphs.popitem(last=False)
             try:
-                self.graphs[key] = _Graph.capture(self.fn, args, image_size)
+                self.graphs[key] = _Graph.capture(self.fn, args, image_size, self.graph_pool)
             except Exception:  # e.g. a host-to-device copy inside the forward: not capturable
                 logger.warning("cannot capture a CUDA graph for %s; running it eagerly", key, exc_info=True)
                 self.graphs[key] = None
+        self.graphs.move_to_end(key)
         graph = self.graphs[key]
         if graph is None:
             return self.fn(*args, image_size)[:rows]
@@ -77,7 +85,7 @@ class _Graph:
         self.graph, self.inputs, self.output = graph, inputs, output
 
     @classmethod
-    def capture(cls, fn: Any, args: tuple, image_size: tuple[int, int]) -> "_Graph":
+    def capture(cls, fn: Any, args: tuple, image_size: tuple[int, int], pool: Any = None) -> "_Graph":
         latents, timesteps, conditions, guidance = (a.clone() if torch.is_tensor(a) else
                                                     {k: v.clone() for k, v in a.items()} for a in args)
         inputs = [latents, timesteps, guidance, *conditions.values()]
@@ -88,7 +96,7 @@ class _Graph:
                 fn(latents, timesteps, conditions, guidance, image_size)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):
             output = fn(latents, timesteps, conditions, guidance, image_size)
         logger.info("captured a CUDA graph for %d rows of %s", len(latents), tuple(latents.shape[1:]))
         return cls(graph, inputs, output)

@@ -26,8 +26,10 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, adapter: ModelAdapter, pool: StatePool, denoiser: Denoiser, timer: PhaseTimer) -> None:
+    def __init__(self, adapter: ModelAdapter, pool: StatePool, denoiser: Denoiser, timer: PhaseTimer,
+                 max_decode_batch: int = 4) -> None:
         self.adapter = adapter
+        self.max_decode_batch = max_decode_batch
         self.pool = pool
         self.denoiser = denoiser
         self.timer = timer
@@ -186,7 +188,9 @@ class ModelRunner:
             bounds = row_bounds(group)
             pixels = [latents[lo:hi] for s, (lo, hi) in zip(group, bounds) if s.data.output_type != "latent"]
             size = (group[0].data.height, group[0].data.width)
-            decoded = self.adapter.decode(torch.cat(pixels), size) if pixels else None
+            # at most max_decode_batch images a VAE call: the decode's memory is bounded (and profiled)
+            decoded = torch.cat([self.adapter.decode(part, size) for part in
+                                 torch.cat(pixels).split(self.max_decode_batch)]) if pixels else None
             lo_img = 0
             for s, (lo, hi) in zip(group, bounds):
                 if s.data.output_type == "latent":

@@ -71,34 +71,10 @@ def create_state_pool(config: EngineConfig, adapter: ModelAdapter) -> StatePool:
 def _pool_bytes(config: EngineConfig, adapter: ModelAdapter) -> int:
     if config.state_pool_mb is not None:
         return int(config.state_pool_mb * 2**20)
-    device = adapter.device
-    if device.type != "cuda":
+    if adapter.device.type != "cuda":
         return CPU_STATE_POOL_MB * 2**20
-    # As vLLM sizes its KV cache: what is left of gpu_memory_utilization once the weights
-    # are in and a forward at max_batch_size has shown its peak activation memory.
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    _profile_forward(adapter, config.max_batch_size)
-    torch.cuda.synchronize(device)
-    activations = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
-    free, total = torch.cuda.mem_get_info(device)
-    budget = int(total * config.gpu_memory_utilization) - (total - free) - activations
-    if budget <= 0:
-        raise ValueError(
-            f"no GPU memory left for the state pool: the model and its activations use "
-            f"{(total - free + activations) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB with "
-            f"gpu_memory_utilization={config.gpu_memory_utilization}; raise it or lower max_batch_size"
-        )
-    return budget
+    # As vLLM sizes its KV cache: what gpu_memory_utilization leaves once the weights are in and the
+    # worst step the engine's limits allow has shown its peak (worker/memory_profile.py).
+    from dvllm.worker.memory_profile import DeviceMemory, gpu_pool_bytes
 
-
-@torch.inference_mode()
-def _profile_forward(adapter: ModelAdapter, rows: int) -> None:
-    info = adapter.info
-    latents = torch.zeros((rows, *info.latent_shape(info.default_height, info.default_width)),
-                          dtype=adapter.dtype, device=adapter.device)
-    conditions = {k: torch.zeros((rows, *shape), dtype=adapter.dtype, device=adapter.device)
-                  for k, shape in info.condition_shapes.items()}
-    ones = torch.ones(rows, device=adapter.device)
-    adapter.denoise(latents, ones * 500, conditions, ones * info.default_guidance,
-                    (info.default_height, info.default_width))
+    return gpu_pool_bytes(adapter, config, DeviceMemory(adapter.device))

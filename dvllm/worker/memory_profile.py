@@ -1,0 +1,112 @@
+"""How much GPU memory the state pool may take: what gpu_memory_utilization leaves once the weights are
+in and the worst step the engine's limits allow has shown its peak.
+
+A step runs three kinds of work, one after another, each with its own transient memory: the text
+encoders on a full admission batch (every new request with a prompt and a negative prompt), the
+denoiser on a full forward (max_batch_size rows, padded up to its bucket when batches are padded) at
+the largest size max_image_pixels allows, and the VAE on a decode chunk (max_decode_batch images at
+that size; the runner never decodes more at once). Each is run once here on zeros and its peak taken;
+the pool gets what is left under the largest. CUDA graphs share one memory pool (worker/denoiser.py),
+whose size is at most one forward's activations: that much more is held back when they are on.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable
+
+import torch
+
+from dvllm.config import EngineConfig
+from dvllm.models.base import ModelAdapter, ModelInfo
+from dvllm.worker.denoiser import batch_buckets
+
+logger = logging.getLogger(__name__)
+_PROBE_TEXT = "a long prompt that fills every text encoder's token window " * 64  # truncated by each tokenizer
+
+
+class DeviceMemory:
+    """The device memory queries the sizing needs (tests give a fake one)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def measure(self, run: Callable[[], None]) -> int:
+        """Bytes that `run` allocated at its peak beyond what was allocated before it."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        run()
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - before
+
+    def free_and_total(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(self.device)
+
+
+def largest_size(info: ModelInfo, max_pixels: int) -> tuple[int, int]:
+    """The largest square (height, width) in multiples of the size factor that max_pixels allows."""
+    side = max(info.size_factor, math.isqrt(max_pixels) // info.size_factor * info.size_factor)
+    return side, side
+
+
+def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory) -> dict[str, int]:
+    """Peak transient bytes of each kind of work in the worst step."""
+    info = adapter.info
+    height, width = largest_size(info, config.image_pixel_limit(info.default_height, info.default_width))
+    rows = config.max_batch_size
+    if config.compile == "bucketed" or config.cuda_graph:  # batches are padded up to their bucket
+        rows = next(b for b in batch_buckets(2 * rows) if b >= rows)
+    texts = [(_PROBE_TEXT[:config.max_prompt_chars], negative) for _ in range(config.max_batch_size)
+             for negative in (False, True)]
+    device, dtype = adapter.device, adapter.dtype
+
+    def denoise() -> None:
+        latents = torch.zeros((rows, *info.latent_shape(height, width)), dtype=dtype, device=device)
+        conditions = {k: torch.zeros((rows, *shape), dtype=dtype, device=device)
+                      for k, shape in info.condition_shapes.items()}
+        ones = torch.ones(rows, device=device)
+        adapter.denoise(latents, ones * 500, conditions, ones * info.default_guidance, (height, width))
+
+    def decode() -> None:
+        latents = torch.zeros((config.max_decode_batch, *info.latent_shape(height, width)), dtype=dtype,
+                              device=device)
+        adapter.decode(latents, (height, width))
+
+    def encode() -> None:
+        adapter.encode_prompt(texts)
+
+    peaks = {}
+    with torch.inference_mode():
+        for name, run in (("encode", encode), ("denoise", denoise), ("decode", decode)):
+            try:
+                peaks[name] = memory.measure(run)
+            except torch.OutOfMemoryError:
+                raise ValueError(
+                    f"the worst step this engine's limits allow does not fit the GPU: {name} ran out of memory "
+                    f"({rows} rows at {width}x{height}, {config.max_decode_batch} images a decode); lower "
+                    "max_batch_size, max_image_pixels or max_decode_batch") from None
+    return peaks
+
+
+def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory) -> int:
+    """What the state pool may take on this GPU; ValueError when the worst step leaves nothing."""
+    peaks = step_peaks(adapter, config, memory)
+    graphs = peaks["denoise"] if config.cuda_graph else 0
+    free, total = memory.free_and_total()
+    used = total - free  # the weights, the CUDA context, anything else on the device
+    budget = int(total * config.gpu_memory_utilization) - used - max(peaks.values()) - graphs
+    gib = 2**30
+    logger.info("worst step: %s GiB peak (encode %.2f, denoise %.2f, decode %.2f)%s; %.2f GiB in use",
+                f"{max(peaks.values()) / gib:.2f}", peaks["encode"] / gib, peaks["denoise"] / gib,
+                peaks["decode"] / gib, f", CUDA graphs {graphs / gib:.2f}" if graphs else "", used / gib)
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the state pool: the model uses {used / gib:.1f} GiB and its worst step "
+            f"{max(peaks.values()) / gib:.1f} GiB more ({', '.join(f'{k} {v / gib:.1f}' for k, v in peaks.items())})"
+            f"{f' plus {graphs / gib:.1f} for CUDA graphs' if graphs else ''}, of {total / gib:.1f} GiB with "
+            f"gpu_memory_utilization={config.gpu_memory_utilization}; raise it, or lower max_batch_size, "
+            "max_image_pixels or max_decode_batch"
+        )
+    return budget

@@ -1,0 +1,107 @@
+"""GPU pool sizing, on the CPU: the device memory queries are faked, the worst step is real."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dvllm import DiffusionEngine, SamplingParams
+from dvllm.config import EngineConfig
+from dvllm.worker.memory_profile import gpu_pool_bytes, largest_size
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def adapter(sd_eps_path):
+    return DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32").executor.worker.runner.adapter
+
+
+class Recorded:
+    """Records what each adapter call was given."""
+
+    def __init__(self, adapter, monkeypatch) -> None:
+        self.calls: list[tuple[str, object]] = []
+        for name, shape_of in (("denoise", lambda a: tuple(a[0].shape)), ("decode", lambda a: tuple(a[0].shape)),
+                               ("encode_prompt", lambda a: len(a[0]))):
+            real = getattr(adapter, name)
+
+            def wrapped(*args, _real=real, _name=name, _shape=shape_of, **kwargs):
+                self.calls.append((_name, _shape(args)))
+                return _real(*args, **kwargs)
+
+            monkeypatch.setattr(adapter, name, wrapped)
+
+
+class FakeMemory:
+    """Answers each measurement with the bytes set for the adapter method the measured work called."""
+
+    def __init__(self, recorded: Recorded, peaks: dict[str, int], free: int, total: int) -> None:
+        self.recorded, self.peaks, self.free, self.total = recorded, peaks, free, total
+
+    def measure(self, run) -> int:
+        first = len(self.recorded.calls)
+        run()
+        return self.peaks[self.recorded.calls[first][0]]
+
+    def free_and_total(self) -> tuple[int, int]:
+        return self.free, self.total
+
+
+def test_the_pool_gets_what_the_worst_of_encode_denoise_and_decode_leaves(adapter, monkeypatch):
+    recorded = Recorded(adapter, monkeypatch)
+    config = EngineConfig(max_batch_size=6, max_image_pixels=48 * 48, max_decode_batch=3)
+    peaks = {"encode_prompt": 1 * GIB, "denoise": 3 * GIB, "decode": 5 * GIB}  # the VAE is the worst here
+    memory = FakeMemory(recorded, peaks, free=60 * GIB, total=80 * GIB)
+    budget = gpu_pool_bytes(adapter, config, memory)
+    assert budget == int(80 * GIB * 0.9) - 20 * GIB - 5 * GIB
+    info = adapter.info
+    assert largest_size(info, 48 * 48) == (48, 48)
+    calls = dict(recorded.calls)
+    assert calls["denoise"] == (6, *info.latent_shape(48, 48))  # a full forward at the largest size
+    assert calls["decode"] == (3, *info.latent_shape(48, 48))   # one decode chunk at the largest size
+    assert calls["encode_prompt"] == 12  # a full admission: a prompt and a negative per row
+
+
+def test_cuda_graphs_and_padded_batches_are_counted(adapter, monkeypatch):
+    recorded = Recorded(adapter, monkeypatch)
+    config = EngineConfig(max_batch_size=5, max_image_pixels=32 * 32, cuda_graph=True)
+    peaks = {"encode_prompt": 1 * GIB, "denoise": 4 * GIB, "decode": 2 * GIB}
+    budget = gpu_pool_bytes(adapter, config, FakeMemory(recorded, peaks, free=70 * GIB, total=80 * GIB))
+    assert budget == int(80 * GIB * 0.9) - 10 * GIB - 4 * GIB - 4 * GIB  # the graphs' shared pool: one forward
+    assert dict(recorded.calls)["denoise"][0] == 8  # 5 rows are padded to the bucket of 8
+
+
+def test_a_worst_step_that_leaves_nothing_is_refused_naming_the_knobs(adapter, monkeypatch):
+    recorded = Recorded(adapter, monkeypatch)
+    peaks = {"encode_prompt": 1 * GIB, "denoise": 9 * GIB, "decode": 2 * GIB}
+    with pytest.raises(ValueError, match=r"worst step 9\.0 GiB more .*denoise 9\.0.*max_image_pixels"):
+        gpu_pool_bytes(adapter, EngineConfig(), FakeMemory(recorded, peaks, free=10 * GIB, total=80 * GIB))
+
+
+def test_finishers_decode_in_chunks_of_max_decode_batch_and_stay_exact(sd_eps_path, monkeypatch):
+    prompts = [f"shape {i}" for i in range(3)]
+    params = [SamplingParams(seed=i, num_inference_steps=2, n=n, output_type="np") for i, n in enumerate((1, 3, 1))]
+    reference = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", max_decode_batch=8)
+    expected = reference.generate(prompts, params, use_tqdm=False)
+    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", max_decode_batch=2)
+    adapter, sizes = engine.executor.worker.runner.adapter, []
+    real = adapter.decode
+    monkeypatch.setattr(adapter, "decode", lambda latents, size: sizes.append(len(latents)) or real(latents, size))
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    assert sizes == [2, 2, 1]  # the five images that finish together: at most two a VAE call
+    for got, want in zip(outs, expected):
+        for a, b in zip(got.images, want.images):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_a_worst_step_that_runs_out_of_memory_is_refused_up_front(adapter, monkeypatch):
+    import torch
+
+    recorded = Recorded(adapter, monkeypatch)
+
+    class OutOfMemory(FakeMemory):
+        def measure(self, run) -> int:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(ValueError, match=r"encode ran out of memory .* lower max_batch_size, max_image_pixels"):
+        gpu_pool_bytes(adapter, EngineConfig(), OutOfMemory(recorded, {}, free=1, total=2))
