@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (< 8 minutes on one H200): build the CUDA extension and run the
-# CUDA kernel tests, then time sd15 and sd-turbo (dvllm.benchmarks.gpu_suite).
+# CUDA kernel tests, then time sd15 and sd-turbo (dvllm.benchmarks.gpu_suite), then measure how far
+# batching moves an image in fp16/bf16 and stress the largest step (dvllm.benchmarks.batch_invariance).
 #
 #   benchmarks/gpu/run_suite.sh [--dry-run] [--out DIR]
 #
@@ -32,9 +33,13 @@ if [ $dry = 1 ]; then
   echo "== dry run: CPU kernels and tiny-sd"
   $python -m pytest -q -x tests/test_state_ops.py -k "cpu and dtype0" -p no:cacheprovider | tail -2
   $python -m dvllm.benchmarks.gpu_suite --dry-run --output-json "$out/gpu_suite_dry.json"
+  $python -m dvllm.benchmarks.batch_invariance --dry-run --output-json "$out/batch_invariance_dry.json"
 else
   echo "== CUDA kernels: build and test"
   PYTHON=$python tests/gpu/run.sh 2>&1 | tail -15
   echo "== timing"
   $python -m dvllm.benchmarks.gpu_suite --output-json "$out/gpu_suite.json" 2>&1 | tee "$out/gpu_suite.txt"
+  echo "== batching in half precision (alone vs a mixed batch of 8), and 60 s at the largest size and batch"
+  $python -m dvllm.benchmarks.batch_invariance --output-json "$out/batch_invariance.json" 2>&1 \
+    | tee "$out/batch_invariance.txt"
 fi
