@@ -1,7 +1,10 @@
 """`dvllm serve` end to end: the real server in a subprocess, driven by the openai client and raw httpx.
 
-Three servers on the tiny saved pipeline: `server` (auth off, small limits) for most tests, `limited`
-(--api-key, --max-queue-len 1, --request-timeout) for auth, 429 and 504, and one per SIGTERM test.
+Servers on the tiny saved pipeline: `server` (auth off, small limits) for most tests, `keyed` (--api-key,
+--max-queue-len 1, no timeout) for auth and 429, `limited` (--api-key, --request-timeout 2) for 504, and
+one per SIGTERM test. No test may depend on how fast the machine is: a request that must outlast something
+has ENDLESS steps, and the tests wait on what the server reports (/metrics, response headers), never on
+the clock; the time bounds they do have are only reached when something is broken.
 """
 from __future__ import annotations
 
@@ -30,6 +33,12 @@ BASE_ARGS = ["--device", "cpu", "--dtype", "float32", "--state-pool-mb", "32", "
              "--max-images-per-prompt", "4", "--max-body-mb", "0.25", "--log-level", "warning"]
 SERVER_ARGS = [*BASE_ARGS, "--served-model-name", MODEL]
 LONG = 900  # steps: far longer than any test waits (about 10 ms each here)
+# A request that outlasts any timeout or grace period a test sets, however fast the machine: 20,000 steps
+# are minutes at the ~10 ms a step takes here, and still 20 s at 1 ms. Past 1000 steps DDIM (the model's
+# own sampler) refuses, so these use euler; the server is started with MAX_STEPS to accept them.
+ENDLESS = {"num_inference_steps": 20_000, "sampler": "euler", "size": "16x16"}
+MAX_STEPS = ["--max-inference-steps", "20000"]
+WAIT = 120.0  # s: bound on waiting for something the server reports; reached only when it is broken
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +48,18 @@ def server(sd_eps_path):
 
 
 @pytest.fixture(scope="module")
+def keyed(sd_eps_path):
+    """Auth on and one request in flight at most, but no --request-timeout: what these tests send may
+    take as long as a loaded machine needs."""
+    args = [*SERVER_ARGS, *MAX_STEPS, "--max-queue-len", "1"]
+    with RemoteServer(sd_eps_path, args, env={"DVLLM_API_KEY": KEY}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
 def limited(sd_eps_path):
-    args = [*SERVER_ARGS, "--max-queue-len", "1", "--request-timeout", "2"]
+    """A 2 s --request-timeout: only for requests meant to outlast it."""
+    args = [*SERVER_ARGS, *MAX_STEPS, "--max-queue-len", "1", "--request-timeout", "2"]
     with RemoteServer(sd_eps_path, args, env={"DVLLM_API_KEY": KEY}) as s:
         yield s
 
@@ -64,7 +83,7 @@ def png_pixels(b64: str) -> np.ndarray:
 
 def metrics(url: str) -> dict[str, float]:
     """Every sample, keyed by name and labels: {'dvllm_requests_total{outcome="success"}': 3.0, ...}."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", timeout=WAIT).text
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -73,7 +92,7 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:
+def wait_until(predicate, timeout: float = WAIT, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -332,61 +351,101 @@ def test_metrics_parse_with_the_expected_families(server, http):
 
 # -- auth, 429, timeout ---------------------------------------------------------------------------------
 
-def test_auth_on(limited):
+def test_auth_on(keyed):
+    # On `keyed`, not `limited`: under load even a 2-step request can take longer than a 2 s timeout.
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        r = httpx.post(limited.url + "/v1/images/generations", json={"prompt": "x", **FAST}, headers=headers)
+        r = httpx.post(keyed.url + "/v1/images/generations", json={"prompt": "x", **FAST}, headers=headers,
+                       timeout=WAIT)
         assert assert_error(r, 401)["code"] == "invalid_api_key"
-        assert_error(httpx.get(limited.url + "/v1/models", headers=headers), 401)
+        assert_error(httpx.get(keyed.url + "/v1/models", headers=headers, timeout=WAIT), 401)
     for path in ("/health", "/metrics", "/version"):  # probes and scrapers need no key
-        assert httpx.get(limited.url + path).status_code == 200
+        assert httpx.get(keyed.url + path, timeout=WAIT).status_code == 200
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=limited.url + "/v1", api_key="wrong", max_retries=0).models.list()
-    good = openai.OpenAI(base_url=limited.url + "/v1", api_key=KEY, max_retries=0)
+        openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEY, max_retries=0, timeout=WAIT)
     result = good.images.generate(prompt="x", model=MODEL, size="16x16", response_format="url",
                                   extra_body={"num_inference_steps": 2})
-    assert httpx.get(result.data[0].url).status_code == 200  # the random image id is the credential
+    assert httpx.get(result.data[0].url, timeout=WAIT).status_code == 200  # the random image id is the credential
 
 
 def test_auth_off(http):
     assert http.get("/v1/models").status_code == 200  # `server` has no key
 
 
-def test_queue_full_is_429_and_timeout_is_504(limited):
+def test_queue_full_is_429(keyed):
     auth = {"Authorization": f"Bearer {KEY}"}
-    with ThreadPoolExecutor(1) as pool:
-        slow = pool.submit(httpx.post, limited.url + "/v1/images/generations", headers=auth, timeout=30,
-                           json={"prompt": "slow", "num_inference_steps": LONG, "size": "16x16"})
-        wait_until(lambda: running(limited.url) == 1, what="the slow request to run")
-        r = httpx.post(limited.url + "/v1/images/generations", json={"prompt": "x", **FAST}, headers=auth)
+    before = metrics(keyed.url)
+    # The slot holder cannot finish on its own and `keyed` has no timeout: it holds the one slot until
+    # the test drops its connection, however slow or fast the machine.
+    holder = raw_post(keyed.url, {"prompt": "slow", **ENDLESS}, headers=auth)
+    try:
+        # The gauge the 429 check itself reads: from here the server is full.
+        wait_until(lambda: metrics(keyed.url)["dvllm_server_requests_in_flight"] == 1, what="the slot to be taken")
+        r = httpx.post(keyed.url + "/v1/images/generations", json={"prompt": "x", **FAST}, headers=auth,
+                       timeout=WAIT)
         assert assert_error(r, 429)["code"] == "rate_limit_exceeded" and int(r.headers["retry-after"]) >= 1
-        assert assert_error(slow.result(), 504)["code"] == "timeout"  # --request-timeout 2 aborts it
-    assert_idle(limited.url)
-    m = metrics(limited.url)
-    assert m['dvllm_requests_total{outcome="rejected"}'] == 1 and m['dvllm_requests_total{outcome="timeout"}'] == 1
+    finally:
+        holder.close()
+    assert_idle(keyed.url)
+    after = metrics(keyed.url)
+    for outcome, count in (("rejected", 1), ("disconnected", 1), ("success", 0)):
+        key = f'dvllm_requests_total{{outcome="{outcome}"}}'
+        assert after[key] - before[key] == count, outcome
+
+
+def test_timeout_is_504(limited):
+    before = metrics(limited.url)
+    # ENDLESS outlasts the 2 s timeout on any machine; a slower one only makes the 504 surer.
+    r = httpx.post(limited.url + "/v1/images/generations", headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=WAIT, json={"prompt": "slow", **ENDLESS})
+    assert assert_error(r, 504)["code"] == "timeout"
+    assert_idle(limited.url)  # the timeout aborted the engine request and freed its state
+    after = metrics(limited.url)
+    for outcome, count in (("timeout", 1), ("success", 0), ("rejected", 0)):
+        key = f'dvllm_requests_total{{outcome="{outcome}"}}'
+        assert after[key] - before[key] == count, outcome
 
 
 # -- graceful shutdown --------------------------------------------------------------------------------
+# Two servers: "finishes what runs" needs a grace period longer than any request could take here, and
+# "aborts what outlives the grace period" a request longer than the grace period. One grace period for
+# both is a bet on the machine's speed.
 
 def test_sigterm_finishes_running_requests_and_exits_0():
-    # No MODEL: `dvllm serve` alone serves the built-in tiny-shapes.
-    # A wide margin between the short request and the grace period: CI machines are shared and slow.
-    with RemoteServer(None, [*BASE_ARGS, "--shutdown-grace", "8"]) as s, ThreadPoolExecutor(2) as pool:
-        assert httpx.get(s.url + "/v1/models").json()["data"][0]["id"] == "tiny-shapes"
-
-        def post(steps: int) -> httpx.Response:
-            return httpx.post(s.url + "/v1/images/generations", timeout=60,
-                              json={"prompt": "bye", "num_inference_steps": steps, "size": "16x16"})
-        short = pool.submit(post, 60)  # about 1 s here: finishes well within the grace period
-        endless = pool.submit(post, LONG)  # cannot: aborted when the grace period ends, answered 503
-        wait_until(lambda: running(s.url) == 2, what="both requests to run")
+    # No MODEL: `dvllm serve` alone serves the built-in tiny-shapes. --log-level info: the drain logs how
+    # many requests were in flight when it began. A grace period of WAIT: reached only if the drain is broken.
+    with RemoteServer(None, [*BASE_ARGS, "--shutdown-grace", str(WAIT), "--log-level", "info"]) as s:
+        assert httpx.get(s.url + "/v1/models", timeout=WAIT).json()["data"][0]["id"] == "tiny-shapes"
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=WAIT)
+        # A stream's headers go out with its first step's output: when generate() returns, the request
+        # is running, with 9 steps to go (a signal takes microseconds; the log below checks it was in time).
+        stream = client.images.generate(prompt="bye", size="16x16", stream=True,
+                                        extra_body={"num_inference_steps": 10})
         s.signal()
-        time.sleep(0.2)
-        assert_error(httpx.post(s.url + "/v1/images/generations", json={"prompt": "late", **FAST}), 503)
-        assert_error(httpx.get(s.url + "/health"), 503)
-        done = short.result()
-        assert done.status_code == 200 and png_pixels(done.json()["data"][0]["b64_json"]).shape == (16, 16, 3)
-        assert_error(endless.result(), 503)
-        assert s.proc.wait(30) == 0
+        events = list(stream)
+        assert [e.type for e in events] == ["image_generation.completed"]
+        assert png_pixels(events[0].b64_json).shape == (16, 16, 3)
+        assert s.proc.wait(WAIT) == 0
+        # It was still in flight when the drain began: the test did not pass by signalling too late.
+        assert "shutting down: 1 request(s) in flight" in s.log(), s.log()[-3000:]
+
+
+def test_sigterm_aborts_requests_that_outlive_the_grace_period():
+    with RemoteServer(None, [*BASE_ARGS, *MAX_STEPS, "--shutdown-grace", "10"]) as s, ThreadPoolExecutor(1) as pool:
+        endless = pool.submit(httpx.post, s.url + "/v1/images/generations", timeout=WAIT,
+                              json={"prompt": "bye", **ENDLESS})
+        wait_until(lambda: running(s.url) == 1, what="the request to run")
+        s.signal()
+
+        def health() -> int:
+            return httpx.get(s.url + "/health", timeout=WAIT).status_code
+        # ENDLESS keeps the server draining for the whole grace period, however fast it steps.
+        wait_until(lambda: health() == 503, what="/health to answer 503")
+        # The server drains (no way back): a new request is refused whatever the timing.
+        assert_error(httpx.post(s.url + "/v1/images/generations", json={"prompt": "late", **FAST}, timeout=WAIT),
+                     503)
+        assert_error(endless.result(), 503)  # aborted when the grace period ended
+        assert s.proc.wait(WAIT) == 0
 
 
 def test_stream_timeout_ends_with_an_error_event(limited):

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import httpx
 import numpy as np
@@ -63,17 +64,38 @@ def run_bench(url: str, out: str, *args: str) -> dict:
         return json.load(f)
 
 
+def denoiser_rows(url: str) -> float:
+    """Denoiser rows the server has run, summed over its steps (a CFG image is two rows a step): the work
+    done, as the server counts it, not as the benchmark's records say."""
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("dvllm_batch_rows_sum ")))
+
+
+def assert_duration_brackets_the_requests(summary: dict, records: list[dict], wall: float) -> None:
+    """The timed window holds every send and answer, and lies within the time the test itself measured."""
+    ends = [r["sent"] + r["latency"] for r in records if r["ok"]]
+    assert all(r["sent"] >= 0 for r in records)
+    assert 0 < max(ends) <= summary["duration_s"] <= wall
+
+
 def test_load_generator_against_dvllm(servers, tmp_path):
     dvllm, _ = servers
+    rows_before, start = denoiser_rows(dvllm.url), time.perf_counter()
     result = run_bench(dvllm.url, str(tmp_path / "fixed.json"), *FAST, "--num-requests", "6", "--request-rate",
                        "40", "--warmup", "1", "--label", "dvllm")
-    s = result["summary"]
+    wall = time.perf_counter() - start
+    s, records = result["summary"], result["requests"]
     assert (s["num_requests"], s["completed"], s["failed"]) == (6, 6, 0), s["errors"]
     assert s["latency_p50_s"] <= s["latency_p95_s"] <= s["latency_p99_s"] <= s["latency_max_s"]
-    assert s["steps_per_s"] == pytest.approx(6 * 4 / s["duration_s"])
-    assert s["queue_time_mean_s"] is not None  # dvllm's /metrics has the queue-time histogram
+    assert_duration_brackets_the_requests(s, records, wall)
+    # The server ran 4 steps x 2 CFG rows for each of the 6 timed requests and the warm-up one; the
+    # reported steps/s is the timed requests' share of that work over the reported duration.
+    rows = denoiser_rows(dvllm.url) - rows_before
+    assert rows == (6 + 1) * 4 * 2
+    assert s["steps_per_s"] == pytest.approx((rows - 1 * 4 * 2) / 2 / s["duration_s"])
+    # dvllm's /metrics has the queue-time histogram; each request's queue time is part of its latency.
+    assert 0 <= s["queue_time_mean_s"] <= s["latency_mean_s"]
     assert s["slo_attainment"] is None  # no SLO given: n/a, not invented
-    records = result["requests"]
     assert [r["index"] for r in records] == list(range(6)) and all(r["ok"] and r["steps"] == 4 for r in records)
     assert [r["arrival"] for r in records] == pytest.approx(arrival_times(6, 40.0, seed=0))
     assert result["label"] == "dvllm" and result["request_rate"] == 40.0
@@ -86,12 +108,20 @@ def test_trace_slo_and_failures(servers, tmp_path):
              {"prompt": "b", "size": "16x16", "steps": 2, "guidance": 7.5, "slo": 1e-6},  # cannot be met
              {"prompt": "c", "size": "15x15", "steps": 2}]  # not a multiple of 8: the server refuses it
     trace.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    s = run_bench(dvllm.url, str(tmp_path / "trace.json"), "--workload", "trace", "--trace", str(trace),
-                  "--warmup", "0", "--slo", "30")["summary"]
+    rows_before, start = denoiser_rows(dvllm.url), time.perf_counter()
+    result = run_bench(dvllm.url, str(tmp_path / "trace.json"), "--workload", "trace", "--trace", str(trace),
+                       "--warmup", "0", "--slo", "30")
+    wall = time.perf_counter() - start
+    s, records = result["summary"], result["requests"]
     assert (s["completed"], s["failed"]) == (2, 1)
     assert "HTTP 400" in s["errors"][0]
+    assert [r["status"] for r in records] == [200, 200, 400] and records[2]["latency"] is None
     assert s["slo_attainment"] == pytest.approx(1 / 3)  # the failed request counts as a miss
-    assert s["steps_per_s"] == pytest.approx(5 / s["duration_s"])
+    assert_duration_brackets_the_requests(s, records, wall)
+    # What the server denoised: "a" 3 steps x 1 row (guidance 1: no CFG), "b" 2 steps x 2 rows, "c" nothing.
+    assert denoiser_rows(dvllm.url) - rows_before == 3 * 1 + 2 * 2
+    # steps/s counts the completed requests' steps (3 + 2), not the refused one's.
+    assert s["steps_per_s"] * s["duration_s"] == pytest.approx(3 + 2)
 
 
 def test_bad_arguments_are_clear(tmp_path):
