@@ -130,6 +130,14 @@ class EngineConfig:
         default=300.0,
         metadata={"help": "With no worker alive, requests wait this long for a restart before they fail."},
     )
+    worker_heartbeat_s: float = field(
+        default=2.0,
+        metadata={"help": "How often Ray workers with no step in flight are pinged, so one that died idle is "
+                          "noticed (its requests moved, /health degraded) within seconds."},
+    )
+    worker_heartbeat_timeout_s: float = field(
+        default=30.0, metadata={"help": "A Ray worker that leaves a ping unanswered this long is taken for dead."}
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -165,7 +173,8 @@ class EngineConfig:
         if self.worker_num_gpus is not None:
             _non_negative("worker_num_gpus", self.worker_num_gpus)
         _non_negative("worker_num_cpus", self.worker_num_cpus)
-        for name in ("ray_startup_timeout_s", "worker_restart_timeout_s"):
+        for name in ("ray_startup_timeout_s", "worker_restart_timeout_s", "worker_heartbeat_s",
+                     "worker_heartbeat_timeout_s"):
             if not (_is_number(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be a number > 0, got {getattr(self, name)!r}")
         if not isinstance(self.max_worker_restarts, int) or isinstance(self.max_worker_restarts, bool) \

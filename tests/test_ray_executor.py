@@ -258,3 +258,37 @@ def test_bench_throughput_with_ray_workers(sd_eps_path, tmp_path):
     # the same schedule in-process and on one Ray worker: the overhead compares like with like
     assert result["steps"]["in-process"] == result["steps"]["ray x1"]
     assert result["scaling"] > 0 and result["overhead_ms_per_step"]["ray x1"] > 0 and not ray.is_initialized()
+
+
+def test_a_worker_that_dies_idle_is_noticed_by_the_heartbeat(sd_eps_path):
+    """No request is running, so no step would notice: the heartbeat must, and the async engine's
+    stats (what /health reads) say degraded within seconds; the worker is restarted."""
+    import asyncio
+
+    from dvllm.engine.async_engine import AsyncDiffusionEngine
+
+    engine = AsyncDiffusionEngine(sd_eps_path, executor="ray", num_workers=2, worker_num_cpus=1,
+                                  worker_heartbeat_s=0.2)
+
+    async def scenario() -> list[int]:
+        engine.start()
+        seen = []
+        try:
+            ray.kill(engine.engine.executor.actors[1], no_restart=True)
+            deadline = time.monotonic() + 120
+            while engine.stats()["num_workers_alive"] == 2:
+                assert time.monotonic() < deadline, "the idle worker's death went unnoticed"
+                await asyncio.sleep(0.05)
+            seen.append(engine.stats()["num_workers_alive"])
+            while engine.stats()["num_workers_alive"] < 2:  # restarted in its bundle
+                assert time.monotonic() < deadline, "the dead worker was not restarted"
+                await asyncio.sleep(0.1)
+            seen.append(engine.stats()["num_workers_alive"])
+            out = [o async for o in engine.generate("after", SamplingParams(num_inference_steps=2, seed=1))][-1]
+            assert out.error is None
+        finally:
+            await engine.shutdown(grace_seconds=5)
+        return seen
+
+    assert asyncio.run(scenario()) == [1, 2]
+    assert engine.engine.lanes.lanes[1].restarts == 1

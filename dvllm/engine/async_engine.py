@@ -148,10 +148,11 @@ class AsyncDiffusionEngine:
                 self._apply_commands()
                 self._snapshot_stats()
                 if not self.engine.has_unfinished_requests():
-                    restarting = self.engine.workers_restarting  # idle, yet a restarted worker must be let in
-                    self._wakeup.wait(0.5 if restarting else None)
+                    # idle, yet a restarted worker must be let in, and a dead one noticed
+                    interval = self.engine.idle_poll_interval
+                    self._wakeup.wait(interval)
                     self._wakeup.clear()
-                    if restarting:
+                    if interval is not None:
                         self.engine.poll_workers()
                         self._snapshot_stats()
                     continue

@@ -83,7 +83,7 @@ class DiffusionEngine:
             lane.busy_seconds += time.perf_counter() - lane.submitted_at
             lane.worker_seconds += result.execute_seconds
             rows, requests = rows + sched_out.num_rows, requests + len(sched_out.scheduled_ids)
-        outputs += self.lanes.tend()
+        outputs += self.lanes.tend() + self.lanes.heartbeat()
         if not done and self.lanes.orphans:
             time.sleep(0.05)  # every worker is down: wait for one to come back without spinning
         self.last_step = StepStats(rows, requests, time.perf_counter() - start)
@@ -120,9 +120,17 @@ class DiffusionEngine:
     def workers_restarting(self) -> bool:
         return any(lane.restarting for lane in self.lanes.lanes)
 
+    @property
+    def idle_poll_interval(self) -> float | None:
+        """How often an idle engine must poll_workers(): restarts settling, or the workers' heartbeat."""
+        if self.workers_restarting:
+            return 0.5
+        return self.executor.heartbeat_interval
+
     def poll_workers(self) -> None:
-        """Brings in restarted workers while there is no request to step (step() does it otherwise)."""
-        self._undelivered += self.lanes.tend()
+        """Brings in restarted workers and notices dead idle ones while there is no request to step
+        (step() does it otherwise)."""
+        self._undelivered += self.lanes.tend() + self.lanes.heartbeat()
 
     def profile(self) -> dict:
         """Where step time went, per phase (needs profile_steps=True): see dvllm.profiler.breakdown."""

@@ -58,6 +58,7 @@ class Lanes:
         self.home: dict[str, Lane] = {}          # request id -> the worker holding it
         self.orphans: list[Request] = []         # their worker died; waiting for one to come back
         self._no_worker_since: float | None = None
+        self._last_heartbeat = time.monotonic()
 
     def _new_scheduler(self, index: int) -> Scheduler:
         num_blocks, _ = self.executor.pool_info(index)
@@ -206,6 +207,21 @@ class Lanes:
                 f"no worker came back within worker_restart_timeout_s={self.config.worker_restart_timeout_s}"
             outputs += [_fail(r, f"the request's worker died and {why}") for r in self.orphans]
             self.orphans = []
+        return outputs
+
+    def heartbeat(self) -> list[RequestOutput]:
+        """Workers that died with no step in flight, found by the executor's heartbeat (at most every
+        heartbeat_interval): their requests move now, not at their next step."""
+        interval = self.executor.heartbeat_interval
+        now = time.monotonic()
+        if interval is None or now - self._last_heartbeat < interval:
+            return []
+        self._last_heartbeat = now
+        outputs: list[RequestOutput] = []
+        for index, reason in self.executor.check_health().items():
+            lane = self.lanes[index]
+            if lane.alive and lane.in_flight is None:
+                outputs += self.on_death(lane, reason)
         return outputs
 
     def _check_recoverable(self) -> None:

@@ -64,6 +64,15 @@ class Executor(ABC):
         """Restarts that settled: None when the worker is ready, else why it failed."""
         return {}
 
+    @property
+    def heartbeat_interval(self) -> float | None:
+        """How often check_health should run (None: workers cannot die apart from the engine)."""
+        return None
+
+    def check_health(self) -> dict[int, str]:
+        """Workers with no step in flight found dead since the last call: worker -> why."""
+        return {}
+
     def describe(self, worker: int) -> dict[str, Any]:
         """Where a worker runs (node, devices), for stats and error messages."""
         return {}

@@ -9,6 +9,7 @@ when the cluster allows.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from dvllm.config import EngineConfig
@@ -52,6 +53,7 @@ class RayExecutor(Executor):
         self.nodes: list[dict[str, Any]] = []  # where each worker runs (RayWorkerWrapper.node)
         self._in_flight: dict[Any, int] = {}   # step ObjectRef -> worker
         self._restarting: dict[Any, int] = {}  # start() ObjectRef of a restarted actor -> worker
+        self._pings: dict[Any, tuple[int, Any, float]] = {}  # heartbeat ObjectRef -> (worker, actor, sent at)
         self._alive: list[bool] = []
         try:
             _check_feasible(ray, self.bundle, self.num_workers)
@@ -158,6 +160,36 @@ class RayExecutor(Executor):
             except Exception as e:  # noqa: BLE001
                 settled[worker] = _cause(e)
         return settled
+
+    @property
+    def heartbeat_interval(self) -> float | None:
+        return self.config.worker_heartbeat_s
+
+    def check_health(self) -> dict[int, str]:
+        """Pings each live worker with no step or ping in flight (an actor answers in order, so an idle one
+        answers at once); a ping that fails, or goes unanswered for worker_heartbeat_timeout_s, is a death."""
+        now, ray = time.monotonic(), self.ray
+        busy = set(self._in_flight.values()) | {worker for worker, _, _ in self._pings.values()}
+        for worker in self.live_workers():
+            if worker not in busy:
+                actor = self.actors[worker]
+                self._pings[actor.node.remote()] = (worker, actor, now)
+        ready, _ = ray.wait(list(self._pings), num_returns=len(self._pings), timeout=0)
+        dead: dict[int, str] = {}
+        for ref in ready:
+            worker, actor, _ = self._pings.pop(ref)
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - actor died, node lost
+                if actor is self.actors[worker] and self._alive[worker]:  # not a ping to a replaced actor
+                    dead[worker] = _cause(e)
+        for ref, (worker, actor, sent) in list(self._pings.items()):
+            if now - sent > self.config.worker_heartbeat_timeout_s and actor is self.actors[worker]:
+                del self._pings[ref]
+                dead[worker] = f"no heartbeat for {self.config.worker_heartbeat_timeout_s:g} s"
+        for worker in dead:
+            self._bury(worker)
+        return dead
 
     def describe(self, worker: int) -> dict[str, Any]:
         node = self.nodes[worker]
