@@ -41,8 +41,17 @@ class BlockManager:
         """Blocks held by live requests."""
         return self.num_blocks - len(self.free_blocks) - self.num_cached_blocks
 
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation may take: the free ones and those only the cache holds."""
+        return len(self.free_blocks) + self.num_cached_blocks
+
     def can_allocate(self, num: int) -> bool:
-        return num <= len(self.free_blocks) + self.num_cached_blocks
+        return num <= self.num_available
 
     def allocate(self, num: int) -> list[int]:
         if not self.can_allocate(num):
@@ -70,6 +79,20 @@ class BlockManager:
             self.num_cached_blocks -= len(entry.blocks)
         entry.refs += 1
         return entry
+
+    def blocks_to_claim(self, key: Hashable, num: int) -> int:
+        """Available blocks a lookup-or-insert of key for num blocks would use up: num on a miss, the
+        entry's blocks when only the cache holds it (they stop being reclaimable), none when it is live."""
+        entry = self.index.get(key)
+        if entry is None:
+            return num
+        return len(entry.blocks) if entry.refs == 0 else 0
+
+    def blocks_freed_by(self, entry: CachedEntry | None, releases: int) -> int:
+        """Blocks that become available when `releases` of the entry's references are released at once."""
+        if entry is None or not entry.valid or releases < entry.refs:
+            return 0
+        return len(entry.blocks)
 
     def is_cached(self, key: Hashable) -> bool:
         """Whether a lookup of key would hit (without counting it as a query)."""

@@ -184,23 +184,15 @@ class Scheduler:
     def _blocks_needed(self, request: Request) -> int:
         """Blocks admission takes out of the free and reclaimable ones: a prompt-cache miss needs new
         blocks, and a hit on an idle cached entry makes that entry's blocks unreclaimable."""
-        needed = request.private_blocks
-        for key in request.cond_keys:
-            if key is None:
-                continue
-            entry = self.blocks.index.get(key)
-            if entry is None:
-                needed += request.cond_blocks
-            elif entry.refs == 0:
-                needed += len(entry.blocks)
-        return needed
+        return request.private_blocks + sum(self.blocks.blocks_to_claim(key, request.cond_blocks)
+                                            for key in request.cond_keys if key is not None)
 
     def _preempt_for(self, request: Request, rows: dict, out: SchedulerOutput) -> bool:
         """Preempt the least urgent running requests that rank below `request`, if that makes it fit."""
         victims = sorted((r for r in self.running if self.urgency(r) > self.urgency(request)),
                          key=self.urgency, reverse=True)
         need_rows = rows[request.shape_key] + request.rows - self.max_batch_size
-        need_blocks = self._blocks_needed(request) - len(self.blocks.free_blocks) - self.blocks.num_cached_blocks
+        need_blocks = self._blocks_needed(request) - self.blocks.num_available
         chosen, freed_rows, freed_blocks = [], 0, 0
         for victim in victims:
             if freed_rows >= need_rows and freed_blocks >= need_blocks:
@@ -219,9 +211,9 @@ class Scheduler:
         """Blocks of victim's prompt entries that no one else holds (and `wanted` will not reuse)."""
         freed = 0
         for entry in (victim.cond_entry, victim.uncond_entry):
-            if entry is not None and entry.valid and entry.key not in wanted.cond_keys:
+            if entry is not None and entry.key not in wanted.cond_keys:
                 holders = sum(1 for r in chosen for e in (r.cond_entry, r.uncond_entry) if e is entry)
-                freed += len(entry.blocks) if holders == entry.refs else 0
+                freed += self.blocks.blocks_freed_by(entry, holders)
         return freed
 
     def _preempt(self, victim: Request, rows: dict, out: SchedulerOutput) -> None:

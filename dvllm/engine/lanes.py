@@ -103,8 +103,7 @@ class Lanes:
         restart, or fails when no worker it could run on will come back."""
         candidates = [lane for lane in self.live() if lane.index not in request.failed_workers]
         if candidates:
-            lane = min(candidates, key=lambda l: (l.scheduler.num_rows_queued,
-                                                  -len(l.scheduler.blocks.free_blocks), l.index))
+            lane = min(candidates, key=lambda c: (c.scheduler.num_rows_queued, -c.scheduler.blocks.num_free, c.index))
             lane.scheduler.add_request(request, check_queue=False, age=age)
             self.home[request.request_id] = lane
             return None
