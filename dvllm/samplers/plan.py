@@ -62,7 +62,7 @@ class SamplerPlan:
 
 
 def fallback_plan(name: str, scheduler: SchedulerMixin, start: int = 0) -> SamplerPlan:
-    # The vectorized update leaves these rows as they are (prev = sample); diffusers steps them.
+    # Its rows stay out of the fused update (diffusers steps them); identity coefficients fill the step table.
     identity = tuple(1.0 if i == CS else (float("inf") if i == CLIP else 0.0) for i in range(NUM_COEFFS))
     steps = [StepRow(float(t), 1.0, identity) for t in scheduler.timesteps[start:]]
     return SamplerPlan(name, steps, init_noise_sigma(scheduler), fallback=scheduler, start_index=start)

@@ -100,19 +100,16 @@ def guide(adapter: ModelAdapter, batch: Batch, out: torch.Tensor) -> torch.Tenso
 def update(pool: StatePool, batch: Batch, out: torch.Tensor, errors: dict[str, str],
            previews: dict[str, torch.Tensor]) -> None:
     states, rows, sample, coeffs = batch.states, batch.rows, batch.sample, batch.coeffs
-    noise = _noise(states, rows, sample) if any(r.draws_noise for r in rows) else None
-    history_table = None
-    if any(s.plan.uses_history for s in states):
-        history_table = pool.table([r for s in states for r in s.history_rows(len(s.blocks.latents[0]))])
-    clip = any(r.coeffs[CLIP] != float("inf") for r in rows)
+    fused = [s.fallback is None for s in states]  # per-request samplers step their own rows below
+    clip = any(r.coeffs[CLIP] != float("inf") for r, f in zip(rows, fused) if f)
     for s, (lo, hi) in zip(states, batch.bounds):
         if s.fallback is None and s.step + 1 in s.data.preview_steps:
             previews[s.request_id] = ops.sampler_update(sample[lo:hi], out[lo:hi], coeffs[lo:hi], clip=clip)[1]
-    ops.scatter_update(pool.data, batch.latent_table, out.reshape(len(sample), -1), coeffs, history_table,
-                       None if noise is None else noise.reshape(len(sample), -1), clip)
+    if any(fused):
+        _fused_update(pool, batch, out, fused, clip)
 
     for s, (lo, hi) in zip(states, batch.bounds):
-        if s.fallback is not None:  # its rows were left as they were; step them the diffusers way
+        if s.fallback is not None:  # its rows are not in the fused update: step them the diffusers way
             try:
                 t = s.fallback_timestep
                 result = s.fallback.step(out[lo:hi], t, sample[lo:hi], **s.plan.step_kwargs(s.generator))
@@ -124,6 +121,23 @@ def update(pool: StatePool, batch: Batch, out: torch.Tensor, errors: dict[str, s
                 errors[s.request_id] = f"sampler {s.plan.name!r} failed: {type(e).__name__}: {e}"
                 continue
         s.step += 1
+
+
+def _fused_update(pool: StatePool, batch: Batch, out: torch.Tensor, fused: list[bool], clip: bool) -> None:
+    """The vectorized samplers' rows, updated and written back to the pool in one op."""
+    states, rows, sample = batch.states, batch.rows, batch.sample
+    latent_table, coeffs, out = batch.latent_table, batch.coeffs, out.reshape(len(sample), -1)
+    if not all(fused):  # only the fused rows go through the op
+        states, rows = [s for s, f in zip(states, fused) if f], [r for r, f in zip(rows, fused) if f]
+        keep = torch.tensor([i for (lo, hi), f in zip(batch.bounds, fused) if f for i in range(lo, hi)],
+                            device=sample.device)
+        sample, latent_table, coeffs, out = sample[keep], latent_table[keep], coeffs[keep], out[keep]
+    noise = _noise(states, rows, sample) if any(r.draws_noise for r in rows) else None
+    history_table = None
+    if any(s.plan.uses_history for s in states):
+        history_table = pool.table([r for s in states for r in s.history_rows(len(s.blocks.latents[0]))])
+    ops.scatter_update(pool.data, latent_table, out, coeffs, history_table,
+                       None if noise is None else noise.reshape(len(sample), -1), clip)
 
 
 def _step_table(states: list[RequestState], rows: list[StepRow]) -> torch.Tensor:
