@@ -11,6 +11,9 @@ if TYPE_CHECKING:
     from dvllm.models.base import ModelInfo
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+# As vLLM's output kinds: "progress" reports every step (and previews); "final" only the end, so a
+# client that does not stream costs no output per step (nothing crosses threads until it is done).
+OUTPUT_KINDS = ("progress", "final")
 SEED_LIMIT = 2**63
 # Seeds drawn for requests that name none stay below 2**53, so that JavaScript (a browser client, the
 # playground), whose numbers are doubles, shows and sends back exactly the seed that made the image.
@@ -32,6 +35,7 @@ class SamplingParams:
     output_type: str = "pil"
     priority: int = 0
     num_previews: int = 0  # partial images decoded from the x0 estimate, spread over the steps
+    output_kind: str = "progress"
     # Image-to-image: a PIL image, an HxWx3 uint8 array or a file path; strength in (0, 1] is how much of
     # the schedule it runs (1.0 ignores the image's content). None: the model's default strength.
     image: Any = None
@@ -63,6 +67,10 @@ class SamplingParams:
             check_text("sampler", self.sampler, MAX_SAMPLER_CHARS)
             if not self.sampler:
                 raise ValueError("sampler must be a non-empty string or None, got ''")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {list(OUTPUT_KINDS)}, got {self.output_kind!r}")
+        if self.output_kind == "final" and self.num_previews:
+            raise ValueError("num_previews needs output_kind='progress' (previews ride on progress outputs)")
         if self.output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type must be one of {list(OUTPUT_TYPES)}, got {self.output_type!r}")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int) \

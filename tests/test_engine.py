@@ -66,14 +66,15 @@ def test_request_that_cannot_fit_a_forward_is_refused_up_front(sd_eps_path):
 def test_low_level_loop_reports_progress(engine):
     engine.add_request("a", "a red circle", P(num_inference_steps=3, seed=1))
     engine.add_request("b", "a blue square", P(num_inference_steps=2, seed=2))
-    seen: dict[str, list[int]] = {"a": [], "b": []}
+    engine.add_request("c", "a green star", P(num_inference_steps=4, seed=3, output_kind="final"))
+    seen: dict[str, list[int]] = {"a": [], "b": [], "c": []}
     finals = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             seen[out.request_id].append(out.num_steps_done)
             if out.finished:
                 finals[out.request_id] = out
-    assert seen == {"a": [1, 2, 3], "b": [1, 2]}
+    assert seen == {"a": [1, 2, 3], "b": [1, 2], "c": [4]}  # "final": no output before the end
     for out in finals.values():
         assert out.error is None and len(out.images) == 1 and out.images[0].shape == (16, 16, 3)
         m = out.metrics

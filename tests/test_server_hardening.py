@@ -281,3 +281,11 @@ def test_disconnected_requests_do_not_count_against_the_queue_limit(queue_of_two
             sock.close()
         r = httpx.post(queue_of_two.url + "/v1/images/generations", json={"prompt": "a", **FAST}, timeout=WAIT)
         assert r.status_code == 200, r.text
+
+
+def test_only_streamed_requests_ask_for_progress_outputs():
+    from dvllm.entrypoints.protocol import ImageGenerationRequest
+
+    assert ImageGenerationRequest.parse({"prompt": "a"}).sampling_params().output_kind == "final"
+    streamed = ImageGenerationRequest.parse({"prompt": "a", "stream": True, "partial_images": 2}).sampling_params()
+    assert streamed.output_kind == "progress" and streamed.num_previews == 2

@@ -315,7 +315,8 @@ class Scheduler:
                 del self.requests[request_id]
                 self._release(request)
                 self._finish(request, RequestStatus.FINISHED, None, now)
-            outputs.append(request.output(runner_out.previews.get(request_id)))
+            if request.is_finished or request.params.output_kind == "progress":
+                outputs.append(request.output(runner_out.previews.get(request_id)))
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus, error: str | None, now: float | None = None) -> None:

@@ -108,6 +108,7 @@ class ImageGenerationRequest(BaseModel):
             n=self.image_count, sampler=self.sampler, output_type="pil", priority=self.priority or 0,
             # previews cost a VAE decode each: only streaming shows them
             num_previews=(self.partial_images or 0) if self.stream else 0, eta=self.eta,
+            output_kind="progress" if self.stream else "final",  # a plain request waits for its end only
             max_sequence_length=self.max_sequence_length,
         )
 
