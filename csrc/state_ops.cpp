@@ -18,8 +18,12 @@
 namespace dvllm {
 namespace {
 
-// Coefficient columns of scatter_update's coeffs, in dvllm/ops.py's order.
-enum Coeff { AX, AM, CLIP, CS, CM, CX, CH, CN, NUM_COEFFS };
+// Coefficient columns of scatter_update's coeffs: dvllm/sampler_coeffs.py defines them, and
+// dvllm/_extension.py passes the list in at build time.
+#ifndef DVLLM_COEFFS
+#error "DVLLM_COEFFS is undefined: build through dvllm/_extension.py, which passes the coefficient layout"
+#endif
+enum Coeff { DVLLM_COEFFS, NUM_COEFFS };
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

@@ -27,8 +27,12 @@ void check_update_args(const at::Tensor& pool, const at::Tensor& latent_table, c
 
 namespace {
 
-// Coefficient columns of scatter_update's coeffs, in dvllm/ops.py's order.
-enum Coeff { AX, AM, CLIP, CS, CM, CX, CH, CN, NUM_COEFFS };
+// Coefficient columns of scatter_update's coeffs: dvllm/sampler_coeffs.py defines them, and
+// dvllm/_extension.py passes the list in at build time.
+#ifndef DVLLM_COEFFS
+#error "DVLLM_COEFFS is undefined: build through dvllm/_extension.py, which passes the coefficient layout"
+#endif
+enum Coeff { DVLLM_COEFFS, NUM_COEFFS };
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxGrid = 65535;  // the limit of gridDim.y (and plenty for x)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from dvllm.sampler_coeffs import c_enumerators
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -57,9 +59,10 @@ def _load() -> frozenset[str]:
             name="dvllm_C",
             sources=[str(s) for s in sources],
             # torch's CPU build runs at::parallel_for on OpenMP, which the header needs enabled.
-            extra_cflags=["-O3", "-fopenmp", *_f16c_flags()],
+            # the coefficient layout, from its one definition (part of the build's hash: a change rebuilds)
+            extra_cflags=["-O3", "-fopenmp", *_f16c_flags(), f"-DDVLLM_COEFFS={c_enumerators()}"],
             extra_ldflags=["-fopenmp"],
-            extra_cuda_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", f"-DDVLLM_COEFFS={c_enumerators()}"],
             with_cuda=with_cuda,
             is_python_module=False,  # the library registers torch.ops.dvllm.* when loaded
         )
@@ -67,10 +70,21 @@ def _load() -> frozenset[str]:
         logger.warning("dvllm custom ops could not be built; using the slower pure-torch reference ops "
                        "(set %s=0 to skip the build). %s: %s", ENV_VAR, type(e).__name__, _tail(str(e)))
         return frozenset()
-    from dvllm import ops  # the fake (meta) kernels live next to the wrappers
-
-    ops.register_fake_impls()
+    _register_fake_impls()
     return frozenset({"cpu", "cuda"} if with_cuda else {"cpu"})
+
+
+def _register_fake_impls() -> None:
+    """Fake (meta) kernels, so torch.compile can trace the ops; registered once the library is loaded
+    (a fake needs its op's schema)."""
+    for name in ("gather_blocks", "scatter_blocks", "scatter_update"):
+        torch.library.register_fake(f"dvllm::{name}")(_write_only_fake)
+
+
+def _write_only_fake(*args: object) -> None:
+    """The ops return nothing and only write their `Tensor(a!)` argument, so a fake has nothing to
+    compute; the wrappers in dvllm/ops.py have checked the shapes."""
+    return None
 
 
 def _f16c_flags() -> list[str]:

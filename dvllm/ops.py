@@ -1,7 +1,7 @@
 """dvllm's tensor ops with their pure-torch reference.
 
 `sampler_update` is the one update every vectorized sampler reduces to. Each row r
-carries its own coefficients (one row of `coeffs`, laid out as the indices below):
+carries its own coefficients (one row of `coeffs`, laid out as dvllm/sampler_coeffs.py says):
 
     x0   = clamp(ax * sample + am * model_output, -clip, clip)
     prev = cs * sample + cm * model_output + cx * x0 + ch * history + cn * noise
@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 
 from dvllm._extension import custom_ops_available
+from dvllm.sampler_coeffs import NUM_COEFFS, Coeff
 
-AX, AM, CLIP, CS, CM, CX, CH, CN = range(8)
-NUM_COEFFS = 8
+AX, AM, CLIP, CS, CM, CX, CH, CN = (int(c) for c in Coeff)  # short names for the formulas below
 
 
 def sampler_update(
@@ -181,20 +181,6 @@ def _flat_index(table: torch.Tensor, numel: int, block_numel: int) -> torch.Tens
     """[R, numel] int64: where each row's elements live in pool.view(-1)."""
     cols = torch.arange(numel, device=table.device)
     return table[:, cols // block_numel].long() * block_numel + cols % block_numel
-
-
-# ---- State-pool ops: fake (meta) kernels, so torch.compile can trace the custom ops ----
-
-def register_fake_impls() -> None:
-    """Called by dvllm._extension once the library is loaded (a fake needs its op's schema)."""
-    for name in ("gather_blocks", "scatter_blocks", "scatter_update"):
-        torch.library.register_fake(f"dvllm::{name}")(_write_only_fake)
-
-
-def _write_only_fake(*args: object) -> None:
-    """The ops return nothing and only write their `Tensor(a!)` argument, so a fake has
-    nothing to compute; the wrappers have checked the shapes."""
-    return None
 
 
 # ---- State-pool ops: argument checks (metadata only: no device sync) ----

@@ -366,3 +366,25 @@ def test_env_var_end_to_end() -> None:
     )
     env = {**os.environ, _extension.ENV_VAR: "0"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
+def test_the_coefficient_layout_has_one_definition_and_no_import_cycle():
+    """dvllm/sampler_coeffs.py defines the layout; the kernels get it at build time and hard-code none;
+    dvllm/_extension.py (which builds them) does not import dvllm.ops (which calls it)."""
+    import ast
+    from pathlib import Path
+
+    from dvllm import ops
+    from dvllm.sampler_coeffs import Coeff, c_enumerators
+
+    root = Path(__file__).resolve().parents[1]
+    assert (ops.AX, ops.CLIP, ops.CN, ops.NUM_COEFFS) == (Coeff.AX, Coeff.CLIP, Coeff.CN, len(Coeff))
+    assert c_enumerators() == "AX,AM,CLIP,CS,CM,CX,CH,CN"
+    for source in ("state_ops.cpp", "state_ops_cuda.cu"):
+        text = (root / "csrc" / source).read_text()
+        assert "enum Coeff { DVLLM_COEFFS, NUM_COEFFS };" in text and "AX, AM" not in text
+    tree = ast.parse((root / "dvllm" / "_extension.py").read_text())
+    modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    modules |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert "dvllm.ops" not in modules
