@@ -356,3 +356,17 @@ def test_a_prompt_over_the_step_budget_is_still_admitted_alone():
     s.add_request(c.request("b", steps=1, cfg=False, prompt="b" * 100))
     assert [r.request_id for r in iterate(s)[0].new_requests] == ["a"]
     assert [r.request_id for r in iterate(s)[0].new_requests] == ["b"]
+
+
+def test_the_scheduler_says_which_step_each_request_takes_and_which_finish():
+    s, c = make(), Clock()
+    s.add_request(c.request("a", steps=2))
+    s.add_request(c.request("b", steps=1))
+    out = s.schedule()
+    assert (out.scheduled_ids, out.step_indices, out.finishing_ids) == (["a", "b"], [0, 0], ["b"])
+    # a worker that returns no image for a finishing request fails it instead of leaving it running
+    outputs = s.update_from_output(out, RunnerOutput())
+    by_id = {o.request_id: o for o in outputs}
+    assert by_id["b"].finished and by_id["b"].error == "the worker returned no images for the request's last step"
+    out = s.schedule()
+    assert (out.scheduled_ids, out.step_indices, out.finishing_ids) == (["a"], [1], ["a"])

@@ -135,6 +135,8 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         out.scheduled_ids = [r.request_id for r in batch]
+        out.step_indices = [r.num_steps_done for r in batch]
+        out.finishing_ids = [r.request_id for r in batch if r.num_steps_done + 1 == r.num_steps]
         out.num_rows = sum(r.rows for r in batch)
         out.freed_ids, self._freed = self._freed, []
         return out
@@ -304,17 +306,20 @@ class Scheduler:
             self._release(request)
             self._finish(request, RequestStatus.FINISHED_ERROR, message, now)
             outputs.append(request.output())
+        finishing = set(sched_out.finishing_ids)
         for request_id in sched_out.scheduled_ids:
             request = self.requests.get(request_id)
             if request is None:  # failed or aborted meanwhile
                 continue
             request.num_steps_done += 1
-            if request_id in runner_out.images:
-                request.images = runner_out.images[request_id]
+            if request_id in finishing:
+                images = runner_out.images.get(request_id)
+                request.images = images or []
                 self.running.remove(request)
                 del self.requests[request_id]
                 self._release(request)
-                self._finish(request, RequestStatus.FINISHED, None, now)
+                self._finish(request, RequestStatus.FINISHED if images else RequestStatus.FINISHED_ERROR,
+                             None if images else "the worker returned no images for the request's last step", now)
             if request.is_finished or request.params.output_kind == "progress":
                 outputs.append(request.output(runner_out.previews.get(request_id)))
         return outputs

@@ -53,8 +53,11 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     resumed_requests: list[ResumedRequestData] = field(default_factory=list)
-    # One denoiser forward: these requests (one latent shape) each take their next step.
+    # One denoiser forward: these requests (one latent shape) each take their next step. The scheduler
+    # alone counts progress: it says which step each takes, and which take their last (to decode).
     scheduled_ids: list[str] = field(default_factory=list)
+    step_indices: list[int] = field(default_factory=list)  # aligned with scheduled_ids
+    finishing_ids: list[str] = field(default_factory=list)
     num_rows: int = 0  # denoiser rows of that forward (CFG rows included)
     # Requests whose state the workers must drop (aborted).
     freed_ids: list[str] = field(default_factory=list)

@@ -119,8 +119,6 @@ def update(pool: StatePool, batch: Batch, out: torch.Tensor, errors: dict[str, s
                     previews[s.request_id] = x0
             except Exception as e:  # this request's sampler failed: only it fails
                 errors[s.request_id] = f"sampler {s.plan.name!r} failed: {type(e).__name__}: {e}"
-                continue
-        s.step += 1
 
 
 def _fused_update(pool: StatePool, batch: Batch, out: torch.Tensor, fused: list[bool], clip: bool) -> None:

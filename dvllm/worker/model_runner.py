@@ -50,12 +50,17 @@ class ModelRunner:
                 if resumed.request_id in errors:  # it was to refill shared entries: they hold nothing
                     unwritten.update(dict.fromkeys(_written_conditions(resumed.blocks), errors[resumed.request_id]))
             _fail_readers([*out.new_requests, *out.resumed_requests], unwritten, errors)
-        batch = [self.states[i] for i in out.scheduled_ids if i in self.states and i not in errors]
+        batch = []
+        for request_id, step in zip(out.scheduled_ids, out.step_indices):  # the scheduler counts the steps
+            if request_id in self.states and request_id not in errors:
+                self.states[request_id].step = step
+                batch.append(self.states[request_id])
         x0: dict[str, torch.Tensor] = {}
         if batch:
             _per_request(batch, lambda group: denoise_step(self.adapter, self.denoiser, self.pool, group, errors, x0,
                                                            self.timer), errors, "denoise", checkpoint=_rng_checkpoint)
-        finished = [s for s in batch if s.done and s.request_id not in errors]
+        finishing = set(out.finishing_ids)
+        finished = [s for s in batch if s.request_id in finishing and s.request_id not in errors]
         with self.timer.phase("decode"):
             images = self._decode(finished, errors)
             previews = self._decode_previews({k: v for k, v in x0.items() if k not in errors})
@@ -225,16 +230,15 @@ def _fail_readers(admitted: list[Any], unwritten: dict[tuple[int, ...], str], er
 
 
 def _rng_checkpoint(states: list[RequestState]) -> Callable[[], None]:
-    """Each request's generator and step counter as they are now. A batched step may draw noise from
+    """Each request's generator as it is now. A batched step may draw noise from
     every generator before it fails; a retry from the advanced generators would draw other noise than
     diffusers does, so the retry starts from these states. (Pool writes happen last, in the fused
     update, and fallback samplers' own failures are caught per request: neither needs restoring.)"""
-    saved = [(s, s.generator.get_state(), s.step) for s in states]
+    saved = [(s, s.generator.get_state()) for s in states]
 
     def restore() -> None:
-        for s, rng, step in saved:
+        for s, rng in saved:
             s.generator.set_state(rng)
-            s.step = step
 
     return restore
 

@@ -16,7 +16,7 @@ class RequestState:
     generator: torch.Generator       # on the CPU, seeded: the same noise as diffusers on any device
     blocks: BlockTables | None       # None while swapped out
     fallback: SchedulerMixin | None  # a diffusers scheduler, for samplers without a vectorized update
-    step: int = 0
+    step: int = 0  # the step this iteration runs: set from the scheduler's output, never counted here
     host: dict[str, torch.Tensor] | None = None  # the pool contents while preempted
 
     @property
@@ -35,10 +35,6 @@ class RequestState:
     def fallback_timestep(self) -> torch.Tensor:
         """The diffusers scheduler's own timestep for this step (an img2img run starts into its schedule)."""
         return self.fallback.timesteps[self.plan.start_index + self.step]
-
-    @property
-    def done(self) -> bool:
-        return self.step >= self.plan.num_steps
 
     def history_rows(self, num_blocks: int) -> list[list[int]]:
         """Block rows of its history; rows of -1 (no history) for samplers that keep none."""
