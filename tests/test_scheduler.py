@@ -6,9 +6,8 @@ import pytest
 from dvllm.config import EngineConfig
 from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request, RequestStatus, prompt_cache_key
-from dvllm.core.scheduler import Scheduler
+from dvllm.core.scheduler import Scheduler, check_fits
 from dvllm.core.scheduler_output import RunnerOutput
-from dvllm.errors import QueueFullError
 from dvllm.sampling_params import SamplingParams
 
 
@@ -71,13 +70,6 @@ def test_admission_respects_rows_per_forward():
     assert sorted(out.scheduled_ids) == ["b", "c"]
 
 
-def test_request_larger_than_a_forward_is_refused():
-    s, c = make(max_batch_size=4), Clock()
-    with pytest.raises(ValueError, match="max_batch_size"):
-        s.add_request(c.request("big", steps=2, n=3))  # 6 rows with CFG
-    s.add_request(c.request("ok", steps=2, n=3, cfg=False))
-
-
 def test_shape_groups_take_turns_within_a_bound():
     s, c = make(), Clock()
     sizes = [16, 24, 32]
@@ -134,14 +126,15 @@ def test_priority_policy_orders_admission():
         assert [r.request_id for r in out.new_requests] == expected
 
 
-def test_waiting_queue_is_bounded():
-    s, c = make(max_num_waiting=2), Clock()
+def test_the_scheduler_leaves_checks_to_admission():
+    """The input processor checks fits and the engine's lanes bound the queue (each fact one owner):
+    the scheduler queues what it is given."""
+    s, c = make(max_num_waiting=1), Clock()
     s.add_request(c.request("a", steps=1))
     s.add_request(c.request("b", steps=1))
-    with pytest.raises(QueueFullError):
-        s.add_request(c.request("c", steps=1))
-    iterate(s)  # both admitted: the queue has room again
-    s.add_request(c.request("c", steps=1))
+    assert [r.request_id for r in s.waiting] == ["a", "b"]
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(c.request("a", steps=1))
 
 
 def test_duplicate_request_id_is_refused():
@@ -207,9 +200,12 @@ def test_admission_waits_for_blocks_and_frees_them():
 
 
 def test_request_larger_than_the_pool_is_refused():
-    s, c = make(num_blocks=10), Clock()
+    c = Clock()
     with pytest.raises(ValueError, match="needs 12 state-pool blocks but the pool has 10"):
-        s.add_request(c.request("huge", steps=2, n=2, latent_blocks=5))
+        check_fits(c.request("huge", steps=2, n=2, latent_blocks=5), max_batch_size=16, num_blocks=10)
+    with pytest.raises(ValueError, match=r"n=3 needs 6 denoiser rows \(doubled by CFG\) but max_batch_size is 4"):
+        check_fits(c.request("wide", steps=2, n=3), max_batch_size=4, num_blocks=1000)
+    check_fits(c.request("narrow", steps=2, n=3, cfg=False), max_batch_size=4, num_blocks=1000)  # 3 rows fit
 
 
 def test_identical_prompts_share_one_cached_entry():

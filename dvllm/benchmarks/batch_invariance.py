@@ -62,8 +62,8 @@ def stress(model: str, device: str, dtype: str, seconds: float, max_batch_size: 
                 done += 1
                 if out.error:
                     errors.append(out.error)
-    result = {"size": f"{side}x{side}", "native": f"{info.default_width}x{info.default_height}", "seconds": time.perf_counter() - start, "images": done,
-              "errors": errors[:5], "ok": not errors}
+    result = {"size": f"{side}x{side}", "native": f"{info.default_width}x{info.default_height}",
+              "seconds": time.perf_counter() - start, "images": done, "errors": errors[:5], "ok": not errors}
     if device.startswith("cuda"):
         free, total = torch.cuda.mem_get_info()
         result.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30, total_gib=total / 2**30)

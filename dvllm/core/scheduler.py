@@ -25,14 +25,12 @@ from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request, RequestStatus
 from dvllm.core.scheduler_output import (BlockTables, NewRequestData, ResumedRequestData, RunnerOutput,
                                          SchedulerOutput)
-from dvllm.errors import QueueFullError
 from dvllm.outputs import RequestOutput
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.max_batch_size = config.max_batch_size
-        self.max_num_waiting = config.max_num_waiting
         self.prompt_chars_per_step = config.prompt_chars_per_step
         self.by_priority = config.scheduling_policy == "priority"
         self.aging = config.priority_aging_iterations
@@ -47,17 +45,11 @@ class Scheduler:
         self._writers: dict[str, list] = {}  # request id -> cache entries it must fill this iteration
 
     # -- requests in and out -------------------------------------------------
-    def check_fits(self, request: Request) -> None:
-        check_fits(request, self.max_batch_size, self.blocks.num_blocks)
-
-    def add_request(self, request: Request, check_queue: bool = True, age: int = 0) -> None:
-        """Queues a request. `check_queue=False` takes one the engine already accepted (moved here from
-        another worker); `age` keeps the iterations it already waited there, for priority aging."""
+    def add_request(self, request: Request, age: int = 0) -> None:
+        """Queues a request the engine accepted: the input processor checked it, and the engine's lanes
+        bound the queue. `age` keeps the iterations it already waited on another worker (priority aging)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.check_fits(request)
-        if check_queue and len(self.waiting) >= self.max_num_waiting:
-            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_num_waiting); retry later")
         request.arrival_iteration = self.iteration - age
         self.requests[request.request_id] = request
         self.waiting.append(request)

@@ -194,9 +194,7 @@ class DiffusionEngine:
     # -- helpers ---------------------------------------------------------------
     def _make_request(self, request_id: str, prompt: str, params: SamplingParams | None,
                       arrival_time: float | None = None) -> Request:
-        request = self.processor.process(request_id, prompt, params, arrival_time)
-        self.lanes.check_fits(request)
-        return request
+        return self.processor.process(request_id, prompt, params, arrival_time)
 
     def _check_pool_holds_a_default_request(self) -> None:
         """One image at the default size, with history (multistep samplers) and both prompts (CFG)."""

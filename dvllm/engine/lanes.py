@@ -81,30 +81,29 @@ class Lanes:
         return bool(self.orphans) or any(
             lane.in_flight is not None or lane.scheduler.has_unfinished_requests() for lane in self.live())
 
-    def check_fits(self, request: Request) -> None:
-        live = self.live()
-        if not live:
-            self._check_recoverable()
-            return
-        min(live, key=lambda lane: lane.scheduler.blocks.num_blocks).scheduler.check_fits(request)
-
     # -- requests in -------------------------------------------------------------
     def add(self, request: Request) -> None:
         if request.request_id in self.home or any(r.request_id == request.request_id for r in self.orphans):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if self.num_waiting >= self.config.max_num_waiting:
+        if self.num_waiting >= self.config.max_num_waiting:  # the one queue bound, over all workers
             raise QueueFullError(f"{self.num_waiting} requests are waiting (max_num_waiting); retry later")
-        self.check_fits(request)
-        if self._place(request) is not None:  # check_fits let it through, so a worker must exist for it
+        if not self.live():
+            self._check_recoverable()
+        if self._place(request) is not None:  # some worker is alive or coming back, so it is placed
             raise NoWorkerError("no worker can take the request")
 
     def _place(self, request: Request, age: int = 0) -> RequestOutput | None:
         """Queues `request` on the least loaded live worker it has not died on; else it waits for a
         restart, or fails when no worker it could run on will come back."""
-        candidates = [lane for lane in self.live() if lane.index not in request.failed_workers]
+        untried = [lane for lane in self.live() if lane.index not in request.failed_workers]
+        # a restarted worker may have profiled a smaller pool: only those it fits are candidates
+        candidates = [lane for lane in untried if request.max_blocks <= lane.scheduler.blocks.num_blocks]
+        if untried and not candidates:
+            return _fail(request, f"it needs {request.max_blocks} state-pool blocks and no live worker's pool "
+                                  "holds that many")
         if candidates:
             lane = min(candidates, key=lambda c: (c.scheduler.num_rows_queued, -c.scheduler.blocks.num_free, c.index))
-            lane.scheduler.add_request(request, check_queue=False, age=age)
+            lane.scheduler.add_request(request, age=age)
             self.home[request.request_id] = lane
             return None
         if any(lane.restarting and lane.index not in request.failed_workers for lane in self.lanes):
@@ -147,7 +146,7 @@ class Lanes:
                 if not lane.scheduler.can_admit(request, rows[request.shape_key], blocks):
                     return
                 age = donor.scheduler.take_waiting(request)
-                lane.scheduler.add_request(request, check_queue=False, age=age)
+                lane.scheduler.add_request(request, age=age)
                 self.home[request.request_id] = lane
                 rows[request.shape_key] += request.rows
                 blocks += request.max_blocks
