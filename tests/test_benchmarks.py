@@ -37,7 +37,7 @@ class BaselineServer(RemoteServer):
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self, timeout: float = 600.0) -> None:  # a bound for a hang only, as RemoteServer's
         try:
             self._wait_ready(timeout)
         except BaseException:

@@ -149,11 +149,13 @@ def test_abort_waiting_and_running():
     s.add_request(c.request("run", steps=5))
     s.add_request(c.request("wait", steps=5))
     iterate(s)
-    assert s.abort_request("run") and s.abort_request("wait") and not s.abort_request("nobody")
+    aborted = [s.abort_request("run"), s.abort_request("wait")]  # their final outputs, at once
+    assert s.abort_request("nobody") is None
+    assert {o.request_id: o.error for o in aborted} == {"run": "request aborted", "wait": "request aborted"}
+    assert all(o.finished for o in aborted)
+    assert s.has_unfinished_requests()  # the worker must still free the running one's state
     out, outputs = iterate(s)
-    assert out.freed_ids == ["run"] and out.scheduled_ids == []
-    assert {o.request_id: o.error for o in outputs} == {"run": "request aborted", "wait": "request aborted"}
-    assert all(o.finished for o in outputs)
+    assert out.freed_ids == ["run"] and out.scheduled_ids == [] and outputs == []
     assert not s.has_unfinished_requests()
 
 

@@ -289,3 +289,15 @@ def test_only_streamed_requests_ask_for_progress_outputs():
     assert ImageGenerationRequest.parse({"prompt": "a"}).sampling_params().output_kind == "final"
     streamed = ImageGenerationRequest.parse({"prompt": "a", "stream": True, "partial_images": 2}).sampling_params()
     assert streamed.output_kind == "progress" and streamed.num_previews == 2
+
+
+def test_a_request_given_up_is_aborted_once(client, app_engine, monkeypatch):
+    """A timeout (504) ends the engine stream, and that alone aborts the request: one abort command."""
+    sent = []
+    real = app_engine._send
+    monkeypatch.setattr(app_engine, "_send", lambda *command: sent.append(command[0]) or real(*command))
+    ctx = client.app.state.ctx
+    monkeypatch.setattr(ctx, "request_timeout", 2.0)  # 900 steps take far longer on any CPU
+    r = post(client, {"prompt": "a", "num_inference_steps": 900, "sampler": "euler", "size": "16x16"})
+    assert r.status_code == 504
+    assert sent.count("abort") == 1 and sent.count("add") <= 1

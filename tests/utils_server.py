@@ -22,7 +22,9 @@ class RemoteServer:
     """Starts `python -m dvllm.entrypoints.cli serve [MODEL] ARGS` and waits for GET /health to answer 200."""
 
     def __init__(self, model: str | None, args: list[str], env: dict[str, str] | None = None,
-                 startup_timeout: float = 120.0) -> None:
+                 startup_timeout: float = 600.0) -> None:
+        # A bound for a hang only (a server that fails exits, and that is seen at once): on a loaded
+        # 2-core machine loading the model has taken 100 s.
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="dvllm-serve-", suffix=".log", delete=False)

@@ -41,7 +41,6 @@ class Scheduler:
         self.iteration = 0
         self.num_preemptions = 0
         self._freed: list[str] = []
-        self._aborted: list[Request] = []
         self._writers: dict[str, list] = {}  # request id -> cache entries it must fill this iteration
 
     # -- requests in and out -------------------------------------------------
@@ -78,21 +77,22 @@ class Scheduler:
         """Denoiser rows of every request here, running or waiting: this worker's load."""
         return sum(r.rows for r in self.requests.values())
 
-    def evacuate(self) -> tuple[list[Request], list[RequestOutput]]:
+    def evacuate(self) -> list[Request]:
         """The worker is gone with all its state: hands back every unfinished request, reset to start
-        over from its seed, and the outputs of aborts not yet reported. The scheduler is left empty."""
-        outputs = [r.output() for r in self._aborted]
+        over from its seed. The scheduler is left empty."""
         requests = sorted(self.requests.values(), key=self.urgency)
         for request in requests:
             request.reset()
         self.requests, self.waiting, self.running = {}, [], []
-        self._aborted, self._freed, self._writers = [], [], {}
-        return requests, outputs
+        self._freed, self._writers = [], {}
+        return requests
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Its final output (error "request aborted"), or None for an unknown id. A running request's
+        state is freed on the worker with the next step (freed_ids)."""
         request = self.requests.pop(request_id, None)
         if request is None:
-            return False
+            return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
             self._release(request)
@@ -102,11 +102,10 @@ class Scheduler:
             if request.swapped:
                 self._freed.append(request_id)  # the worker drops its host copy
         self._finish(request, RequestStatus.FINISHED_ABORTED, "request aborted")
-        self._aborted.append(request)
-        return True
+        return request.output()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self._aborted or self._freed)
+        return bool(self.waiting or self.running or self._freed)
 
     def urgency(self, request: Request) -> tuple[int, int]:
         """Lower is more urgent: each priority level is worth `aging` iterations of earlier arrival."""
@@ -282,8 +281,7 @@ class Scheduler:
         return min(groups.values(), key=staleness)
 
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[RequestOutput]:
-        outputs = [r.output() for r in self._aborted]
-        self._aborted = []
+        outputs: list[RequestOutput] = []
         now = time.time()
         for request_id, message in runner_out.errors.items():
             request = self.requests.pop(request_id, None)

@@ -9,7 +9,6 @@ from typing import Any
 from dvllm.config import EngineConfig
 from dvllm.core.request import Request
 from dvllm.core.scheduler import Scheduler
-from dvllm.core.scheduler_output import RunnerOutput
 from dvllm.engine.input_processor import InputProcessor
 from dvllm.engine.lanes import Lane, Lanes
 from dvllm.executor import WorkerDied, create_executor
@@ -41,7 +40,9 @@ class DiffusionEngine:
         pool_blocks = min(self.executor.pool_info(i)[0] for i in range(self.executor.num_workers))
         self.processor = InputProcessor(self.config, self.model_info, self.block_numel, pool_blocks)
         self._generate_ids = itertools.count()
-        self._undelivered: list[RequestOutput] = []  # outputs of others' requests seen inside generate()
+        # The one path for outputs not produced by a step: aborts, requests failed while no worker could
+        # take them, and others' outputs that generate() saw; step() hands them out first.
+        self._pending: list[RequestOutput] = []
         self.last_step = StepStats(0, 0, 0.0)
         self._timer = PhaseTimer(self.config.profile_steps)  # the driver's phases: scheduling
         self._profiled_steps, self._profiled_seconds = 0, 0.0
@@ -62,59 +63,52 @@ class DiffusionEngine:
         self.lanes.add(request)
 
     def step(self) -> list[RequestOutput]:
-        """Starts a step on every idle worker, then collects the steps that are done (at least one,
-        when any is running). Workers step independently: a slow one holds no other back."""
+        """Schedule a step on every idle worker, execute, update from the steps that are done (at least
+        one when any is running: workers step independently, a slow one holds no other back)."""
         start = time.perf_counter()
-        outputs: list[RequestOutput] = []
-        live = self.lanes.live()  # starting steps kills no worker: one list serves both loops
-        for lane in live:
+        for lane in self.lanes.live():
             if lane.in_flight is None:
-                outputs += self._start_step(lane)
-        done = self.executor.wait() if any(lane.in_flight is not None for lane in live) else {}
+                self._schedule(lane)
+        done = self.executor.wait() if any(lane.in_flight is not None for lane in self.lanes.live()) else {}
+        outputs, self._pending = self._pending, []
         rows = requests = 0
         for index, result in done.items():
             lane = self.lanes.lanes[index]
-            sched_out, lane.in_flight = lane.in_flight, None
             if isinstance(result, WorkerDied):
+                lane.in_flight = None
                 outputs += self.lanes.on_death(lane, result.reason)
                 continue
-            outputs += lane.scheduler.update_from_output(sched_out, result)
-            lane.steps, lane.rows = lane.steps + 1, lane.rows + sched_out.num_rows
-            lane.busy_seconds += time.perf_counter() - lane.submitted_at
-            lane.worker_seconds += result.execute_seconds
+            sched_out, updates = lane.complete(result)
+            outputs += updates
             rows, requests = rows + sched_out.num_rows, requests + len(sched_out.scheduled_ids)
-        outputs += self.lanes.tend() + self.lanes.heartbeat()
-        if not done and self.lanes.orphans:
-            time.sleep(0.05)  # every worker is down: wait for one to come back without spinning
-        self.last_step = StepStats(rows, requests, time.perf_counter() - start)
-        if requests:
-            self._profiled_steps += 1
-            self._profiled_seconds += self.last_step.seconds
-        if self._undelivered:
-            outputs, self._undelivered = self._undelivered + outputs, []
+        outputs += self.lanes.tend(idle=not done) + self.lanes.heartbeat()
+        self._record(StepStats(rows, requests, time.perf_counter() - start))
         self.lanes.finished(outputs)
         return outputs
 
-    def _start_step(self, lane: Lane) -> list[RequestOutput]:
+    def _schedule(self, lane: Lane) -> None:
         with self._timer.phase("schedule"):
             self.lanes.rebalance(lane)
             sched_out = lane.scheduler.schedule()
-        if sched_out.is_empty:  # nothing to run; aborts may still have outputs
-            return lane.scheduler.update_from_output(sched_out, RunnerOutput())
-        lane.in_flight, lane.submitted_at = sched_out, time.perf_counter()
-        self.executor.submit(lane.index, sched_out)
-        return []
+        if not sched_out.is_empty:
+            lane.start(sched_out)
+            self.executor.submit(lane.index, sched_out)
+
+    def _record(self, stats: StepStats) -> None:
+        self.last_step = stats
+        if stats.num_requests:
+            self._profiled_steps += 1
+            self._profiled_seconds += stats.seconds
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request and frees its state; its final output (error "request aborted") comes from step()."""
-        result = self.lanes.abort(request_id)
-        if isinstance(result, RequestOutput):
-            self._undelivered.append(result)
-            return True
-        return result
+        output = self.lanes.abort(request_id)
+        if output is not None:
+            self._pending.append(output)
+        return output is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.lanes.has_unfinished() or bool(self._undelivered)
+        return self.lanes.has_unfinished() or bool(self._pending)
 
     @property
     def workers_restarting(self) -> bool:
@@ -130,7 +124,7 @@ class DiffusionEngine:
     def poll_workers(self) -> None:
         """Brings in restarted workers and notices dead idle ones while there is no request to step
         (step() does it otherwise)."""
-        self._undelivered += self.lanes.tend() + self.lanes.heartbeat()
+        self._pending += self.lanes.tend() + self.lanes.heartbeat()
 
     def profile(self) -> dict:
         """Where step time went, per phase (needs profile_steps=True): see dvllm.profiler.breakdown."""
@@ -179,7 +173,7 @@ class DiffusionEngine:
                 self.lanes.add(pending.pop())
             for out in self.step():
                 if out.request_id not in order:
-                    self._undelivered.append(out)
+                    self._pending.append(out)
                 elif out.finished:
                     results[order[out.request_id]] = out
                     done += 1

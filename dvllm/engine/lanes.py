@@ -18,7 +18,7 @@ from dvllm.config import EngineConfig
 from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request, RequestStatus
 from dvllm.core.scheduler import Scheduler
-from dvllm.core.scheduler_output import SchedulerOutput
+from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
 from dvllm.errors import NoWorkerError, QueueFullError
 from dvllm.executor.base import Executor
 from dvllm.outputs import RequestOutput
@@ -47,6 +47,17 @@ class Lane:
     @property
     def alive(self) -> bool:
         return self.scheduler is not None
+
+    def start(self, sched_out: SchedulerOutput) -> None:
+        self.in_flight, self.submitted_at = sched_out, time.perf_counter()
+
+    def complete(self, result: RunnerOutput) -> tuple[SchedulerOutput, list[RequestOutput]]:
+        """Its step is done: the scheduler's update, and the step counted in the worker's statistics."""
+        sched_out, self.in_flight = self.in_flight, None
+        self.steps, self.rows = self.steps + 1, self.rows + sched_out.num_rows
+        self.busy_seconds += time.perf_counter() - self.submitted_at
+        self.worker_seconds += result.execute_seconds
+        return sched_out, self.scheduler.update_from_output(sched_out, result)
 
 
 class Lanes:
@@ -113,9 +124,8 @@ class Lanes:
         return _fail(request, f"the request's worker died on every try (workers {workers}); no worker is left "
                               "that it has not failed on")
 
-    def abort(self, request_id: str) -> RequestOutput | bool:
-        """True when a worker's scheduler took the abort (it reports the output); an output when the
-        request was waiting for a worker; False when it is unknown."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """The aborted request's final output; None when it is unknown."""
         lane = self.home.pop(request_id, None)
         if lane is not None:
             return lane.scheduler.abort_request(request_id)
@@ -123,7 +133,7 @@ class Lanes:
             if request.request_id == request_id:
                 self.orphans.remove(request)
                 return _end(request, RequestStatus.FINISHED_ABORTED, "request aborted")
-        return False
+        return None
 
     def finished(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -153,7 +163,7 @@ class Lanes:
 
     # -- faults ----------------------------------------------------------------------
     def on_death(self, lane: Lane, reason: str) -> list[RequestOutput]:
-        requests, outputs = lane.scheduler.evacuate()
+        requests, outputs = lane.scheduler.evacuate(), []
         lane.scheduler, lane.in_flight = None, None
         logger.error("worker %d died (%s); %d request(s) start over on other workers", lane.index, reason,
                      len(requests))
@@ -179,8 +189,11 @@ class Lanes:
             logger.exception("worker %d could not be restarted", lane.index)
             lane.restarting = False
 
-    def tend(self) -> list[RequestOutput]:
-        """Brings restarted workers in, places requests that waited for one, fails those that waited too long."""
+    def tend(self, idle: bool = False) -> list[RequestOutput]:
+        """Brings restarted workers in, places requests that waited for one, fails those that waited too long.
+        `idle`: no step completed; with every worker down, wait a moment for one to come back (no spinning)."""
+        if idle and self.orphans:
+            time.sleep(0.05)
         for index, error in self.executor.poll_restarts().items():
             lane = self.lanes[index]
             lane.restarting = False

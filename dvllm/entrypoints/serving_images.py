@@ -163,8 +163,7 @@ async def _serve(request: Request, ctx: ServerContext,
     finally:
         if not handed_off:
             slot.release()
-            await agen.aclose()
-            await ctx.engine.abort(request_id)  # no-op if finished; covers a cancel before acceptance
+            await agen.aclose()  # the engine stream aborts its request if it did not finish (one abort)
 
 
 async def _engine_call(awaitable: Awaitable[Any]) -> Any:
@@ -361,9 +360,7 @@ class _ImageEventStream:
 
     async def close(self) -> None:
         try:
-            await self.agen.aclose()
-            if self.outcome != "success":
-                await self.ctx.engine.abort(self.request_id)
+            await self.agen.aclose()  # aborts the engine request unless it finished
         finally:
             self.slot.release()
             self.ctx.metrics.request_done(self.outcome, self.final)
