@@ -62,6 +62,17 @@ def assert_matches_pipeline(pipe, prompt, params, out):
         assert diff <= TOL, f"{prompt!r} {params}: max abs diff {diff}"
 
 
+def assert_alone_and_batched_match_pipeline(engine, pipe, prompt: str, params: SamplingParams,
+                                            others: list[tuple[str, SamplingParams]]) -> None:
+    """The request alone equals the pipeline's image, and the same request inside a batch of others
+    equals it alone."""
+    alone = engine.generate(prompt, params, use_tqdm=False)[0]
+    assert_matches_pipeline(pipe, prompt, params, alone)
+    outs = engine.generate([prompt] + [q for q, _ in others], [params] + [dataclass_np(p) for _, p in others],
+                           use_tqdm=False)
+    np.testing.assert_allclose(outs[0].images[0], alone.images[0], atol=TOL, rtol=0)
+
+
 def mixed_batch() -> list[tuple[str, SamplingParams]]:
     """Eight requests that differ in everything that may differ inside one batch."""
     P = SamplingParams
@@ -125,12 +136,7 @@ def test_request_alone_equals_pipeline_and_batch(eps, sampler):
     engine, pipe = eps
     prompt, params = "a lone request", SamplingParams(num_inference_steps=6, guidance_scale=4.5, seed=11,
                                                       sampler=sampler, height=16, width=16, output_type="np")
-    alone = engine.generate(prompt, params, use_tqdm=False)[0]
-    assert_matches_pipeline(pipe, prompt, params, alone)
-    others = mixed_batch()[:7]
-    outs = engine.generate([prompt] + [q for q, _ in others], [params] + [dataclass_np(p) for _, p in others],
-                           use_tqdm=False)
-    np.testing.assert_allclose(outs[0].images[0], alone.images[0], atol=TOL, rtol=0)
+    assert_alone_and_batched_match_pipeline(engine, pipe, prompt, params, mixed_batch()[:7])
 
 
 @pytest.mark.parametrize("sampler, eta", [("TCDScheduler", None), ("TCDScheduler", 0.3), ("ddim", 0.7),
@@ -142,12 +148,7 @@ def test_eta_reaches_the_scheduler_as_the_pipeline_passes_it(eps, sampler, eta):
     prompt = "a red circle"
     params = SamplingParams(num_inference_steps=3, guidance_scale=1.0, seed=0, sampler=sampler, eta=eta,
                             height=32, width=32, output_type="np")
-    alone = engine.generate(prompt, params, use_tqdm=False)[0]
-    assert_matches_pipeline(pipe, prompt, params, alone)
-    others = mixed_batch()[:3]
-    outs = engine.generate([prompt] + [q for q, _ in others], [params] + [dataclass_np(p) for _, p in others],
-                           use_tqdm=False)
-    np.testing.assert_allclose(outs[0].images[0], alone.images[0], atol=TOL, rtol=0)
+    assert_alone_and_batched_match_pipeline(engine, pipe, prompt, params, mixed_batch()[:3])
 
 
 def test_eta_is_refused_where_the_pipeline_takes_none(flux_path):
