@@ -27,13 +27,13 @@ FAST = ["--size", "16x16", "--steps", "4", "--guidance", "7.5"]
 
 
 class BaselineServer(RemoteServer):
-    """`python -m benchmarks.baselines.server` on a free port; call wait_ready() before use."""
+    """`python -m dvllm.benchmarks.baselines.server` on a free port; call wait_ready() before use."""
 
     def __init__(self, model: str, args: list[str]) -> None:  # noqa: D107 - starts, does not wait
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="dvllm-baseline-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "benchmarks.baselines.server", "--model", model, "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "dvllm.benchmarks.baselines.server", "--model", model, "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
 

@@ -1,7 +1,7 @@
 """`dvllm bench serve`: an async HTTP load generator for POST /v1/images/generations.
 
 Sends a workload (fixed parameters, a seeded random mix, or a JSONL trace) to any server that speaks
-dvllm's API (dvllm serve, or the baselines in benchmarks/baselines/) at Poisson or gamma arrivals
+dvllm's API (dvllm serve, or the baselines in dvllm/benchmarks/baselines/) at Poisson or gamma arrivals
 (--request-rate, --burstiness) or closed loop (--max-concurrency), then reports completed/failed,
 images/s, denoising steps/s, latency percentiles, queue time (from the server's /metrics when it
 has dvllm_request_queue_time_seconds), SLO attainment and goodput, and writes JSON with every

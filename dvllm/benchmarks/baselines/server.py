@@ -1,7 +1,7 @@
 """What most people deploy today, behind dvllm's HTTP API, so one client measures all three engines.
 
-    python -m benchmarks.baselines.server --mode serial --model tiny-sd --port 8001
-    python -m benchmarks.baselines.server --mode static --model tiny-sd --port 8002 --max-batch-size 8
+    python -m dvllm.benchmarks.baselines.server --mode serial --model tiny-sd --port 8001
+    python -m dvllm.benchmarks.baselines.server --mode static --model tiny-sd --port 8002 --max-batch-size 8
 
 `serial`: the diffusers pipeline, one request at a time. `static`: request-level dynamic batching
 (what Triton's dynamic batcher and request-batching servers do): compatible requests collected for
@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from benchmarks.baselines.runner import Batcher, Job, PipelineRunner, load_on_worker
+from dvllm.benchmarks.baselines.runner import Batcher, Job, PipelineRunner, load_on_worker
 from dvllm.entrypoints.image_store import encode_b64
 from dvllm.entrypoints.protocol import APIError, ImageData, ImageGenerationRequest, ImagesResponse, engine_value_error
 from dvllm.entrypoints.serving_images import read_json_body
