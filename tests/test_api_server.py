@@ -22,7 +22,7 @@ import openai
 import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
-from utils_server import RemoteServer
+from utils_server import RemoteServer, wait_until
 
 from dvllm import DiffusionEngine, SamplingParams
 
@@ -65,6 +65,16 @@ def limited(sd_eps_path):
 
 
 @pytest.fixture(scope="module")
+def stream_limited(sd_eps_path):
+    """A 15 s --request-timeout, for a stream meant to outlast it: long enough for the first step's
+    output (the stream's headers) to go out however loaded the machine, so the timeout surely comes
+    mid-stream, and short enough that an ENDLESS request cannot finish first."""
+    args = [*SERVER_ARGS, *MAX_STEPS, "--request-timeout", "15"]
+    with RemoteServer(sd_eps_path, args, env={"DVLLM_API_KEY": KEY}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
 def http(server):
     with httpx.Client(base_url=server.url, timeout=60) as client:
         yield client
@@ -90,15 +100,6 @@ def metrics(url: str) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
             out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return out
-
-
-def wait_until(predicate, timeout: float = WAIT, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def running(url: str) -> float:
@@ -448,10 +449,12 @@ def test_sigterm_aborts_requests_that_outlive_the_grace_period():
         assert s.proc.wait(WAIT) == 0
 
 
-def test_stream_timeout_ends_with_an_error_event(limited):
-    good = openai.OpenAI(base_url=limited.url + "/v1", api_key=KEY, max_retries=0)
+def test_stream_timeout_ends_with_an_error_event(stream_limited):
+    good = openai.OpenAI(base_url=stream_limited.url + "/v1", api_key=KEY, max_retries=0, timeout=WAIT)
+    # generate() returns with the stream's headers, which go out with the first step's output: well within
+    # the 15 s timeout. ENDLESS cannot finish in 15 s, so the timeout then comes mid-stream.
     stream = good.images.generate(prompt="slow", model=MODEL, size="16x16", stream=True, partial_images=3,
-                                  extra_body={"num_inference_steps": LONG})
+                                  extra_body={k: v for k, v in ENDLESS.items() if k != "size"})
     with pytest.raises(openai.APIError, match="request-timeout"):
-        list(stream)  # headers went out at the first step, so the timeout arrives as an error event
-    assert_idle(limited.url)
+        list(stream)  # the stream had started, so the timeout arrives as an error event
+    assert_idle(stream_limited.url)

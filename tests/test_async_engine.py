@@ -1,4 +1,9 @@
-"""AsyncDiffusionEngine: streams, aborts, errors and shutdown, on a tiny model."""
+"""AsyncDiffusionEngine: streams, aborts, errors and shutdown, on a tiny model.
+
+No test may depend on how fast the machine is: the tests wait on what the engine reports (a streamed
+output, its stats, a step listener), never on the clock; their time bounds are only reached when
+something is broken.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -17,14 +22,24 @@ def P(**kwargs) -> SamplingParams:
                                     output_type="np"), **kwargs})
 
 
+WAIT = 120.0  # s: bound on waiting for something the engine reports; reached only when it is broken
+# A request that outlasts any test, however fast the machine: 20,000 steps are minutes at the ~10 ms a
+# step takes here. Past 1000 steps DDIM refuses, so it uses euler; the engine needs max_inference_steps.
+ENDLESS = {"num_inference_steps": 20_000, "sampler": "euler"}
+
+
 def run(coro):
     return asyncio.run(coro)
 
 
-async def collect(engine: AsyncDiffusionEngine, prompt: str, params: SamplingParams, request_id=None):
+async def collect(engine: AsyncDiffusionEngine, prompt: str, params: SamplingParams, request_id=None,
+                  started: asyncio.Event | None = None):
+    """The stream's outputs; sets `started` at the first one (the request was accepted and stepped)."""
     outs = []
     async for out in engine.generate(prompt, params, request_id):
         outs.append(out)
+        if started is not None:
+            started.set()
     return outs
 
 
@@ -58,11 +73,8 @@ def test_leaving_a_stream_aborts_the_request_and_frees_its_state(sd_eps_path):
         first = await stream.__anext__()
         assert first.num_steps_done == 1
         await stream.aclose()  # the client went away
-        for _ in range(100):
-            stats = engine.stats()
-            if stats["num_running"] == 0 and stats["pool_used_blocks"] == 0:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: engine.stats()["num_running"] == 0 and engine.stats()["pool_used_blocks"] == 0)
+        stats = engine.stats()
         await engine.shutdown(1)
         return stats, engine.engine.executor.worker.runner.states
 
@@ -95,7 +107,7 @@ def test_bad_input_and_full_queue_raise_before_anything_streams(sd_eps_path):
     run(main())
 
 
-async def until(condition, timeout: float = 30.0) -> None:
+async def until(condition, timeout: float = WAIT) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
@@ -130,9 +142,10 @@ def test_shutdown_lets_running_requests_finish_and_refuses_new_ones(sd_eps_path)
     async def main():
         engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
         engine.start()
-        task = asyncio.create_task(collect(engine, "finishing", P(num_inference_steps=20, seed=3)))
-        await asyncio.sleep(0.1)
-        await engine.shutdown(grace_seconds=30)
+        started = asyncio.Event()
+        task = asyncio.create_task(collect(engine, "finishing", P(num_inference_steps=20, seed=3), started=started))
+        await asyncio.wait_for(started.wait(), WAIT)  # accepted and stepped: running when the shutdown begins
+        await engine.shutdown(grace_seconds=WAIT)  # returns as soon as the request is done: WAIT bounds a hang
         outs = await task
         with pytest.raises(EngineShuttingDownError):
             await collect(engine, "too late", P())
@@ -143,26 +156,43 @@ def test_shutdown_lets_running_requests_finish_and_refuses_new_ones(sd_eps_path)
 
 
 def test_event_loop_stays_responsive_while_the_model_runs(sd_eps_path):
+    """The steps run off the event loop: while they run, its timers fire on time. Were the loop blocked
+    by a step, a 10 ms timer would fire only when that step ended, late by about a step; so the bound is
+    relative to the step time measured here, whatever the machine's speed or load."""
     async def main():
-        engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
+        # 8 CFG requests of 64x64 fill the 16-row batch: steps of tens of ms or more, far above the
+        # lateness of a timer on a loop that is free (about a millisecond, a GIL switch interval at worst).
+        engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32",
+                                      max_inference_steps=ENDLESS["num_inference_steps"], max_image_pixels=64 * 64)
+        step_seconds: list[float] = []  # appended on the engine's loop thread
+        engine.step_listeners.append(lambda stats, outputs: step_seconds.append(stats.seconds))
         engine.start()
-        tasks = [asyncio.create_task(collect(engine, f"busy {i}", P(num_inference_steps=40, seed=i, height=32,
-                                                                     width=32))) for i in range(6)]
-        await asyncio.sleep(0.2)
-        delays = []
-        for _ in range(20):
+        started = [asyncio.Event() for _ in range(8)]
+        tasks = [asyncio.create_task(collect(engine, f"busy {i}", P(**ENDLESS, seed=i, height=64, width=64),
+                                             started=event)) for i, event in enumerate(started)]
+        # Each has had its first output: all 8 are running, and cannot finish while the test measures.
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), WAIT)
+        first, lateness = len(step_seconds), []
+        deadline = time.monotonic() + WAIT
+        while len(lateness) < 20 or len(step_seconds) - first < 3:  # 20 ticks, spanning 3 steps at least
+            assert time.monotonic() < deadline, f"the engine stopped stepping: {engine.stats()}"
             start = time.perf_counter()
-            await asyncio.sleep(0)
-            delays.append(time.perf_counter() - start)
             await asyncio.sleep(0.01)
+            lateness.append(time.perf_counter() - start - 0.01)
         busy = engine.stats()["num_running"]
-        await asyncio.gather(*tasks)
+        steps = step_seconds[first:]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await engine.shutdown(1)
-        return delays, busy
+        return lateness, steps, busy
 
-    delays, busy = run(main())
-    assert busy > 0, "the engine must be working while we measure"
-    assert statistics.median(delays) < 0.05
+    lateness, steps, busy = run(main())
+    assert busy == 8, "the engine must be working while we measure"
+    late, step = statistics.median(lateness), statistics.median(steps)
+    print(f"timer lateness: median {late * 1e3:.2f} ms, max {max(lateness) * 1e3:.1f} ms; "
+          f"step: median {step * 1e3:.1f} ms over {len(steps)} steps")
+    assert late < step / 4, (late, step)
 
 
 def test_previews_are_spread_over_the_steps_and_converge(sd_eps_path):
@@ -190,7 +220,11 @@ def test_a_stream_cancelled_before_acceptance_leaves_nothing_running(sd_eps_path
         await asyncio.sleep(0)  # the stream has sent its request and waits to hear it was accepted
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await asyncio.sleep(0.3)
+        # The loop applies commands in the order they were sent: once a request sent after the cancel
+        # has finished, whatever the cancelled stream sent (its request if it got that far, its abort)
+        # has been applied.
+        after = await collect(engine, "after the cancel", P(num_inference_steps=1, seed=2))
+        assert after[-1].finished and after[-1].error is None
         await until(lambda: engine.stats()["num_running"] == engine.stats()["num_waiting"] == 0)
         states = dict(engine.engine.executor.worker.runner.states)
         await engine.shutdown(1)

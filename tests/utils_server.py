@@ -12,6 +12,16 @@ import time
 import httpx
 
 
+def wait_until(predicate, timeout: float = 120.0, what: str = "condition") -> None:
+    """Polls predicate until it holds; the timeout is reached only when something is broken."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
