@@ -92,8 +92,9 @@ class SamplingParams:
         """A copy with every default filled from the model, checked against the engine's limits."""
         self.validate()
         max_pixels = config.image_pixel_limit(info.default_height, info.default_width)
-        if self.negative_prompt is not None:
-            check_text("negative_prompt", self.negative_prompt, config.max_prompt_chars)
+        if self.negative_prompt is not None and len(self.negative_prompt) > config.max_prompt_chars:
+            raise ValueError(f"negative_prompt must be at most {config.max_prompt_chars} characters, "
+                             f"got {len(self.negative_prompt)}")
         if self.guidance_scale is not None and self.guidance_scale > config.max_guidance_scale:
             raise ValueError(f"guidance_scale must be at most {config.max_guidance_scale} (max_guidance_scale), "
                              f"got {self.guidance_scale!r}")

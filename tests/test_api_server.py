@@ -1,17 +1,17 @@
 """`dvllm serve` end to end: the real server in a subprocess, driven by the openai client and raw httpx.
 
 Servers on the tiny saved pipeline: `server` (auth off, small limits) for most tests, `keyed` (--api-key,
---max-queue-len 1, no timeout) for auth and 429, `limited` (--api-key, --request-timeout 2) for 504, and
-one per SIGTERM test. No test may depend on how fast the machine is: a request that must outlast something
-has ENDLESS steps, and the tests wait on what the server reports (/metrics, response headers), never on
-the clock; the time bounds they do have are only reached when something is broken.
+--max-queue-len 1, no timeout) for auth and 429, `limited` (--api-key, --request-timeout 2) for 504 (the
+SIGTERM tests are in test_api_shutdown.py). No test may depend on how fast the machine is: a request that
+must outlast something has ENDLESS steps, and the tests wait on what the server reports (/metrics,
+response headers), never on the clock; the time bounds they do have are only reached when something is
+broken.
 """
 from __future__ import annotations
 
 import base64
 import io
 import json
-import socket
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,23 +22,28 @@ import openai
 import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
-from utils_server import RemoteServer, wait_until
+from utils_server import (
+    BASE_ARGS,
+    ENDLESS,
+    FAST,
+    MAX_STEPS,
+    WAIT,
+    RemoteServer,
+    assert_error,
+    assert_idle,
+    metrics,
+    png_pixels,
+    raw_post,
+    running,
+    wait_until,
+)
 
 from dvllm import DiffusionEngine, SamplingParams
 
 MODEL = "tiny"
 KEY = "sk-test-key"
-FAST = {"num_inference_steps": 4, "size": "16x16"}
-BASE_ARGS = ["--device", "cpu", "--dtype", "float32", "--state-pool-mb", "32", "--max-image-pixels", "4096",
-             "--max-images-per-prompt", "4", "--max-body-mb", "0.25", "--log-level", "warning"]
 SERVER_ARGS = [*BASE_ARGS, "--served-model-name", MODEL]
 LONG = 900  # steps: far longer than any test waits (about 10 ms each here)
-# A request that outlasts any timeout or grace period a test sets, however fast the machine: 20,000 steps
-# are minutes at the ~10 ms a step takes here, and still 20 s at 1 ms. Past 1000 steps DDIM (the model's
-# own sampler) refuses, so these use euler; the server is started with MAX_STEPS to accept them.
-ENDLESS = {"num_inference_steps": 20_000, "sampler": "euler", "size": "16x16"}
-MAX_STEPS = ["--max-inference-steps", "20000"]
-WAIT = 120.0  # s: bound on waiting for something the server reports; reached only when it is broken
 
 
 @pytest.fixture(scope="module")
@@ -83,58 +88,6 @@ def http(server):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def png_pixels(b64: str) -> np.ndarray:
-    with Image.open(io.BytesIO(base64.b64decode(b64))) as image:
-        assert image.format == "PNG"
-        return np.asarray(image.convert("RGB"))
-
-
-def metrics(url: str) -> dict[str, float]:
-    """Every sample, keyed by name and labels: {'dvllm_requests_total{outcome="success"}': 3.0, ...}."""
-    text = httpx.get(url + "/metrics", timeout=WAIT).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
-    return out
-
-
-def running(url: str) -> float:
-    return metrics(url)["dvllm_num_requests_running"]
-
-
-def assert_idle(url: str) -> None:
-    """No request holds engine state: none running or waiting, no pool block held by a request."""
-    def idle() -> bool:
-        m = metrics(url)
-        return (m["dvllm_num_requests_running"], m["dvllm_num_requests_waiting"], m["dvllm_pool_used_blocks"],
-                m["dvllm_server_requests_in_flight"]) == (0, 0, 0, 0)
-    wait_until(idle, what="the engine to be idle")
-
-
-def raw_post(url: str, body: dict, headers: dict[str, str] | None = None) -> socket.socket:
-    """Sends a generation request on a bare socket, so the test can drop the connection at will."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
-    data = json.dumps(body).encode()
-    head = {"Host": f"{host}:{port}", "Content-Type": "application/json", "Content-Length": str(len(data)),
-            **(headers or {})}
-    sock.sendall(("POST /v1/images/generations HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items())
-                  + "\r\n").encode() + data)
-    return sock
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None = "any") -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["message"] and "Traceback" not in response.text
-    if param != "any":
-        assert body["error"]["param"] == param, body
-    return body["error"]
 
 
 # -- the openai client --------------------------------------------------------------------------
@@ -405,48 +358,6 @@ def test_timeout_is_504(limited):
     for outcome, count in (("timeout", 1), ("success", 0), ("rejected", 0)):
         key = f'dvllm_requests_total{{outcome="{outcome}"}}'
         assert after[key] - before[key] == count, outcome
-
-
-# -- graceful shutdown --------------------------------------------------------------------------------
-# Two servers: "finishes what runs" needs a grace period longer than any request could take here, and
-# "aborts what outlives the grace period" a request longer than the grace period. One grace period for
-# both is a bet on the machine's speed.
-
-def test_sigterm_finishes_running_requests_and_exits_0():
-    # No MODEL: `dvllm serve` alone serves the built-in tiny-shapes. --log-level info: the drain logs how
-    # many requests were in flight when it began. A grace period of WAIT: reached only if the drain is broken.
-    with RemoteServer(None, [*BASE_ARGS, "--shutdown-grace", str(WAIT), "--log-level", "info"]) as s:
-        assert httpx.get(s.url + "/v1/models", timeout=WAIT).json()["data"][0]["id"] == "tiny-shapes"
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=WAIT)
-        # A stream's headers go out with its first step's output: when generate() returns, the request
-        # is running, with 9 steps to go (a signal takes microseconds; the log below checks it was in time).
-        stream = client.images.generate(prompt="bye", size="16x16", stream=True,
-                                        extra_body={"num_inference_steps": 10})
-        s.signal()
-        events = list(stream)
-        assert [e.type for e in events] == ["image_generation.completed"]
-        assert png_pixels(events[0].b64_json).shape == (16, 16, 3)
-        assert s.proc.wait(WAIT) == 0
-        # It was still in flight when the drain began: the test did not pass by signalling too late.
-        assert "shutting down: 1 request(s) in flight" in s.log(), s.log()[-3000:]
-
-
-def test_sigterm_aborts_requests_that_outlive_the_grace_period():
-    with RemoteServer(None, [*BASE_ARGS, *MAX_STEPS, "--shutdown-grace", "10"]) as s, ThreadPoolExecutor(1) as pool:
-        endless = pool.submit(httpx.post, s.url + "/v1/images/generations", timeout=WAIT,
-                              json={"prompt": "bye", **ENDLESS})
-        wait_until(lambda: running(s.url) == 1, what="the request to run")
-        s.signal()
-
-        def health() -> int:
-            return httpx.get(s.url + "/health", timeout=WAIT).status_code
-        # ENDLESS keeps the server draining for the whole grace period, however fast it steps.
-        wait_until(lambda: health() == 503, what="/health to answer 503")
-        # The server drains (no way back): a new request is refused whatever the timing.
-        assert_error(httpx.post(s.url + "/v1/images/generations", json={"prompt": "late", **FAST}, timeout=WAIT),
-                     503)
-        assert_error(endless.result(), 503)  # aborted when the grace period ended
-        assert s.proc.wait(WAIT) == 0
 
 
 def test_stream_timeout_ends_with_an_error_event(stream_limited):

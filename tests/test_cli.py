@@ -18,7 +18,8 @@ from utils_cli import assert_quiet, cli, expect_usage_error, no_model_load, rest
 
 import dvllm
 from dvllm import DiffusionEngine, SamplingParams
-from dvllm.entrypoints.cli import check_model_name, check_sampler, main
+from dvllm.entrypoints.cli import check_model_name, main
+from dvllm.entrypoints.generate_jobs import check_sampler
 from dvllm.samplers.registry import SHORT_NAMES
 
 FAST = ["--device", "cpu", "--dtype", "float32", "--no-progress", "--steps", "3", "--size", "16x16"]
@@ -248,12 +249,12 @@ def test_progress_bar_counts_denoising_steps(sd_eps_path, tmp_path, capsys):
 
 def test_admission_is_bounded_by_max_num_waiting(sd_eps_path, tmp_path, monkeypatch):
     seen: list[int] = []
-    add_request = DiffusionEngine.add_request
+    add_processed = DiffusionEngine.add_processed
 
     def spy(self, *args, **kwargs):
         seen.append(self.stats()["num_waiting"])
-        return add_request(self, *args, **kwargs)
-    monkeypatch.setattr(DiffusionEngine, "add_request", spy)
+        return add_processed(self, *args, **kwargs)
+    monkeypatch.setattr(DiffusionEngine, "add_processed", spy)
     prompts = write_lines(tmp_path / "p.txt", ["one", "two", "three", "four"])
     assert generate(sd_eps_path, "--prompts-file", str(prompts), "--output-dir", str(tmp_path / "o"),
                     "--max-num-waiting", "1") == 0

@@ -67,7 +67,7 @@ def test_small_pool_with_preemption_gives_the_unconstrained_images(sd_eps_path):
 
 def _state_blocks(engine, prompts, params):
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        yield engine._make_request(f"size-{i}", prompt, p).max_blocks
+        yield engine.processor.process(f"size-{i}", prompt, p).max_blocks
 
 
 def test_prompt_cache_skips_the_text_encoder(sd_eps_path):

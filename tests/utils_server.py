@@ -1,6 +1,10 @@
-"""RemoteServer: the real `dvllm serve` in a subprocess on a free port, as vLLM's tests start theirs."""
+"""The real `dvllm serve` in a subprocess on a free port (as vLLM's tests start theirs), the tiny servers'
+arguments, and helpers that read what a server reports (/metrics, errors, images) or drop a connection."""
 from __future__ import annotations
 
+import base64
+import io
+import json
 import os
 import signal
 import socket
@@ -10,9 +14,22 @@ import tempfile
 import time
 
 import httpx
+import numpy as np
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+FAST = {"num_inference_steps": 4, "size": "16x16"}
+BASE_ARGS = ["--device", "cpu", "--dtype", "float32", "--state-pool-mb", "32", "--max-image-pixels", "4096",
+             "--max-images-per-prompt", "4", "--max-body-mb", "0.25", "--log-level", "warning"]
+# A request that outlasts any timeout or grace period a test sets, however fast the machine: 20,000 steps
+# are minutes at the ~10 ms a step takes here, and still 20 s at 1 ms. Past 1000 steps DDIM (the model's
+# own sampler) refuses, so these use euler; the server is started with MAX_STEPS to accept them.
+ENDLESS = {"num_inference_steps": 20_000, "sampler": "euler", "size": "16x16"}
+MAX_STEPS = ["--max-inference-steps", "20000"]
+WAIT = 120.0  # s: bound on waiting for something the server reports; reached only when it is broken
 
 
-def wait_until(predicate, timeout: float = 120.0, what: str = "condition") -> None:
+def wait_until(predicate, timeout: float = WAIT, what: str = "condition") -> None:
     """Polls predicate until it holds; the timeout is reached only when something is broken."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -86,3 +103,55 @@ class RemoteServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def png_pixels(b64: str) -> np.ndarray:
+    with Image.open(io.BytesIO(base64.b64decode(b64))) as image:
+        assert image.format == "PNG"
+        return np.asarray(image.convert("RGB"))
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample, keyed by name and labels: {'dvllm_requests_total{outcome="success"}': 3.0, ...}."""
+    text = httpx.get(url + "/metrics", timeout=WAIT).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return out
+
+
+def running(url: str) -> float:
+    return metrics(url)["dvllm_num_requests_running"]
+
+
+def assert_idle(url: str) -> None:
+    """No request holds engine state: none running or waiting, no pool block held by a request."""
+    def idle() -> bool:
+        m = metrics(url)
+        return (m["dvllm_num_requests_running"], m["dvllm_num_requests_waiting"], m["dvllm_pool_used_blocks"],
+                m["dvllm_server_requests_in_flight"]) == (0, 0, 0, 0)
+    wait_until(idle, what="the engine to be idle")
+
+
+def raw_post(url: str, body: dict, headers: dict[str, str] | None = None) -> socket.socket:
+    """Sends a generation request on a bare socket, so the test can drop the connection at will."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    data = json.dumps(body).encode()
+    head = {"Host": f"{host}:{port}", "Content-Type": "application/json", "Content-Length": str(len(data)),
+            **(headers or {})}
+    sock.sendall(("POST /v1/images/generations HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items())
+                  + "\r\n").encode() + data)
+    return sock
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = "any") -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"] and "Traceback" not in response.text
+    if param != "any":
+        assert body["error"]["param"] == param, body
+    return body["error"]

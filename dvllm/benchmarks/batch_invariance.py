@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 
 import numpy as np
 import torch
 
 from dvllm import DiffusionEngine, SamplingParams
+from dvllm.worker.memory_profile import largest_size
 
 SAMPLERS = [None, "euler", "euler_a", "dpmpp_2m", "ddim", "dpmpp_2m_karras", "euler", None]
 
@@ -46,8 +46,7 @@ def stress(model: str, device: str, dtype: str, seconds: float, max_batch_size: 
     engine = DiffusionEngine(model=model, load_format="dummy", device=device, dtype=dtype,
                              max_batch_size=max_batch_size)
     info = engine.model_info
-    limit = engine.config.image_pixel_limit(info.default_height, info.default_width)
-    side = math.isqrt(limit) // info.size_factor * info.size_factor
+    side, _ = largest_size(info, engine.config.image_pixel_limit(info.default_height, info.default_width))
     params = SamplingParams(num_inference_steps=4, guidance_scale=5.0, height=side, width=side, output_type="latent")
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()

@@ -23,8 +23,7 @@ from collections import defaultdict
 from dvllm.config import EngineConfig
 from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request, RequestStatus
-from dvllm.core.scheduler_output import (BlockTables, NewRequestData, ResumedRequestData, RunnerOutput,
-                                         SchedulerOutput)
+from dvllm.core.scheduler_output import BlockTables, NewRequestData, ResumedRequestData, RunnerOutput, SchedulerOutput
 from dvllm.outputs import RequestOutput
 
 

@@ -161,7 +161,7 @@ class DiffusionEngine:
         else:
             params_list = [params] * len(prompts)
         # Check everything before queueing anything, so bad input leaves the engine untouched.
-        requests = [self._make_request(f"generate-{next(self._generate_ids)}", p, sp)
+        requests = [self.processor.process(f"generate-{next(self._generate_ids)}", p, sp)
                     for p, sp in zip(prompts, params_list)]
         order = {r.request_id: i for i, r in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
@@ -186,10 +186,6 @@ class DiffusionEngine:
         return results  # type: ignore[return-value]
 
     # -- helpers ---------------------------------------------------------------
-    def _make_request(self, request_id: str, prompt: str, params: SamplingParams | None,
-                      arrival_time: float | None = None) -> Request:
-        return self.processor.process(request_id, prompt, params, arrival_time)
-
     def _check_pool_holds_a_default_request(self) -> None:
         """One image at the default size, with history (multistep samplers) and both prompts (CFG)."""
         info, total = self.model_info, self.lanes.num_blocks

@@ -15,7 +15,6 @@ from typing import Any
 
 import diffusers
 import numpy as np
-from diffusers import SchedulerMixin
 
 from dvllm.config import EngineConfig
 from dvllm.core.request import Request
@@ -23,6 +22,7 @@ from dvllm.core.scheduler import check_fits
 from dvllm.models.base import ModelInfo
 from dvllm.samplers import SHORT_NAMES, PlanRefused, SamplerPlan, build_plan
 from dvllm.samplers.probe import probe_plan
+from dvllm.samplers.registry import scheduler_class
 from dvllm.sampling_params import SamplingParams, check_text
 
 
@@ -109,7 +109,7 @@ class InputProcessor:
         """Why this plan cannot run, in the user's terms (never diffusers' or torch's message)."""
         sampler, steps = params.sampler, params.num_inference_steps
         name = sampler or self.info.scheduler_config["_class_name"]
-        known = sampler is None or sampler in SHORT_NAMES or _scheduler_class(sampler) is not None
+        known = sampler is None or sampler in SHORT_NAMES or scheduler_class(sampler) is not None
         default = self.info.default_steps
         if known and self._runs(sampler, default, params):
             if steps > default:
@@ -150,16 +150,9 @@ class InputProcessor:
         if self._valid_samplers is None:
             info, steps = self.info, self.info.default_steps
             params = SamplingParams(num_inference_steps=steps, height=info.default_height, width=info.default_width)
-            candidates = list(SHORT_NAMES) + sorted(n for n in dir(diffusers) if _scheduler_class(n) is not None)
+            candidates = list(SHORT_NAMES) + sorted(n for n in dir(diffusers) if scheduler_class(n) is not None)
             self._valid_samplers = [n for n in candidates if self._runs(n, steps, params)]
         return self._valid_samplers
-
-
-def _scheduler_class(name: str) -> type | None:
-    if not name.endswith("Scheduler"):  # diffusers' lazy module imports whatever name it is asked for
-        return None
-    cls = getattr(diffusers, name, None)
-    return cls if isinstance(cls, type) and issubclass(cls, SchedulerMixin) else None
 
 
 def _hashable(value: Any) -> Any:

@@ -15,8 +15,8 @@ import hashlib
 import logging
 import re
 import secrets
-import socket
 import signal
+import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager

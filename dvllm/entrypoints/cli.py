@@ -4,7 +4,6 @@ a second, not a model load."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import json
 import os
@@ -13,27 +12,22 @@ import ssl
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-from PIL import Image
+from typing import TYPE_CHECKING
 
 import dvllm
 from dvllm.config import EngineConfig
 from dvllm.entrypoints.cli_args import add_engine_args, engine_kwargs
+from dvllm.entrypoints.generate_jobs import Job, process, read_jobs
 from dvllm.entrypoints.generate_output import MANIFEST, ImageWriter, image_paths
-from dvllm.entrypoints.generate_progress import EngineRequest, StepProgress, run_requests, stop_on_sigint
+from dvllm.entrypoints.generate_progress import StepProgress, run_requests, stop_on_sigint
 from dvllm.entrypoints.logging_setup import LOG_LEVELS, setup_logging
-from dvllm.samplers.registry import SHORT_NAMES, scheduler_class
 from dvllm.outputs import RequestOutput
-from dvllm.sampling_params import SEED_LIMIT, SamplingParams
+from dvllm.samplers.registry import SHORT_NAMES
 
 if TYPE_CHECKING:
+    from dvllm.core.request import Request
     from dvllm.engine.engine import DiffusionEngine
 
-# JSONL keys accepted in --prompts-file, besides "prompt" and "output"
-_JSONL_KEYS = {"num_inference_steps", "steps", "guidance_scale", "guidance", "negative_prompt", "seed", "size",
-               "height", "width", "n", "sampler"}
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 
 
@@ -197,17 +191,6 @@ def _builtin_names() -> list[str]:
     return [p.name for p in folder.iterdir() if builtin_folder(p.name) is not None] if folder.is_dir() else []
 
 
-def check_sampler(name: object) -> None:
-    """A short name or a diffusers scheduler class: which one the model gets is decided later, but a
-    name that is neither can be refused now."""
-    if isinstance(name, str) and (name in SHORT_NAMES or scheduler_class(name) is not None):
-        return
-    close = difflib.get_close_matches(str(name), list(SHORT_NAMES), n=2, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    raise ValueError(f"sampler must be one of {sorted(SHORT_NAMES)} or the class name of a diffusers scheduler, "
-                     f"got {name!r}{hint}")
-
-
 def check_serve_args(args: argparse.Namespace) -> None:
     """Resolves MODEL vs --model and the API key, and checks the server and engine flags."""
     if args.model_tag is not None:
@@ -269,141 +252,6 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- generate: reading the requests ---------------------------------------------------------------
-
-_SIZE = re.compile(r"([0-9]+)x([0-9]+)")  # ASCII digits only: str.isdigit() would take "６４"
-
-
-def parse_size(size: object) -> tuple[int, int]:
-    """'WxH' -> (height, width); exactly digits, a lowercase x, digits."""
-    match = _SIZE.fullmatch(size) if isinstance(size, str) else None
-    if match is None:
-        raise ValueError(f"size must look like WIDTHxHEIGHT (e.g. 512x512), got {size!r}")
-    return int(match.group(2)), int(match.group(1))
-
-
-# Short names (CLI flags, JSONL) -> SamplingParams fields
-_ALIASES = {"steps": "num_inference_steps", "guidance": "guidance_scale"}
-
-
-def _long_names(fields: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in fields.items():
-        if value is None:
-            continue
-        if key == "size":
-            out["height"], out["width"] = parse_size(value)
-        else:
-            out[_ALIASES.get(key, key)] = value
-    return out
-
-
-def _params(fields: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
-    """Checked as far as possible without the model. Both sides are normalized first, so a line's
-    "num_inference_steps" beats the CLI's --steps."""
-    params = SamplingParams(**{**_long_names(defaults), **_long_names(fields)})
-    params.validate()
-    if params.sampler is not None:
-        check_sampler(params.sampler)
-    return params
-
-
-def _output_path(value: object, where: str, output_dir: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{where}: 'output' must be a file name, got {value!r}")
-    if os.path.splitext(value)[1].lower() not in Image.registered_extensions():
-        raise ValueError(f"{where}: 'output' needs an image extension such as .png, got {value!r}")
-    return os.path.join(output_dir, value)  # relative names go under --output-dir
-
-
-@dataclass(frozen=True)
-class Job:
-    """One request of the command line or of a --prompts-file line."""
-
-    prompt: str
-    params: SamplingParams
-    output: str | None  # the file asked for, or None for the default name
-    where: str          # for messages: "command line" or "file:line"
-
-
-def check_generate_flags(args: argparse.Namespace) -> None:
-    """The request flags, named as the user typed them."""
-    if args.steps is not None and args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    if args.n < 1:
-        raise ValueError(f"-n must be >= 1, got {args.n}")
-    if args.seed is not None and not 0 <= args.seed < SEED_LIMIT:
-        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
-    if args.guidance is not None and not 0 <= args.guidance < float("inf"):
-        raise ValueError(f"--guidance must be a finite number >= 0, got {args.guidance}")
-    if args.size is not None:
-        try:
-            parse_size(args.size)
-        except ValueError as e:
-            raise ValueError(f"--size: {e}") from None
-    if args.sampler is not None:
-        try:
-            check_sampler(args.sampler)
-        except ValueError as e:
-            raise ValueError(f"--sampler: {e}") from None
-
-
-def read_jobs(args: argparse.Namespace) -> list[Job]:
-    """Every image request on the command line or in the file, checked as far as the model allows."""
-    check_generate_flags(args)
-    defaults = {"steps": args.steps, "guidance": args.guidance, "negative_prompt": args.negative_prompt,
-                "seed": args.seed, "size": args.size, "sampler": args.sampler, "n": args.n}
-    defaults = {k: v for k, v in defaults.items() if v is not None}
-    if args.prompts_file is None:
-        if not args.prompt:
-            raise ValueError("give a prompt or --prompts-file")
-        return [Job(args.prompt, _params({}, defaults), args.output, "command line")]
-    if args.prompt:
-        raise ValueError("give either a prompt or --prompts-file, not both")
-    plain = _params({}, defaults)  # one object for every plain line: they all ask the same
-    jobs = []
-    with open(args.prompts_file) as f:
-        for number, line in enumerate(f, 1):
-            line = line.strip()
-            where = f"{args.prompts_file}:{number}"
-            if line:
-                jobs.append(Job(line, plain, None, where) if not line.startswith("{")
-                            else _jsonl_job(line, where, defaults, args.output_dir))
-    if not jobs:
-        raise ValueError(f"{args.prompts_file} holds no prompts")
-    return jobs
-
-
-def _jsonl_job(line: str, where: str, defaults: dict[str, Any], output_dir: str) -> Job:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON: {e}") from None
-    unknown = set(record) - _JSONL_KEYS - {"prompt", "output"}
-    if unknown or not isinstance(record.get("prompt"), str):
-        raise ValueError(f"{where}: needs a string 'prompt'; unknown keys {sorted(unknown)}; "
-                         f"allowed {sorted(_JSONL_KEYS)}")
-    try:
-        params = _params({k: record[k] for k in _JSONL_KEYS & set(record)}, defaults)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{where}: {e}") from None
-    output = _output_path(record["output"], where, output_dir) if "output" in record else None
-    return Job(record["prompt"], params, output, where)
-
-
-def _resolve(jobs: list[Job], engine: DiffusionEngine) -> list[Job]:
-    """Fills each request's defaults from the model and checks its limits, before any is queued: a bad
-    line is a usage error, not a failure after an hour of others' images."""
-    resolved = []
-    for job in jobs:
-        try:
-            params = job.params.resolve(engine.model_info, engine.config)
-        except ValueError as e:
-            raise ValueError(str(e) if job.where == "command line" else f"{job.where}: {e}") from None
-        resolved.append(dataclasses.replace(job, params=params))
-    return resolved
-
-
 # -- generate: running ----------------------------------------------------------------------------
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -414,15 +262,15 @@ def run_generate(args: argparse.Namespace) -> int:
 
     engine = DiffusionEngine(**engine_kwargs(args))
     try:
-        return _generate(engine, _resolve(jobs, engine), args)
+        return _generate(engine, jobs, process(jobs, engine), args)
     finally:
         engine.shutdown()  # Ray workers, when there are any
 
 
-def _generate(engine: DiffusionEngine, jobs: list[Job], args: argparse.Namespace) -> int:
+def _generate(engine: DiffusionEngine, jobs: list[Job], requests: list[Request],
+              args: argparse.Namespace) -> int:
     batch_mode = args.prompts_file is not None
     writer = ImageWriter(args.output_dir, manifest=batch_mode, model=engine.model_info.name)
-    requests = [EngineRequest(f"cli-{i}", job.prompt, job.params) for i, job in enumerate(jobs)]
     index_of = {request.request_id: i for i, request in enumerate(requests)}
     progress = StepProgress(requests, enabled=not args.no_progress)
     failed = 0
@@ -436,7 +284,7 @@ def _generate(engine: DiffusionEngine, jobs: list[Job], args: argparse.Namespace
             progress.print(f"error: request {index} ({job.prompt!r}): {out.error}", file=sys.stderr)
             return
         paths = image_paths(index if batch_mode else None, out.seed, len(out.images), job.output, args.output_dir)
-        writer.write(job.prompt, job.params, out.seed, out.images, paths)
+        writer.write(job.prompt, requests[index].params, out.seed, out.images, paths)
         for path in paths:
             progress.print(f"{path}  (seed {out.seed}, {out.num_inference_steps} steps)")
 

@@ -9,25 +9,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, TextIO
 
+from dvllm.core.request import Request
 from dvllm.errors import QueueFullError
 from dvllm.outputs import RequestMetrics, RequestOutput
-from dvllm.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    request_id: str
-    prompt: str
-    params: SamplingParams  # resolved: num_inference_steps is known
 
 
 class StepProgress:
     """A tqdm bar over the denoising steps of every request together, with images/s; or nothing."""
 
-    def __init__(self, requests: list[EngineRequest], enabled: bool) -> None:
+    def __init__(self, requests: list[Request], enabled: bool) -> None:
         self._expected = {r.request_id: r.params.num_inference_steps for r in requests}
         self._counted = dict.fromkeys(self._expected, 0)
         self._images = 0
@@ -76,7 +68,7 @@ class StepProgress:
             self._bar.close()
 
 
-def run_requests(engine: Any, requests: list[EngineRequest], on_finished: Callable[[RequestOutput], None],
+def run_requests(engine: Any, requests: list[Request], on_finished: Callable[[RequestOutput], None],
                  progress: StepProgress, stop: threading.Event) -> bool:
     """Runs `requests` on a DiffusionEngine through its low-level loop; on_finished gets each final output
     as soon as it is there. Admission stays bounded as in engine.generate: a request is added only while
@@ -101,23 +93,24 @@ def run_requests(engine: Any, requests: list[EngineRequest], on_finished: Callab
     return True
 
 
-def _admit(engine: Any, pending: list[EngineRequest]) -> list[RequestOutput]:
-    """Adds pending requests while the waiting queue has room; ones the engine refuses come back as failed."""
+def _admit(engine: Any, pending: list[Request]) -> list[RequestOutput]:
+    """Adds pending requests (made by the engine's input processor: checked once, before any was queued)
+    while the waiting queue has room; ones the engine refuses come back as failed."""
     failed = []
     limit = engine.config.max_num_waiting
     while pending and engine.stats()["num_waiting"] < limit:
         request = pending[-1]
         try:
-            engine.add_request(request.request_id, request.prompt, request.params)
+            engine.add_processed(request)
         except QueueFullError:
             break  # counted differently than we see it; try again after the next step
-        except ValueError as e:  # e.g. the sampler does not fit the model, or the request outgrows the pool
+        except ValueError as e:  # e.g. no live worker's pool holds it
             failed.append(_failed_output(request, str(e)))
         pending.pop()
     return failed
 
 
-def _failed_output(request: EngineRequest, error: str) -> RequestOutput:
+def _failed_output(request: Request, error: str) -> RequestOutput:
     return RequestOutput(request_id=request.request_id, prompt=request.prompt, seed=request.params.seed or 0,
                          num_inference_steps=request.params.num_inference_steps or 0, num_steps_done=0,
                          finished=True, metrics=RequestMetrics(arrival_time=time.time()), error=error)

@@ -8,9 +8,9 @@ import torch
 from diffusers import SchedulerMixin
 
 from dvllm.samplers.discrete import ddim_steps, lcm_steps
+from dvllm.samplers.flow import flow_euler_steps
 from dvllm.samplers.plan import SamplerPlan, StepRow, fallback_plan, init_noise_sigma
 from dvllm.samplers.registry import SHORT_NAMES, make_scheduler
-from dvllm.samplers.flow import flow_euler_steps
 from dvllm.samplers.sigma import dpmpp_steps, euler_ancestral_steps, euler_steps
 
 __all__ = ["SHORT_NAMES", "PlanRefused", "SamplerPlan", "StepRow", "build_plan", "make_scheduler"]

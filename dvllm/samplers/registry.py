@@ -22,6 +22,8 @@ SHORT_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def scheduler_class(name: str) -> type[SchedulerMixin] | None:
+    if not name.endswith("Scheduler"):  # diffusers' lazy module would import whatever name it is asked for
+        return None
     cls = getattr(diffusers, name, None)
     if isinstance(cls, type) and issubclass(cls, SchedulerMixin):
         return cls
