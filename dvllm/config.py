@@ -58,6 +58,12 @@ class EngineConfig:
         metadata={"help": "Characters of new prompts tokenized per engine step (new requests beyond it wait "
                           "for the next step; one is always admitted). Default: 2 * max_prompt_chars."},
     )
+    default_cache: Any = field(
+        default=None,
+        metadata={"help": "Step cache for requests that name none, e.g. first_block:threshold=0.08 or "
+                          "taylorseer:cache_interval=4 (fields of diffusers' FirstBlockCacheConfig / "
+                          "TaylorSeerCacheConfig). Default: none."},
+    )
     max_guidance_scale: float = field(default=100.0, metadata={"help": "Largest guidance_scale accepted."})
     sampler_plan_cache_size: int = field(default=256, metadata={"help": "Sampler schedules kept per (sampler, steps)."})
     state_pool_mb: float | None = field(
@@ -140,6 +146,12 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        from dvllm.step_cache import parse_cache, parse_cache_flag
+
+        # a flag's text, a request-style dict, or a CacheConfig: kept as a CacheConfig (or None)
+        if isinstance(self.default_cache, str):
+            self.default_cache = parse_cache_flag(self.default_cache)
+        self.default_cache = parse_cache(self.default_cache)
         self.validate()
 
     def validate(self) -> None:

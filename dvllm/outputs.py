@@ -10,6 +10,7 @@ class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
     finished_time: float | None = None
+    cached_steps: int = 0  # steps whose remaining blocks (or attention) step caching skipped or predicted
 
     @property
     def queue_time(self) -> float | None:

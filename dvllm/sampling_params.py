@@ -6,6 +6,8 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dvllm.step_cache import USE_DEFAULT, parse_cache
+
 if TYPE_CHECKING:
     from dvllm.config import EngineConfig
     from dvllm.models.base import ModelInfo
@@ -45,6 +47,9 @@ class SamplingParams:
     # The text encoder's token limit, where the pipeline takes one (Qwen-Image, Z-Image; Flux and SD3 at
     # their default only). None: the pipeline's __call__ default.
     max_sequence_length: int | None = None
+    # Step caching: {"method": "first_block" | "taylorseer", **that diffusers config's fields} (dvllm/step_cache.py).
+    # "default": the engine's default_cache; None: no caching. Resolved to a CacheConfig or None.
+    cache: Any = USE_DEFAULT
 
     def validate(self) -> None:
         """Checks that need no model; raises ValueError naming the field."""
@@ -101,6 +106,11 @@ class SamplingParams:
         if self.eta is not None and info.default_eta is None:
             raise ValueError(f"eta: the {info.family} pipeline takes no eta")
         _check_sequence_length(self.max_sequence_length, info)
+        cache = config.default_cache if self.cache is USE_DEFAULT or self.cache == USE_DEFAULT else self.cache
+        cache = parse_cache(cache)
+        if cache is not None and info.cache_layout is None:
+            raise ValueError(f"cache: the {info.family} family serves no step caching (it is served for the "
+                             f"transformer families: flux, qwen-image, stable-diffusion-3, z-image)")
         image = None if self.image is None else _load_image(self.image, info, max_pixels)
         # An image sets the size, rounded down to the VAE's scale factor as the img2img pipelines' image
         # processor rounds it; text-to-image sizes are multiples of the size factor its pipeline checks.
@@ -118,6 +128,7 @@ class SamplingParams:
             strength=None if image is None else (info.default_strength if self.strength is None else self.strength),
             eta=info.default_eta if self.eta is None else float(self.eta),
             max_sequence_length=self.max_sequence_length or info.max_sequence_length,
+            cache=cache,
         )
         if resolved.num_inference_steps > config.max_inference_steps:
             raise ValueError(

@@ -141,7 +141,7 @@ def sd3_path(tmp_path_factory) -> str:
     return _saved(tmp_path_factory, "tiny-sd3", tiny_sd3_pipeline())
 
 
-def tiny_flux_pipeline():
+def tiny_flux_pipeline(num_layers: int = 1, num_single_layers: int = 1):
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import T5Config, T5EncoderModel
 
@@ -149,7 +149,7 @@ def tiny_flux_pipeline():
 
     torch.manual_seed(0)
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        patch_size=1, in_channels=16, num_layers=num_layers, num_single_layers=num_single_layers, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=24, axes_dims_rope=[4, 4, 8],
         guidance_embeds=True,
     )
@@ -180,7 +180,7 @@ def flux_path(tmp_path_factory) -> str:
     return _saved(tmp_path_factory, "tiny-flux", tiny_flux_pipeline())
 
 
-def tiny_qwen_image_pipeline():
+def tiny_qwen_image_pipeline(num_layers: int = 2):
     from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
                            QwenImageTransformer2DModel)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -188,7 +188,7 @@ def tiny_qwen_image_pipeline():
     from dvllm.models.byte_tokenizer import byte_qwen_tokenizer
 
     torch.manual_seed(0)
-    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=num_layers,
                                               attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16,
                                               guidance_embeds=False, axes_dims_rope=(8, 4, 4))
     torch.manual_seed(1)

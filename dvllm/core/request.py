@@ -42,6 +42,8 @@ class Request:
     latent_blocks: int = 1    # state-pool blocks per image's latents (and per image's history)
     cond_blocks: int = 1      # state-pool blocks per prompt's conditions
     uses_history: bool = False
+    cache_blocks: int = 0     # state-pool blocks per model row for its step cache (0: none)
+    cached_steps: int = 0     # steps whose remaining blocks it skipped or predicted
     status: RequestStatus = RequestStatus.WAITING
     num_steps_done: int = 0
     last_scheduled: int = -1  # scheduler iteration it last took a step in
@@ -62,7 +64,7 @@ class Request:
         """Its worker died: start over from the seed (the images come out the same)."""
         self.status, self.num_steps_done, self.last_scheduled = RequestStatus.WAITING, 0, -1
         self.blocks = self.cond_entry = self.uncond_entry = None
-        self.swapped, self.images = False, []
+        self.swapped, self.images, self.cached_steps = False, [], 0
 
     @property
     def rows(self) -> int:
@@ -71,8 +73,8 @@ class Request:
 
     @property
     def private_blocks(self) -> int:
-        """Blocks only this request uses: latents, and history for multistep samplers."""
-        return self.params.n * self.latent_blocks * (2 if self.uses_history else 1)
+        """Blocks only this request uses: latents, history for multistep samplers, step-cache state."""
+        return self.params.n * self.latent_blocks * (2 if self.uses_history else 1) + self.rows * self.cache_blocks
 
     @property
     def max_blocks(self) -> int:
@@ -114,7 +116,8 @@ class Request:
             num_inference_steps=self.num_steps,
             num_steps_done=self.num_steps_done,
             finished=self.is_finished,
-            metrics=RequestMetrics(self.arrival_time, self.first_scheduled_time, self.finished_time),
+            metrics=RequestMetrics(self.arrival_time, self.first_scheduled_time, self.finished_time,
+                                   cached_steps=self.cached_steps),
             images=self.images,
             error=self.error,
             previews=previews or [],

@@ -39,6 +39,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.iteration = 0
         self.num_preemptions = 0
+        self.cache_skipped_rows = self.cache_computed_rows = 0  # step caching, over the engine's life
         self._freed: list[str] = []
         self._writers: dict[str, list] = {}  # request id -> cache entries it must fill this iteration
 
@@ -236,6 +237,8 @@ class Scheduler:
         n, nb = request.params.n, request.latent_blocks
         latents = [self.blocks.allocate(nb) for _ in range(n)]
         history = [self.blocks.allocate(nb) for _ in range(n)] if request.uses_history else None
+        cache = [self.blocks.allocate(request.cache_blocks) for _ in range(request.rows)] \
+            if request.cache_blocks else None
         entries, writes = [], []
         for key in request.cond_keys:
             if key is None:
@@ -250,7 +253,7 @@ class Scheduler:
             entries.append(entry)
         request.cond_entry, request.uncond_entry = entries
         request.blocks = BlockTables(
-            latents=latents, history=history, cond=entries[0].blocks,
+            latents=latents, history=history, cache=cache, cond=entries[0].blocks,
             uncond=entries[1].blocks if entries[1] else None, write_cond=writes[0], write_uncond=writes[1],
         )
         return request.blocks
@@ -259,7 +262,7 @@ class Scheduler:
         tables = request.blocks
         if tables is None:
             return
-        for blocks in tables.latents + (tables.history or []):
+        for blocks in tables.latents + (tables.history or []) + (tables.cache or []):
             self.blocks.free(blocks)
         for entry in (request.cond_entry, request.uncond_entry):
             if entry is not None:
@@ -296,11 +299,15 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_ERROR, message, now)
             outputs.append(request.output())
         finishing = set(sched_out.finishing_ids)
+        cached = set(runner_out.cached_ids)
+        self.cache_skipped_rows += runner_out.cache_rows[0]
+        self.cache_computed_rows += runner_out.cache_rows[1]
         for request_id in sched_out.scheduled_ids:
             request = self.requests.get(request_id)
             if request is None:  # failed or aborted meanwhile
                 continue
             request.num_steps_done += 1
+            request.cached_steps += request_id in cached
             if request_id in finishing:
                 images = runner_out.images.get(request_id)
                 request.images = images or []
@@ -323,6 +330,8 @@ class Scheduler:
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "num_preemptions": self.num_preemptions,
+            "cache_skipped_rows": self.cache_skipped_rows,
+            "cache_computed_rows": self.cache_computed_rows,
             "pool_total_blocks": self.blocks.num_blocks,
             "pool_used_blocks": self.blocks.num_used_blocks,
             "pool_cached_blocks": self.blocks.num_cached_blocks,
@@ -352,5 +361,5 @@ def _new_request_data(request: Request, tables: BlockTables) -> NewRequestData:
         request_id=request.request_id, prompt=request.prompt, negative_prompt=p.negative_prompt, n=p.n,
         height=p.height, width=p.width, seed=p.seed, guidance_scale=p.guidance_scale, cfg=request.cfg,
         output_type=p.output_type, plan=request.plan, blocks=tables, preview_steps=request.preview_steps,
-        image=p.image, max_sequence_length=p.max_sequence_length,
+        image=p.image, max_sequence_length=p.max_sequence_length, cache=p.cache,
     )

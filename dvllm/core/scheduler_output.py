@@ -13,6 +13,7 @@ class BlockTables:
     history: list[list[int]] | None        # one list per image, for multistep samplers
     cond: list[int]                        # the prompt's conditions (may be shared with other requests)
     uncond: list[int] | None               # the negative prompt's, with CFG
+    cache: list[list[int]] | None = None   # step-cache state, one list per model row (cond rows, then uncond)
     write_cond: bool = True                # the worker must fill cond (a cache miss)
     write_uncond: bool = True
 
@@ -36,6 +37,7 @@ class NewRequestData:
     preview_steps: frozenset[int] = frozenset()  # after these step counts, decode a preview
     image: Any = None  # image-to-image: the start image (PIL, RGB), sent once
     max_sequence_length: int | None = None  # the text encoder's length (None: the pipeline takes none)
+    cache: Any = None  # its step cache (dvllm.step_cache.CacheConfig), or None
 
 
 @dataclass
@@ -76,5 +78,9 @@ class RunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # Partial images of requests that asked for previews at this step.
     previews: dict[str, list[Any]] = field(default_factory=dict)
+    # Step caching this iteration: requests for which the step was cached (every branch skipped), and the
+    # cache rows that skipped and that computed.
+    cached_ids: list[str] = field(default_factory=list)
+    cache_rows: tuple[int, int] = (0, 0)
     # Wall time of the step on the worker: the driver's round trip minus this is the executor's overhead.
     execute_seconds: float = 0.0

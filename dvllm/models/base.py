@@ -8,6 +8,8 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from dvllm.step_cache import CacheLayout
+
 # One text's conditioning, e.g. {"prompt_embeds": [1, L, D]}; the runner stacks them per key.
 Conditions = dict[str, torch.Tensor]
 
@@ -50,6 +52,8 @@ class ModelInfo:
     # share a forward; unmasked T5 text (Flux, SD3) would not, so those serve their default only.
     max_sequence_length: int | None = None
     sequence_length_range: tuple[int, int] | None = None
+    # Step caching (SamplingParams.cache): how big a row's cache state is; None: the family serves none.
+    cache_layout: CacheLayout | None = None
 
     def uses_cfg(self, guidance_scale: float, negative_prompt: str | None = None) -> bool:
         """As diffusers: guidance above 1 adds unconditional rows (with some models, only for a negative prompt)."""
@@ -71,6 +75,30 @@ class ModelInfo:
     @property
     def condition_numel(self) -> int:
         return sum(math.prod(shape) for shape in self.condition_shapes.values())
+
+
+@dataclass
+class CacheSpec:
+    """Where a family's transformer has what the step-cache methods hook (worker/step_cache_hooks.py)."""
+
+    layout: CacheLayout
+    blocks: list[torch.nn.Module]     # in call order: the first is first_block's head, the last its tail
+    attention: list[torch.nn.Module]  # what TaylorSeer predicts (diffusers' default attention patterns)
+    attention_kinds: list[tuple[str, ...]]  # per module, its outputs' token kinds
+    hidden_index: int = 1             # the hidden (image) stream's place in a block's output tuple
+    # The pipeline calls cond and uncond apart (Qwen-Image, with cache_context): each CFG branch decides
+    # for itself. Otherwise a request's CFG rows are one call and one decision.
+    separate_cfg_branches: bool = False
+
+
+def transformer_cache_spec(blocks: list[torch.nn.Module], attention: list[tuple[torch.nn.Module, tuple[str, ...]]],
+                           inner_dim: int, pixels_per_token: int, dtype: torch.dtype, text_tokens: int | None,
+                           separate_cfg_branches: bool = False) -> CacheSpec:
+    layout = CacheLayout(inner_dim=inner_dim, pixels_per_token=pixels_per_token,
+                         attention_outputs=tuple(kind for _, kinds in attention for kind in kinds),
+                         text_tokens=text_tokens, element_bytes=torch.empty((), dtype=dtype).element_size())
+    return CacheSpec(layout=layout, blocks=blocks, attention=[m for m, _ in attention],
+                     attention_kinds=[kinds for _, kinds in attention], separate_cfg_branches=separate_cfg_branches)
 
 
 class ModelAdapter(ABC):
@@ -134,3 +162,7 @@ class ModelAdapter(ABC):
     @abstractmethod
     def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         """Batched VAE decode to [B, 3, H, W] images in [0, 1]."""
+
+    def cache_spec(self) -> CacheSpec | None:
+        """The transformer's parts step caching hooks; None: the family serves no step caching."""
+        return None

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dvllm.models.base import Conditions, ModelAdapter, ModelInfo
+from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, ModelInfo, transformer_cache_spec
 from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len, linear_sigmas
 
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's default T5 length
@@ -42,6 +42,7 @@ class FluxAdapter(ModelAdapter):
             condition_shapes=self.probe_condition_shapes(),
             supports_cfg=False, timestep_kwargs=partial(flux_timestep_kwargs, factor),
             max_sequence_length=MAX_SEQUENCE_LENGTH, sequence_length_range=(MAX_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH),
+            cache_layout=self.cache_spec().layout,
         )
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],
@@ -72,6 +73,20 @@ class FluxAdapter(ModelAdapter):
             pooled_projections=conditions["pooled_prompt_embeds"], encoder_hidden_states=embeds,
             txt_ids=txt_ids, img_ids=img_ids, return_dict=False,
         )[0]
+
+    def cache_spec(self) -> CacheSpec:
+        # Flux's state per row at 1024x1024 (4096 image tokens, 512 text, width 3072), in bfloat16:
+        # first_block 2 x 4096 x 3072 = 25.2M elements, 48 MiB (a latent is 0.5 MiB, so a pool holds
+        # about 1/100 as many cached rows as plain ones); taylorseer (max_order 1) keeps two factors of
+        # 19 x (4096 + 512) + 38 x (512 + 4096) tokens: 1.6G elements, 3.1 GiB a row.
+        t = self.pipeline.transformer
+        config = t.config
+        attention = [(b.attn, ("image", "text")) for b in t.transformer_blocks]
+        attention += [(b.attn, ("joint",)) for b in t.single_transformer_blocks]
+        return transformer_cache_spec(
+            [*t.transformer_blocks, *t.single_transformer_blocks], attention,
+            inner_dim=config.num_attention_heads * config.attention_head_dim,
+            pixels_per_token=self.pipeline.vae_scale_factor * 2, dtype=self.dtype, text_tokens=MAX_SEQUENCE_LENGTH)
 
     def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         pipe = self.pipeline

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dvllm.models.base import Conditions, ModelAdapter, ModelInfo
+from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, ModelInfo, transformer_cache_spec
 from dvllm.models.flux import flux_timestep_kwargs
 
 MAX_TEXT_TOKENS = 1024  # the pipeline's tokenizer_max_length and the most max_sequence_length it accepts
@@ -47,6 +47,7 @@ class QwenImageAdapter(ModelAdapter):
             condition_shapes={"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
             cfg_needs_negative_prompt=True, timestep_kwargs=partial(flux_timestep_kwargs, factor),
             max_sequence_length=DEFAULT_SEQUENCE_LENGTH, sequence_length_range=(1, MAX_TEXT_TOKENS),
+            cache_layout=self.cache_spec().layout,
         )
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],
@@ -84,6 +85,16 @@ class QwenImageAdapter(ModelAdapter):
         # As QwenImagePipeline: CFG, then each token rescaled to the conditional prediction's norm.
         combined = uncond + scale * (cond - uncond)
         return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+
+    def cache_spec(self) -> CacheSpec:
+        # The pipeline calls cond and uncond apart, each in its own cache_context: each branch decides alone.
+        # Taylor factors of the text stream are kept for the request's max_sequence_length tokens.
+        t = self.pipeline.transformer
+        return transformer_cache_spec(
+            list(t.transformer_blocks), [(b.attn, ("image", "text")) for b in t.transformer_blocks],
+            inner_dim=t.config.num_attention_heads * t.config.attention_head_dim,
+            pixels_per_token=self.pipeline.vae_scale_factor * 2, dtype=self.dtype, text_tokens=None,
+            separate_cfg_branches=True)
 
     def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         pipe, config = self.pipeline, self.pipeline.vae.config

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from dvllm.models.base import Conditions, ModelAdapter, ModelInfo
+from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, ModelInfo, transformer_cache_spec
 from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len
 
 MAX_SEQUENCE_LENGTH = 256  # the pipeline's default T5 length
@@ -29,14 +29,15 @@ class StableDiffusion3Adapter(ModelAdapter):
     def info(self) -> ModelInfo:
         pipe = self.pipeline
         factor, patch = pipe.vae_scale_factor, pipe.patch_size
+        shapes = self.probe_condition_shapes()
         return ModelInfo(
             name=self.name, family="stable-diffusion-3", pipeline_class=type(pipe).__name__,
             scheduler_config=self.scheduler_config(), default_steps=28, default_guidance=7.0,
             default_height=pipe.default_sample_size * factor, default_width=pipe.default_sample_size * factor,
             size_factor=factor * patch, latent_channels=pipe.transformer.config.in_channels, latent_scale=factor,
-            condition_shapes=self.probe_condition_shapes(),
-            timestep_kwargs=partial(sd3_timestep_kwargs, factor, patch),
+            condition_shapes=shapes, timestep_kwargs=partial(sd3_timestep_kwargs, factor, patch),
             max_sequence_length=MAX_SEQUENCE_LENGTH, sequence_length_range=(MAX_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH),
+            cache_layout=self._cache_spec(shapes["prompt_embeds"][0]).layout,
         )
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],
@@ -60,6 +61,19 @@ class StableDiffusion3Adapter(ModelAdapter):
             hidden_states=latents, timestep=timesteps, encoder_hidden_states=conditions["prompt_embeds"],
             pooled_projections=conditions["pooled_prompt_embeds"], return_dict=False,
         )[0]
+
+    def cache_spec(self) -> CacheSpec:
+        return self._cache_spec(self.info.condition_shapes["prompt_embeds"][0])
+
+    def _cache_spec(self, text_tokens: int) -> CacheSpec:
+        # diffusers has no enable_cache for SD3: dvllm applies the same rules to its joint blocks. The
+        # pipeline batches a request's CFG rows in one call, so they take one decision together.
+        t = self.pipeline.transformer
+        return transformer_cache_spec(
+            list(t.transformer_blocks), [(b.attn, ("image", "text")) for b in t.transformer_blocks],
+            inner_dim=t.config.num_attention_heads * t.config.attention_head_dim,
+            pixels_per_token=self.pipeline.vae_scale_factor * self.pipeline.patch_size, dtype=self.dtype,
+            text_tokens=text_tokens)
 
     def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         config = self.pipeline.vae.config

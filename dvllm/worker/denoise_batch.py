@@ -21,6 +21,7 @@ from dvllm.worker.conditions import unflatten
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.request_state import RequestState, row_bounds
 from dvllm.worker.state_pool import StatePool
+from dvllm.worker.step_cache_hooks import CacheHooks, forward_cache
 
 
 @dataclass
@@ -43,9 +44,11 @@ class Batch:
 
 
 def denoise_step(adapter: ModelAdapter, denoiser: Denoiser, pool: StatePool, states: list[RequestState],
-                 errors: dict[str, str], previews: dict[str, torch.Tensor], timer: PhaseTimer) -> None:
+                 errors: dict[str, str], previews: dict[str, torch.Tensor], timer: PhaseTimer,
+                 hooks: CacheHooks | None = None, cached: dict[str, tuple[bool, int, int]] | None = None) -> None:
     """Advance every state by one step. The pool is written only after the forward succeeded.
-    Requests due for a preview leave their x0 estimate in `previews`."""
+    Requests due for a preview leave their x0 estimate in `previews`. With step caching (`hooks`),
+    each caching request's outcome goes to `cached`: (step cached, rows skipped, rows computed)."""
     with timer.phase("gather"):
         batch = gather(adapter, pool, sorted(states, key=lambda s: not s.data.cfg))
         model_in, conditions = model_inputs(adapter, pool, batch)
@@ -54,10 +57,21 @@ def denoise_step(adapter: ModelAdapter, denoiser: Denoiser, pool: StatePool, sta
             timesteps = torch.cat([timesteps, timesteps[:batch.num_cfg]])
             guidance = torch.cat([guidance, guidance[:batch.num_cfg]])
     size = (states[0].data.height, states[0].data.width)
+    caching = None
+    if hooks is not None and any(s.cache is not None for s in batch.states):
+        caching = forward_cache(hooks.spec, pool.read, batch.states, batch.bounds, *size)
     with timer.phase("forward"):
-        out = denoiser(model_in, timesteps, conditions, guidance, size)
+        if caching is None:
+            out = denoiser(model_in, timesteps, conditions, guidance, size)
+        else:  # eager: which rows run the blocks is decided inside the forward
+            with hooks.running(caching):
+                out = adapter.denoise(model_in, timesteps, conditions, guidance, size)
     with timer.phase("update_scatter"):
         update(pool, batch, guide(adapter, batch, out), errors, previews)
+        if caching is not None:
+            ids = {id(s.cache): s.request_id for s in batch.states if s.cache is not None}
+            for state, skipped, computed in caching.commit(pool.write):
+                cached[ids[id(state)]] = (computed == 0, skipped, computed)
 
 
 def gather(adapter: ModelAdapter, pool: StatePool, states: list[RequestState]) -> Batch:

@@ -20,6 +20,7 @@ from dvllm.worker.denoise_batch import denoise_step
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.request_state import RequestState, row_bounds
 from dvllm.worker.state_pool import StatePool
+from dvllm.worker.step_cache_hooks import CacheHooks, CacheState
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -34,6 +35,13 @@ class ModelRunner:
         self.denoiser = denoiser
         self.timer = timer
         self.states: dict[str, RequestState] = {}
+        self._cache_hooks: CacheHooks | None = None  # installed on the transformer with the first caching request
+
+    @property
+    def cache_hooks(self) -> CacheHooks:
+        if self._cache_hooks is None:
+            self._cache_hooks = CacheHooks(self.adapter.cache_spec())
+        return self._cache_hooks
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         errors: dict[str, str] = {}
@@ -56,9 +64,12 @@ class ModelRunner:
                 self.states[request_id].step = step
                 batch.append(self.states[request_id])
         x0: dict[str, torch.Tensor] = {}
+        cached: dict[str, tuple[bool, int, int]] = {}
         if batch:
+            hooks = self.cache_hooks if any(s.cache is not None for s in batch) else None
             _per_request(batch, lambda group: denoise_step(self.adapter, self.denoiser, self.pool, group, errors, x0,
-                                                           self.timer), errors, "denoise", checkpoint=_rng_checkpoint)
+                                                           self.timer, hooks, cached),
+                         errors, "denoise", checkpoint=_rng_checkpoint)
         finishing = set(out.finishing_ids)
         finished = [s for s in batch if s.request_id in finishing and s.request_id not in errors]
         with self.timer.phase("decode"):
@@ -66,7 +77,10 @@ class ModelRunner:
             previews = self._decode_previews({k: v for k, v in x0.items() if k not in errors})
         for request_id in [*images, *errors]:
             self.states.pop(request_id, None)
-        return RunnerOutput(images=images, errors=errors, previews=previews)
+        cached = {k: v for k, v in cached.items() if k not in errors}
+        return RunnerOutput(images=images, errors=errors, previews=previews,
+                            cached_ids=[k for k, (step_cached, _, _) in cached.items() if step_cached],
+                            cache_rows=(sum(v[1] for v in cached.values()), sum(v[2] for v in cached.values())))
 
     # 1-2. encode prompts (one text-encoder call for all cache misses), prepare latents
     def _add_requests(self, new: list[NewRequestData], errors: dict[str, str]) -> dict[tuple[int, ...], str]:
@@ -97,6 +111,7 @@ class ModelRunner:
                 self.states[d.request_id] = RequestState(
                     data=d, generator=generator, blocks=d.blocks,
                     fallback=None if d.plan.vectorized else d.plan.new_fallback_scheduler(),
+                    cache=None if d.cache is None else CacheState(d.cache),
                 )
 
         if ready:
@@ -143,6 +158,8 @@ class ModelRunner:
         host = {"latents": pool.read(blocks.latents, numel)}
         if blocks.history is not None:
             host["history"] = pool.read(blocks.history, numel)
+        if blocks.cache is not None:
+            host["cache"] = pool.read(blocks.cache, self._cache_numel(state))
         host["cond"] = pool.read([blocks.cond], self.adapter.info.condition_numel)
         if blocks.uncond is not None:
             host["uncond"] = pool.read([blocks.uncond], self.adapter.info.condition_numel)
@@ -156,11 +173,17 @@ class ModelRunner:
         self.pool.write(blocks.latents, host["latents"])
         if blocks.history is not None:
             self.pool.write(blocks.history, host["history"])
+        if blocks.cache is not None:
+            self.pool.write(blocks.cache, host["cache"])
         if blocks.write_cond:  # evicted from the prompt cache meanwhile: restore our copy
             self.pool.write([blocks.cond], host["cond"])
         if blocks.uncond is not None and blocks.write_uncond:
             self.pool.write([blocks.uncond], host["uncond"])
         state.blocks, state.host = blocks, None
+
+    def _cache_numel(self, state: RequestState) -> int:
+        d = state.data
+        return self.adapter.info.cache_layout.row_numel(d.cache, d.height, d.width, d.max_sequence_length)
 
     def _decode_previews(self, x0: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
         """Partial images: x0 estimates through the VAE, in one call. A failed preview is skipped, not fatal."""

@@ -8,6 +8,7 @@ from diffusers import SchedulerMixin
 
 from dvllm.core.scheduler_output import BlockTables, NewRequestData
 from dvllm.samplers import SamplerPlan
+from dvllm.worker.step_cache_hooks import CacheState
 
 
 @dataclass(eq=False)
@@ -18,6 +19,7 @@ class RequestState:
     fallback: SchedulerMixin | None  # a diffusers scheduler, for samplers without a vectorized update
     step: int = 0  # the step this iteration runs: set from the scheduler's output, never counted here
     host: dict[str, torch.Tensor] | None = None  # the pool contents while preempted
+    cache: CacheState | None = None  # step caching: what its decisions carry between steps
 
     @property
     def request_id(self) -> str:

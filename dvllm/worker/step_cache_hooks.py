@@ -1,0 +1,372 @@
+"""Step caching per request inside one batched forward.
+
+diffusers' cache hooks keep one state per transformer and take one decision per call. Here each
+request keeps its own state in the state pool and takes its own decision with diffusers' rule, on
+exactly the rows the pipeline would decide over (a "group": the request's images, with its CFG rows
+where the pipeline batches them, or each CFG branch apart where it calls them apart). Rows that skip
+leave the forward, so the skipped blocks run on the other rows only.
+
+- first_block (diffusers' FirstBlockCacheConfig): every row runs the first block. A group whose head
+  residual moved, relative to the one its last *computing* step kept, by no more than the threshold
+  (mean absolute difference over mean absolute value, over the group's rows) skips: its hidden states
+  become the head output plus the tail residual kept from that step. The other rows run the remaining
+  blocks as one smaller batch, and the tail block puts the batch back together.
+- taylorseer (TaylorSeerCacheConfig): on the steps its schedule computes, a row's attention modules
+  run and refresh their Taylor factors; on the others their outputs are predicted from the factors,
+  and those rows leave the attention modules' batch.
+
+The hooks are installed once on the adapter's transformer (`CacheHooks`) and pass every call through
+unless a forward runs under `CacheHooks.running(forward)`: the runner's eager path, since a decision
+that depends on the data cannot be replayed from a CUDA graph.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from dvllm.models.base import CacheSpec
+from dvllm.step_cache import CacheConfig
+
+UNBATCHED_ARGS = frozenset({"image_rotary_emb"})  # positions, shared by every row
+
+
+@dataclass
+class CacheState:
+    """One request's step cache on the worker, between steps (its tensors are in the pool)."""
+
+    config: CacheConfig
+    primed: bool = False                 # first_block: a head residual is kept (step one always computes)
+    last_update_step: int | None = None  # taylorseer: the last step that refreshed the factors
+    num_orders: int = 0                  # taylorseer: factors valid
+    cached_steps: int = 0
+
+
+@dataclass(eq=False)
+class Group:
+    """The rows one decision covers, and their state for this forward."""
+
+    state: CacheState
+    rows: list[int]           # row indices in the forward
+    blocks: list[list[int]]   # each row's cache blocks in the pool
+    step: int
+    text_tokens: int          # text tokens its taylorseer state keeps per output
+    data: torch.Tensor        # [rows, numel]: its state as read from the pool
+    computes: bool = True
+    new: torch.Tensor | None = None  # what this forward writes back (computing groups)
+    new_orders: int = 0              # taylorseer: factors the refresh produced
+
+
+class ForwardCache:
+    """The cache decisions and state of one batched forward."""
+
+    def __init__(self, spec: CacheSpec, groups: list[Group], num_rows: int, image_tokens: int) -> None:
+        self.spec, self.groups, self.num_rows, self.image_tokens = spec, groups, num_rows, image_tokens
+        self.fbc = [g for g in groups if g.state.config.method == "first_block"]
+        self.taylor = [g for g in groups if g.state.config.method == "taylorseer"]
+        for g in self.taylor:
+            g.computes = g.state.config.computes(g.step)
+            if g.computes:  # in the factors' own dtype; converted to the pool's at commit
+                g.new = torch.zeros_like(_factor_values(g.data, g.state.config.taylor_factors_dtype))
+        self._factors = {id(g): self._taylor_views(g, _factor_values(g.data, g.state.config.taylor_factors_dtype))
+                         for g in self.taylor if g.state.num_orders}
+        self._new_factors = {id(g): self._taylor_views(g, g.new) for g in self.taylor if g.computes}
+        self.active: torch.Tensor | None = None  # forward rows flowing through the blocks now (None: all)
+        self.head_out: tuple | None = None
+
+    # first_block
+    def head(self, original: Callable, args: tuple, kwargs: dict) -> Any:
+        hidden_in = _bind(original, args, kwargs).arguments["hidden_states"]
+        out = original(*args, **kwargs)
+        if not self.fbc:
+            return out
+        h = self.spec.hidden_index
+        residual = out[h] - hidden_in
+        skipping: set[int] = set()
+        for g in self.fbc:
+            previous = self._fbc_view(g.data, 0)
+            g.computes = not g.state.primed or _moved(residual[g.rows], previous, g.state.config.threshold)
+            if g.computes:
+                g.new = torch.empty_like(g.data)
+                self._fbc_view(g.new, 0).copy_(residual[g.rows])
+            else:
+                skipping.update(g.rows)
+        self.head_out = out
+        if not skipping:
+            return out
+        compute = [r for r in range(self.num_rows) if r not in skipping]
+        self.active = torch.tensor(compute, dtype=torch.long, device=hidden_in.device)
+        if not compute:  # every row skips: the kept tail residuals give the blocks' result now
+            return self._assemble(None)
+        return tuple(o if o is None else o[self.active] for o in out)
+
+    def block(self, original: Callable, args: tuple, kwargs: dict, is_tail: bool) -> Any:
+        if self.active is None:  # every row computes
+            out = original(*args, **kwargs)
+            if is_tail:
+                self._keep_tail(out, list(range(self.num_rows)))
+            return out
+        if not len(self.active):  # every row skipped at the head, which answered for the blocks
+            bound = _bind(original, args, kwargs)
+            out = [None, None]
+            out[self.spec.hidden_index] = bound.arguments["hidden_states"]
+            out[1 - self.spec.hidden_index] = bound.arguments.get("encoder_hidden_states")
+            return tuple(out)
+        args, kwargs = _slice_args(original, args, kwargs, self.num_rows, self.active)
+        out = original(*args, **kwargs)
+        if not is_tail:
+            return out
+        self._keep_tail(out, self.active.tolist())
+        return self._assemble(out)
+
+    def _keep_tail(self, out: tuple, rows: list[int]) -> None:
+        """diffusers' tail residual: the last block's hidden output minus the head block's."""
+        position = {row: i for i, row in enumerate(rows)}
+        h = self.spec.hidden_index
+        for g in self.fbc:
+            if g.computes:
+                local = [position[r] for r in g.rows]
+                self._fbc_view(g.new, 1).copy_(out[h][local] - self.head_out[h][g.rows])
+
+    def _assemble(self, computed: tuple | None) -> tuple:
+        """The batch after the tail: rows that skip are the head's output plus their kept tail residual.
+        Of the text stream only computed rows are kept: every family served discards it after the last block."""
+        h, head = self.spec.hidden_index, self.head_out
+        hidden = head[h].clone()
+        for g in self.fbc:
+            if not g.computes:
+                hidden[g.rows] = self._fbc_view(g.data, 1) + head[h][g.rows]
+        result = list(head)
+        if computed is not None:
+            hidden[self.active] = computed[h]
+            encoder = computed[1 - h]
+            if encoder is None:
+                result[1 - h] = None
+            else:
+                result[1 - h] = head[1 - h].clone()
+                result[1 - h][self.active] = encoder
+        result[h] = hidden
+        return tuple(result)
+
+    # taylorseer
+    def attention(self, module: int, original: Callable, args: tuple, kwargs: dict) -> Any:
+        rows = list(range(self.num_rows)) if self.active is None else self.active.tolist()
+        position = {row: i for i, row in enumerate(rows)}
+        predicting = [g for g in self.taylor if not g.computes and g.rows[0] in position]
+        if not predicting:
+            out = original(*args, **kwargs)
+            self._refresh(module, rows, out)
+            return out
+        bound = _bind(original, args, kwargs)
+        hidden = bound.arguments["hidden_states"]
+        kinds = self.spec.attention_kinds[module]
+        tokens = {"image": hidden.shape[1], "joint": hidden.shape[1]}
+        if "text" in kinds:
+            tokens["text"] = bound.arguments["encoder_hidden_states"].shape[1]
+        outputs = [hidden.new_empty((len(rows), tokens[k], hidden.shape[2])) for k in kinds]
+        skip = {position[r] for g in predicting for r in g.rows}
+        compute = [i for i in range(len(rows)) if i not in skip]
+        if compute:
+            index = torch.tensor(compute, dtype=torch.long, device=hidden.device)
+            sub_args, sub_kwargs = _slice_args(original, args, kwargs, len(rows), index)
+            computed = original(*sub_args, **sub_kwargs)
+            self._refresh(module, [rows[i] for i in compute], computed)
+            for o, c in zip(outputs, _as_tuple(computed)):
+                o[index] = c
+        for g in predicting:
+            local = [position[r] for r in g.rows]
+            for o, predicted in zip(outputs, self._predict(module, g, hidden.dtype)):
+                o[local] = _fit_tokens(predicted, o.shape[1])
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _refresh(self, module: int, rows: list[int], out: Any) -> None:
+        """diffusers' TaylorSeerState.update, for each group computing this step, on its rows of `out`."""
+        position = {row: i for i, row in enumerate(rows)}
+        for g in self.taylor:
+            if not g.computes or g.rows[0] not in position:
+                continue
+            local = [position[r] for r in g.rows]
+            old, new = self._factors.get(id(g)), self._new_factors[id(g)]
+            for o, features in enumerate(_as_tuple(out)):
+                factors = [_fit_tokens(features[local], new[module][o][0].shape[1])]
+                if g.state.last_update_step is not None:
+                    delta = g.step - g.state.last_update_step
+                    for j in range(min(g.state.config.max_order, g.state.num_orders)):
+                        factors.append((factors[j] - old[module][o][j].to(features.dtype)) / delta)
+                for k, factor in enumerate(factors):
+                    new[module][o][k].copy_(factor)
+                g.new_orders = len(factors)
+
+    def _predict(self, module: int, g: Group, dtype: torch.dtype) -> list[torch.Tensor]:
+        """diffusers' TaylorSeerState.predict: the series at this step's offset from the last refresh."""
+        offset = g.step - g.state.last_update_step
+        outputs = []
+        for factors in self._factors[id(g)][module]:
+            result = torch.zeros_like(factors[0], dtype=dtype)
+            for order in range(g.state.num_orders):
+                result = result + factors[order].to(dtype) * ((offset ** order) / math.factorial(order))
+            outputs.append(result)
+        return outputs
+
+    def _taylor_views(self, g: Group, values: torch.Tensor) -> list[list[list[torch.Tensor]]]:
+        """[module][output][order] -> [rows, tokens, dim] views of a group's factors (in their own dtype)."""
+        dim, orders = self.spec.layout.inner_dim, g.state.config.max_order + 1
+        views, start = [], 0
+        for kinds in self.spec.attention_kinds:
+            module = []
+            for kind in kinds:
+                tokens = {"image": self.image_tokens, "text": g.text_tokens,
+                          "joint": g.text_tokens + self.image_tokens}[kind]
+                size = tokens * dim
+                module.append([values[:, start + k * size:start + (k + 1) * size].view(len(g.rows), tokens, dim)
+                               for k in range(orders)])
+                start += orders * size
+            views.append(module)
+        return views
+
+    def _fbc_view(self, data: torch.Tensor, which: int) -> torch.Tensor:
+        """first_block's state: 0 the head residual, 1 the tail residual, as [rows, image tokens, dim]."""
+        size = self.image_tokens * self.spec.layout.inner_dim
+        return data[:, which * size:(which + 1) * size].view(len(data), self.image_tokens, -1)
+
+    # after the forward and the update succeeded
+    def commit(self, write: Callable[[list[list[int]], torch.Tensor], None]) -> list[tuple[CacheState, int, int]]:
+        """Writes the computing groups' new state; returns each request's (state, rows skipped, rows computed).
+        A step counts as cached for a request when every group of it skipped."""
+        by_request: dict[int, list[Group]] = {}
+        for g in self.groups:
+            by_request.setdefault(id(g.state), []).append(g)
+            if g.computes:
+                write(g.blocks, g.new if g.state.config.method == "first_block" else _pool_values(g.new, g.data.dtype))
+        outcome = []
+        for groups in by_request.values():
+            state, computing = groups[0].state, [g for g in groups if g.computes]
+            skipped = sum(len(g.rows) for g in groups if not g.computes)
+            outcome.append((state, skipped, sum(len(g.rows) for g in computing)))
+            if not computing:
+                state.cached_steps += 1
+            elif state.config.method == "first_block":
+                state.primed = True
+            else:
+                state.num_orders, state.last_update_step = computing[0].new_orders, computing[0].step
+        return outcome
+
+
+class CacheHooks:
+    """Wraps the spec's blocks and attention modules once; each call consults the running forward."""
+
+    def __init__(self, spec: CacheSpec) -> None:
+        self.spec = spec
+        self.current: ForwardCache | None = None
+        last = len(spec.blocks) - 1
+        for i, block in enumerate(spec.blocks):
+            self._wrap(block, lambda f, fn, a, k, i=i: f.head(fn, a, k) if i == 0 else f.block(fn, a, k, i == last))
+        for j, module in enumerate(spec.attention):
+            self._wrap(module, lambda f, fn, a, k, j=j: f.attention(j, fn, a, k))
+
+    def _wrap(self, module: torch.nn.Module, hook: Callable) -> None:
+        original = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self.current is None:
+                return original(*args, **kwargs)
+            return hook(self.current, original, args, kwargs)
+
+        module.forward = forward  # an instance attribute: nn.Module.__call__ finds it before the class's
+
+    @contextmanager
+    def running(self, forward: ForwardCache) -> Iterator[None]:
+        self.current = forward
+        try:
+            yield
+        finally:
+            self.current = None
+
+
+def _moved(residual: torch.Tensor, previous: torch.Tensor, threshold: float) -> bool:
+    """diffusers' FBCHeadBlockHook._should_compute_remaining_blocks, on one group's rows."""
+    absmean = (residual - previous).abs().mean()
+    return (absmean / previous.abs().mean()).item() > threshold
+
+
+def _bind(fn: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    return inspect.signature(fn).bind(*args, **kwargs)
+
+
+def _slice_args(fn: Callable, args: tuple, kwargs: dict, rows: int, index: torch.Tensor) -> tuple[tuple, dict]:
+    """The call's arguments on the rows in `index`: every batched tensor (first dimension `rows`)."""
+    bound = _bind(fn, args, kwargs)
+
+    def cut(name: str, value: Any) -> Any:
+        if name in UNBATCHED_ARGS:
+            return value
+        if torch.is_tensor(value) and value.dim() and value.shape[0] == rows:
+            return value[index]
+        if isinstance(value, dict):
+            return {k: cut(k, v) for k, v in value.items()}
+        return value
+
+    for name, value in list(bound.arguments.items()):
+        bound.arguments[name] = cut(name, value)
+    return bound.args, bound.kwargs
+
+
+def _as_tuple(out: Any) -> tuple:
+    return (out,) if torch.is_tensor(out) else tuple(out)
+
+
+def _fit_tokens(x: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Cut or zero-pad dimension 1 to `tokens`: text past a row's own prompt is masked out of attention,
+    so what it holds never reaches the image."""
+    if x.shape[1] == tokens:
+        return x
+    if x.shape[1] > tokens:
+        return x[:, :tokens]
+    return torch.nn.functional.pad(x, (0, 0, 0, tokens - x.shape[1]))
+
+
+def _factor_values(data: torch.Tensor, dtype_name: str) -> torch.Tensor:
+    """Pool elements -> factor values (see step_cache.pool_elements_per_factor)."""
+    dtype = getattr(torch, dtype_name)
+    if data.dtype == dtype:
+        return data
+    if data.dtype == torch.float32:  # 2-byte factors held by value: exact
+        return data.to(dtype)
+    return data.view(dtype)  # raw bits
+
+
+def _pool_values(values: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
+    if values.dtype == pool_dtype:
+        return values
+    if pool_dtype == torch.float32:
+        return values.to(pool_dtype)
+    return values.view(pool_dtype)
+
+
+def forward_cache(spec: CacheSpec, read: Callable[[list[list[int]], int], torch.Tensor], states: list[Any],
+                  bounds: list[tuple[int, int]], height: int, width: int) -> ForwardCache:
+    """The groups of one forward laid out as denoise_batch lays it out: every request's rows in order, then
+    the CFG requests' (which come first) unconditional rows in the same order."""
+    num_cond = bounds[-1][1] if bounds else 0
+    groups = []
+    for s, (lo, hi) in zip(states, bounds):
+        if s.cache is None:
+            continue
+        numel = spec.layout.row_numel(s.cache.config, height, width, s.data.max_sequence_length)
+        text_tokens = spec.layout.text_tokens or s.data.max_sequence_length or 0
+        cond = list(range(lo, hi))
+        uncond = [num_cond + r for r in cond] if s.data.cfg else []
+        blocks = s.blocks.cache  # cond rows first, then uncond rows
+        if spec.separate_cfg_branches and uncond:
+            parts = [(cond, blocks[:s.n]), (uncond, blocks[s.n:])]
+        else:
+            parts = [(cond + uncond, blocks)]
+        for rows, row_blocks in parts:
+            groups.append(Group(state=s.cache, rows=rows, blocks=row_blocks, step=s.step, text_tokens=text_tokens,
+                                data=read(row_blocks, numel)))
+    num_rows = num_cond + sum(s.n for s in states if s.data.cfg)
+    return ForwardCache(spec, groups, num_rows, spec.layout.image_tokens(height, width))
