@@ -83,6 +83,8 @@ class SamplingParams:
             raise ValueError(f"priority must be an integer in [-2**31, 2**31), got {self.priority!r}")
         _optional_int("num_previews", self.num_previews, low=0)
         _optional_int("max_sequence_length", self.max_sequence_length, low=1)
+        if not _is_default(self.cache):
+            parse_cache(self.cache)
         if self.eta is not None and (isinstance(self.eta, bool) or not isinstance(self.eta, (int, float))
                                      or not 0 <= self.eta <= 1):
             raise ValueError(f"eta must be a number in [0, 1], got {self.eta!r}")
@@ -106,8 +108,7 @@ class SamplingParams:
         if self.eta is not None and info.default_eta is None:
             raise ValueError(f"eta: the {info.family} pipeline takes no eta")
         _check_sequence_length(self.max_sequence_length, info)
-        cache = config.default_cache if self.cache is USE_DEFAULT or self.cache == USE_DEFAULT else self.cache
-        cache = parse_cache(cache)
+        cache = parse_cache(config.default_cache if _is_default(self.cache) else self.cache)
         if cache is not None and info.cache_layout is None:
             raise ValueError(f"cache: the {info.family} family serves no step caching (it is served for the "
                              f"transformer families: flux, qwen-image, stable-diffusion-3, z-image)")
@@ -171,6 +172,10 @@ def _check_sequence_length(length: int | None, info: "ModelInfo") -> None:
                          f"only (its text has no mask, so other lengths could not share a forward); got {length}")
     if not low <= length <= high:
         raise ValueError(f"max_sequence_length must be in [{low}, {high}] for the {info.family} family, got {length}")
+
+
+def _is_default(cache: Any) -> bool:
+    return isinstance(cache, str) and cache == USE_DEFAULT
 
 
 def _optional_int(name: str, value: object, low: int) -> None:

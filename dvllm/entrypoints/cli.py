@@ -65,6 +65,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampler", help=f"{', '.join(SHORT_NAMES)} or the class name of a diffusers scheduler "
                                      "(default: the model's).")
     p.add_argument("-n", type=int, default=1, help="Images per prompt (default: 1).")
+    p.add_argument("--cache", help="Step cache for these requests: first_block:threshold=0.08, "
+                                   "taylorseer:cache_interval=4,max_order=1, or none (default: --default-cache).")
     p.add_argument("--no-progress", action="store_true", help="No progress bar.")
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                    help="dvllm's log level; debug also shows the libraries' warnings and loading bars "

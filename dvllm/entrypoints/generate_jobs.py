@@ -15,6 +15,7 @@ from PIL import Image
 
 from dvllm.samplers.registry import SHORT_NAMES, scheduler_class
 from dvllm.sampling_params import SEED_LIMIT, SamplingParams
+from dvllm.step_cache import parse_cache_flag
 
 if TYPE_CHECKING:
     from dvllm.core.request import Request
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
 # JSONL keys accepted in --prompts-file, besides "prompt" and "output"
 _JSONL_KEYS = {"num_inference_steps", "steps", "guidance_scale", "guidance", "negative_prompt", "seed", "size",
-               "height", "width", "n", "sampler"}
+               "height", "width", "n", "sampler", "cache"}
 def check_sampler(name: object) -> None:
     """A short name or a diffusers scheduler class: which one the model gets is decided later, but a
     name that is neither can be refused now."""
@@ -53,7 +54,7 @@ _ALIASES = {"steps": "num_inference_steps", "guidance": "guidance_scale"}
 def _long_names(fields: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in fields.items():
-        if value is None:
+        if value is None and key != "cache":  # a null cache turns the engine's default_cache off
             continue
         if key == "size":
             out["height"], out["width"] = parse_size(value)
@@ -110,6 +111,11 @@ def check_generate_flags(args: argparse.Namespace) -> None:
             check_sampler(args.sampler)
         except ValueError as e:
             raise ValueError(f"--sampler: {e}") from None
+    if args.cache is not None:
+        try:
+            parse_cache_flag(args.cache)
+        except ValueError as e:
+            raise ValueError(f"--cache: {e}") from None
 
 
 def read_jobs(args: argparse.Namespace) -> list[Job]:
@@ -118,6 +124,8 @@ def read_jobs(args: argparse.Namespace) -> list[Job]:
     defaults = {"steps": args.steps, "guidance": args.guidance, "negative_prompt": args.negative_prompt,
                 "seed": args.seed, "size": args.size, "sampler": args.sampler, "n": args.n}
     defaults = {k: v for k, v in defaults.items() if v is not None}
+    if args.cache is not None:
+        defaults["cache"] = parse_cache_flag(args.cache)
     if args.prompts_file is None:
         if not args.prompt:
             raise ValueError("give a prompt or --prompts-file")

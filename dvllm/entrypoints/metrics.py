@@ -116,3 +116,7 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("dvllm_prompt_cache_queries", "Prompt-cache lookups.",
                                   value=s["prompt_cache_queries"])
         yield CounterMetricFamily("dvllm_prompt_cache_hits", "Prompt-cache hits.", value=s["prompt_cache_hits"])
+        yield CounterMetricFamily("dvllm_step_cache_skipped_rows", "Denoiser rows whose blocks (or attention) "
+                                  "step caching skipped or predicted.", value=s["cache_skipped_rows"])
+        yield CounterMetricFamily("dvllm_step_cache_computed_rows", "Denoiser rows of caching requests that "
+                                  "computed every block.", value=s["cache_computed_rows"])

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dvllm.sampling_params import PRIORITY_LIMIT, SEED_LIMIT, SamplingParams
+from dvllm.step_cache import USE_DEFAULT
 
 MAX_PARTIAL_IMAGES = 3
 MAX_NAME_CHARS = 256  # model, user, sampler: names, not texts (prompts are bounded by the engine)
@@ -69,6 +70,8 @@ class ImageGenerationRequest(BaseModel):
     priority: int | None = Field(None, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)
     eta: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # DDIM/TCD's, where the pipeline takes one
     max_sequence_length: int | None = Field(None, ge=1)  # the text encoder's, where the pipeline takes one
+    # step caching: {"method": "first_block" | "taylorseer", ...}; absent: the server's default; null: none
+    cache: dict[str, Any] | None = None
 
     @field_validator("*")
     @classmethod
@@ -110,6 +113,7 @@ class ImageGenerationRequest(BaseModel):
             num_previews=(self.partial_images or 0) if self.stream else 0, eta=self.eta,
             output_kind="progress" if self.stream else "final",  # a plain request waits for its end only
             max_sequence_length=self.max_sequence_length,
+            cache=self.cache if "cache" in self.model_fields_set else USE_DEFAULT,
         )
 
 
@@ -136,7 +140,7 @@ _ENGINE_FIELDS = {"height": "size", "width": "size", "height*width": "size", "nu
                   "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale", "n": "n",
                   "seed": "seed", "sampler": "sampler", "negative_prompt": "negative_prompt", "prompt": "prompt",
                   "priority": "priority", "image": "image", "strength": "strength", "eta": "eta",
-                  "max_sequence_length": "max_sequence_length"}
+                  "max_sequence_length": "max_sequence_length", "cache": "cache"}
 
 
 def engine_value_error(error: ValueError) -> APIError:

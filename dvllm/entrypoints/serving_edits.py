@@ -7,6 +7,7 @@ serves image-to-image, not inpainting, so far.
 from __future__ import annotations
 
 import io
+import json
 import re
 import types
 import typing
@@ -70,6 +71,9 @@ def _typed(fields: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     hints = typing.get_type_hints(ImageEditRequest)
     for key, value in fields.items():
+        if key == "cache" and isinstance(value, str):  # an object: JSON text in a form
+            out[key] = _parse_json_field(key, value)
+            continue
         kind = _base_type(hints.get(key))
         if not isinstance(value, str) or kind not in (int, float, bool):
             out[key] = value
@@ -80,6 +84,14 @@ def _typed(fields: dict[str, Any]) -> dict[str, Any]:
             raise APIError(400, f"Invalid value for '{key}': expected {kind.__name__}, got {value!r}.",
                            param=key, code="invalid_value") from None
     return out
+
+
+def _parse_json_field(key: str, value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        raise APIError(400, f"Invalid value for '{key}': expected a JSON object or null, got {value[:80]!r}.",
+                       param=key, code="invalid_value") from None
 
 
 def _base_type(hint: Any) -> Any:
