@@ -132,8 +132,10 @@ class CacheLayout:
     """A family's transformer, as much as the driver needs to size one row's cache state.
 
     Tokens: `image` (one per latent patch), `text` (the prompt's, at most `text_tokens`, or the request's
-    max_sequence_length when None), `joint` (text then image, as one sequence). `attention_outputs` lists
-    the token kind of every output of every attention module TaylorSeer predicts, in order.
+    max_sequence_length when None), `joint` (text then image, as one sequence), `unified` (image then text,
+    each padded to a multiple of `token_multiple`: Z-Image's single stream). `hidden_kind` is the blocks'
+    hidden stream (what first_block keeps); `attention_outputs` lists the token kind of every output of
+    every attention module TaylorSeer predicts, in order.
     """
 
     inner_dim: int
@@ -141,14 +143,18 @@ class CacheLayout:
     attention_outputs: tuple[str, ...]
     text_tokens: int | None = None
     element_bytes: int = 4  # of the state pool (the model's dtype)
+    hidden_kind: str = "image"
+    token_multiple: int = 1
 
     def image_tokens(self, height: int, width: int) -> int:
         return (height // self.pixels_per_token) * (width // self.pixels_per_token)
 
     def tokens(self, kind: str, height: int, width: int, max_sequence_length: int | None) -> int:
         text = self.text_tokens or max_sequence_length or 0
-        return {"image": self.image_tokens(height, width), "text": text,
-                "joint": text + self.image_tokens(height, width)}[kind]
+        image = self.image_tokens(height, width)
+        if kind == "unified":
+            return _round_up(image, self.token_multiple) + _round_up(text, self.token_multiple)
+        return {"image": image, "text": text, "joint": text + image}[kind]
 
     def row_numel(self, config: CacheConfig, height: int, width: int, max_sequence_length: int | None) -> int:
         """Pool elements one model row's cache state takes.
@@ -157,10 +163,14 @@ class CacheLayout:
         the tail's residual. TaylorSeer keeps max_order + 1 factors of every attention output.
         """
         if config.method == "first_block":
-            return 2 * self.image_tokens(height, width) * self.inner_dim
+            return 2 * self.tokens(self.hidden_kind, height, width, max_sequence_length) * self.inner_dim
         values = sum(self.tokens(kind, height, width, max_sequence_length) for kind in self.attention_outputs)
         values *= (config.max_order + 1) * self.inner_dim
         return values * pool_elements_per_factor(config.taylor_factors_dtype, self.element_bytes)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def pool_elements_per_factor(dtype: str, pool_bytes: int) -> int:

@@ -175,22 +175,29 @@ def test_cached_request_equals_diffusers_alone_and_in_a_mixed_batch(family, meth
         assert out.metrics.cached_steps == count, (q, p.cache)
 
 
+OWN_RULE = {"sd3": ("sd3_path", 0.25, 16), "z-image": ("z_image_path", 0.7, 32)}  # fixture, threshold, size
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["first_block", "taylorseer"])
-def test_sd3_cached_request_alone_equals_it_batched(sd3_path, method):
-    """SD3's transformer has no enable_cache: dvllm's rule, applied to its joint blocks, never depends on the batch."""
-    cache = {"method": "first_block", "threshold": 0.25} if method == "first_block" else {"method": "taylorseer"}
-    prompt, params = "a red circle", P(num_inference_steps=10, guidance_scale=3.5, seed=1, height=16, width=16,
+@pytest.mark.parametrize("family", sorted(OWN_RULE))
+def test_own_rule_cached_request_alone_equals_it_batched(family, method, request):
+    """SD3's and Z-Image's transformers have no enable_cache: dvllm's rule, applied to their blocks, never
+    depends on the batch (Z-Image's rows even have sequences of different lengths)."""
+    fixture, threshold, size = OWN_RULE[family]
+    cache = {"method": "first_block", "threshold": threshold} if method == "first_block" else {"method": "taylorseer"}
+    prompt, params = "a red circle", P(num_inference_steps=10, guidance_scale=3.5, seed=1, height=size, width=size,
                                        n=2, output_type="np", cache=cache)
-    engine = DiffusionEngine(model=sd3_path, device="cpu", dtype="float32")
+    engine = DiffusionEngine(model=request.getfixturevalue(fixture), device="cpu", dtype="float32")
     alone = engine.generate(prompt, params, use_tqdm=False)[0]
     uncached = engine.generate(prompt, dataclasses.replace(params, cache=None), use_tqdm=False)[0]
     assert 0 < alone.metrics.cached_steps < params.num_inference_steps
     assert max(float(np.abs(a - b).max()) for a, b in zip(alone.images, uncached.images)) > 1e-4, \
         "caching must change something, or this test proves nothing"
-    others = [(q, dataclasses.replace(p, height=16, width=16)) for q, p in neighbours("sd3")]
+    others = [(q, dataclasses.replace(p, height=size, width=size)) for q, p in neighbours(family)]
     outs = engine.generate([prompt] + [q for q, _ in others], [params] + [p for _, p in others], use_tqdm=False)
-    assert_images_close(outs[0].images, alone.images, f"sd3 {method} batched")
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    assert_images_close(outs[0].images, alone.images, f"{family} {method} batched")
     assert outs[0].metrics.cached_steps == alone.metrics.cached_steps
 
 

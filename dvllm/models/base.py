@@ -85,7 +85,11 @@ class CacheSpec:
     blocks: list[torch.nn.Module]     # in call order: the first is first_block's head, the last its tail
     attention: list[torch.nn.Module]  # what TaylorSeer predicts (diffusers' default attention patterns)
     attention_kinds: list[tuple[str, ...]]  # per module, its outputs' token kinds
-    hidden_index: int = 1             # the hidden (image) stream's place in a block's output tuple
+    hidden_index: int | None = 1      # the hidden stream's place in a block's output tuple (None: the output)
+    hidden_arg: str = "hidden_states"  # the blocks' argument that carries it
+    # Where rows have sequences of their own lengths (Z-Image), the blocks' [rows, tokens] mask of real tokens:
+    # first_block's measure then covers each row's real tokens only, so it cannot depend on the batch.
+    mask_arg: str | None = None
     # The pipeline calls cond and uncond apart (Qwen-Image, with cache_context): each CFG branch decides
     # for itself. Otherwise a request's CFG rows are one call and one decision.
     separate_cfg_branches: bool = False
@@ -93,12 +97,13 @@ class CacheSpec:
 
 def transformer_cache_spec(blocks: list[torch.nn.Module], attention: list[tuple[torch.nn.Module, tuple[str, ...]]],
                            inner_dim: int, pixels_per_token: int, dtype: torch.dtype, text_tokens: int | None,
-                           separate_cfg_branches: bool = False) -> CacheSpec:
+                           hidden_kind: str = "image", token_multiple: int = 1, **spec: Any) -> CacheSpec:
     layout = CacheLayout(inner_dim=inner_dim, pixels_per_token=pixels_per_token,
                          attention_outputs=tuple(kind for _, kinds in attention for kind in kinds),
-                         text_tokens=text_tokens, element_bytes=torch.empty((), dtype=dtype).element_size())
+                         text_tokens=text_tokens, element_bytes=torch.empty((), dtype=dtype).element_size(),
+                         hidden_kind=hidden_kind, token_multiple=token_multiple)
     return CacheSpec(layout=layout, blocks=blocks, attention=[m for m, _ in attention],
-                     attention_kinds=[kinds for _, kinds in attention], separate_cfg_branches=separate_cfg_branches)
+                     attention_kinds=[kinds for _, kinds in attention], **spec)
 
 
 class ModelAdapter(ABC):

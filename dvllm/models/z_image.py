@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from dvllm.models.base import Conditions, ModelAdapter, ModelInfo
+from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, ModelInfo, transformer_cache_spec
 from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len
 
 MAX_TEXT_TOKENS = 512  # the pipeline's max_sequence_length
+SEQ_MULTIPLE = 32  # the transformer pads image and caption tokens to multiples of this (SEQ_MULTI_OF)
 
 
 def z_image_timestep_kwargs(vae_scale: int, height: int, width: int, num_steps: int,
@@ -45,6 +46,7 @@ class ZImageAdapter(ModelAdapter):
             condition_shapes={"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
             cfg_threshold=0.0, timestep_kwargs=partial(z_image_timestep_kwargs, factor),
             max_sequence_length=MAX_TEXT_TOKENS, sequence_length_range=(1, MAX_TEXT_TOKENS),
+            cache_layout=self.cache_spec().layout,
         )
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],
@@ -76,6 +78,17 @@ class ZImageAdapter(ModelAdapter):
         frames = list(latents.to(transformer.dtype).unsqueeze(2).unbind(dim=0))
         out = transformer(frames, (1000 - timesteps) / 1000, captions, return_dict=False)[0]
         return -torch.stack([o.float() for o in out]).squeeze(2)
+
+    def cache_spec(self) -> CacheSpec:
+        # diffusers has no enable_cache for Z-Image: dvllm applies the same rules to its main layers (the
+        # refiners always run) and the attention of each. Their single stream is image then caption, each
+        # padded to 32 tokens, then padded to the batch's longest: state keeps a row's own part, and
+        # first_block measures over its real tokens. The pipeline batches a request's CFG rows in one call.
+        t = self.pipeline.transformer
+        return transformer_cache_spec(
+            list(t.layers), [(layer.attention, ("unified",)) for layer in t.layers], inner_dim=t.dim,
+            pixels_per_token=self.pipeline.vae_scale_factor * 2, dtype=self.dtype, text_tokens=None,
+            hidden_kind="unified", token_multiple=SEQ_MULTIPLE, hidden_index=None, hidden_arg="x", mask_arg="attn_mask")
 
     def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return cond + scale * (cond - uncond)  # Z-Image's form: g = 0 is no guidance

@@ -80,19 +80,23 @@ class ForwardCache:
 
     # first_block
     def head(self, original: Callable, args: tuple, kwargs: dict) -> Any:
-        hidden_in = _bind(original, args, kwargs).arguments["hidden_states"]
+        arguments = _bind(original, args, kwargs).arguments
+        hidden_in = arguments[self.spec.hidden_arg]
         out = original(*args, **kwargs)
         if not self.fbc:
             return out
-        h = self.spec.hidden_index
-        residual = out[h] - hidden_in
+        residual = self._hidden(out) - hidden_in
+        lengths = None
+        if self.spec.mask_arg:  # rows of their own lengths: each row's real tokens (no mask: all are real)
+            mask = arguments.get(self.spec.mask_arg)
+            lengths = [residual.shape[1]] * len(residual) if mask is None else mask.sum(dim=1).tolist()
         skipping: set[int] = set()
         for g in self.fbc:
-            previous = self._fbc_view(g.data, 0)
-            g.computes = not g.state.primed or _moved(residual[g.rows], previous, g.state.config.threshold)
+            previous = self._fbc_view(g, g.data, 0)
+            g.computes = not g.state.primed or _moved(residual, g.rows, previous, lengths, g.state.config.threshold)
             if g.computes:
                 g.new = torch.empty_like(g.data)
-                self._fbc_view(g.new, 0).copy_(residual[g.rows])
+                self._fbc_view(g, g.new, 0).copy_(_fit_tokens(residual[g.rows], previous.shape[1]))
             else:
                 skipping.update(g.rows)
         self.head_out = out
@@ -102,6 +106,8 @@ class ForwardCache:
         self.active = torch.tensor(compute, dtype=torch.long, device=hidden_in.device)
         if not compute:  # every row skips: the kept tail residuals give the blocks' result now
             return self._assemble(None)
+        if self.spec.hidden_index is None:
+            return out[self.active]
         return tuple(o if o is None else o[self.active] for o in out)
 
     def block(self, original: Callable, args: tuple, kwargs: dict, is_tail: bool) -> Any:
@@ -111,10 +117,12 @@ class ForwardCache:
                 self._keep_tail(out, list(range(self.num_rows)))
             return out
         if not len(self.active):  # every row skipped at the head, which answered for the blocks
-            bound = _bind(original, args, kwargs)
+            arguments = _bind(original, args, kwargs).arguments
+            if self.spec.hidden_index is None:
+                return arguments[self.spec.hidden_arg]
             out = [None, None]
-            out[self.spec.hidden_index] = bound.arguments["hidden_states"]
-            out[1 - self.spec.hidden_index] = bound.arguments.get("encoder_hidden_states")
+            out[self.spec.hidden_index] = arguments[self.spec.hidden_arg]
+            out[1 - self.spec.hidden_index] = arguments.get("encoder_hidden_states")
             return tuple(out)
         args, kwargs = _slice_args(original, args, kwargs, self.num_rows, self.active)
         out = original(*args, **kwargs)
@@ -126,20 +134,24 @@ class ForwardCache:
     def _keep_tail(self, out: tuple, rows: list[int]) -> None:
         """diffusers' tail residual: the last block's hidden output minus the head block's."""
         position = {row: i for i, row in enumerate(rows)}
-        h = self.spec.hidden_index
         for g in self.fbc:
             if g.computes:
                 local = [position[r] for r in g.rows]
-                self._fbc_view(g.new, 1).copy_(out[h][local] - self.head_out[h][g.rows])
+                tail = self._fbc_view(g, g.new, 1)
+                tail.copy_(_fit_tokens(self._hidden(out)[local] - self._hidden(self.head_out)[g.rows], tail.shape[1]))
 
     def _assemble(self, computed: tuple | None) -> tuple:
         """The batch after the tail: rows that skip are the head's output plus their kept tail residual.
         Of the text stream only computed rows are kept: every family served discards it after the last block."""
         h, head = self.spec.hidden_index, self.head_out
-        hidden = head[h].clone()
+        hidden = self._hidden(head).clone()
         for g in self.fbc:
             if not g.computes:
-                hidden[g.rows] = self._fbc_view(g.data, 1) + head[h][g.rows]
+                hidden[g.rows] = _fit_tokens(self._fbc_view(g, g.data, 1), hidden.shape[1]) + hidden[g.rows]
+        if h is None:
+            if computed is not None:
+                hidden[self.active] = computed
+            return hidden
         result = list(head)
         if computed is not None:
             hidden[self.active] = computed[h]
@@ -164,7 +176,7 @@ class ForwardCache:
         bound = _bind(original, args, kwargs)
         hidden = bound.arguments["hidden_states"]
         kinds = self.spec.attention_kinds[module]
-        tokens = {"image": hidden.shape[1], "joint": hidden.shape[1]}
+        tokens = {"image": hidden.shape[1], "joint": hidden.shape[1], "unified": hidden.shape[1]}
         if "text" in kinds:
             tokens["text"] = bound.arguments["encoder_hidden_states"].shape[1]
         outputs = [hidden.new_empty((len(rows), tokens[k], hidden.shape[2])) for k in kinds]
@@ -219,8 +231,7 @@ class ForwardCache:
         for kinds in self.spec.attention_kinds:
             module = []
             for kind in kinds:
-                tokens = {"image": self.image_tokens, "text": g.text_tokens,
-                          "joint": g.text_tokens + self.image_tokens}[kind]
+                tokens = self._tokens(kind, g)
                 size = tokens * dim
                 module.append([values[:, start + k * size:start + (k + 1) * size].view(len(g.rows), tokens, dim)
                                for k in range(orders)])
@@ -228,10 +239,21 @@ class ForwardCache:
             views.append(module)
         return views
 
-    def _fbc_view(self, data: torch.Tensor, which: int) -> torch.Tensor:
-        """first_block's state: 0 the head residual, 1 the tail residual, as [rows, image tokens, dim]."""
-        size = self.image_tokens * self.spec.layout.inner_dim
-        return data[:, which * size:(which + 1) * size].view(len(data), self.image_tokens, -1)
+    def _fbc_view(self, g: Group, data: torch.Tensor, which: int) -> torch.Tensor:
+        """first_block's state: 0 the head residual, 1 the tail residual, as [rows, tokens, dim]."""
+        tokens = self._tokens(self.spec.layout.hidden_kind, g)
+        size = tokens * self.spec.layout.inner_dim
+        return data[:, which * size:(which + 1) * size].view(len(data), tokens, -1)
+
+    def _tokens(self, kind: str, g: Group) -> int:
+        """Tokens a row's state keeps for one stream (text: the group's own length; unified: padded parts)."""
+        if kind == "unified":
+            multiple = self.spec.layout.token_multiple
+            return -(-self.image_tokens // multiple) * multiple + -(-g.text_tokens // multiple) * multiple
+        return {"image": self.image_tokens, "text": g.text_tokens, "joint": g.text_tokens + self.image_tokens}[kind]
+
+    def _hidden(self, out: Any) -> torch.Tensor:
+        return out if self.spec.hidden_index is None else out[self.spec.hidden_index]
 
     # after the forward and the update succeeded
     def commit(self, write: Callable[[list[list[int]], torch.Tensor], None]) -> list[tuple[CacheState, int, int]]:
@@ -287,9 +309,16 @@ class CacheHooks:
             self.current = None
 
 
-def _moved(residual: torch.Tensor, previous: torch.Tensor, threshold: float) -> bool:
-    """diffusers' FBCHeadBlockHook._should_compute_remaining_blocks, on one group's rows."""
-    absmean = (residual - previous).abs().mean()
+def _moved(residual: torch.Tensor, rows: list[int], previous: torch.Tensor, lengths: list[int] | None,
+           threshold: float) -> bool:
+    """diffusers' FBCHeadBlockHook._should_compute_remaining_blocks, on one group's rows (with `lengths`,
+    each row's own real tokens only)."""
+    if lengths is None:
+        current = residual[rows]
+    else:  # each row's own tokens, so the measure cannot depend on the batch's padding
+        current = torch.cat([residual[r, :lengths[r]] for r in rows])
+        previous = torch.cat([previous[i, :lengths[r]] for i, r in enumerate(rows)])
+    absmean = (current - previous).abs().mean()
     return (absmean / previous.abs().mean()).item() > threshold
 
 
