@@ -1,0 +1,79 @@
+"""Step caching through `dvllm serve` (the `cache` body field, --default-cache, 400s, Prometheus counters)
+and `dvllm generate` (--cache, a JSONL line's "cache")."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+from utils_cli import expect_usage_error, restore_logging  # noqa: F401 (fixtures)
+from utils_server import RemoteServer, assert_error, metrics, png_pixels
+
+from dvllm import DiffusionEngine, SamplingParams
+from dvllm.entrypoints.cli import main
+
+FLUX_CACHE = {"method": "first_block", "threshold": 0.2}
+CLI = ["--device", "cpu", "--dtype", "float32", "--no-progress", "--steps", "6", "--size", "32x32", "--seed", "3"]
+
+
+def offline(path: str, cache) -> np.ndarray:
+    params = SamplingParams(num_inference_steps=6, height=32, width=32, seed=3, output_type="np", cache=cache)
+    out = DiffusionEngine(model=path, device="cpu", dtype="float32").generate("a red circle", params, use_tqdm=False)
+    return np.round(out[0].images[0] * 255)
+
+
+def test_served_cache_field_default_and_errors(flux_path):
+    body = {"prompt": "a red circle", "size": "32x32", "seed": 3, "num_inference_steps": 6}
+    with RemoteServer(flux_path, ["--device", "cpu", "--dtype", "float32", "--default-cache",
+                                  "first_block:threshold=0.2"]) as server:
+        url = server.url + "/v1/images/generations"
+        default = httpx.post(url, json=body, timeout=120)
+        opted_out = httpx.post(url, json={**body, "cache": None}, timeout=120)
+        taylor = httpx.post(url, json={**body, "cache": {"method": "taylorseer", "cache_interval": 2}}, timeout=120)
+        bad_method = httpx.post(url, json={**body, "cache": {"method": "teacache"}}, timeout=30)
+        bad_field = httpx.post(url, json={**body, "cache": {"method": "first_block", "treshold": 1}}, timeout=30)
+        not_object = httpx.post(url, json={**body, "cache": "first_block"}, timeout=30)
+        counters = metrics(server.url)
+    for response in (default, opted_out, taylor):
+        assert response.status_code == 200, response.text
+    assert_error(bad_method, 400, "cache")
+    assert "teacache" in bad_field.text or "treshold" in bad_field.text
+    assert_error(bad_field, 400, "cache")
+    assert_error(not_object, 400, "cache")
+    pixels = {name: png_pixels(r.json()["data"][0]["b64_json"]).astype(np.float64)
+              for name, r in (("default", default), ("none", opted_out))}
+    assert np.abs(pixels["default"] - offline(flux_path, FLUX_CACHE)).max() <= 1
+    assert np.abs(pixels["none"] - offline(flux_path, None)).max() <= 1
+    assert counters["dvllm_step_cache_skipped_rows_total"] > 0
+    assert counters["dvllm_step_cache_computed_rows_total"] > 0
+
+
+def test_unet_server_refuses_cache_with_a_400(sd_eps_path):
+    body = {"prompt": "x", "size": "16x16", "num_inference_steps": 2, "cache": {"method": "first_block"}}
+    with RemoteServer(sd_eps_path, ["--device", "cpu", "--dtype", "float32"]) as server:
+        response = httpx.post(server.url + "/v1/images/generations", json=body, timeout=60)
+    error = assert_error(response, 400, "cache")
+    assert "stable-diffusion family serves no step caching" in error["message"]
+
+
+def test_generate_cache_flag_and_jsonl_cache(flux_path, tmp_path):
+    flag = tmp_path / "flag.png"
+    assert main(["generate", "a red circle", "-o", str(flag), "--model", flux_path, *CLI,
+                 "--cache", "first_block:threshold=0.2"]) == 0
+    with Image.open(flag) as image:
+        assert np.abs(np.asarray(image.convert("RGB")) - offline(flux_path, FLUX_CACHE)).max() <= 1
+    lines = tmp_path / "p.jsonl"
+    lines.write_text(json.dumps({"prompt": "a red circle", "cache": None, "output": "none.png"}) + "\n")
+    assert main(["generate", "--prompts-file", str(lines), "--output-dir", str(tmp_path), "--model", flux_path,
+                 *CLI, "--cache", "first_block:threshold=0.2"]) == 0  # the line's null beats the flag
+    with Image.open(tmp_path / "none.png") as image:
+        assert np.abs(np.asarray(image.convert("RGB")) - offline(flux_path, None)).max() <= 1
+
+
+@pytest.mark.parametrize("flag, expected", [("teacache", "--cache: cache.method"),
+                                            ("first_block:threshold", "--cache: cache: expected name=value")])
+def test_generate_bad_cache_flag_is_a_usage_error(flux_path, capsys, flag, expected):
+    err = expect_usage_error(capsys, "generate", "x", "--model", flux_path, *CLI, "--cache", flag)
+    assert expected in err
