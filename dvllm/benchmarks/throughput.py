@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ray: compare in-process vs Ray with 1 and --num-workers workers instead")
     p.add_argument("--num-workers", type=int, default=2, help="Ray workers (with --executor ray)")
     p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
+    p.add_argument("--cache", default=None,
+                   help="Step caching instead: dvllm with and without this cache (e.g. first_block:threshold=0.1, "
+                        "taylorseer) against the diffusers pipeline with the same cache, and the step cost "
+                        "against the rows that compute (Flux and Qwen-Image models)")
     p.add_argument("--output-json", default=None)
 
 
@@ -192,6 +196,11 @@ def run_and_report(args: argparse.Namespace) -> dict:
 
         result = data_parallel.run(args)
         data_parallel.print_report(result)
+    elif args.cache:
+        from dvllm.benchmarks import cached
+
+        result = cached.run(args)
+        cached.print_report(result)
     else:
         result = run(args)
         print_report(result)

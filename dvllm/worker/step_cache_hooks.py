@@ -71,7 +71,7 @@ class ForwardCache:
         for g in self.taylor:
             g.computes = g.state.config.computes(g.step)
             if g.computes:  # in the factors' own dtype; converted to the pool's at commit
-                g.new = torch.zeros_like(_factor_values(g.data, g.state.config.taylor_factors_dtype))
+                g.new = torch.empty_like(_factor_values(g.data, g.state.config.taylor_factors_dtype))
         self._factors = {id(g): self._taylor_views(g, _factor_values(g.data, g.state.config.taylor_factors_dtype))
                          for g in self.taylor if g.state.num_orders}
         self._new_factors = {id(g): self._taylor_views(g, g.new) for g in self.taylor if g.computes}
@@ -79,10 +79,10 @@ class ForwardCache:
         self.head_out: tuple | None = None
 
     # first_block
-    def head(self, original: Callable, args: tuple, kwargs: dict) -> Any:
-        arguments = _bind(original, args, kwargs).arguments
+    def head(self, call: Call) -> Any:
+        arguments = call.arguments
         hidden_in = arguments[self.spec.hidden_arg]
-        out = original(*args, **kwargs)
+        out = call.run()
         if not self.fbc:
             return out
         residual = self._hidden(out) - hidden_in
@@ -110,22 +110,21 @@ class ForwardCache:
             return out[self.active]
         return tuple(o if o is None else o[self.active] for o in out)
 
-    def block(self, original: Callable, args: tuple, kwargs: dict, is_tail: bool) -> Any:
+    def block(self, call: Call, is_tail: bool) -> Any:
         if self.active is None:  # every row computes
-            out = original(*args, **kwargs)
+            out = call.run()
             if is_tail:
                 self._keep_tail(out, list(range(self.num_rows)))
             return out
         if not len(self.active):  # every row skipped at the head, which answered for the blocks
-            arguments = _bind(original, args, kwargs).arguments
+            arguments = call.arguments
             if self.spec.hidden_index is None:
                 return arguments[self.spec.hidden_arg]
             out = [None, None]
             out[self.spec.hidden_index] = arguments[self.spec.hidden_arg]
             out[1 - self.spec.hidden_index] = arguments.get("encoder_hidden_states")
             return tuple(out)
-        args, kwargs = _slice_args(original, args, kwargs, self.num_rows, self.active)
-        out = original(*args, **kwargs)
+        out = call.on_rows(self.num_rows, self.active)
         if not is_tail:
             return out
         self._keep_tail(out, self.active.tolist())
@@ -165,27 +164,26 @@ class ForwardCache:
         return tuple(result)
 
     # taylorseer
-    def attention(self, module: int, original: Callable, args: tuple, kwargs: dict) -> Any:
+    def attention(self, module: int, call: Call) -> Any:
         rows = list(range(self.num_rows)) if self.active is None else self.active.tolist()
         position = {row: i for i, row in enumerate(rows)}
         predicting = [g for g in self.taylor if not g.computes and g.rows[0] in position]
         if not predicting:
-            out = original(*args, **kwargs)
+            out = call.run()
             self._refresh(module, rows, out)
             return out
-        bound = _bind(original, args, kwargs)
-        hidden = bound.arguments["hidden_states"]
+        arguments = call.arguments
+        hidden = arguments["hidden_states"]
         kinds = self.spec.attention_kinds[module]
         tokens = {"image": hidden.shape[1], "joint": hidden.shape[1], "unified": hidden.shape[1]}
         if "text" in kinds:
-            tokens["text"] = bound.arguments["encoder_hidden_states"].shape[1]
+            tokens["text"] = arguments["encoder_hidden_states"].shape[1]
         outputs = [hidden.new_empty((len(rows), tokens[k], hidden.shape[2])) for k in kinds]
         skip = {position[r] for g in predicting for r in g.rows}
         compute = [i for i in range(len(rows)) if i not in skip]
         if compute:
             index = torch.tensor(compute, dtype=torch.long, device=hidden.device)
-            sub_args, sub_kwargs = _slice_args(original, args, kwargs, len(rows), index)
-            computed = original(*sub_args, **sub_kwargs)
+            computed = call.on_rows(len(rows), index)
             self._refresh(module, [rows[i] for i in compute], computed)
             for o, c in zip(outputs, _as_tuple(computed)):
                 o[index] = c
@@ -209,8 +207,8 @@ class ForwardCache:
                     delta = g.step - g.state.last_update_step
                     for j in range(min(g.state.config.max_order, g.state.num_orders)):
                         factors.append((factors[j] - old[module][o][j].to(features.dtype)) / delta)
-                for k, factor in enumerate(factors):
-                    new[module][o][k].copy_(factor)
+                for k, factor in enumerate(factors):  # kept in the factors' dtype, as diffusers keeps them
+                    new[module][o][k].copy_(factor.to(self._factor_dtype(g)))
                 g.new_orders = len(factors)
 
     def _predict(self, module: int, g: Group, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -218,11 +216,15 @@ class ForwardCache:
         offset = g.step - g.state.last_update_step
         outputs = []
         for factors in self._factors[id(g)][module]:
-            result = torch.zeros_like(factors[0], dtype=dtype)
-            for order in range(g.state.num_orders):
+            result = factors[0].to(dtype)  # diffusers starts from zeros and adds the order-0 factor times 1.0
+            for order in range(1, g.state.num_orders):
                 result = result + factors[order].to(dtype) * ((offset ** order) / math.factorial(order))
             outputs.append(result)
         return outputs
+
+    @staticmethod
+    def _factor_dtype(g: Group) -> torch.dtype:
+        return getattr(torch, g.state.config.taylor_factors_dtype)
 
     def _taylor_views(self, g: Group, values: torch.Tensor) -> list[list[list[torch.Tensor]]]:
         """[module][output][order] -> [rows, tokens, dim] views of a group's factors (in their own dtype)."""
@@ -286,17 +288,18 @@ class CacheHooks:
         self.current: ForwardCache | None = None
         last = len(spec.blocks) - 1
         for i, block in enumerate(spec.blocks):
-            self._wrap(block, lambda f, fn, a, k, i=i: f.head(fn, a, k) if i == 0 else f.block(fn, a, k, i == last))
+            self._wrap(block, lambda f, call, i=i: f.head(call) if i == 0 else f.block(call, i == last))
         for j, module in enumerate(spec.attention):
-            self._wrap(module, lambda f, fn, a, k, j=j: f.attention(j, fn, a, k))
+            self._wrap(module, lambda f, call, j=j: f.attention(j, call))
 
     def _wrap(self, module: torch.nn.Module, hook: Callable) -> None:
         original = module.forward
+        signature = inspect.signature(original)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self.current is None:
                 return original(*args, **kwargs)
-            return hook(self.current, original, args, kwargs)
+            return hook(self.current, Call(original, signature, args, kwargs))
 
         module.forward = forward  # an instance attribute: nn.Module.__call__ finds it before the class's
 
@@ -322,26 +325,38 @@ def _moved(residual: torch.Tensor, rows: list[int], previous: torch.Tensor, leng
     return (absmean / previous.abs().mean()).item() > threshold
 
 
-def _bind(fn: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments:
-    return inspect.signature(fn).bind(*args, **kwargs)
+@dataclass
+class Call:
+    """One call of a hooked module: the original forward, its signature (read once), the arguments."""
 
+    fn: Callable
+    signature: inspect.Signature
+    args: tuple
+    kwargs: dict
 
-def _slice_args(fn: Callable, args: tuple, kwargs: dict, rows: int, index: torch.Tensor) -> tuple[tuple, dict]:
-    """The call's arguments on the rows in `index`: every batched tensor (first dimension `rows`)."""
-    bound = _bind(fn, args, kwargs)
+    def run(self) -> Any:
+        return self.fn(*self.args, **self.kwargs)
 
-    def cut(name: str, value: Any) -> Any:
-        if name in UNBATCHED_ARGS:
+    @property
+    def arguments(self) -> dict[str, Any]:
+        return self.signature.bind(*self.args, **self.kwargs).arguments
+
+    def on_rows(self, rows: int, index: torch.Tensor) -> Any:
+        """The call on the rows in `index` only: every batched tensor (first dimension `rows`) is cut."""
+        bound = self.signature.bind(*self.args, **self.kwargs)
+
+        def cut(name: str, value: Any) -> Any:
+            if name in UNBATCHED_ARGS:
+                return value
+            if torch.is_tensor(value) and value.dim() and value.shape[0] == rows:
+                return value[index]
+            if isinstance(value, dict):
+                return {k: cut(k, v) for k, v in value.items()}
             return value
-        if torch.is_tensor(value) and value.dim() and value.shape[0] == rows:
-            return value[index]
-        if isinstance(value, dict):
-            return {k: cut(k, v) for k, v in value.items()}
-        return value
 
-    for name, value in list(bound.arguments.items()):
-        bound.arguments[name] = cut(name, value)
-    return bound.args, bound.kwargs
+        for name, value in list(bound.arguments.items()):
+            bound.arguments[name] = cut(name, value)
+        return self.fn(*bound.args, **bound.kwargs)
 
 
 def _as_tuple(out: Any) -> tuple:
@@ -359,21 +374,16 @@ def _fit_tokens(x: torch.Tensor, tokens: int) -> torch.Tensor:
 
 
 def _factor_values(data: torch.Tensor, dtype_name: str) -> torch.Tensor:
-    """Pool elements -> factor values (see step_cache.pool_elements_per_factor)."""
+    """Pool elements -> factor values (see step_cache.pool_elements_per_factor): a float32 pool holds 2-byte
+    factors by value (exactly: no conversion needed to compute with them), other pools hold raw bits."""
     dtype = getattr(torch, dtype_name)
-    if data.dtype == dtype:
+    if data.dtype in (dtype, torch.float32):
         return data
-    if data.dtype == torch.float32:  # 2-byte factors held by value: exact
-        return data.to(dtype)
-    return data.view(dtype)  # raw bits
+    return data.view(dtype)
 
 
 def _pool_values(values: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
-    if values.dtype == pool_dtype:
-        return values
-    if pool_dtype == torch.float32:
-        return values.to(pool_dtype)
-    return values.view(pool_dtype)
+    return values if values.dtype == pool_dtype else values.view(pool_dtype)
 
 
 def forward_cache(spec: CacheSpec, read: Callable[[list[list[int]], int], torch.Tensor], states: list[Any],

@@ -1,0 +1,143 @@
+"""Step caching, measured in one run (`benchmark_throughput.py --cache ...`):
+
+1. Step cost against the share of rows that compute: a batch of requests whose first_block thresholds
+   force the decision (0: every step computes; 1e9: every step after the first skips), so that a fixed
+   share of the rows skips; the median steady-state step (no prompt encoding, no decode) against the
+   batch where every row computes.
+2. Throughput on the workload: dvllm without cache, dvllm with the cache, and the diffusers pipeline
+   with the same cache (`transformer.enable_cache`) serially and in the best static batch, on the same
+   requests, interleaved round by round. Plus the share of rows that skipped.
+
+On random weights a first_block decision means nothing about quality; the step-cost figures do not
+depend on it, and taylorseer's decisions depend on the step only.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from dvllm.benchmarks.throughput import Job, _machine, _timed, make_engine, make_jobs
+from dvllm.sampling_params import SamplingParams
+from dvllm.step_cache import CacheConfig, parse_cache_flag
+
+ALWAYS_COMPUTE, ALWAYS_SKIP = 0.0, 1e9  # first_block thresholds that decide every step the same way
+
+
+def step_cost(args: argparse.Namespace, rows: int = 16, steps: int = 6) -> dict[str, float]:
+    """Median steady-state step time with k of `rows` rows skipping, relative to none skipping."""
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    engine = make_engine(args, rows)
+    result = {}
+    for skipping in (0, rows // 4, rows // 2, 3 * rows // 4, rows):
+        params = [SamplingParams(num_inference_steps=steps, height=height, width=width, seed=i, output_type="latent",
+                                 cache={"method": "first_block",
+                                        "threshold": ALWAYS_SKIP if i < skipping else ALWAYS_COMPUTE})
+                  for i in range(rows)]
+        times = []
+        for round_ in range(2):  # the first round warms up
+            for i, p in enumerate(params):
+                engine.add_request(f"cost-{skipping}-{round_}-{i}", "a photo", p)
+            step = 0
+            while engine.has_unfinished_requests():
+                start = time.perf_counter()
+                engine.step()
+                if round_ and 1 <= step < steps - 1:  # after the first (computing) step, before the decode
+                    times.append(time.perf_counter() - start)
+                step += 1
+        result[f"{rows - skipping}/{rows} rows compute"] = statistics.median(times)
+    full = result[f"{rows}/{rows} rows compute"]
+    return {name: seconds / full for name, seconds in result.items()} | {"full_step_ms": 1000 * full}
+
+
+def run(args: argparse.Namespace) -> dict:
+    config: CacheConfig = parse_cache_flag(args.cache)
+    jobs = make_jobs(args)
+    rows = args.max_batch_size or max(16, 2 * len(jobs))
+    engine = make_engine(args, rows)
+    adapter = engine.executor.worker.runner.adapter
+    pipe, device = adapter.pipeline, adapter.device
+    if not hasattr(pipe.transformer, "enable_cache"):
+        raise ValueError(f"{type(pipe.transformer).__name__} has no enable_cache in diffusers: the cached pipeline "
+                         f"baseline needs Flux or Qwen-Image")
+
+    def pipeline(batch: list[Job]) -> None:
+        # diffusers' hooks go on for the baseline only (dvllm's own hooks pass through meanwhile), with state
+        # reset for every call, as for a fresh pipeline
+        pipe.transformer.enable_cache(config.diffusers_config())
+        try:
+            j = batch[0]
+            pipe([b.prompt for b in batch], num_inference_steps=j.steps, guidance_scale=j.guidance, height=j.height,
+                 width=j.width, generator=[torch.Generator("cpu").manual_seed(b.seed) for b in batch],
+                 output_type="pil")
+        finally:
+            pipe.transformer.disable_cache()
+
+    def static(size: int) -> Callable[[], None]:
+        def go() -> None:
+            groups: dict[tuple, list[Job]] = defaultdict(list)
+            for j in jobs:
+                groups[j.group].append(j)
+            for group in groups.values():
+                for i in range(0, len(group), size):
+                    pipeline(group[i:i + size])
+        return go
+
+    def dvllm(cache: CacheConfig | None) -> Callable[[], None]:
+        def go() -> None:
+            params = [SamplingParams(num_inference_steps=j.steps, guidance_scale=j.guidance, height=j.height,
+                                     width=j.width, seed=j.seed, cache=cache) for j in jobs]
+            outs = engine.generate([j.prompt for j in jobs], params, use_tqdm=False)
+            failed = [o.error for o in outs if o.error]
+            if failed:
+                raise RuntimeError(f"{len(failed)} dvllm requests failed: {failed[:3]}")
+        return go
+
+    sizes = [b for b in (int(x) for x in args.static_batch_sizes.split(",")) if 1 < b <= len(jobs)]
+    contenders = {"pipeline+cache serial": lambda: [pipeline([j]) for j in jobs],
+                  **{f"pipeline+cache static(b={b})": static(b) for b in sizes},
+                  "dvllm": dvllm(None), "dvllm+cache": dvllm(config)}
+    for fn in contenders.values():  # warm-up round
+        fn()
+    before = engine.stats()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.rounds):
+        for name, fn in contenders.items():
+            times[name].append(_timed(fn, device))
+    after = engine.stats()
+    skipped = after["cache_skipped_rows"] - before["cache_skipped_rows"]
+    computed = after["cache_computed_rows"] - before["cache_computed_rows"]
+    ips = {name: len(jobs) / statistics.median(t) for name, t in times.items()}
+    statics = [n for n in ips if "static" in n]
+    best_static = max(statics, key=ips.get) if statics else "pipeline+cache serial"
+    return {
+        "machine": _machine(device, adapter.dtype), "args": vars(args), "cache": config.as_dict(),
+        "images_per_s": ips, "best_static": best_static, "skipped_row_fraction": skipped / max(1, skipped + computed),
+        "dvllm_cache_vs_serial_cache": ips["dvllm+cache"] / ips["pipeline+cache serial"],
+        "dvllm_cache_vs_static_cache": ips["dvllm+cache"] / ips[best_static],
+        "dvllm_cache_vs_dvllm": ips["dvllm+cache"] / ips["dvllm"],
+        "step_cost": step_cost(args),
+    }
+
+
+def print_report(result: dict) -> None:
+    args, ips = result["args"], result["images_per_s"]
+    print(f"\nmodel={args['model']} workload={args['workload']} requests={args['num_requests']} steps={args['steps']} "
+          f"size={args['size']} cache={result['cache']}  [{result['machine']}]")
+    print(f"{'engine':<30}{'images/s':>10}{'vs pipeline+cache serial':>26}")
+    serial = ips["pipeline+cache serial"]
+    for name, value in ips.items():
+        print(f"{name:<30}{value:>10.2f}{value / serial:>25.2f}x")
+    print(f"\nrows skipped by dvllm+cache: {100 * result['skipped_row_fraction']:.0f}%   "
+          f"dvllm+cache / dvllm = {result['dvllm_cache_vs_dvllm']:.2f}x   "
+          f"dvllm+cache / best static+cache ({result['best_static']}) = {result['dvllm_cache_vs_static_cache']:.2f}x")
+    cost = dict(result["step_cost"])
+    print(f"\nstep time against the rows that compute (first_block, batch of 16; full step "
+          f"{cost.pop('full_step_ms'):.1f} ms):")
+    for name, ratio in cost.items():
+        print(f"  {name:<22}{ratio:>6.2f}x a full step")
+
