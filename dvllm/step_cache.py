@@ -131,8 +131,7 @@ def parse_cache_flag(text: str) -> CacheConfig | None:
 class CacheLayout:
     """A family's transformer, as much as the driver needs to size one row's cache state.
 
-    Tokens: `image` (one per latent patch), `text` (the prompt's, at most `text_tokens`, or the request's
-    max_sequence_length when None), `joint` (text then image, as one sequence), `unified` (image then text,
+    Tokens: `image` (one per latent patch), `text` (the prompt's: `text_tokens_for`), `joint` (text then image, as one sequence), `unified` (image then text,
     each padded to a multiple of `token_multiple`: Z-Image's single stream). `hidden_kind` is the blocks'
     hidden stream (what first_block keeps); `attention_outputs` lists the token kind of every output of
     every attention module TaylorSeer predicts, in order.
@@ -145,26 +144,40 @@ class CacheLayout:
     element_bytes: int = 4  # of the state pool (the model's dtype)
     hidden_kind: str = "image"
     token_multiple: int = 1
+    # Byte-level BPE text (Qwen-Image): a text has at most one token per UTF-8 byte, plus this many of the
+    # pipeline's template (its bytes less the tokens it drops); the state keeps no more text tokens than
+    # that (the worker checks it).
+    text_bytes_extra: int | None = None
+
+    def text_tokens_for(self, max_sequence_length: int | None, texts: tuple[str | None, ...]) -> int:
+        """Text tokens a request's state keeps per text output: the family's fixed length, or its
+        max_sequence_length, bounded by its longest text where the tokenizer allows."""
+        if self.text_tokens:
+            return self.text_tokens
+        tokens = max_sequence_length or 0
+        if self.text_bytes_extra is not None:
+            longest = max(len((t or "").encode("utf-8")) for t in texts)
+            tokens = min(tokens, longest + self.text_bytes_extra)
+        return tokens
 
     def image_tokens(self, height: int, width: int) -> int:
         return (height // self.pixels_per_token) * (width // self.pixels_per_token)
 
-    def tokens(self, kind: str, height: int, width: int, max_sequence_length: int | None) -> int:
-        text = self.text_tokens or max_sequence_length or 0
+    def tokens(self, kind: str, height: int, width: int, text: int) -> int:
         image = self.image_tokens(height, width)
         if kind == "unified":
             return _round_up(image, self.token_multiple) + _round_up(text, self.token_multiple)
         return {"image": image, "text": text, "joint": text + image}[kind]
 
-    def row_numel(self, config: CacheConfig, height: int, width: int, max_sequence_length: int | None) -> int:
-        """Pool elements one model row's cache state takes.
+    def row_numel(self, config: CacheConfig, height: int, width: int, text_tokens: int) -> int:
+        """Pool elements one model row's cache state takes (text_tokens: `text_tokens_for` the request).
 
         first_block keeps two image-stream tensors per row: the head block's last computed residual and
         the tail's residual. TaylorSeer keeps max_order + 1 factors of every attention output.
         """
         if config.method == "first_block":
-            return 2 * self.tokens(self.hidden_kind, height, width, max_sequence_length) * self.inner_dim
-        values = sum(self.tokens(kind, height, width, max_sequence_length) for kind in self.attention_outputs)
+            return 2 * self.tokens(self.hidden_kind, height, width, text_tokens) * self.inner_dim
+        values = sum(self.tokens(kind, height, width, text_tokens) for kind in self.attention_outputs)
         values *= (config.max_order + 1) * self.inner_dim
         return values * pool_elements_per_factor(config.taylor_factors_dtype, self.element_bytes)
 

@@ -238,7 +238,8 @@ def test_cache_state_is_counted_in_admission(deep_flux_path):
     layout = engine.processor.info.cache_layout
     assert fbc.private_blocks - plain.private_blocks == fbc.cache_blocks > 0
     # first_block: two image-stream residuals per row
-    assert layout.row_numel(fbc.params.cache, 32, 32, None) == 2 * layout.image_tokens(32, 32) * layout.inner_dim
+    text = layout.text_tokens_for(fbc.params.max_sequence_length, ("x", None))
+    assert layout.row_numel(fbc.params.cache, 32, 32, text) == 2 * layout.image_tokens(32, 32) * layout.inner_dim
     assert taylor.cache_blocks > fbc.cache_blocks  # three factors of every attention output
     engine.add_processed(fbc)
     engine.step()
@@ -271,3 +272,22 @@ def test_unet_families_refuse_cache_and_default_cache_applies_unless_null(sd_eps
     assert own.method == "taylorseer" and own.taylor_factors_dtype == "bfloat16"
     with pytest.raises(ValueError, match="default_cache|cache.method"):
         DiffusionEngine(model=flux_path, device="cpu", dtype="float32", default_cache="nope:x=1")
+
+
+def test_qwen_text_state_follows_the_prompts_length_and_is_checked(deep_qwen_path):
+    """Qwen-Image's Taylor factors keep as many text tokens as the request's texts can have (byte-level BPE:
+    one per byte of the templated text); a row whose text came out longer fails alone, never silently."""
+    engine = DiffusionEngine(model=deep_qwen_path, device="cpu", dtype="float32")
+    cache = {"method": "taylorseer"}
+    short = engine.processor.process("a", "cat", P(height=32, width=32, cache=cache))
+    long = engine.processor.process("b", "cat " * 60, P(height=32, width=32, cache=cache))
+    assert long.cache_blocks > short.cache_blocks
+    adapter = engine.executor.worker.runner.adapter
+    spec = adapter.cache_spec()
+    spec.layout = dataclasses.replace(spec.layout, text_bytes_extra=0)  # the worker now sizes every text too short
+    adapter.cache_spec = lambda: spec
+    outs = engine.generate(["a red circle", "a blue square"],
+                           [P(num_inference_steps=4, height=32, width=32, seed=1, cache=cache),
+                            P(num_inference_steps=4, height=32, width=32, seed=2)], use_tqdm=False)
+    assert outs[0].error and "more than the" in outs[0].error
+    assert outs[1].error is None

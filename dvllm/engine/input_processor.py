@@ -53,7 +53,8 @@ class InputProcessor:
             latent_blocks=self.blocks(info.latent_numel(resolved.height, resolved.width)),
             cond_blocks=self.blocks(info.condition_numel), uses_history=plan.uses_history,
             cache_blocks=0 if resolved.cache is None else self.blocks(info.cache_layout.row_numel(
-                resolved.cache, resolved.height, resolved.width, resolved.max_sequence_length)),
+                resolved.cache, resolved.height, resolved.width, info.cache_layout.text_tokens_for(
+                    resolved.max_sequence_length, (prompt, resolved.negative_prompt)))),
         )
         check_fits(request, self.config.max_batch_size, self.pool_blocks)
         return request

@@ -75,10 +75,11 @@ class FluxAdapter(ModelAdapter):
         )[0]
 
     def cache_spec(self) -> CacheSpec:
-        # Flux's state per row at 1024x1024 (4096 image tokens, 512 text, width 3072), in bfloat16:
-        # first_block 2 x 4096 x 3072 = 25.2M elements, 48 MiB (a latent is 0.5 MiB, so a pool holds
-        # about 1/100 as many cached rows as plain ones); taylorseer (max_order 1) keeps two factors of
-        # 19 x (4096 + 512) + 38 x (512 + 4096) tokens: 1.6G elements, 3.1 GiB a row.
+        # Flux's cache state per row at 1024x1024 (4096 image tokens, 512 text, width 3072) in bfloat16:
+        # first_block keeps 2 x 4096 x 3072 = 25.2M elements, 48 MiB, against 0.5 MiB of latents, so a
+        # pool holds about 1/100 as many cached rows as plain ones (an 80 GiB pool: ~1700 rows, not 160k);
+        # taylorseer (max_order 1) keeps two factors of 57 attention outputs of 4608 tokens: 1.6G elements,
+        # 3.0 GiB a row, so a 40 GiB pool holds 13 such rows.
         t = self.pipeline.transformer
         config = t.config
         attention = [(b.attn, ("image", "text")) for b in t.transformer_blocks]

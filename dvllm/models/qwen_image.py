@@ -88,13 +88,17 @@ class QwenImageAdapter(ModelAdapter):
 
     def cache_spec(self) -> CacheSpec:
         # The pipeline calls cond and uncond apart, each in its own cache_context: each branch decides alone.
-        # Taylor factors of the text stream are kept for the request's max_sequence_length tokens.
+        # Taylor factors of the text stream are kept for as many tokens as the request's texts can have: a
+        # byte-level BPE makes at most one token per byte of the templated text, of which the pipeline drops
+        # its first prompt_template_encode_start_idx tokens (the worker checks each row's real length).
+        pipe = self.pipeline
+        template_bytes = len(pipe.prompt_template_encode.format("").encode("utf-8"))
         t = self.pipeline.transformer
         return transformer_cache_spec(
             list(t.transformer_blocks), [(b.attn, ("image", "text")) for b in t.transformer_blocks],
             inner_dim=t.config.num_attention_heads * t.config.attention_head_dim,
             pixels_per_token=self.pipeline.vae_scale_factor * 2, dtype=self.dtype, text_tokens=None,
-            separate_cfg_branches=True)
+            separate_cfg_branches=True, text_bytes_extra=template_bytes - pipe.prompt_template_encode_start_idx)
 
     def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         pipe, config = self.pipeline, self.pipeline.vae.config

@@ -59,7 +59,9 @@ def denoise_step(adapter: ModelAdapter, denoiser: Denoiser, pool: StatePool, sta
     size = (states[0].data.height, states[0].data.width)
     caching = None
     if hooks is not None and any(s.cache is not None for s in batch.states):
-        caching = forward_cache(hooks.spec, pool.read, batch.states, batch.bounds, *size)
+        mask = conditions.get("prompt_embeds_mask")
+        lengths = None if mask is None else (mask > 0.5).sum(dim=1).tolist()
+        caching = forward_cache(hooks.spec, pool.read, batch.states, batch.bounds, *size, text_lengths=lengths)
     with timer.phase("forward"):
         if caching is None:
             out = denoiser(model_in, timesteps, conditions, guidance, size)

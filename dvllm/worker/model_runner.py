@@ -183,7 +183,9 @@ class ModelRunner:
 
     def _cache_numel(self, state: RequestState) -> int:
         d = state.data
-        return self.adapter.info.cache_layout.row_numel(d.cache, d.height, d.width, d.max_sequence_length)
+        layout = self.adapter.info.cache_layout
+        text = layout.text_tokens_for(d.max_sequence_length, (d.prompt, d.negative_prompt))
+        return layout.row_numel(d.cache, d.height, d.width, text)
 
     def _decode_previews(self, x0: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
         """Partial images: x0 estimates through the VAE, in one call. A failed preview is skipped, not fatal."""

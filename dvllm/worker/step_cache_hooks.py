@@ -387,16 +387,18 @@ def _pool_values(values: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
 
 
 def forward_cache(spec: CacheSpec, read: Callable[[list[list[int]], int], torch.Tensor], states: list[Any],
-                  bounds: list[tuple[int, int]], height: int, width: int) -> ForwardCache:
+                  bounds: list[tuple[int, int]], height: int, width: int,
+                  text_lengths: list[int] | None = None) -> ForwardCache:
     """The groups of one forward laid out as denoise_batch lays it out: every request's rows in order, then
-    the CFG requests' (which come first) unconditional rows in the same order."""
+    the CFG requests' (which come first) unconditional rows in the same order. `text_lengths`: each row's
+    real text tokens, where the family masks its text (checked against what the state keeps)."""
     num_cond = bounds[-1][1] if bounds else 0
     groups = []
     for s, (lo, hi) in zip(states, bounds):
         if s.cache is None:
             continue
-        numel = spec.layout.row_numel(s.cache.config, height, width, s.data.max_sequence_length)
-        text_tokens = spec.layout.text_tokens or s.data.max_sequence_length or 0
+        text_tokens = spec.layout.text_tokens_for(s.data.max_sequence_length, (s.data.prompt, s.data.negative_prompt))
+        numel = spec.layout.row_numel(s.cache.config, height, width, text_tokens)
         cond = list(range(lo, hi))
         uncond = [num_cond + r for r in cond] if s.data.cfg else []
         blocks = s.blocks.cache  # cond rows first, then uncond rows
@@ -405,6 +407,10 @@ def forward_cache(spec: CacheSpec, read: Callable[[list[list[int]], int], torch.
         else:
             parts = [(cond + uncond, blocks)]
         for rows, row_blocks in parts:
+            longest = max(text_lengths[r] for r in rows) if text_lengths else 0
+            if spec.layout.text_bytes_extra is not None and longest > text_tokens:
+                raise ValueError(f"step cache: a text of this request has {longest} tokens, more than the "
+                                 f"{text_tokens} its cache state was sized for")
             groups.append(Group(state=s.cache, rows=rows, blocks=row_blocks, step=s.step, text_tokens=text_tokens,
                                 data=read(row_blocks, numel)))
     num_rows = num_cond + sum(s.n for s in states if s.data.cfg)
