@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The whole GPU check in one call (< 8 minutes on one H200): build the CUDA extension and run the
+# The whole GPU check in one call (< 10 minutes on one H200): build the CUDA extension and run the
 # CUDA kernel tests, then time sd15 and sd-turbo (dvllm.benchmarks.gpu_suite), then measure how far
-# batching moves an image in fp16/bf16 and stress the largest step (dvllm.benchmarks.batch_invariance).
+# batching moves an image in fp16/bf16 and stress the largest step (dvllm.benchmarks.batch_invariance),
+# then step caching on flux-dev (dvllm.benchmarks.cached, through throughput --cache).
 #
 #   benchmarks/gpu/run_suite.sh [--dry-run] [--out DIR]
 #
@@ -34,6 +35,9 @@ if [ $dry = 1 ]; then
   $python -m pytest -q -x tests/test_state_ops.py -k "cpu and dtype0" -p no:cacheprovider | tail -2
   $python -m dvllm.benchmarks.gpu_suite --dry-run --output-json "$out/gpu_suite_dry.json"
   $python -m dvllm.benchmarks.batch_invariance --dry-run --output-json "$out/batch_invariance_dry.json"
+  $python -m dvllm.benchmarks.throughput --model flux-cpu --device cpu --dtype float32 --size 32x32 --steps 4 \
+    --num-requests 4 --workload mixed --cache taylorseer --rounds 1 --static-batch-sizes 2 --cost-rows 4 \
+    --cost-rounds 1 --output-json "$out/step_cache_dry.json"
 else
   echo "== CUDA kernels: build and test"
   PYTHON=$python tests/gpu/run.sh 2>&1 | tail -15
@@ -42,4 +46,9 @@ else
   echo "== batching in half precision (alone vs a mixed batch of 8), and 60 s at the largest size and batch"
   $python -m dvllm.benchmarks.batch_invariance --output-json "$out/batch_invariance.json" 2>&1 \
     | tee "$out/batch_invariance.txt"
+  echo "== step caching: flux-dev (bf16, 512x512, mixed steps), dvllm with/without first_block against the cached pipeline"
+  $python -m dvllm.benchmarks.throughput --model flux-dev --load-format dummy --device cuda --dtype bfloat16 \
+    --size 512x512 --steps 20 --guidance 3.5 --num-requests 8 --workload mixed \
+    --cache first_block:threshold=0.08 --rounds 1 --static-batch-sizes 4,8 \
+    --output-json "$out/step_cache.json" 2>&1 | tee "$out/step_cache.txt"
 fi

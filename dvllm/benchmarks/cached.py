@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
+import diffusers
 import torch
 
 from dvllm.benchmarks.throughput import Job, _machine, _timed, make_engine, make_jobs
@@ -28,33 +29,35 @@ from dvllm.step_cache import CacheConfig, parse_cache_flag
 ALWAYS_COMPUTE, ALWAYS_SKIP = 0.0, 1e9  # first_block thresholds that decide every step the same way
 
 
-def step_cost(args: argparse.Namespace, rows: int = 16, steps: int = 6) -> dict[str, float]:
-    """Median steady-state step time with k of `rows` rows skipping, relative to none skipping."""
+def step_cost(args: argparse.Namespace, steps: int = 8) -> dict[str, float]:
+    """Median steady-state step time with k of `rows` rows skipping, relative to none skipping; the shares
+    take turns round by round, so that machine noise hits each alike."""
     width, height = (int(v) for v in args.size.lower().split("x"))
+    rows, rounds = args.cost_rows, args.cost_rounds
     engine = make_engine(args, rows)
-    result = {}
-    for skipping in (0, rows // 4, rows // 2, 3 * rows // 4, rows):
-        params = [SamplingParams(num_inference_steps=steps, height=height, width=width, seed=i, output_type="latent",
-                                 cache={"method": "first_block",
-                                        "threshold": ALWAYS_SKIP if i < skipping else ALWAYS_COMPUTE})
-                  for i in range(rows)]
-        times = []
-        for round_ in range(2):  # the first round warms up
-            for i, p in enumerate(params):
-                engine.add_request(f"cost-{skipping}-{round_}-{i}", "a photo", p)
-            step = 0
-            while engine.has_unfinished_requests():
+    shares = (0, rows // 4, rows // 2, 3 * rows // 4, rows)
+    times: dict[int, list[float]] = {k: [] for k in shares}
+    for round_ in range(rounds + 1):  # the first round warms up
+        for skipping in shares:
+            for i in range(rows):
+                threshold = ALWAYS_SKIP if i < skipping else ALWAYS_COMPUTE
+                engine.add_request(f"cost-{skipping}-{round_}-{i}", "a photo", SamplingParams(
+                    num_inference_steps=steps, height=height, width=width, seed=i, output_type="latent",
+                    cache={"method": "first_block", "threshold": threshold}))
+            for step in range(steps):
                 start = time.perf_counter()
                 engine.step()
                 if round_ and 1 <= step < steps - 1:  # after the first (computing) step, before the decode
-                    times.append(time.perf_counter() - start)
-                step += 1
-        result[f"{rows - skipping}/{rows} rows compute"] = statistics.median(times)
-    full = result[f"{rows}/{rows} rows compute"]
-    return {name: seconds / full for name, seconds in result.items()} | {"full_step_ms": 1000 * full}
+                    times[skipping].append(time.perf_counter() - start)
+            if engine.has_unfinished_requests():
+                raise RuntimeError("max_batch_size must hold all the step-cost requests in one forward")
+    full = statistics.median(times[0])
+    result = {f"{rows - k}/{rows} rows compute": statistics.median(times[k]) / full for k in shares}
+    return result | {"full_step_ms": 1000 * full}
 
 
 def run(args: argparse.Namespace) -> dict:
+    diffusers.utils.logging.set_verbosity_error()  # Qwen-Image warns on every call without a negative prompt
     config: CacheConfig = parse_cache_flag(args.cache)
     jobs = make_jobs(args)
     rows = args.max_batch_size or max(16, 2 * len(jobs))
@@ -65,15 +68,17 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"{type(pipe.transformer).__name__} has no enable_cache in diffusers: the cached pipeline "
                          f"baseline needs Flux or Qwen-Image")
 
+    guidance_name = "true_cfg_scale" if type(pipe).__name__ == "QwenImagePipeline" else "guidance_scale"
+
     def pipeline(batch: list[Job]) -> None:
         # diffusers' hooks go on for the baseline only (dvllm's own hooks pass through meanwhile), with state
         # reset for every call, as for a fresh pipeline
         pipe.transformer.enable_cache(config.diffusers_config())
         try:
             j = batch[0]
-            pipe([b.prompt for b in batch], num_inference_steps=j.steps, guidance_scale=j.guidance, height=j.height,
-                 width=j.width, generator=[torch.Generator("cpu").manual_seed(b.seed) for b in batch],
-                 output_type="pil")
+            pipe([b.prompt for b in batch], num_inference_steps=j.steps, height=j.height, width=j.width,
+                 generator=[torch.Generator("cpu").manual_seed(b.seed) for b in batch], output_type="pil",
+                 **{guidance_name: j.guidance})
         finally:
             pipe.transformer.disable_cache()
 
@@ -136,7 +141,7 @@ def print_report(result: dict) -> None:
           f"dvllm+cache / dvllm = {result['dvllm_cache_vs_dvllm']:.2f}x   "
           f"dvllm+cache / best static+cache ({result['best_static']}) = {result['dvllm_cache_vs_static_cache']:.2f}x")
     cost = dict(result["step_cost"])
-    print(f"\nstep time against the rows that compute (first_block, batch of 16; full step "
+    print(f"\nstep time against the rows that compute (first_block, batch of {args['cost_rows']}; full step "
           f"{cost.pop('full_step_ms'):.1f} ms):")
     for name, ratio in cost.items():
         print(f"  {name:<22}{ratio:>6.2f}x a full step")

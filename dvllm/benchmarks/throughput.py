@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Step caching instead: dvllm with and without this cache (e.g. first_block:threshold=0.1, "
                         "taylorseer) against the diffusers pipeline with the same cache, and the step cost "
                         "against the rows that compute (Flux and Qwen-Image models)")
+    p.add_argument("--cost-rows", type=int, default=16, help="With --cache: the batch the step cost is measured at")
+    p.add_argument("--cost-rounds", type=int, default=3, help="With --cache: timed rounds of the step cost")
     p.add_argument("--output-json", default=None)
 
 
@@ -215,3 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -172,3 +172,9 @@ class ModelAdapter(ABC):
     def cache_spec(self) -> CacheSpec | None:
         """The transformer's parts step caching hooks; None: the family serves no step caching."""
         return None
+
+    def cache_layout(self, spec: CacheSpec | None = None) -> CacheLayout | None:
+        """What ModelInfo carries of the spec. A transformer of one block has no tail apart from its head
+        (first_block could keep no tail residual): it serves no caching."""
+        spec = spec or self.cache_spec()
+        return spec.layout if spec is not None and len(spec.blocks) >= 2 else None

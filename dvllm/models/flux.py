@@ -42,7 +42,7 @@ class FluxAdapter(ModelAdapter):
             condition_shapes=self.probe_condition_shapes(),
             supports_cfg=False, timestep_kwargs=partial(flux_timestep_kwargs, factor),
             max_sequence_length=MAX_SEQUENCE_LENGTH, sequence_length_range=(MAX_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH),
-            cache_layout=self.cache_spec().layout,
+            cache_layout=self.cache_layout(),
         )
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],

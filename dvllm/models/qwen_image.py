@@ -47,7 +47,7 @@ class QwenImageAdapter(ModelAdapter):
             condition_shapes={"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
             cfg_needs_negative_prompt=True, timestep_kwargs=partial(flux_timestep_kwargs, factor),
             max_sequence_length=DEFAULT_SEQUENCE_LENGTH, sequence_length_range=(1, MAX_TEXT_TOKENS),
-            cache_layout=self.cache_spec().layout,
+            cache_layout=self.cache_layout(),
         )
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],

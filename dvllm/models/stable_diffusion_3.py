@@ -37,7 +37,7 @@ class StableDiffusion3Adapter(ModelAdapter):
             size_factor=factor * patch, latent_channels=pipe.transformer.config.in_channels, latent_scale=factor,
             condition_shapes=shapes, timestep_kwargs=partial(sd3_timestep_kwargs, factor, patch),
             max_sequence_length=MAX_SEQUENCE_LENGTH, sequence_length_range=(MAX_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH),
-            cache_layout=self._cache_spec(shapes["prompt_embeds"][0]).layout,
+            cache_layout=self.cache_layout(self._cache_spec(shapes["prompt_embeds"][0])),
         )
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],

@@ -46,7 +46,7 @@ class ZImageAdapter(ModelAdapter):
             condition_shapes={"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
             cfg_threshold=0.0, timestep_kwargs=partial(z_image_timestep_kwargs, factor),
             max_sequence_length=MAX_TEXT_TOKENS, sequence_length_range=(1, MAX_TEXT_TOKENS),
-            cache_layout=self.cache_spec().layout,
+            cache_layout=self.cache_layout(),
         )
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],

@@ -54,7 +54,7 @@ class Group:
     rows: list[int]           # row indices in the forward
     blocks: list[list[int]]   # each row's cache blocks in the pool
     step: int
-    text_tokens: int          # text tokens its taylorseer state keeps per output
+    text_tokens: int          # text tokens its state keeps per text (or unified) stream
     data: torch.Tensor        # [rows, numel]: its state as read from the pool
     computes: bool = True
     new: torch.Tensor | None = None  # what this forward writes back (computing groups)
