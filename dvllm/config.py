@@ -62,7 +62,7 @@ class EngineConfig:
         default=None,
         metadata={"help": "Step cache for requests that name none, e.g. first_block:threshold=0.08 or "
                           "taylorseer:cache_interval=4 (fields of diffusers' FirstBlockCacheConfig / "
-                          "TaylorSeerCacheConfig). Default: none."},
+                          "TaylorSeerCacheConfig); none by default."},
     )
     max_guidance_scale: float = field(default=100.0, metadata={"help": "Largest guidance_scale accepted."})
     sampler_plan_cache_size: int = field(default=256, metadata={"help": "Sampler schedules kept per (sampler, steps)."})

@@ -334,7 +334,8 @@ def test_help_states_each_default_once(capsys, command):
     options = re.split(r"\n  (?=-)", text.split("options:", 1)[1])
     assert len(options) > 30
     for option in options:
-        assert option.lower().count("default") <= 1, option
+        described = re.sub(r"^-\S+( [A-Z_]+)?(, -\S+( [A-Z_]+)?)*", "", option)  # not the flag's own name
+        assert described.lower().count("default") <= 1, option
 
 
 def test_help_groups_and_sampler_list(capsys):
