@@ -60,9 +60,9 @@ class EngineConfig:
     )
     default_cache: Any = field(
         default=None,
-        metadata={"help": "Step cache for requests that name none, e.g. first_block:threshold=0.08 or "
-                          "taylorseer:cache_interval=4 (fields of diffusers' FirstBlockCacheConfig / "
-                          "TaylorSeerCacheConfig); none by default."},
+        metadata={"help": "Step cache for requests that name none, e.g. first_block:threshold=0.08, "
+                          "taylorseer:cache_interval=4 or mag:mag_ratios=flux (fields of diffusers' "
+                          "FirstBlockCacheConfig / TaylorSeerCacheConfig / MagCacheConfig); none by default."},
     )
     max_guidance_scale: float = field(default=100.0, metadata={"help": "Largest guidance_scale accepted."})
     sampler_plan_cache_size: int = field(default=256, metadata={"help": "Sampler schedules kept per (sampler, steps)."})

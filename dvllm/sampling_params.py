@@ -47,7 +47,8 @@ class SamplingParams:
     # The text encoder's token limit, where the pipeline takes one (Qwen-Image, Z-Image; Flux and SD3 at
     # their default only). None: the pipeline's __call__ default.
     max_sequence_length: int | None = None
-    # Step caching: {"method": "first_block" | "taylorseer", **that diffusers config's fields} (dvllm/step_cache.py).
+    # Step caching: {"method": "first_block" | "taylorseer" | "mag", **that diffusers config's fields}
+    # (step_cache.py).
     # "default": the engine's default_cache; None: no caching. Resolved to a CacheConfig or None.
     cache: Any = USE_DEFAULT
 

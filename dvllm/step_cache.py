@@ -1,7 +1,8 @@
 """Step caching as a request asks for it: `SamplingParams(cache={"method": ..., **fields})`.
 
 The methods and their fields are diffusers' cache configs, with diffusers' defaults:
-`first_block` is `FirstBlockCacheConfig`, `taylorseer` is `TaylorSeerCacheConfig`. A request's cache
+`first_block` is `FirstBlockCacheConfig`, `taylorseer` is `TaylorSeerCacheConfig`, `mag` is
+`MagCacheConfig` (its `mag_ratios` a list of numbers, or "flux" for diffusers' FLUX_MAG_RATIOS). A request's cache
 decisions are its own: the worker takes them per request inside a shared forward
 (worker/step_cache_hooks.py). This module has no torch: the driver parses and sizes with it.
 """
@@ -12,7 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-METHODS = ("first_block", "taylorseer")
+METHODS = ("first_block", "taylorseer", "mag")
+DEFAULT_THRESHOLDS = {"first_block": 0.05, "mag": 0.06}  # FirstBlockCacheConfig's and MagCacheConfig's
+MAX_MAG_RATIOS = 1000
 FACTOR_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}  # name -> bytes per element
 MAX_CACHE_INTERVAL = 1000
 MAX_TAYLOR_ORDER = 4
@@ -22,23 +25,36 @@ USE_DEFAULT = "default"
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """One request's step cache. Fields as diffusers' FirstBlockCacheConfig / TaylorSeerCacheConfig."""
+    """One request's step cache. Fields as diffusers' FirstBlockCacheConfig / TaylorSeerCacheConfig /
+    MagCacheConfig."""
 
     method: str
-    threshold: float = 0.05  # first_block
+    threshold: float | None = None  # first_block and mag (None: the method's default)
     cache_interval: int = 5  # taylorseer from here on
     disable_cache_before_step: int = 3
     disable_cache_after_step: int | None = None
     max_order: int = 1
     taylor_factors_dtype: str = "bfloat16"
+    max_skip_steps: int = 3  # mag from here on
+    retention_ratio: float = 0.2
+    num_inference_steps: int = 28  # what mag_ratios are interpolated to (MagCacheConfig's, not the request's)
+    mag_ratios: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.threshold is None and self.method in DEFAULT_THRESHOLDS:
+            object.__setattr__(self, "threshold", DEFAULT_THRESHOLDS[self.method])
 
     def diffusers_config(self) -> Any:
         """The equivalent diffusers config (for the reference pipeline in tests and benchmarks)."""
         import torch
-        from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
+        from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
         if self.method == "first_block":
             return FirstBlockCacheConfig(threshold=self.threshold)
+        if self.method == "mag":
+            return MagCacheConfig(threshold=self.threshold, max_skip_steps=self.max_skip_steps,
+                                  retention_ratio=self.retention_ratio, num_inference_steps=self.num_inference_steps,
+                                  mag_ratios=list(self.mag_ratios))
         return TaylorSeerCacheConfig(
             cache_interval=self.cache_interval, disable_cache_before_step=self.disable_cache_before_step,
             disable_cache_after_step=self.disable_cache_after_step, max_order=self.max_order,
@@ -53,17 +69,25 @@ class CacheConfig:
     def as_dict(self) -> dict[str, Any]:
         """The method and the fields it has (what the API echoes and a flag writes)."""
         names = _FIELDS[self.method]
-        return {"method": self.method, **{k: getattr(self, k) for k in names}}
+        fields = {k: getattr(self, k) for k in names}
+        if self.mag_ratios is not None:
+            fields["mag_ratios"] = list(self.mag_ratios)
+        return {"method": self.method, **fields}
 
 
 _FIELDS = {
     "first_block": ("threshold",),
     "taylorseer": ("cache_interval", "disable_cache_before_step", "disable_cache_after_step", "max_order",
                    "taylor_factors_dtype"),
+    "mag": ("threshold", "max_skip_steps", "retention_ratio", "num_inference_steps", "mag_ratios"),
 }
-# TaylorSeerCacheConfig fields dvllm takes only at their defaults: their module patterns are arbitrary
-# regexes over the model's module names, and a request's state must be sized before it runs.
-_DEFAULT_ONLY = {"skip_predict_identifiers": None, "cache_identifiers": None, "use_lite_mode": False}
+# Fields dvllm takes only at their defaults, and why.
+_DEFAULT_ONLY = {
+    # TaylorSeer's module patterns are arbitrary regexes over module names; a request's state is sized first
+    "taylorseer": {"skip_predict_identifiers": None, "cache_identifiers": None, "use_lite_mode": False},
+    # calibration prints ratios at the end of a run: do it once with the diffusers pipeline, then serve them
+    "mag": {"calibrate": False},
+}
 
 
 def parse_cache(value: Any) -> CacheConfig | None:
@@ -77,17 +101,31 @@ def parse_cache(value: Any) -> CacheConfig | None:
     method = fields.pop("method", None)
     if method not in METHODS:
         raise ValueError(f"cache.method must be one of {list(METHODS)}, got {method!r}")
-    for name, default in _DEFAULT_ONLY.items():
-        if method == "taylorseer" and name in fields:
-            if fields.pop(name) != default:
-                raise ValueError(f"cache.{name}: dvllm serves TaylorSeer on the default attention modules only "
-                                 f"(leave {name} at {default!r})")
+    for name, default in _DEFAULT_ONLY.get(method, {}).items():
+        if name in fields and fields.pop(name) != default:
+            why = ("dvllm serves TaylorSeer on the default attention modules only" if method == "taylorseer" else
+                   "calibrate with the diffusers pipeline (MagCacheConfig(calibrate=True)) and pass its mag_ratios")
+            raise ValueError(f"cache.{name}: {why} (leave {name} at {default!r})")
+    if method == "mag":
+        fields["mag_ratios"] = _mag_ratios(fields.get("mag_ratios"))
     unknown = sorted(set(fields) - set(_FIELDS[method]))
     if unknown:
         raise ValueError(f"cache.{unknown[0]} is not a field of {method} (its fields: {list(_FIELDS[method])})")
     config = CacheConfig(method=method, **fields)
     _check(config, set(fields))
     return config
+
+
+def _mag_ratios(value: Any) -> tuple[float, ...]:
+    if isinstance(value, str) and value.lower() == "flux":
+        from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+
+        return tuple(float(v) for v in FLUX_MAG_RATIOS)
+    if not isinstance(value, (list, tuple)) or not 1 <= len(value) <= MAX_MAG_RATIOS or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf for v in value):
+        raise ValueError(f"cache.mag_ratios must be a list of 1 to {MAX_MAG_RATIOS} positive numbers (the model's, "
+                         f"from a diffusers calibration run) or \"flux\", got {str(value)[:80]}")
+    return tuple(float(v) for v in value)
 
 
 def _check(config: CacheConfig, given: set[str]) -> None:
@@ -97,7 +135,8 @@ def _check(config: CacheConfig, given: set[str]) -> None:
             raise ValueError(f"cache.threshold must be a finite number >= 0, got {t!r}")
         object.__setattr__(config, "threshold", float(t))
     for name, low, high in (("cache_interval", 1, MAX_CACHE_INTERVAL), ("disable_cache_before_step", 0, None),
-                            ("max_order", 0, MAX_TAYLOR_ORDER)):
+                            ("max_order", 0, MAX_TAYLOR_ORDER), ("max_skip_steps", 0, None),
+                            ("num_inference_steps", 1, MAX_MAG_RATIOS)):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
             bound = f"in [{low}, {high}]" if high else f">= {low}"
@@ -105,9 +144,25 @@ def _check(config: CacheConfig, given: set[str]) -> None:
     after = config.disable_cache_after_step
     if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
         raise ValueError(f"cache.disable_cache_after_step must be an integer >= 0 or null, got {after!r}")
+    r = config.retention_ratio
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+        raise ValueError(f"cache.retention_ratio must be a number in [0, 1], got {r!r}")
     if config.taylor_factors_dtype not in FACTOR_DTYPES:
         raise ValueError(f"cache.taylor_factors_dtype must be one of {list(FACTOR_DTYPES)}, "
                          f"got {config.taylor_factors_dtype!r}")
+
+
+def _split_fields(text: str) -> list[str]:
+    """Split on commas outside brackets: `threshold=0.1,mag_ratios=[1.0,1.2]`."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return parts + [current]
 
 
 def parse_cache_flag(text: str) -> CacheConfig | None:
@@ -116,7 +171,7 @@ def parse_cache_flag(text: str) -> CacheConfig | None:
         return None
     method, _, rest = text.partition(":")
     fields: dict[str, Any] = {"method": method.strip()}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
+    for item in filter(None, (part.strip() for part in _split_fields(rest))):
         name, eq, raw = item.partition("=")
         if not eq:
             raise ValueError(f"cache: expected name=value, got {item!r} (e.g. first_block:threshold=0.08)")
@@ -172,11 +227,13 @@ class CacheLayout:
     def row_numel(self, config: CacheConfig, height: int, width: int, text_tokens: int) -> int:
         """Pool elements one model row's cache state takes (text_tokens: `text_tokens_for` the request).
 
-        first_block keeps two image-stream tensors per row: the head block's last computed residual and
-        the tail's residual. TaylorSeer keeps max_order + 1 factors of every attention output.
+        first_block keeps two hidden-stream tensors per row: the head block's last computed residual and
+        the tail's residual; mag keeps one, the blocks' last computed residual. TaylorSeer keeps
+        max_order + 1 factors of every attention output.
         """
-        if config.method == "first_block":
-            return 2 * self.tokens(self.hidden_kind, height, width, text_tokens) * self.inner_dim
+        if config.method in ("first_block", "mag"):
+            residuals = 2 if config.method == "first_block" else 1
+            return residuals * self.tokens(self.hidden_kind, height, width, text_tokens) * self.inner_dim
         values = sum(self.tokens(kind, height, width, text_tokens) for kind in self.attention_outputs)
         values *= (config.max_order + 1) * self.inner_dim
         return values * pool_elements_per_factor(config.taylor_factors_dtype, self.element_bytes)

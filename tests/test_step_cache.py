@@ -5,6 +5,8 @@ enable_cache in diffusers) equals itself alone and batched; a preempted cached r
 Thresholds: the tiny random-weight transformers' first-block residual moves by a ratio of about 0.15-0.45
 from step to step (recorded by the reference run), so thresholds inside that range make some steps skip
 and others compute; each test asserts that both happen, and that no decision sat on the threshold's edge.
+MagCache decides from its calibrated ratios alone (MAG_RATIOS below, made up for 10 steps), so its skips
+do not depend on the weights.
 """
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from diffusers.hooks import first_block_cache, taylorseer_cache
+from diffusers.hooks import first_block_cache, mag_cache, taylorseer_cache
 
 from dvllm import DiffusionEngine, SamplingParams
 from dvllm.step_cache import parse_cache
 
 TOL = 1e-3
+MAG_RATIOS = [1.0, 1.02, 1.01, 0.99, 1.0, 1.0, 1.01, 0.98, 1.0, 1.0]
+MAG = {"method": "mag", "mag_ratios": MAG_RATIOS, "num_inference_steps": 10, "threshold": 0.04}
 EDGE = 1e-4  # a first-block ratio this close to the threshold could round either way: reported, not compared
 P = SamplingParams
 
@@ -66,8 +70,14 @@ class Recorder:
             recorder.decisions.append((id(hook), not compute))
             return compute, state
 
+        def mag(hook, state):  # the tail hook ends every call, skipped or not
+            recorder.decisions.append((id(hook), not state.should_compute))
+            return mag_advance(hook, state)
+
+        mag_advance = mag_cache.MagCacheBlockHook._advance_step
         monkeypatch.setattr(first_block_cache.FBCHeadBlockHook, "_should_compute_remaining_blocks", fbc)
         monkeypatch.setattr(taylorseer_cache.TaylorSeerCacheHook, "_measure_should_compute", taylor)
+        monkeypatch.setattr(mag_cache.MagCacheBlockHook, "_advance_step", mag)
 
     def calls(self) -> list[bool]:
         """One decision per transformer call: those of the first hook that decided (every hook decides alike)."""
@@ -113,8 +123,9 @@ THRESHOLDS = {"flux": 0.21, "qwen-image": 0.33}
 
 
 def request_under_test(family: str, method: str) -> tuple[str, SamplingParams]:
-    cache = {"method": "first_block", "threshold": THRESHOLDS[family]} if method == "first_block" else \
-        {"method": "taylorseer", "cache_interval": 3, "disable_cache_before_step": 2, "max_order": 1}
+    cache = {"first_block": {"method": "first_block", "threshold": THRESHOLDS[family]}, "mag": MAG,
+             "taylorseer": {"method": "taylorseer", "cache_interval": 3, "disable_cache_before_step": 2,
+                            "max_order": 1}}[method]
     negative = {"negative_prompt": "blurry and dull"} if family == "qwen-image" else {}  # true CFG: two branches
     return "a red circle", P(num_inference_steps=10, guidance_scale=3.5, seed=11, height=32, width=32, n=2,
                              output_type="np", cache=cache, **negative)
@@ -133,11 +144,14 @@ def neighbours(family: str) -> list[tuple[str, SamplingParams]]:
                           cache={"method": "first_block", "threshold": 0.05})),
         ("two of them", P(num_inference_steps=6, guidance_scale=3.0, seed=6, height=32, width=32, n=2,
                           output_type="np", cache={"method": "first_block", "threshold": 0.3})),
+        ("flux's own ratios", P(num_inference_steps=8, guidance_scale=3.0, seed=7, height=32, width=32,
+                                output_type="np", cache={"method": "mag", "mag_ratios": "flux",
+                                                         "num_inference_steps": 8, "threshold": 0.1})),
     ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["first_block", "taylorseer"])
+@pytest.mark.parametrize("method", ["first_block", "taylorseer", "mag"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_cached_request_equals_diffusers_alone_and_in_a_mixed_batch(family, method, request, monkeypatch):
     fixture, pipeline_class = FAMILIES[family]
@@ -148,7 +162,8 @@ def test_cached_request_equals_diffusers_alone_and_in_a_mixed_batch(family, meth
     branches = 2 if params.negative_prompt else 1
     want, skipped = reference(pipe, recorder, prompt, params, branches)
     assert 0 < skipped < params.num_inference_steps, f"the test's config must skip some steps, not all: {skipped}"
-    edges = [r for r in recorder.ratios if abs(r - params.cache.get("threshold", -1)) < EDGE]
+    edges = [r for r in recorder.ratios if abs(r - params.cache.get("threshold", -1)) < EDGE] \
+        if method == "first_block" else []
     assert not edges, f"a first-block decision sat on the threshold's edge ({edges}): choose another threshold"
 
     engine = DiffusionEngine(model=path, device="cpu", dtype="float32")
@@ -179,13 +194,14 @@ OWN_RULE = {"sd3": ("sd3_path", 0.25, 16), "z-image": ("z_image_path", 0.7, 32)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["first_block", "taylorseer"])
+@pytest.mark.parametrize("method", ["first_block", "taylorseer", "mag"])
 @pytest.mark.parametrize("family", sorted(OWN_RULE))
 def test_own_rule_cached_request_alone_equals_it_batched(family, method, request):
     """SD3's and Z-Image's transformers have no enable_cache: dvllm's rule, applied to their blocks, never
     depends on the batch (Z-Image's rows even have sequences of different lengths)."""
     fixture, threshold, size = OWN_RULE[family]
-    cache = {"method": "first_block", "threshold": threshold} if method == "first_block" else {"method": "taylorseer"}
+    cache = {"first_block": {"method": "first_block", "threshold": threshold}, "mag": MAG,
+             "taylorseer": {"method": "taylorseer"}}[method]
     prompt, params = "a red circle", P(num_inference_steps=10, guidance_scale=3.5, seed=1, height=size, width=size,
                                        n=2, output_type="np", cache=cache)
     engine = DiffusionEngine(model=request.getfixturevalue(fixture), device="cpu", dtype="float32")
@@ -254,6 +270,10 @@ def test_cache_state_is_counted_in_admission(deep_flux_path):
     ({"method": "taylorseer", "cache_interval": 0}, "cache.cache_interval must be an integer"),
     ({"method": "taylorseer", "cache_identifiers": ["x"]}, "cache.cache_identifiers"),
     ("first_block", "cache must be an object"),
+    ({"method": "mag"}, "cache.mag_ratios must be a list"),
+    ({"method": "mag", "mag_ratios": [1.0, -2.0]}, "cache.mag_ratios must be a list"),
+    ({"method": "mag", "mag_ratios": "flux", "calibrate": True}, "cache.calibrate: calibrate with the diffusers"),
+    ({"method": "mag", "mag_ratios": "flux", "retention_ratio": 2}, "cache.retention_ratio must be a number"),
 ])
 def test_bad_cache_configs_are_value_errors_naming_the_field(cache, message):
     with pytest.raises(ValueError, match=message):

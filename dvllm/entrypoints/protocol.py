@@ -70,7 +70,7 @@ class ImageGenerationRequest(BaseModel):
     priority: int | None = Field(None, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)
     eta: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # DDIM/TCD's, where the pipeline takes one
     max_sequence_length: int | None = Field(None, ge=1)  # the text encoder's, where the pipeline takes one
-    # step caching: {"method": "first_block" | "taylorseer", ...}; absent: the server's default; null: none
+    # step caching: {"method": "first_block" | "taylorseer" | "mag", ...}; absent: the server's default; null: none
     cache: dict[str, Any] | None = None
 
     @field_validator("*")

@@ -78,6 +78,7 @@ class FluxAdapter(ModelAdapter):
         # Flux's cache state per row at 1024x1024 (4096 image tokens, 512 text, width 3072) in bfloat16:
         # first_block keeps 2 x 4096 x 3072 = 25.2M elements, 48 MiB, against 0.5 MiB of latents, so a
         # pool holds about 1/100 as many cached rows as plain ones (an 80 GiB pool: ~1700 rows, not 160k);
+        # mag keeps one such residual, 24 MiB;
         # taylorseer (max_order 1) keeps two factors of 57 attention outputs of 4608 tokens: 1.6G elements,
         # 3.0 GiB a row, so a 40 GiB pool holds 13 such rows.
         t = self.pipeline.transformer

@@ -11,6 +11,9 @@ leave the forward, so the skipped blocks run on the other rows only.
   (mean absolute difference over mean absolute value, over the group's rows) skips: its hidden states
   become the head output plus the tail residual kept from that step. The other rows run the remaining
   blocks as one smaller batch, and the tail block puts the batch back together.
+- mag (MagCacheConfig): the decision comes from the model's calibrated ratios before the forward; rows
+  that skip run no block at all: their hidden states become their input plus the blocks' residual kept
+  from their last computing step.
 - taylorseer (TaylorSeerCacheConfig): on the steps its schedule computes, a row's attention modules
   run and refresh their Taylor factors; on the others their outputs are predicted from the factors,
   and those rows leave the attention modules' batch.
@@ -40,10 +43,40 @@ class CacheState:
     """One request's step cache on the worker, between steps (its tensors are in the pool)."""
 
     config: CacheConfig
-    primed: bool = False                 # first_block: a head residual is kept (step one always computes)
+    primed: bool = False                 # first_block and mag: a residual is kept (step one always computes)
     last_update_step: int | None = None  # taylorseer: the last step that refreshed the factors
     num_orders: int = 0                  # taylorseer: factors valid
     cached_steps: int = 0
+    # mag: MagCacheState's counters, and the calibrated ratios as diffusers interpolates them
+    step_index: int = 0
+    accumulated: tuple = (1.0, 0, 0.0)   # ratio, steps, error
+    mag_ratios: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.config.method == "mag":
+            self.mag_ratios = self.config.diffusers_config().mag_ratios
+
+    def mag_decision(self) -> tuple[bool, tuple]:
+        """diffusers' MagCacheHeadHook decision (same arithmetic, float32 ratios included): whether this step
+        computes, and the accumulated ratio, steps and error it leaves."""
+        config, step = self.config, self.step_index
+        scale = self.mag_ratios[step] if step < len(self.mag_ratios) else 1.0
+        ratio, steps, error = self.accumulated
+        if step < int(config.retention_ratio * config.num_inference_steps + 0.5):
+            return True, self.accumulated
+        ratio = ratio * scale
+        steps += 1
+        error = error + abs(1.0 - ratio)
+        if self.primed and error <= config.threshold and steps <= config.max_skip_steps:
+            return False, (ratio, steps, error)
+        return True, (1.0, 0, 0.0)
+
+    def advance_mag(self, computed: bool, accumulated: tuple) -> None:
+        """MagCacheBlockHook._advance_step: the next step, and a fresh start after num_inference_steps."""
+        self.accumulated, self.primed = accumulated, self.primed or computed
+        self.step_index += 1
+        if self.step_index >= self.config.num_inference_steps:
+            self.step_index, self.accumulated, self.primed = 0, (1.0, 0, 0.0), False
 
 
 @dataclass(eq=False)
@@ -59,6 +92,7 @@ class Group:
     computes: bool = True
     new: torch.Tensor | None = None  # what this forward writes back (computing groups)
     new_orders: int = 0              # taylorseer: factors the refresh produced
+    mag_next: tuple = ()             # mag: the accumulated ratio, steps and error after this step
 
 
 class ForwardCache:
@@ -68,6 +102,11 @@ class ForwardCache:
         self.spec, self.groups, self.num_rows, self.image_tokens = spec, groups, num_rows, image_tokens
         self.fbc = [g for g in groups if g.state.config.method == "first_block"]
         self.taylor = [g for g in groups if g.state.config.method == "taylorseer"]
+        self.mag = [g for g in groups if g.state.config.method == "mag"]
+        for g in self.mag:  # mag decides before the forward: its measure is the model's calibrated ratios
+            g.computes, g.mag_next = g.state.mag_decision()
+            if g.computes:
+                g.new = torch.empty_like(g.data)
         for g in self.taylor:
             g.computes = g.state.config.computes(g.step)
             if g.computes:  # in the factors' own dtype; converted to the pool's at commit
@@ -76,39 +115,60 @@ class ForwardCache:
                          for g in self.taylor if g.state.num_orders}
         self._new_factors = {id(g): self._taylor_views(g, g.new) for g in self.taylor if g.computes}
         self.active: torch.Tensor | None = None  # forward rows flowing through the blocks now (None: all)
-        self.head_out: tuple | None = None
+        self.head_in: torch.Tensor | None = None  # the head block's hidden input, every row
+        self.encoder_in: torch.Tensor | None = None
+        self.head_out: Any = None  # the head block's output, on the rows that ran it (head_pos: row -> index)
+        self.head_pos: dict[int, int] = {}
 
-    # first_block
+    # first_block and mag: the blocks
     def head(self, call: Call) -> Any:
         arguments = call.arguments
         hidden_in = arguments[self.spec.hidden_arg]
-        out = call.run()
-        if not self.fbc:
+        self.head_in, self.encoder_in = hidden_in, arguments.get("encoder_hidden_states")
+        skipping = {r for g in self.mag if not g.computes for r in g.rows}  # these skip every block, the head too
+        rows = [r for r in range(self.num_rows) if r not in skipping]
+        if skipping:
+            self.active = torch.tensor(rows, dtype=torch.long, device=hidden_in.device)
+            if not rows:
+                return self._assemble(None)
+            out = call.on_rows(self.num_rows, self.active)
+        else:
+            out = call.run()
+        self.head_out, self.head_pos = out, {row: i for i, row in enumerate(rows)}
+        if self.fbc:
+            skipping |= self._decide_first_block(arguments, hidden_in, rows)
+        if not skipping:
             return out
-        residual = self._hidden(out) - hidden_in
+        compute = [r for r in rows if r not in skipping]
+        self.active = torch.tensor(compute, dtype=torch.long, device=hidden_in.device)
+        if not compute:  # every row skips: the kept residuals give the blocks' result now
+            return self._assemble(None)
+        if len(compute) == len(rows):
+            return out
+        local = torch.tensor([self.head_pos[r] for r in compute], dtype=torch.long, device=hidden_in.device)
+        if self.spec.hidden_index is None:
+            return out[local]
+        return tuple(o if o is None else o[local] for o in out)
+
+    def _decide_first_block(self, arguments: dict, hidden_in: torch.Tensor, rows: list[int]) -> set[int]:
+        """diffusers' first-block decision for each group, on the head's output; returns the rows that skip."""
+        residual = self._hidden(self.head_out) - (hidden_in if len(rows) == self.num_rows else hidden_in[rows])
         lengths = None
         if self.spec.mask_arg:  # rows of their own lengths: each row's real tokens (no mask: all are real)
             mask = arguments.get(self.spec.mask_arg)
-            lengths = [residual.shape[1]] * len(residual) if mask is None else mask.sum(dim=1).tolist()
+            full = [residual.shape[1]] * self.num_rows if mask is None else mask.sum(dim=1).tolist()
+            lengths = [full[r] for r in rows]
         skipping: set[int] = set()
         for g in self.fbc:
-            previous = self._fbc_view(g, g.data, 0)
-            g.computes = not g.state.primed or _moved(residual, g.rows, previous, lengths, g.state.config.threshold)
+            local = [self.head_pos[r] for r in g.rows]
+            previous = self._residual_view(g, g.data, 0)
+            g.computes = not g.state.primed or _moved(residual, local, previous, lengths, g.state.config.threshold)
             if g.computes:
                 g.new = torch.empty_like(g.data)
-                self._fbc_view(g, g.new, 0).copy_(_fit_tokens(residual[g.rows], previous.shape[1]))
+                self._residual_view(g, g.new, 0).copy_(_fit_tokens(residual[local], previous.shape[1]))
             else:
                 skipping.update(g.rows)
-        self.head_out = out
-        if not skipping:
-            return out
-        compute = [r for r in range(self.num_rows) if r not in skipping]
-        self.active = torch.tensor(compute, dtype=torch.long, device=hidden_in.device)
-        if not compute:  # every row skips: the kept tail residuals give the blocks' result now
-            return self._assemble(None)
-        if self.spec.hidden_index is None:
-            return out[self.active]
-        return tuple(o if o is None else o[self.active] for o in out)
+        return skipping
 
     def block(self, call: Call, is_tail: bool) -> Any:
         if self.active is None:  # every row computes
@@ -130,37 +190,43 @@ class ForwardCache:
         self._keep_tail(out, self.active.tolist())
         return self._assemble(out)
 
-    def _keep_tail(self, out: tuple, rows: list[int]) -> None:
-        """diffusers' tail residual: the last block's hidden output minus the head block's."""
+    def _keep_tail(self, out: Any, rows: list[int]) -> None:
+        """The residuals diffusers keeps at the tail: first_block's, the last block's hidden output minus the
+        head block's; mag's, minus the head block's input."""
         position = {row: i for i, row in enumerate(rows)}
-        for g in self.fbc:
+        hidden = self._hidden(out)
+        for g in self.fbc + self.mag:
             if g.computes:
                 local = [position[r] for r in g.rows]
-                tail = self._fbc_view(g, g.new, 1)
-                tail.copy_(_fit_tokens(self._hidden(out)[local] - self._hidden(self.head_out)[g.rows], tail.shape[1]))
+                if g in self.fbc:
+                    kept, start = self._residual_view(g, g.new, 1), self._hidden(self.head_out)[
+                        [self.head_pos[r] for r in g.rows]]
+                else:
+                    kept, start = self._residual_view(g, g.new, 0), self.head_in[g.rows]
+                kept.copy_(_fit_tokens(hidden[local] - start, kept.shape[1]))
 
-    def _assemble(self, computed: tuple | None) -> tuple:
-        """The batch after the tail: rows that skip are the head's output plus their kept tail residual.
-        Of the text stream only computed rows are kept: every family served discards it after the last block."""
-        h, head = self.spec.hidden_index, self.head_out
-        hidden = self._hidden(head).clone()
+    def _assemble(self, computed: Any) -> Any:
+        """The batch after the tail: first_block's skipping rows are the head's output plus their kept tail
+        residual, mag's the head's input plus their kept residual, the rest what the blocks computed. Of
+        the text stream only computed rows are kept: every family served discards it after the last block."""
+        h, base = self.spec.hidden_index, self.head_in
+        hidden = base.clone()
         for g in self.fbc:
             if not g.computes:
-                hidden[g.rows] = _fit_tokens(self._fbc_view(g, g.data, 1), hidden.shape[1]) + hidden[g.rows]
-        if h is None:
-            if computed is not None:
-                hidden[self.active] = computed
-            return hidden
-        result = list(head)
+                head = self._hidden(self.head_out)[[self.head_pos[r] for r in g.rows]]
+                hidden[g.rows] = _fit_tokens(self._residual_view(g, g.data, 1), hidden.shape[1]) + head
+        for g in self.mag:
+            if not g.computes:
+                hidden[g.rows] = base[g.rows] + _fit_tokens(self._residual_view(g, g.data, 0), hidden.shape[1])
         if computed is not None:
-            hidden[self.active] = computed[h]
-            encoder = computed[1 - h]
-            if encoder is None:
-                result[1 - h] = None
-            else:
-                result[1 - h] = head[1 - h].clone()
-                result[1 - h][self.active] = encoder
+            hidden[self.active] = self._hidden(computed)
+        if h is None:
+            return hidden
+        result = [None, None]
         result[h] = hidden
+        encoder = None if computed is None else computed[1 - h]
+        if computed is None or encoder is not None:
+            result[1 - h] = self.encoder_in if computed is None else _put(self.encoder_in, encoder, self.active)
         return tuple(result)
 
     # taylorseer
@@ -241,8 +307,9 @@ class ForwardCache:
             views.append(module)
         return views
 
-    def _fbc_view(self, g: Group, data: torch.Tensor, which: int) -> torch.Tensor:
-        """first_block's state: 0 the head residual, 1 the tail residual, as [rows, tokens, dim]."""
+    def _residual_view(self, g: Group, data: torch.Tensor, which: int) -> torch.Tensor:
+        """A residual in a group's state, as [rows, tokens, dim]: first_block's 0 is the head's, 1 the
+        tail's; mag's 0 is the blocks'."""
         tokens = self._tokens(self.spec.layout.hidden_kind, g)
         size = tokens * self.spec.layout.inner_dim
         return data[:, which * size:(which + 1) * size].view(len(data), tokens, -1)
@@ -273,9 +340,11 @@ class ForwardCache:
             outcome.append((state, skipped, sum(len(g.rows) for g in computing)))
             if not computing:
                 state.cached_steps += 1
+            if state.config.method == "mag":
+                state.advance_mag(bool(computing), groups[0].mag_next)
             elif state.config.method == "first_block":
-                state.primed = True
-            else:
+                state.primed = state.primed or bool(computing)
+            elif computing:
                 state.num_orders, state.last_update_step = computing[0].new_orders, computing[0].step
         return outcome
 
@@ -357,6 +426,12 @@ class Call:
         for name, value in list(bound.arguments.items()):
             bound.arguments[name] = cut(name, value)
         return self.fn(*bound.args, **bound.kwargs)
+
+
+def _put(full: torch.Tensor, part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    full = full.clone()
+    full[index] = part
+    return full
 
 
 def _as_tuple(out: Any) -> tuple:
