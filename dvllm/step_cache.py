@@ -186,7 +186,8 @@ def parse_cache_flag(text: str) -> CacheConfig | None:
 class CacheLayout:
     """A family's transformer, as much as the driver needs to size one row's cache state.
 
-    Tokens: `image` (one per latent patch), `text` (the prompt's: `text_tokens_for`), `joint` (text then image, as one sequence), `unified` (image then text,
+    Tokens: `image` (one per latent patch), `text` (the prompt's: `text_tokens_for`), `joint` (text then
+    image, as one sequence), `unified` (image then text,
     each padded to a multiple of `token_multiple`: Z-Image's single stream). `hidden_kind` is the blocks'
     hidden stream (what first_block keeps); `attention_outputs` lists the token kind of every output of
     every attention module TaylorSeer predicts, in order.

@@ -149,9 +149,9 @@ def tiny_flux_pipeline(num_layers: int = 1, num_single_layers: int = 1):
 
     torch.manual_seed(0)
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=num_layers, num_single_layers=num_single_layers, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=24, axes_dims_rope=[4, 4, 8],
-        guidance_embeds=True,
+        patch_size=1, in_channels=16, num_layers=num_layers, num_single_layers=num_single_layers,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=24,
+        axes_dims_rope=[4, 4, 8], guidance_embeds=True,
     )
     torch.manual_seed(1)
     text_encoder = CLIPTextModel(CLIPTextConfig(

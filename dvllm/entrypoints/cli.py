@@ -66,7 +66,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                                      "(default: the model's).")
     p.add_argument("-n", type=int, default=1, help="Images per prompt (default: 1).")
     p.add_argument("--cache", help="Step cache for these requests: first_block:threshold=0.08, "
-                                   "taylorseer:cache_interval=4,max_order=1, or none (none given: the engine's default_cache).")
+                                   "taylorseer:cache_interval=4,max_order=1, mag:mag_ratios=flux, or none "
+                                   "(none given: the engine's default_cache).")
     p.add_argument("--no-progress", action="store_true", help="No progress bar.")
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                    help="dvllm's log level; debug also shows the libraries' warnings and loading bars "

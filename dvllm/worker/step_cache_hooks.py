@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
