@@ -2,6 +2,7 @@
 and `dvllm generate` (--cache, a JSONL line's "cache")."""
 from __future__ import annotations
 
+import io
 import json
 
 import httpx
@@ -52,10 +53,22 @@ def test_served_cache_field_default_and_errors(flux_path):
 
 def test_unet_server_refuses_cache_with_a_400(sd_eps_path):
     body = {"prompt": "x", "size": "16x16", "num_inference_steps": 2, "cache": {"method": "first_block"}}
+    png = io.BytesIO()
+    Image.new("RGB", (16, 16), "red").save(png, format="PNG")
+    form = {"prompt": "x", "num_inference_steps": "2"}
     with RemoteServer(sd_eps_path, ["--device", "cpu", "--dtype", "float32"]) as server:
         response = httpx.post(server.url + "/v1/images/generations", json=body, timeout=60)
-    error = assert_error(response, 400, "cache")
-    assert "stable-diffusion family serves no step caching" in error["message"]
+        edit = httpx.post(server.url + "/v1/images/edits", data={**form, "cache": '{"method": "first_block"}'},
+                          files={"image": ("in.png", png.getvalue(), "image/png")}, timeout=60)
+        not_json = httpx.post(server.url + "/v1/images/edits", data={**form, "cache": "{method"},
+                              files={"image": ("in.png", png.getvalue(), "image/png")}, timeout=60)
+        opted_out = httpx.post(server.url + "/v1/images/edits", data={**form, "cache": "null"},
+                               files={"image": ("in.png", png.getvalue(), "image/png")}, timeout=60)
+    for refused in (response, edit):
+        error = assert_error(refused, 400, "cache")
+        assert "stable-diffusion family serves no step caching" in error["message"]
+    assert "expected a JSON object or null" in assert_error(not_json, 400, "cache")["message"]
+    assert opted_out.status_code == 200, opted_out.text  # a form's JSON null: no cache, as in a JSON body
 
 
 def test_generate_cache_flag_and_jsonl_cache(flux_path, tmp_path):
