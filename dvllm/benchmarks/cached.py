@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections import defaultdict
 from collections.abc import Callable
 
 import diffusers
 import torch
 
-from dvllm.benchmarks.throughput import Job, _machine, _timed, make_engine, make_jobs
+from dvllm.benchmarks.throughput import Job, _machine, _timed, make_engine, make_jobs, static_batches
 from dvllm.sampling_params import SamplingParams
 from dvllm.step_cache import CacheConfig, parse_cache_flag
 
@@ -82,16 +81,6 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             pipe.transformer.disable_cache()
 
-    def static(size: int) -> Callable[[], None]:
-        def go() -> None:
-            groups: dict[tuple, list[Job]] = defaultdict(list)
-            for j in jobs:
-                groups[j.group].append(j)
-            for group in groups.values():
-                for i in range(0, len(group), size):
-                    pipeline(group[i:i + size])
-        return go
-
     def dvllm(cache: CacheConfig | None) -> Callable[[], None]:
         def go() -> None:
             params = [SamplingParams(num_inference_steps=j.steps, guidance_scale=j.guidance, height=j.height,
@@ -104,7 +93,7 @@ def run(args: argparse.Namespace) -> dict:
 
     sizes = [b for b in (int(x) for x in args.static_batch_sizes.split(",")) if 1 < b <= len(jobs)]
     contenders = {"pipeline+cache serial": lambda: [pipeline([j]) for j in jobs],
-                  **{f"pipeline+cache static(b={b})": static(b) for b in sizes},
+                  **{f"pipeline+cache static(b={b})": static_batches(jobs, pipeline, b) for b in sizes},
                   "dvllm": dvllm(None), "dvllm+cache": dvllm(config)}
     for fn in contenders.values():  # warm-up round
         fn()

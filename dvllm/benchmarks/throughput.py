@@ -104,16 +104,6 @@ def run(args: argparse.Namespace, engine: DiffusionEngine | None = None) -> dict
         pipe([b.prompt for b in batch], num_inference_steps=j.steps, guidance_scale=j.guidance, height=j.height,
              width=j.width, generator=[torch.Generator("cpu").manual_seed(b.seed) for b in batch], output_type="pil")
 
-    def static(size: int) -> Callable[[], None]:
-        def go() -> None:
-            groups: dict[tuple, list[Job]] = defaultdict(list)
-            for j in jobs:
-                groups[j.group].append(j)
-            for group in groups.values():
-                for i in range(0, len(group), size):
-                    pipeline(group[i:i + size])
-        return go
-
     def dvllm() -> None:
         params = [SamplingParams(num_inference_steps=j.steps, guidance_scale=j.guidance, height=j.height,
                                  width=j.width, seed=j.seed, sampler=j.sampler) for j in jobs]
@@ -124,7 +114,7 @@ def run(args: argparse.Namespace, engine: DiffusionEngine | None = None) -> dict
 
     sizes = [b for b in (int(x) for x in args.static_batch_sizes.split(",")) if b <= len(jobs)]
     contenders = {"serial": lambda: [pipeline([j]) for j in jobs],
-                  **{f"static(b={b})": static(b) for b in sizes if b > 1}, "dvllm": dvllm}
+                  **{f"static(b={b})": static_batches(jobs, pipeline, b) for b in sizes if b > 1}, "dvllm": dvllm}
     for fn in contenders.values():  # warm-up round: allocators, kernels, caches, compilation
         fn()
     times: dict[str, list[float]] = {name: [] for name in contenders}
@@ -143,6 +133,18 @@ def run(args: argparse.Namespace, engine: DiffusionEngine | None = None) -> dict
     if args.profile:
         result["profile"] = _profile(args, jobs, rows)
     return result
+
+
+def static_batches(jobs: list[Job], pipeline: Callable[[list[Job]], None], size: int) -> Callable[[], None]:
+    """A static batcher: each group of jobs that agree on what one pipeline call shares, in calls of `size`."""
+    def go() -> None:
+        groups: dict[tuple, list[Job]] = defaultdict(list)
+        for j in jobs:
+            groups[j.group].append(j)
+        for group in groups.values():
+            for i in range(0, len(group), size):
+                pipeline(group[i:i + size])
+    return go
 
 
 def _profile(args: argparse.Namespace, jobs: list[Job], rows: int) -> dict:
