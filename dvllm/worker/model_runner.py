@@ -20,7 +20,8 @@ from dvllm.worker.denoise_batch import denoise_step
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.request_state import RequestState, row_bounds
 from dvllm.worker.state_pool import StatePool
-from dvllm.worker.step_cache_hooks import CacheHooks, CacheState
+from dvllm.worker.step_cache_hooks import CacheHooks
+from dvllm.worker.step_cache_state import CacheState
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

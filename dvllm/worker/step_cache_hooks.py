@@ -33,66 +33,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from dvllm.models.base import CacheSpec
-from dvllm.step_cache import CacheConfig
+from dvllm.worker.step_cache_state import CacheState, Group, factor_values, pool_values
 
 UNBATCHED_ARGS = frozenset({"image_rotary_emb"})  # positions, shared by every row
-
-
-@dataclass
-class CacheState:
-    """One request's step cache on the worker, between steps (its tensors are in the pool)."""
-
-    config: CacheConfig
-    primed: bool = False                 # first_block and mag: a residual is kept (step one always computes)
-    last_update_step: int | None = None  # taylorseer: the last step that refreshed the factors
-    num_orders: int = 0                  # taylorseer: factors valid
-    cached_steps: int = 0
-    # mag: MagCacheState's counters, and the calibrated ratios as diffusers interpolates them
-    step_index: int = 0
-    accumulated: tuple = (1.0, 0, 0.0)   # ratio, steps, error
-    mag_ratios: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.config.method == "mag":
-            self.mag_ratios = self.config.diffusers_config().mag_ratios
-
-    def mag_decision(self) -> tuple[bool, tuple]:
-        """diffusers' MagCacheHeadHook decision (same arithmetic, float32 ratios included): whether this step
-        computes, and the accumulated ratio, steps and error it leaves."""
-        config, step = self.config, self.step_index
-        scale = self.mag_ratios[step] if step < len(self.mag_ratios) else 1.0
-        ratio, steps, error = self.accumulated
-        if step < int(config.retention_ratio * config.num_inference_steps + 0.5):
-            return True, self.accumulated
-        ratio = ratio * scale
-        steps += 1
-        error = error + abs(1.0 - ratio)
-        if self.primed and error <= config.threshold and steps <= config.max_skip_steps:
-            return False, (ratio, steps, error)
-        return True, (1.0, 0, 0.0)
-
-    def advance_mag(self, computed: bool, accumulated: tuple) -> None:
-        """MagCacheBlockHook._advance_step: the next step, and a fresh start after num_inference_steps."""
-        self.accumulated, self.primed = accumulated, self.primed or computed
-        self.step_index += 1
-        if self.step_index >= self.config.num_inference_steps:
-            self.step_index, self.accumulated, self.primed = 0, (1.0, 0, 0.0), False
-
-
-@dataclass(eq=False)
-class Group:
-    """The rows one decision covers, and their state for this forward."""
-
-    state: CacheState
-    rows: list[int]           # row indices in the forward
-    blocks: list[list[int]]   # each row's cache blocks in the pool
-    step: int
-    text_tokens: int          # text tokens its state keeps per text (or unified) stream
-    data: torch.Tensor        # [rows, numel]: its state as read from the pool
-    computes: bool = True
-    new: torch.Tensor | None = None  # what this forward writes back (computing groups)
-    new_orders: int = 0              # taylorseer: factors the refresh produced
-    mag_next: tuple = ()             # mag: the accumulated ratio, steps and error after this step
 
 
 class ForwardCache:
@@ -110,8 +53,8 @@ class ForwardCache:
         for g in self.taylor:
             g.computes = g.state.config.computes(g.step)
             if g.computes:  # in the factors' own dtype; converted to the pool's at commit
-                g.new = torch.empty_like(_factor_values(g.data, g.state.config.taylor_factors_dtype))
-        self._factors = {id(g): self._taylor_views(g, _factor_values(g.data, g.state.config.taylor_factors_dtype))
+                g.new = torch.empty_like(factor_values(g.data, g.state.config.taylor_factors_dtype))
+        self._factors = {id(g): self._taylor_views(g, factor_values(g.data, g.state.config.taylor_factors_dtype))
                          for g in self.taylor if g.state.num_orders}
         self._new_factors = {id(g): self._taylor_views(g, g.new) for g in self.taylor if g.computes}
         self.active: torch.Tensor | None = None  # forward rows flowing through the blocks now (None: all)
@@ -332,7 +275,7 @@ class ForwardCache:
         for g in self.groups:
             by_request.setdefault(id(g.state), []).append(g)
             if g.computes:
-                write(g.blocks, g.new if g.state.config.method == "first_block" else _pool_values(g.new, g.data.dtype))
+                write(g.blocks, g.new if g.state.config.method == "first_block" else pool_values(g.new, g.data.dtype))
         outcome = []
         for groups in by_request.values():
             state, computing = groups[0].state, [g for g in groups if g.computes]
@@ -446,19 +389,6 @@ def _fit_tokens(x: torch.Tensor, tokens: int) -> torch.Tensor:
     if x.shape[1] > tokens:
         return x[:, :tokens]
     return torch.nn.functional.pad(x, (0, 0, 0, tokens - x.shape[1]))
-
-
-def _factor_values(data: torch.Tensor, dtype_name: str) -> torch.Tensor:
-    """Pool elements -> factor values (see step_cache.pool_elements_per_factor): a float32 pool holds 2-byte
-    factors by value (exactly: no conversion needed to compute with them), other pools hold raw bits."""
-    dtype = getattr(torch, dtype_name)
-    if data.dtype in (dtype, torch.float32):
-        return data
-    return data.view(dtype)
-
-
-def _pool_values(values: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
-    return values if values.dtype == pool_dtype else values.view(pool_dtype)
 
 
 def forward_cache(spec: CacheSpec, read: Callable[[list[list[int]], int], torch.Tensor], states: list[Any],

@@ -1,0 +1,80 @@
+"""What step caching keeps per request on the worker between steps (`CacheState`), what one decision
+covers in a forward (`Group`), and how Taylor factors sit in the state pool. The forward itself is in
+step_cache_hooks.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dvllm.step_cache import CacheConfig
+
+
+@dataclass
+class CacheState:
+    """One request's step cache on the worker, between steps (its tensors are in the pool)."""
+
+    config: CacheConfig
+    primed: bool = False                 # first_block and mag: a residual is kept (step one always computes)
+    last_update_step: int | None = None  # taylorseer: the last step that refreshed the factors
+    num_orders: int = 0                  # taylorseer: factors valid
+    cached_steps: int = 0
+    # mag: MagCacheState's counters, and the calibrated ratios as diffusers interpolates them
+    step_index: int = 0
+    accumulated: tuple = (1.0, 0, 0.0)   # ratio, steps, error
+    mag_ratios: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.config.method == "mag":
+            self.mag_ratios = self.config.diffusers_config().mag_ratios
+
+    def mag_decision(self) -> tuple[bool, tuple]:
+        """diffusers' MagCacheHeadHook decision (same arithmetic, float32 ratios included): whether this step
+        computes, and the accumulated ratio, steps and error it leaves."""
+        config, step = self.config, self.step_index
+        scale = self.mag_ratios[step] if step < len(self.mag_ratios) else 1.0
+        ratio, steps, error = self.accumulated
+        if step < int(config.retention_ratio * config.num_inference_steps + 0.5):
+            return True, self.accumulated
+        ratio = ratio * scale
+        steps += 1
+        error = error + abs(1.0 - ratio)
+        if self.primed and error <= config.threshold and steps <= config.max_skip_steps:
+            return False, (ratio, steps, error)
+        return True, (1.0, 0, 0.0)
+
+    def advance_mag(self, computed: bool, accumulated: tuple) -> None:
+        """MagCacheBlockHook._advance_step: the next step, and a fresh start after num_inference_steps."""
+        self.accumulated, self.primed = accumulated, self.primed or computed
+        self.step_index += 1
+        if self.step_index >= self.config.num_inference_steps:
+            self.step_index, self.accumulated, self.primed = 0, (1.0, 0, 0.0), False
+
+
+@dataclass(eq=False)
+class Group:
+    """The rows one decision covers, and their state for this forward."""
+
+    state: CacheState
+    rows: list[int]           # row indices in the forward
+    blocks: list[list[int]]   # each row's cache blocks in the pool
+    step: int
+    text_tokens: int          # text tokens its state keeps per text (or unified) stream
+    data: torch.Tensor        # [rows, numel]: its state as read from the pool
+    computes: bool = True
+    new: torch.Tensor | None = None  # what this forward writes back (computing groups)
+    new_orders: int = 0              # taylorseer: factors the refresh produced
+    mag_next: tuple = ()             # mag: the accumulated ratio, steps and error after this step
+
+
+def factor_values(data: torch.Tensor, dtype_name: str) -> torch.Tensor:
+    """Pool elements -> factor values (see step_cache.pool_elements_per_factor): a float32 pool holds 2-byte
+    factors by value (exactly: no conversion needed to compute with them), other pools hold raw bits."""
+    dtype = getattr(torch, dtype_name)
+    if data.dtype in (dtype, torch.float32):
+        return data
+    return data.view(dtype)
+
+
+def pool_values(values: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
+    return values if values.dtype == pool_dtype else values.view(pool_dtype)
