@@ -284,6 +284,8 @@ def test_unet_families_refuse_cache_and_default_cache_applies_unless_null(sd_eps
     sd = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="cache: the stable-diffusion family serves no step caching"):
         sd.add_request("r", "x", P(cache={"method": "first_block"}))
+    with pytest.raises(ValueError, match="default_cache: the stable-diffusion family serves no step caching"):
+        DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", default_cache="first_block")
     flux = DiffusionEngine(model=flux_path, device="cpu", dtype="float32", default_cache="first_block:threshold=0.2")
     assert flux.processor.process("a", "x", P()).params.cache == parse_cache({"method": "first_block",
                                                                                "threshold": 0.2})
@@ -311,3 +313,12 @@ def test_qwen_text_state_follows_the_prompts_length_and_is_checked(deep_qwen_pat
                             P(num_inference_steps=4, height=32, width=32, seed=2)], use_tqdm=False)
     assert outs[0].error and "more than the" in outs[0].error
     assert outs[1].error is None
+
+
+def test_a_cache_state_too_big_for_the_pool_is_refused_naming_cache(deep_flux_path):
+    """The same request fits without its cache: the refusal says the cache is what does not fit."""
+    engine = DiffusionEngine(model=deep_flux_path, device="cpu", dtype="float32", num_state_blocks=20)
+    params = P(num_inference_steps=4, height=64, width=64, seed=1, n=2)
+    engine.processor.process("plain", "x", params)  # fits
+    with pytest.raises(ValueError, match="cache: taylorseer's state for n=2 at 64x64 needs"):
+        engine.processor.process("cached", "x", dataclasses.replace(params, cache={"method": "taylorseer"}))

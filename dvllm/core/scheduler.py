@@ -348,6 +348,13 @@ def check_fits(request: Request, max_batch_size: int, num_blocks: int) -> None:
             f"{' (doubled by CFG)' if request.cfg else ''} but max_batch_size is {max_batch_size}"
         )
     if request.max_blocks > num_blocks:
+        if request.cache_blocks and request.max_blocks - request.rows * request.cache_blocks <= num_blocks:
+            method = request.params.cache.method
+            raise ValueError(
+                f"cache: {method}'s state for n={request.params.n} at {request.params.width}x{request.params.height} "
+                f"needs {request.rows * request.cache_blocks} state-pool blocks, more than the pool's {num_blocks} "
+                "leave for it: use a lighter method (first_block or mag), lower n or the size, or raise state_pool_mb"
+            )
         raise ValueError(
             f"n={request.params.n} at {request.params.width}x{request.params.height} needs "
             f"{request.max_blocks} state-pool blocks but the pool has {num_blocks}: "

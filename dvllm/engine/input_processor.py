@@ -29,6 +29,9 @@ from dvllm.sampling_params import SamplingParams, check_text
 class InputProcessor:
     def __init__(self, config: EngineConfig, info: ModelInfo, block_numel: int, pool_blocks: int) -> None:
         self.config, self.info = config, info
+        if config.default_cache is not None and info.cache_layout is None:
+            raise ValueError(f"default_cache: the {info.family} family serves no step caching, so every request "
+                             "would be refused; leave default_cache unset for this model")
         self.block_numel = block_numel
         self.pool_blocks = pool_blocks  # the smallest worker's pool: every request must fit it alone
         self._lock = threading.Lock()
