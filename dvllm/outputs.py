@@ -10,7 +10,8 @@ class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
     finished_time: float | None = None
-    cached_steps: int = 0  # steps whose remaining blocks (or attention) step caching skipped or predicted
+    # Steps whose blocks (or attention) step caching skipped or predicted; None: the request had no cache.
+    cached_steps: int | None = None
 
     @property
     def queue_time(self) -> float | None:

@@ -19,9 +19,12 @@ FLUX_CACHE = {"method": "first_block", "threshold": 0.2}
 CLI = ["--device", "cpu", "--dtype", "float32", "--no-progress", "--steps", "6", "--size", "32x32", "--seed", "3"]
 
 
-def offline(path: str, cache) -> np.ndarray:
+def offline(path: str, cache, steps: list | None = None) -> np.ndarray:
+    """The engine's image (8-bit) for the test's request; its cached_steps go to `steps`."""
     params = SamplingParams(num_inference_steps=6, height=32, width=32, seed=3, output_type="np", cache=cache)
     out = DiffusionEngine(model=path, device="cpu", dtype="float32").generate("a red circle", params, use_tqdm=False)
+    if steps is not None:
+        steps.append(out[0].metrics.cached_steps)
     return np.round(out[0].images[0] * 255)
 
 
@@ -33,19 +36,28 @@ def test_served_cache_field_default_and_errors(flux_path):
         default = httpx.post(url, json=body, timeout=120)
         opted_out = httpx.post(url, json={**body, "cache": None}, timeout=120)
         taylor = httpx.post(url, json={**body, "cache": {"method": "taylorseer", "cache_interval": 2}}, timeout=120)
+        taylor_cache = {"method": "taylorseer", "cache_interval": 2}
+        streamed = httpx.post(url, json={**body, "stream": True, "cache": taylor_cache}, timeout=120)
         bad_method = httpx.post(url, json={**body, "cache": {"method": "teacache"}}, timeout=30)
         bad_field = httpx.post(url, json={**body, "cache": {"method": "first_block", "treshold": 1}}, timeout=30)
         not_object = httpx.post(url, json={**body, "cache": "first_block"}, timeout=30)
         counters = metrics(server.url)
     for response in (default, opted_out, taylor):
         assert response.status_code == 200, response.text
+    assert "cached_steps" not in opted_out.json()  # no cache, no count
+    assert taylor.json()["cached_steps"] == 2  # steps 0-2 computed, then every other one: 3 and 5 predicted
+    completed = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
+                 if line.startswith("data: ") and '"image_generation.completed"' in line]
+    assert len(completed) == 1 and completed[0]["cached_steps"] == 2
     assert_error(bad_method, 400, "cache")
     assert "teacache" in bad_field.text or "treshold" in bad_field.text
     assert_error(bad_field, 400, "cache")
     assert_error(not_object, 400, "cache")
     pixels = {name: png_pixels(r.json()["data"][0]["b64_json"]).astype(np.float64)
               for name, r in (("default", default), ("none", opted_out))}
-    assert np.abs(pixels["default"] - offline(flux_path, FLUX_CACHE)).max() <= 1
+    steps = []
+    assert np.abs(pixels["default"] - offline(flux_path, FLUX_CACHE, steps)).max() <= 1
+    assert default.json()["cached_steps"] == steps[0]
     assert np.abs(pixels["none"] - offline(flux_path, None)).max() <= 1
     assert counters["dvllm_step_cache_skipped_rows_total"] > 0
     assert counters["dvllm_step_cache_computed_rows_total"] > 0

@@ -117,7 +117,7 @@ class Request:
             num_steps_done=self.num_steps_done,
             finished=self.is_finished,
             metrics=RequestMetrics(self.arrival_time, self.first_scheduled_time, self.finished_time,
-                                   cached_steps=self.cached_steps),
+                                   cached_steps=None if self.params.cache is None else self.cached_steps),
             images=self.images,
             error=self.error,
             previews=previews or [],

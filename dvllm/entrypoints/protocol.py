@@ -177,6 +177,7 @@ class ImagesResponse(BaseModel):
     data: list[ImageData]
     output_format: str
     size: str
+    cached_steps: int | None = None  # dvllm's: steps step caching skipped (only for a request with a cache)
 
 
 class UsageDetails(BaseModel):
@@ -211,6 +212,7 @@ class CompletedEvent(_ImageEvent):
     type: str = "image_generation.completed"  # image_edit.completed for /v1/images/edits
     usage: Usage = Field(default_factory=Usage)
     seed: int
+    cached_steps: int | None = None  # as ImagesResponse's
 
 
 class ModelCard(BaseModel):

@@ -147,7 +147,8 @@ async def _serve(request: Request, ctx: ServerContext,
         _raise_if_failed(final, request_id, ctx)
         data = await asyncio.to_thread(_encode_all, final, req, ctx)
         body = ImagesResponse(created=int(time.time()), data=data, output_format=req.format,
-                              size=f"{final.images[0].width}x{final.images[0].height}")
+                              size=f"{final.images[0].width}x{final.images[0].height}",
+                              cached_steps=final.metrics.cached_steps)
         ctx.metrics.request_done("success", final)
         return JSONResponse(body.model_dump(exclude_none=True), headers={"X-Request-Id": request_id})
     except ClientGone:
@@ -303,7 +304,7 @@ def _no_constants(name: str) -> None:
 
 
 def _sse(event: Any) -> bytes:
-    return f"event: {event.type}\ndata: {event.model_dump_json()}\n\n".encode()
+    return f"event: {event.type}\ndata: {event.model_dump_json(exclude_none=True)}\n\n".encode()
 
 
 def _sse_error(error: APIError) -> bytes:
@@ -355,7 +356,8 @@ class _ImageEventStream:
             b64 = await asyncio.to_thread(encode_b64, image, fmt, compression)
             yield _sse(CompletedEvent(type=f"{self.req.event_prefix}.completed", b64_json=b64,
                                       created_at=int(time.time()), output_format=fmt,
-                                      size=f"{image.width}x{image.height}", seed=out.seed))
+                                      size=f"{image.width}x{image.height}", seed=out.seed,
+                                      cached_steps=out.metrics.cached_steps))
         self.outcome, self.final = "success", out
 
     async def close(self) -> None:
