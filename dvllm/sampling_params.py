@@ -48,8 +48,7 @@ class SamplingParams:
     # their default only). None: the pipeline's __call__ default.
     max_sequence_length: int | None = None
     # Step caching: {"method": "first_block" | "taylorseer" | "mag", **that diffusers config's fields}
-    # (step_cache.py).
-    # "default": the engine's default_cache; None: no caching. Resolved to a CacheConfig or None.
+    # (step_cache.py); "default": the engine's default_cache; None: none. Resolved to a CacheConfig or None.
     cache: Any = USE_DEFAULT
 
     def validate(self) -> None:
