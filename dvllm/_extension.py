@@ -15,6 +15,7 @@ import logging
 import os
 import platform
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +28,10 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 ENV_VAR = "DVLLM_USE_CUSTOM_OPS"
 
 _load_lock = threading.Lock()  # functools.cache alone would let two threads build at once
+# torch's build holds a `lock` file in the build directory while it compiles; a build killed midway
+# (Ctrl-C, a killed CI job) leaves it behind, and every later process would wait on it forever. A
+# build takes a minute or two: a lock this old is left over.
+STALE_BUILD_LOCK_S = 15 * 60
 
 
 @torch.compiler.assume_constant_result  # torch.compile takes the answer as a constant, never traces the build
@@ -55,6 +60,7 @@ def _load() -> frozenset[str]:
         missing = [str(s) for s in sources if not s.is_file()]
         if missing:
             raise FileNotFoundError(f"sources not found: {missing}")
+        clear_stale_lock(Path(cpp_extension._get_build_directory("dvllm_C", verbose=False)))
         cpp_extension.load(
             name="dvllm_C",
             sources=[str(s) for s in sources],
@@ -72,6 +78,20 @@ def _load() -> frozenset[str]:
         return frozenset()
     _register_fake_impls()
     return frozenset({"cpu", "cuda"} if with_cuda else {"cpu"})
+
+
+def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
+    """Removes a build lock older than STALE_BUILD_LOCK_S (left by an interrupted build); True if it did."""
+    lock = build_dir / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_BUILD_LOCK_S:
+        return False
+    logger.warning("removing %s, left %.0f minutes ago by an interrupted build of dvllm's custom ops", lock, age / 60)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _register_fake_impls() -> None:

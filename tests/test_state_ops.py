@@ -65,6 +65,18 @@ def test_extension_built() -> None:
     assert not _extension.custom_ops_available("meta")
 
 
+def test_a_build_lock_left_by_an_interrupted_build_is_cleared(tmp_path) -> None:
+    """A killed build leaves torch's lock file; a later process must not wait on it forever."""
+    from dvllm._extension import STALE_BUILD_LOCK_S, clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    now = os.stat(lock).st_mtime
+    assert not clear_stale_lock(tmp_path, now=now + 60) and lock.exists()  # a build may be running
+    assert clear_stale_lock(tmp_path, now=now + STALE_BUILD_LOCK_S + 1) and not lock.exists()
+    assert not clear_stale_lock(tmp_path)  # none left
+
+
 def test_references_match_definition() -> None:
     """The references themselves: element i of row r is pool[table[r, i // B], i % B]."""
     gen = torch.Generator().manual_seed(0)
