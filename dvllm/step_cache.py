@@ -225,6 +225,12 @@ class CacheLayout:
             return _round_up(image, self.token_multiple) + _round_up(text, self.token_multiple)
         return {"image": image, "text": text, "joint": text + image}[kind]
 
+    def request_row(self, config: CacheConfig, height: int, width: int, max_sequence_length: int | None,
+                    texts: tuple[str | None, ...]) -> tuple[int, int]:
+        """A request's text tokens kept per text stream, and the pool elements one of its rows takes."""
+        text_tokens = self.text_tokens_for(max_sequence_length, texts)
+        return text_tokens, self.row_numel(config, height, width, text_tokens)
+
     def row_numel(self, config: CacheConfig, height: int, width: int, text_tokens: int) -> int:
         """Pool elements one model row's cache state takes (text_tokens: `text_tokens_for` the request).
 

@@ -308,9 +308,8 @@ def test_qwen_text_state_follows_the_prompts_length_and_is_checked(deep_qwen_pat
     long = engine.processor.process("b", "cat " * 60, P(height=32, width=32, cache=cache))
     assert long.cache_blocks > short.cache_blocks
     adapter = engine.executor.worker.runner.adapter
-    spec = adapter.cache_spec()
-    spec.layout = dataclasses.replace(spec.layout, text_bytes_extra=0)  # the worker now sizes every text too short
-    adapter.cache_spec = lambda: spec
+    adapter.info = dataclasses.replace(adapter.info, cache_layout=dataclasses.replace(
+        adapter.info.cache_layout, text_bytes_extra=0))  # the worker now sizes every text too short
     outs = engine.generate(["a red circle", "a blue square"],
                            [P(num_inference_steps=4, height=32, width=32, seed=1, cache=cache),
                             P(num_inference_steps=4, height=32, width=32, seed=2)], use_tqdm=False)

@@ -55,9 +55,9 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time, arrival_seq=next(self._arrivals),
             latent_blocks=self.blocks(info.latent_numel(resolved.height, resolved.width)),
             cond_blocks=self.blocks(info.condition_numel), uses_history=plan.uses_history,
-            cache_blocks=0 if resolved.cache is None else self.blocks(info.cache_layout.row_numel(
-                resolved.cache, resolved.height, resolved.width, info.cache_layout.text_tokens_for(
-                    resolved.max_sequence_length, (prompt, resolved.negative_prompt)))),
+            cache_blocks=0 if resolved.cache is None else self.blocks(info.cache_layout.request_row(
+                resolved.cache, resolved.height, resolved.width, resolved.max_sequence_length,
+                (prompt, resolved.negative_prompt))[1]),
         )
         check_fits(request, self.config.max_batch_size, self.pool_blocks)
         return request

@@ -112,7 +112,7 @@ class ModelRunner:
                 self.states[d.request_id] = RequestState(
                     data=d, generator=generator, blocks=d.blocks,
                     fallback=None if d.plan.vectorized else d.plan.new_fallback_scheduler(),
-                    cache=None if d.cache is None else CacheState(d.cache),
+                    cache=None if d.cache is None else CacheState.sized(d.cache, self.adapter.info.cache_layout, d),
                 )
 
         if ready:
@@ -160,7 +160,7 @@ class ModelRunner:
         if blocks.history is not None:
             host["history"] = pool.read(blocks.history, numel)
         if blocks.cache is not None:
-            host["cache"] = pool.read(blocks.cache, self._cache_numel(state))
+            host["cache"] = pool.read(blocks.cache, state.cache.numel)
         host["cond"] = pool.read([blocks.cond], self.adapter.info.condition_numel)
         if blocks.uncond is not None:
             host["uncond"] = pool.read([blocks.uncond], self.adapter.info.condition_numel)
@@ -181,12 +181,6 @@ class ModelRunner:
         if blocks.uncond is not None and blocks.write_uncond:
             self.pool.write([blocks.uncond], host["uncond"])
         state.blocks, state.host = blocks, None
-
-    def _cache_numel(self, state: RequestState) -> int:
-        d = state.data
-        layout = self.adapter.info.cache_layout
-        text = layout.text_tokens_for(d.max_sequence_length, (d.prompt, d.negative_prompt))
-        return layout.row_numel(d.cache, d.height, d.width, text)
 
     def _decode_previews(self, x0: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
         """Partial images: x0 estimates through the VAE, in one call. A failed preview is skipped, not fatal."""

@@ -275,14 +275,12 @@ class ForwardCache:
         for g in self.groups:
             by_request.setdefault(id(g.state), []).append(g)
             if g.computes:
-                write(g.blocks, g.new if g.state.config.method == "first_block" else pool_values(g.new, g.data.dtype))
+                write(g.blocks, pool_values(g.new, g.data.dtype))
         outcome = []
         for groups in by_request.values():
             state, computing = groups[0].state, [g for g in groups if g.computes]
             skipped = sum(len(g.rows) for g in groups if not g.computes)
             outcome.append((state, skipped, sum(len(g.rows) for g in computing)))
-            if not computing:
-                state.cached_steps += 1
             if state.config.method == "mag":
                 state.advance_mag(bool(computing), groups[0].mag_next)
             elif state.config.method == "first_block":
@@ -402,8 +400,7 @@ def forward_cache(spec: CacheSpec, read: Callable[[list[list[int]], int], torch.
     for s, (lo, hi) in zip(states, bounds):
         if s.cache is None:
             continue
-        text_tokens = spec.layout.text_tokens_for(s.data.max_sequence_length, (s.data.prompt, s.data.negative_prompt))
-        numel = spec.layout.row_numel(s.cache.config, height, width, text_tokens)
+        text_tokens = s.cache.text_tokens
         cond = list(range(lo, hi))
         uncond = [num_cond + r for r in cond] if s.data.cfg else []
         blocks = s.blocks.cache  # cond rows first, then uncond rows
@@ -417,6 +414,6 @@ def forward_cache(spec: CacheSpec, read: Callable[[list[list[int]], int], torch.
                 raise ValueError(f"step cache: a text of this request has {longest} tokens, more than the "
                                  f"{text_tokens} its cache state was sized for")
             groups.append(Group(state=s.cache, rows=rows, blocks=row_blocks, step=s.step, text_tokens=text_tokens,
-                                data=read(row_blocks, numel)))
+                                data=read(row_blocks, s.cache.numel)))
     num_rows = num_cond + sum(s.n for s in states if s.data.cfg)
     return ForwardCache(spec, groups, num_rows, spec.layout.image_tokens(height, width))

@@ -4,10 +4,11 @@ step_cache_hooks.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from dvllm.step_cache import CacheConfig
+from dvllm.step_cache import CacheConfig, CacheLayout
 
 
 @dataclass
@@ -15,14 +16,22 @@ class CacheState:
     """One request's step cache on the worker, between steps (its tensors are in the pool)."""
 
     config: CacheConfig
+    text_tokens: int = 0                 # text tokens its state keeps per text (or unified) stream
+    numel: int = 0                       # pool elements one of its rows takes
     primed: bool = False                 # first_block and mag: a residual is kept (step one always computes)
     last_update_step: int | None = None  # taylorseer: the last step that refreshed the factors
     num_orders: int = 0                  # taylorseer: factors valid
-    cached_steps: int = 0
     # mag: MagCacheState's counters, and the calibrated ratios as diffusers interpolates them
     step_index: int = 0
     accumulated: tuple = (1.0, 0, 0.0)   # ratio, steps, error
     mag_ratios: torch.Tensor | None = None
+
+    @classmethod
+    def sized(cls, config: CacheConfig, layout: CacheLayout, data: Any) -> "CacheState":
+        """For a request (NewRequestData), sized once as admission sized its blocks."""
+        text_tokens, numel = layout.request_row(config, data.height, data.width, data.max_sequence_length,
+                                                (data.prompt, data.negative_prompt))
+        return cls(config, text_tokens=text_tokens, numel=numel)
 
     def __post_init__(self) -> None:
         if self.config.method == "mag":
