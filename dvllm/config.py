@@ -64,6 +64,26 @@ class EngineConfig:
                           "taylorseer:cache_interval=4 or mag:mag_ratios=flux (fields of diffusers' "
                           "FirstBlockCacheConfig / TaylorSeerCacheConfig / MagCacheConfig); none by default."},
     )
+    enable_lora: bool = field(
+        default=False,
+        metadata={"help": "Serve LoRA adapters (SamplingParams.loras, load_lora); on whenever lora_modules is "
+                          "given."},
+    )
+    lora_modules: Any = field(
+        default=None,
+        metadata={"help": "LoRA adapters to load at start, as name=path (a folder or .safetensors file in "
+                          "diffusers' LoRA format).", "nargs": "+"},
+    )
+    max_loras: int = field(
+        default=4, metadata={"help": "LoRA adapters resident per worker at once (slots); a request may use this "
+                                     "many together."}
+    )
+    max_lora_rank: int = field(default=64, metadata={"help": "Largest LoRA rank accepted (slots are this wide)."})
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata={"help": "Loaded adapters kept read in host memory; others are read again when a request names "
+                          "them. Default: 2 * max_loras."},
+    )
     max_guidance_scale: float = field(default=100.0, metadata={"help": "Largest guidance_scale accepted."})
     sampler_plan_cache_size: int = field(default=256, metadata={"help": "Sampler schedules kept per (sampler, steps)."})
     state_pool_mb: float | None = field(
@@ -152,6 +172,9 @@ class EngineConfig:
         if isinstance(self.default_cache, str):
             self.default_cache = parse_cache_flag(self.default_cache)
         self.default_cache = parse_cache(self.default_cache)
+        self.lora_modules = _parse_lora_modules(self.lora_modules)
+        if self.lora_modules:
+            self.enable_lora = True
         self.validate()
 
     def validate(self) -> None:
@@ -166,9 +189,9 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("max_batch_size", "max_num_waiting", "max_inference_steps", "max_images_per_prompt",
                      "max_prompt_chars", "sampler_plan_cache_size", "priority_aging_iterations", "num_workers",
-                     "max_decode_batch", "max_cuda_graphs"):
+                     "max_decode_batch", "max_cuda_graphs", "max_loras", "max_lora_rank"):
             _positive_int(name, getattr(self, name))
-        for name in ("max_image_pixels", "max_prompt_chars_per_step"):
+        for name in ("max_image_pixels", "max_prompt_chars_per_step", "max_cpu_loras"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         if not (_is_number(self.max_guidance_scale) and 0 <= self.max_guidance_scale < float("inf")):
@@ -196,6 +219,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
     @property
+    def cpu_lora_cache_size(self) -> int:
+        return self.max_cpu_loras or 2 * self.max_loras
+
+    @property
     def prompt_chars_per_step(self) -> int:
         return self.max_prompt_chars_per_step or 2 * self.max_prompt_chars
 
@@ -210,6 +237,27 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {sorted(names)}")
         return cls(**kwargs)
+
+
+def _parse_lora_modules(value: Any) -> dict[str, str]:
+    """{name: path}, or the flag's ["name=path", ...]."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        pairs = {}
+        for item in value:
+            name, sep, path = item.partition("=") if isinstance(item, str) else ("", "", "")
+            if not (sep and name and path):
+                raise ValueError(f"lora_modules: expected name=path, got {item!r}")
+            if name in pairs:
+                raise ValueError(f"lora_modules: {name!r} is given twice")
+            pairs[name] = path
+        return pairs
+    if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return dict(value)
+    raise ValueError(f"lora_modules must map adapter names to paths, got {value!r}")
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

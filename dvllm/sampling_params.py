@@ -50,6 +50,9 @@ class SamplingParams:
     # Step caching: {"method": "first_block" | "taylorseer" | "mag", **that diffusers config's fields}
     # (step_cache.py); "default": the engine's default_cache; None: none. Resolved to a CacheConfig or None.
     cache: Any = USE_DEFAULT
+    # LoRA adapters loaded into the engine, by name, with their weights: {"style": 0.8, "product": 1.0}
+    # applies each as diffusers' set_adapters(names, adapter_weights) does. None or {}: none.
+    loras: dict[str, float] | None = None
 
     def validate(self) -> None:
         """Checks that need no model; raises ValueError naming the field."""
@@ -85,6 +88,7 @@ class SamplingParams:
         _optional_int("max_sequence_length", self.max_sequence_length, low=1)
         if not _is_default(self.cache):
             parse_cache(self.cache)
+        _check_loras(self.loras)
         if self.eta is not None and (isinstance(self.eta, bool) or not isinstance(self.eta, (int, float))
                                      or not 0 <= self.eta <= 1):
             raise ValueError(f"eta must be a number in [0, 1], got {self.eta!r}")
@@ -130,7 +134,13 @@ class SamplingParams:
             eta=info.default_eta if self.eta is None else float(self.eta),
             max_sequence_length=self.max_sequence_length or info.max_sequence_length,
             cache=cache,
+            loras=dict(sorted(self.loras.items())) if self.loras else None,
         )
+        if resolved.loras and not config.enable_lora:
+            raise ValueError("loras: this engine serves no LoRA adapters (start it with enable_lora or lora_modules)")
+        if resolved.loras and len(resolved.loras) > config.max_loras:
+            raise ValueError(f"loras: {len(resolved.loras)} adapters in one request, but max_loras is "
+                             f"{config.max_loras}")
         if resolved.num_inference_steps > config.max_inference_steps:
             raise ValueError(
                 f"num_inference_steps must be in [1, {config.max_inference_steps}], got {resolved.num_inference_steps}"
@@ -172,6 +182,18 @@ def _check_sequence_length(length: int | None, info: "ModelInfo") -> None:
                          f"only (its text has no mask, so other lengths could not share a forward); got {length}")
     if not low <= length <= high:
         raise ValueError(f"max_sequence_length must be in [{low}, {high}] for the {info.family} family, got {length}")
+
+
+def _check_loras(loras: Any) -> None:
+    if loras is None:
+        return
+    if not isinstance(loras, dict):
+        raise ValueError(f"loras must be an object of adapter name -> weight, got {type(loras).__name__}")
+    for name, weight in loras.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"loras: adapter names must be non-empty strings, got {name!r}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not abs(weight) < float("inf"):
+            raise ValueError(f"loras: the weight of {name!r} must be a finite number, got {weight!r}")
 
 
 def _is_default(cache: Any) -> bool:

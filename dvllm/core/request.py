@@ -14,10 +14,12 @@ from dvllm.outputs import RequestMetrics, RequestOutput
 from dvllm.sampling_params import SamplingParams
 
 
-def prompt_cache_key(role: str, text: str | None, max_sequence_length: int | None = None) -> bytes:
+def prompt_cache_key(role: str, text: str | None, max_sequence_length: int | None = None,
+                     text_loras: tuple[tuple[int, float], ...] = ()) -> bytes:
     """What identifies one text's conditions: its role, text and the request fields that change its
-    encoding (the text length; an adapter would join them)."""
-    payload = json.dumps([role, text, max_sequence_length], ensure_ascii=False).encode("utf-8", "surrogatepass")
+    encoding (the text length; the text-encoder LoRA adapters, by load id, with their weights)."""
+    fields = [role, text, max_sequence_length] + ([[list(a) for a in text_loras]] if text_loras else [])
+    payload = json.dumps(fields, ensure_ascii=False).encode("utf-8", "surrogatepass")
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
@@ -44,6 +46,8 @@ class Request:
     uses_history: bool = False
     cache_blocks: int = 0     # state-pool blocks per model row for its step cache (0: none)
     cached_steps: int = 0     # steps whose remaining blocks it skipped or predicted
+    # its LoRA adapters (dvllm.lora.weights.LoraWeights, held until it finishes) and their weights
+    loras: tuple[tuple[Any, float], ...] = ()
     status: RequestStatus = RequestStatus.WAITING
     num_steps_done: int = 0
     last_scheduled: int = -1  # scheduler iteration it last took a step in
@@ -85,9 +89,23 @@ class Request:
     def cond_keys(self) -> tuple[bytes, bytes | None]:
         """Prompt-cache keys of its conditions (positive, and negative with CFG): digests, so the cache
         holds a few bytes per entry however long the texts are."""
-        length = self.params.max_sequence_length
-        negative = prompt_cache_key("negative", self.params.negative_prompt, length) if self.cfg else None
-        return prompt_cache_key("prompt", self.prompt, length), negative
+        length, text_loras = self.params.max_sequence_length, self.text_loras
+        negative = prompt_cache_key("negative", self.params.negative_prompt, length, text_loras) if self.cfg else None
+        return prompt_cache_key("prompt", self.prompt, length, text_loras), negative
+
+    @property
+    def lora_adapters(self) -> list[Any]:
+        return [weights for weights, _ in self.loras]
+
+    @property
+    def row_loras(self) -> tuple[tuple[int, float], ...]:
+        """(adapter load id, weight) of each adapter: what the worker applies to its rows."""
+        return tuple((weights.uid, weight) for weights, weight in self.loras)
+
+    @property
+    def text_loras(self) -> tuple[tuple[int, float], ...]:
+        """Those of its adapters that change the text encoders: they change its prompt embeddings."""
+        return tuple((weights.uid, weight) for weights, weight in self.loras if weights.has_text_encoder)
 
     @property
     def preview_steps(self) -> frozenset[int]:

@@ -22,6 +22,7 @@ from collections import defaultdict
 
 from dvllm.config import EngineConfig
 from dvllm.core.block_manager import BlockManager
+from dvllm.core.lora_slots import LoraSlots
 from dvllm.core.request import Request, RequestStatus
 from dvllm.core.scheduler_output import BlockTables, NewRequestData, ResumedRequestData, RunnerOutput, SchedulerOutput
 from dvllm.outputs import RequestOutput
@@ -34,6 +35,7 @@ class Scheduler:
         self.by_priority = config.scheduling_policy == "priority"
         self.aging = config.priority_aging_iterations
         self.blocks = block_manager
+        self.lora_slots = LoraSlots(config.max_loras)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -70,7 +72,8 @@ class Scheduler:
         needing `extra_rows` of its shape and `extra_blocks` more were admitted."""
         rows = sum(r.rows for r in self.running if r.shape_key == request.shape_key) + extra_rows
         return (rows + request.rows <= self.max_batch_size
-                and self.blocks.can_allocate(self._blocks_needed(request) + extra_blocks))
+                and self.blocks.can_allocate(self._blocks_needed(request) + extra_blocks)
+                and self.lora_slots.can_place(request.lora_adapters))
 
     @property
     def num_rows_queued(self) -> int:
@@ -85,6 +88,7 @@ class Scheduler:
             request.reset()
         self.requests, self.waiting, self.running = {}, [], []
         self._freed, self._writers = [], {}
+        self.lora_slots = LoraSlots(self.lora_slots.num_slots)  # a new worker starts with empty slots
         return requests
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -142,9 +146,15 @@ class Scheduler:
         # Prompts are tokenized on the step loop when their requests are admitted: bound how many
         # characters one iteration takes on, so long prompts cannot stall everyone's next step.
         chars_budget, admitted_new = self.prompt_chars_per_step, False
+        lora_blocked = False
         for request in list(self.waiting):  # requests preempted below join the queue after this pass
             key = request.shape_key
             if key in blocked:
+                continue
+            if request.loras and (lora_blocked or not self.lora_slots.can_place(request.lora_adapters)):
+                # Its adapters wait for slots that running requests hold; no later LoRA request takes a slot
+                # before it (it would never get one), requests without adapters go on.
+                lora_blocked = True
                 continue
             chars = self._chars_to_encode(request)
             if admitted_new and chars > chars_budget:
@@ -221,6 +231,7 @@ class Scheduler:
 
     def _admit_one(self, request: Request, out: SchedulerOutput) -> None:
         tables = self._allocate(request)
+        out.lora_loads += self.lora_slots.acquire(request.lora_adapters, self.iteration)
         self.waiting.remove(request)
         self.running.append(request)
         request.status = RequestStatus.RUNNING
@@ -267,6 +278,7 @@ class Scheduler:
         for entry in (request.cond_entry, request.uncond_entry):
             if entry is not None:
                 self.blocks.release(entry)
+        self.lora_slots.release(request.lora_adapters, self.iteration)
         request.blocks = request.cond_entry = request.uncond_entry = None
 
     def _pick_batch(self) -> list[Request]:
@@ -285,6 +297,8 @@ class Scheduler:
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         now = time.time()
+        for slot in runner_out.failed_lora_slots:
+            self.lora_slots.forget(slot)
         for request_id, message in runner_out.errors.items():
             request = self.requests.pop(request_id, None)
             if request is None:
@@ -337,6 +351,8 @@ class Scheduler:
             "pool_cached_blocks": self.blocks.num_cached_blocks,
             "prompt_cache_hits": self.blocks.cache_hits,
             "prompt_cache_queries": self.blocks.cache_queries,
+            "lora_slot_loads": self.lora_slots.loads,
+            "loras_resident": self.lora_slots.num_resident,
         }
 
 
@@ -369,4 +385,5 @@ def _new_request_data(request: Request, tables: BlockTables) -> NewRequestData:
         height=p.height, width=p.width, seed=p.seed, guidance_scale=p.guidance_scale, cfg=request.cfg,
         output_type=p.output_type, plan=request.plan, blocks=tables, preview_steps=request.preview_steps,
         image=p.image, max_sequence_length=p.max_sequence_length, cache=p.cache,
+        loras=request.row_loras, text_loras=request.text_loras,
     )

@@ -38,6 +38,8 @@ class NewRequestData:
     image: Any = None  # image-to-image: the start image (PIL, RGB), sent once
     max_sequence_length: int | None = None  # the text encoder's length (None: the pipeline takes none)
     cache: Any = None  # its step cache (dvllm.step_cache.CacheConfig), or None
+    loras: tuple[tuple[int, float], ...] = ()       # (adapter load id, weight): applied to all its rows
+    text_loras: tuple[tuple[int, float], ...] = ()  # those that change the text encoders too
 
 
 @dataclass
@@ -51,7 +53,9 @@ class ResumedRequestData:
 @dataclass
 class SchedulerOutput:
     iteration: int
-    # In this order on the worker: swap out the preempted, then fill the new and the resumed.
+    # In this order on the worker: load LoRA adapters into slots (slot, LoraWeights), swap out the
+    # preempted, then fill the new and the resumed.
+    lora_loads: list[tuple[int, Any]] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     resumed_requests: list[ResumedRequestData] = field(default_factory=list)
@@ -82,5 +86,7 @@ class RunnerOutput:
     # cache rows that skipped and that computed.
     cached_ids: list[str] = field(default_factory=list)
     cache_rows: tuple[int, int] = (0, 0)
+    # LoRA slots the worker could not load an adapter into (left empty; their requests are in errors).
+    failed_lora_slots: list[int] = field(default_factory=list)
     # Wall time of the step on the worker: the driver's round trip minus this is the executor's overhead.
     execute_seconds: float = 0.0

@@ -12,6 +12,7 @@ from dvllm.core.scheduler import Scheduler
 from dvllm.engine.input_processor import InputProcessor
 from dvllm.engine.lanes import Lane, Lanes
 from dvllm.executor import WorkerDied, create_executor
+from dvllm.lora.registry import LoraRegistry
 from dvllm.outputs import RequestOutput
 from dvllm.profiler import PhaseTimer, breakdown
 from dvllm.sampling_params import SamplingParams
@@ -38,7 +39,11 @@ class DiffusionEngine:
             raise
         self.block_numel = self.lanes.block_numel
         pool_blocks = min(self.executor.pool_info(i)[0] for i in range(self.executor.num_workers))
-        self.processor = InputProcessor(self.config, self.model_info, self.block_numel, pool_blocks)
+        self.loras = None
+        if self.config.enable_lora:
+            self.loras = LoraRegistry(self.config.model, self.model_info.name, self.config.max_lora_rank,
+                                      self.config.cpu_lora_cache_size)
+        self.processor = InputProcessor(self.config, self.model_info, self.block_numel, pool_blocks, self.loras)
         self._generate_ids = itertools.count()
         # The one path for outputs not produced by a step: aborts, requests failed while no worker could
         # take them, and others' outputs that generate() saw; step() hands them out first.
@@ -47,6 +52,12 @@ class DiffusionEngine:
         self._timer = PhaseTimer(self.config.profile_steps)  # the driver's phases: scheduling
         self._profiled_steps, self._profiled_seconds = 0, 0.0
         self._check_pool_holds_a_default_request()
+        try:
+            for name, path in self.config.lora_modules.items():
+                self.load_lora(name, path)
+        except BaseException:
+            self.executor.shutdown()
+            raise
 
     @property
     def scheduler(self) -> Scheduler | None:
@@ -106,6 +117,26 @@ class DiffusionEngine:
         if output is not None:
             self._pending.append(output)
         return output is not None
+
+    # -- LoRA adapters -----------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> None:
+        """Reads a LoRA adapter (diffusers' format: a folder or .safetensors file) and makes it available to
+        requests as SamplingParams(loras={name: weight}); ValueError if it cannot serve it. Thread-safe: the
+        reading happens in the caller's thread, and workers load it into a slot when a request needs it."""
+        self._lora_registry().load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forgets an adapter: later requests naming it are refused; those already accepted finish with it."""
+        self._lora_registry().unload(name)
+
+    def list_loras(self) -> list[dict]:
+        """The loaded adapters: name, path, and whether their weights are read in host memory."""
+        return [] if self.loras is None else self.loras.list()
+
+    def _lora_registry(self) -> LoraRegistry:
+        if self.loras is None:
+            raise ValueError("this engine serves no LoRA adapters: create it with enable_lora=True or lora_modules")
+        return self.loras
 
     def has_unfinished_requests(self) -> bool:
         return self.lanes.has_unfinished() or bool(self._pending)

@@ -19,6 +19,7 @@ import numpy as np
 from dvllm.config import EngineConfig
 from dvllm.core.request import Request
 from dvllm.core.scheduler import check_fits
+from dvllm.lora.registry import LoraRegistry
 from dvllm.models.base import ModelInfo
 from dvllm.samplers import SHORT_NAMES, PlanRefused, SamplerPlan, build_plan
 from dvllm.samplers.probe import probe_plan
@@ -27,8 +28,9 @@ from dvllm.sampling_params import SamplingParams, check_text
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, info: ModelInfo, block_numel: int, pool_blocks: int) -> None:
-        self.config, self.info = config, info
+    def __init__(self, config: EngineConfig, info: ModelInfo, block_numel: int, pool_blocks: int,
+                 loras: LoraRegistry | None = None) -> None:
+        self.config, self.info, self.loras = config, info, loras
         if config.default_cache is not None and info.cache_layout is None:
             raise ValueError(f"default_cache: the {info.family} family serves no step caching, so every request "
                              "would be refused; leave default_cache unset for this model")
@@ -50,6 +52,7 @@ class InputProcessor:
         info = self.info
         plan = self.plan(resolved)
         request = Request(
+            loras=self._loras(resolved.loras),
             request_id=request_id, prompt=prompt, params=resolved, num_steps=plan.num_steps,
             cfg=info.uses_cfg(resolved.guidance_scale, resolved.negative_prompt), plan=plan,
             arrival_time=time.time() if arrival_time is None else arrival_time, arrival_seq=next(self._arrivals),
@@ -61,6 +64,14 @@ class InputProcessor:
         )
         check_fits(request, self.config.max_batch_size, self.pool_blocks)
         return request
+
+    def _loras(self, loras: dict[str, float] | None) -> tuple:
+        """Each named adapter's weights (read again here, off the step loop, if out of the host cache)."""
+        if not loras:
+            return ()
+        if self.loras is None:
+            raise ValueError("loras: this engine serves no LoRA adapters (start it with enable_lora or lora_modules)")
+        return tuple((self.loras.get(name), float(weight)) for name, weight in loras.items())
 
     def blocks(self, numel: int) -> int:
         return -(-numel // self.block_numel)

@@ -20,6 +20,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         helptext = _help_with_default(f.metadata.get("help", ""), f.default)
         if kind is bool:
             group.add_argument(flag, action=_BooleanFlag, default=f.default, help=helptext)
+        elif "nargs" in f.metadata:
+            group.add_argument(flag, nargs=f.metadata["nargs"], default=f.default, help=helptext)
         else:
             base = int if kind is int else float if kind is float else str
             group.add_argument(flag, type=base, default=f.default, help=helptext)

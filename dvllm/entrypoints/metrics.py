@@ -94,6 +94,7 @@ class _EngineCollector(Collector):
             "dvllm_num_workers": ("Workers (each with its own model and state pool).", s["num_workers"]),
             "dvllm_num_workers_alive": ("Workers alive; fewer than dvllm_num_workers means degraded.",
                                         s["num_workers_alive"]),
+            "dvllm_loras_resident": ("LoRA adapters in the workers' slots.", s["loras_resident"]),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -120,3 +121,5 @@ class _EngineCollector(Collector):
                                   "step caching skipped or predicted.", value=s["cache_skipped_rows"])
         yield CounterMetricFamily("dvllm_step_cache_computed_rows", "Denoiser rows of caching requests that "
                                   "computed every block.", value=s["cache_computed_rows"])
+        yield CounterMetricFamily("dvllm_lora_slot_loads", "LoRA adapters copied into a worker's slots (a miss: "
+                                  "the adapter was not resident).", value=s["lora_slot_loads"])

@@ -111,7 +111,7 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     adapter_cls = adapter_for(source.pipeline_class)
     pipeline_cls = getattr(importlib.import_module("diffusers"), source.pipeline_class)
     if load_format == "dummy" or source.preset is not None:
-        pipeline = pipeline_cls(**_dummy_components(source, adapter_cls, seed))
+        pipeline = pipeline_cls(**dummy_components(source, adapter_cls, seed))
     else:
         pipeline = pipeline_cls.from_pretrained(
             source.hub_id or source.folder, dtype=dtype, **adapter_cls.load_kwargs
@@ -138,7 +138,7 @@ def _apply_defaults(adapter: ModelAdapter, path: str) -> None:
     adapter.info = dataclasses.replace(adapter.info, **{names[k]: v for k, v in defaults.items()})
 
 
-def _dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed: int) -> dict[str, Any]:
+def dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed: int) -> dict[str, Any]:
     components: dict[str, Any] = {}
     for name, spec in source.model_index.items():
         if name.startswith("_"):

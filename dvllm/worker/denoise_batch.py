@@ -7,6 +7,7 @@ unconditional half of the forward is one contiguous block and no row is indexed.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from dvllm.profiler import PhaseTimer
 from dvllm.samplers import StepRow
 from dvllm.worker.conditions import unflatten
 from dvllm.worker.denoiser import Denoiser
+from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.request_state import RequestState, row_bounds
 from dvllm.worker.state_pool import StatePool
 from dvllm.worker.step_cache_hooks import CacheHooks, forward_cache
@@ -45,10 +47,12 @@ class Batch:
 
 def denoise_step(adapter: ModelAdapter, denoiser: Denoiser, pool: StatePool, states: list[RequestState],
                  errors: dict[str, str], previews: dict[str, torch.Tensor], timer: PhaseTimer,
-                 hooks: CacheHooks | None = None, cached: dict[str, tuple[bool, int, int]] | None = None) -> None:
+                 hooks: CacheHooks | None = None, cached: dict[str, tuple[bool, int, int]] | None = None,
+                 lora: LoraLayers | None = None) -> None:
     """Advance every state by one step. The pool is written only after the forward succeeded.
     Requests due for a preview leave their x0 estimate in `previews`. With step caching (`hooks`),
-    each caching request's outcome goes to `cached`: (step cached, rows skipped, rows computed)."""
+    each caching request's outcome goes to `cached`: (step cached, rows skipped, rows computed).
+    Requests with LoRA adapters get them on all their rows, the unconditional ones too (`lora`)."""
     with timer.phase("gather"):
         batch = gather(adapter, pool, sorted(states, key=lambda s: not s.data.cfg))
         model_in, conditions = model_inputs(adapter, pool, batch)
@@ -62,11 +66,13 @@ def denoise_step(adapter: ModelAdapter, denoiser: Denoiser, pool: StatePool, sta
         mask = conditions.get("prompt_embeds_mask")
         lengths = None if mask is None else (mask > 0.5).sum(dim=1).tolist()
         caching = forward_cache(hooks.spec, pool.read, batch.states, batch.bounds, *size, text_lengths=lengths)
+    row_loras = [s.data.loras for s in batch.states for _ in range(s.n)]
+    row_loras += row_loras[:batch.num_cfg]  # CFG states come first: their rows' unconditional copies
     with timer.phase("forward"):
-        if caching is None:
+        if caching is None and not any(row_loras):
             out = denoiser(model_in, timesteps, conditions, guidance, size)
-        else:  # eager: which rows run the blocks is decided inside the forward
-            with hooks.running(caching):
+        else:  # eager: which rows run the blocks, and with which adapters, is decided inside the forward
+            with (hooks.running(caching) if caching is not None else nullcontext()), lora.running(row_loras):
                 out = adapter.denoise(model_in, timesteps, conditions, guidance, size)
     with timer.phase("update_scatter"):
         update(pool, batch, guide(adapter, batch, out), errors, previews)

@@ -18,7 +18,9 @@ from dvllm.profiler import PhaseTimer
 from dvllm.worker.conditions import flatten
 from dvllm.worker.denoise_batch import denoise_step
 from dvllm.worker.denoiser import Denoiser
+from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.request_state import RequestState, row_bounds
+from dvllm.worker.row_scope import RowScope
 from dvllm.worker.state_pool import StatePool
 from dvllm.worker.step_cache_hooks import CacheHooks
 from dvllm.worker.step_cache_state import CacheState
@@ -29,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, adapter: ModelAdapter, pool: StatePool, denoiser: Denoiser, timer: PhaseTimer,
-                 max_decode_batch: int = 4) -> None:
+                 max_decode_batch: int = 4, max_loras: int = 4, max_lora_rank: int = 64) -> None:
         self.adapter = adapter
         self.max_decode_batch = max_decode_batch
         self.pool = pool
@@ -37,24 +39,30 @@ class ModelRunner:
         self.timer = timer
         self.states: dict[str, RequestState] = {}
         self._cache_hooks: CacheHooks | None = None  # installed on the transformer with the first caching request
+        self.rows = RowScope()  # which rows step caching runs a module on: LoRA layers follow it
+        self.lora = LoraLayers(adapter.pipeline, max_loras, max_lora_rank, self.rows)
 
     @property
     def cache_hooks(self) -> CacheHooks:
         if self._cache_hooks is None:
-            self._cache_hooks = CacheHooks(self.adapter.cache_spec())
+            self._cache_hooks = CacheHooks(self.adapter.cache_spec(), self.rows)
         return self._cache_hooks
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         errors: dict[str, str] = {}
         for request_id in out.freed_ids:
             self.states.pop(request_id, None)
+        failed_loras = self._load_loras(out.lora_loads)
         # Preempted state leaves the pool before anyone writes into the blocks it frees.
         for request_id in out.preempted_ids:
             if request_id in self.states:
                 _per_request([self.states[request_id]], lambda group: self._swap_out(group[0]), errors, "swap-out")
         with self.timer.phase("encode"):
-            unwritten = self._add_requests(out.new_requests, errors)
+            unwritten = _fail_lora_users(out, self.states, failed_loras, errors)
+            unwritten.update(self._add_requests([d for d in out.new_requests if d.request_id not in errors], errors))
             for resumed in out.resumed_requests:
+                if resumed.request_id in errors:
+                    continue
                 _per_request([resumed], self._swap_in, errors, "swap-in")
                 if resumed.request_id in errors:  # it was to refill shared entries: they hold nothing
                     unwritten.update(dict.fromkeys(_written_conditions(resumed.blocks), errors[resumed.request_id]))
@@ -69,7 +77,7 @@ class ModelRunner:
         if batch:
             hooks = self.cache_hooks if any(s.cache is not None for s in batch) else None
             _per_request(batch, lambda group: denoise_step(self.adapter, self.denoiser, self.pool, group, errors, x0,
-                                                           self.timer, hooks, cached),
+                                                           self.timer, hooks, cached, self.lora),
                          errors, "denoise", checkpoint=_rng_checkpoint)
         finishing = set(out.finishing_ids)
         finished = [s for s in batch if s.request_id in finishing and s.request_id not in errors]
@@ -80,8 +88,22 @@ class ModelRunner:
             self.states.pop(request_id, None)
         cached = {k: v for k, v in cached.items() if k not in errors}
         return RunnerOutput(images=images, errors=errors, previews=previews,
+                            failed_lora_slots=[slot for slot, _ in failed_loras.values()],
                             cached_ids=[k for k, (step_cached, _, _) in cached.items() if step_cached],
                             cache_rows=(sum(v[1] for v in cached.values()), sum(v[2] for v in cached.values())))
+
+    def _load_loras(self, loads: list[tuple[int, Any]]) -> dict[int, tuple[int, str]]:
+        """Copies adapters into their slots; returns the load ids that failed -> (their slot, left empty; why)."""
+        failed: dict[int, tuple[int, str]] = {}
+        for slot, weights in loads:
+            try:
+                self.lora.load(slot, weights)
+            except Exception as e:
+                logger.exception("LoRA adapter %r could not be loaded into slot %d", weights.name, slot)
+                self.lora.evict(slot)
+                failed[weights.uid] = (slot, f"LoRA adapter {weights.name!r} could not be loaded on the worker: "
+                                             f"{type(e).__name__}: {e}")
+        return failed
 
     # 1-2. encode prompts (one text-encoder call for all cache misses), prepare latents
     def _add_requests(self, new: list[NewRequestData], errors: dict[str, str]) -> dict[tuple[int, ...], str]:
@@ -121,30 +143,31 @@ class ModelRunner:
 
     def _write_conditions(self, new: list[NewRequestData]) -> dict[tuple[int, ...], str]:
         """Encodes every text whose blocks must be filled (one call); returns failed blocks -> message."""
-        targets: dict[tuple[int, ...], tuple[str | None, bool, int | None]] = {}
+        targets: dict[tuple[int, ...], tuple[str | None, bool, int | None, tuple]] = {}
         for d in new:
             if d.blocks.write_cond:
-                targets[tuple(d.blocks.cond)] = (d.prompt, False, d.max_sequence_length)
+                targets[tuple(d.blocks.cond)] = (d.prompt, False, d.max_sequence_length, d.text_loras)
             if d.cfg and d.blocks.write_uncond:
-                targets[tuple(d.blocks.uncond)] = (d.negative_prompt, True, d.max_sequence_length)
+                targets[tuple(d.blocks.uncond)] = (d.negative_prompt, True, d.max_sequence_length, d.text_loras)
         if not targets:
             return {}
         shapes = self.adapter.info.condition_shapes
         failed: dict[tuple[int, ...], str] = {}
 
-        def encode(texts: list[tuple[str | None, bool, int | None]]) -> None:
+        def encode(texts: list[tuple[str | None, bool, int | None, tuple]]) -> None:
             encoded = {}
-            for length in dict.fromkeys(t[2] for t in texts):  # one encoder call per text length
-                group = [t for t in texts if t[2] == length]
+            for length, loras in dict.fromkeys(t[2:] for t in texts):  # one encoder call per length and adapters
+                group = [t for t in texts if t[2:] == (length, loras)]
                 items = [t[:2] for t in group]
-                # the length only where the family has one: adapters without it keep the one-argument call
-                conditions = self.adapter.encode_prompt(items) if length is None else \
-                    self.adapter.encode_prompt(items, max_sequence_length=length)
+                with self.lora.running([loras] * len(items)):  # every text of the call takes these adapters
+                    # the length only where the family has one: adapters without it keep the one-argument call
+                    conditions = self.adapter.encode_prompt(items) if length is None else \
+                        self.adapter.encode_prompt(items, max_sequence_length=length)
                 encoded.update(zip(group, conditions))
             blocks = [b for b, text in targets.items() if text in encoded]
             self.pool.write([list(b) for b in blocks], torch.cat([flatten(encoded[targets[b]], shapes) for b in blocks]))
 
-        texts = list(dict.fromkeys(targets.values()))  # identical texts are encoded once
+        texts = list(dict.fromkeys(targets.values()))  # identical texts (with the same adapters) are encoded once
         errors: dict[Any, str] = {}
         _per_request(texts, encode, errors, "prompt encoding", key=lambda text: text)
         for b, text in targets.items():
@@ -226,6 +249,22 @@ class ModelRunner:
 
         _per_request(finished, decode, errors, "decode")
         return images
+
+
+def _fail_lora_users(out: SchedulerOutput, states: dict[str, RequestState], failed: dict[int, tuple[int, str]],
+                     errors: dict[str, str]) -> dict[tuple[int, ...], str]:
+    """New and resumed requests whose adapter could not be loaded fail (running ones with it cannot exist:
+    it was loaded for them). Returns the prompt-cache blocks they were to fill, now unwritten."""
+    unwritten: dict[tuple[int, ...], str] = {}
+    if not failed:
+        return unwritten
+    for data in [*out.new_requests, *out.resumed_requests]:
+        loras = data.loras if isinstance(data, NewRequestData) else states[data.request_id].data.loras
+        bad = next((uid for uid, _ in loras if uid in failed), None)
+        if bad is not None:
+            errors[data.request_id] = failed[bad][1]
+            unwritten.update(dict.fromkeys(_written_conditions(data.blocks), errors[data.request_id]))
+    return unwritten
 
 
 def _written_conditions(blocks: Any) -> list[tuple[int, ...]]:

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from dvllm.models.base import CacheSpec
+from dvllm.worker.row_scope import RowScope
 from dvllm.worker.step_cache_state import CacheState, Group, factor_values, pool_values
 
 UNBATCHED_ARGS = frozenset({"image_rotary_emb"})  # positions, shared by every row
@@ -293,8 +294,9 @@ class ForwardCache:
 class CacheHooks:
     """Wraps the spec's blocks and attention modules once; each call consults the running forward."""
 
-    def __init__(self, spec: CacheSpec) -> None:
+    def __init__(self, spec: CacheSpec, rows: RowScope | None = None) -> None:
         self.spec = spec
+        self.rows = rows or RowScope()  # shared with whatever else must know which rows a module runs on
         self.current: ForwardCache | None = None
         last = len(spec.blocks) - 1
         for i, block in enumerate(spec.blocks):
@@ -309,7 +311,7 @@ class CacheHooks:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self.current is None:
                 return original(*args, **kwargs)
-            return hook(self.current, Call(original, signature, args, kwargs))
+            return hook(self.current, Call(original, signature, args, kwargs, self.rows))
 
         module.forward = forward  # an instance attribute: nn.Module.__call__ finds it before the class's
 
@@ -343,6 +345,7 @@ class Call:
     signature: inspect.Signature
     args: tuple
     kwargs: dict
+    rows: RowScope
 
     def run(self) -> Any:
         return self.fn(*self.args, **self.kwargs)
@@ -366,7 +369,8 @@ class Call:
 
         for name, value in list(bound.arguments.items()):
             bound.arguments[name] = cut(name, value)
-        return self.fn(*bound.args, **bound.kwargs)
+        with self.rows.narrow(index):
+            return self.fn(*bound.args, **bound.kwargs)
 
 
 def _put(full: torch.Tensor, part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,8 @@ class Worker:
         self.pool = create_state_pool(config, adapter)
         custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step
         self.timer = PhaseTimer(config.profile_steps, self.device)
-        self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, config.max_decode_batch)
+        self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, config.max_decode_batch,
+                                  config.max_loras, config.max_lora_rank)
 
     def model_info(self) -> ModelInfo:
         return self.runner.adapter.info
