@@ -21,13 +21,22 @@ class LoraSlots:
         self.loads = 0                    # adapters copied into slots, over the worker's life
 
     def can_place(self, adapters: list[LoraWeights]) -> bool:
-        missing = sum(1 for w in adapters if w.uid not in self.uid)
-        return missing <= sum(1 for users in self.users if users == 0) - self._pinned_idle(adapters)
+        return self.shortfall(adapters) <= 0
 
-    def _pinned_idle(self, adapters: list[LoraWeights]) -> int:
-        """Idle slots holding one of `adapters` itself: those are reused, not free for the missing ones."""
+    def shortfall(self, adapters: list[LoraWeights]) -> int:
+        """Slots missing for placing `adapters` now: adapters not resident, less idle slots that hold none
+        of them (an idle slot holding one of them is reused, not free for the others)."""
         wanted = {w.uid for w in adapters}
-        return sum(1 for uid, users in zip(self.uid, self.users) if users == 0 and uid in wanted)
+        missing = sum(1 for uid in wanted if uid not in self.uid)
+        free = sum(1 for uid, users in zip(self.uid, self.users) if users == 0 and uid not in wanted)
+        return missing - free
+
+    def freed_by(self, adapters_of_victims: list[LoraWeights]) -> int:
+        """Slots that would become idle if the running requests holding these adapters left."""
+        held: dict[int, int] = {}
+        for w in adapters_of_victims:
+            held[w.uid] = held.get(w.uid, 0) + 1
+        return sum(1 for uid, users in zip(self.uid, self.users) if users and held.get(uid, 0) == users)
 
     def acquire(self, adapters: list[LoraWeights], iteration: int) -> list[tuple[int, Any]]:
         """Pins the adapters' slots; returns the (slot, weights) the worker must load first."""

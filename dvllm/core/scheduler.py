@@ -151,10 +151,7 @@ class Scheduler:
             key = request.shape_key
             if key in blocked:
                 continue
-            if request.loras and (lora_blocked or not self.lora_slots.can_place(request.lora_adapters)):
-                # Its adapters wait for slots that running requests hold; no later LoRA request takes a slot
-                # before it (it would never get one), requests without adapters go on.
-                lora_blocked = True
+            if request.loras and lora_blocked:
                 continue
             chars = self._chars_to_encode(request)
             if admitted_new and chars > chars_budget:
@@ -162,6 +159,11 @@ class Scheduler:
             if not self._fits(request, rows):
                 preempted = self.by_priority and self._preempt_for(request, rows, out)
                 if not (preempted and self._fits(request, rows)):
+                    if not self.lora_slots.can_place(request.lora_adapters):
+                        # Its adapters wait for slots that running requests hold; no later LoRA request takes a
+                        # slot before it (it would never get one), requests without adapters go on.
+                        lora_blocked = True
+                        continue
                     if not self.blocks.can_allocate(self._blocks_needed(request)):
                         break  # blocks are shared by all shapes: nobody may overtake the head
                     blocked.add(key)  # rows are per shape: later requests of this shape wait behind it
@@ -182,7 +184,8 @@ class Scheduler:
 
     def _fits(self, request: Request, rows: dict) -> bool:
         return (rows[request.shape_key] + request.rows <= self.max_batch_size
-                and self.blocks.can_allocate(self._blocks_needed(request)))
+                and self.blocks.can_allocate(self._blocks_needed(request))
+                and self.lora_slots.can_place(request.lora_adapters))
 
     def _blocks_needed(self, request: Request) -> int:
         """Blocks admission takes out of the free and reclaimable ones: a prompt-cache miss needs new
@@ -196,15 +199,17 @@ class Scheduler:
                          key=self.urgency, reverse=True)
         need_rows = rows[request.shape_key] + request.rows - self.max_batch_size
         need_blocks = self._blocks_needed(request) - self.blocks.num_available
-        chosen, freed_rows, freed_blocks = [], 0, 0
+        need_slots = self.lora_slots.shortfall(request.lora_adapters)
+        chosen, freed_rows, freed_blocks, freed_slots = [], 0, 0, 0
         for victim in victims:
-            if freed_rows >= need_rows and freed_blocks >= need_blocks:
+            if freed_rows >= need_rows and freed_blocks >= need_blocks and freed_slots >= need_slots:
                 break
             chosen.append(victim)
             freed_blocks += victim.private_blocks + self._shared_blocks_freed(victim, chosen, request)
             if victim.shape_key == request.shape_key:
                 freed_rows += victim.rows
-        if freed_rows < need_rows or freed_blocks < need_blocks:
+            freed_slots = self.lora_slots.freed_by([a for r in chosen for a in r.lora_adapters])
+        if freed_rows < need_rows or freed_blocks < need_blocks or freed_slots < need_slots:
             return False
         for victim in chosen:
             self._preempt(victim, rows, out)

@@ -45,7 +45,7 @@ def read_lora(skeleton: Any, name: str, uid: int, path: str, max_rank: int) -> L
     """The adapter at `path` for the skeleton's pipeline; ValueError saying why it cannot be served."""
     key = f"dvllm_{uid}"
     try:
-        with _unplaced_weights_are_errors():
+        with _unplaced_weights_are_errors(key):
             skeleton.load_lora_weights(path, adapter_name=key, low_cpu_mem_usage=True)
         layers = _take_layers(skeleton, key, path)
     except ValueError:
@@ -93,7 +93,7 @@ def _take_layers(skeleton: Any, key: str, path: str) -> dict[str, dict[str, tupl
 
 
 @contextmanager
-def _unplaced_weights_are_errors() -> Iterator[None]:
+def _unplaced_weights_are_errors(key: str) -> Iterator[None]:
     """diffusers only warns about adapter weights that match no module of the model (another model's
     adapter, a module this model lacks); serving the rest would silently differ from what was trained."""
     found: list[str] = []
@@ -101,7 +101,7 @@ def _unplaced_weights_are_errors() -> Iterator[None]:
     class Catch(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             message = record.getMessage()
-            if "unexpected keys" in message or "missing keys" in message:
+            if "unexpected keys" in message or ("missing keys" in message and f".{key}." in message):
                 found.append(message)
 
     handler, logger = Catch(logging.WARNING), logging.getLogger("diffusers")

@@ -1,0 +1,210 @@
+"""Many LoRA adapters in one batch: each request's image equals the diffusers pipeline's for that request
+alone, after `load_lora_weights` for each adapter and `set_adapters(names, adapter_weights)` (LoRA off for
+a request without any), alone and inside one mixed batch; for SD 1.x and SDXL UNets and the Flux and
+Qwen-Image transformers, with adapters made by peft on the tiny pipelines and saved with save_lora_weights.
+
+Two adapters per family: "full" changes the denoiser and every LoRA-loadable text encoder, with alpha 8 at
+rank 4 in its metadata (scale 2); "plain" changes the denoiser only, at rank 8, saved without metadata (so
+alpha = rank, scale 1).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dvllm import DiffusionEngine, SamplingParams
+from lora_utils import allow_peft_for_transformers, make_lora, reference_images
+
+TOL = 1e-3
+P = SamplingParams
+
+
+def _family(tmp_path_factory, name: str, make, text_encoders: tuple[str, ...]) -> dict:
+    pipe = make()
+    folder = tmp_path_factory.mktemp(name)
+    pipe.save_pretrained(folder / "model")
+    denoiser = "unet" if hasattr(pipe, "unet") else "transformer"
+    return {
+        "path": str(folder / "model"), "class": type(pipe).__name__,
+        "adapters": {
+            "full": make_lora(pipe, str(folder / "full"), seed=11, components=(denoiser, *text_encoders)),
+            "plain": make_lora(pipe, str(folder / "plain"), seed=12, rank=8, metadata=False),
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict:
+    from conftest import tiny_flux_pipeline, tiny_qwen_image_pipeline, tiny_sd_pipeline, tiny_sdxl_pipeline
+
+    return {
+        "sd": _family(tmp_path_factory, "lora-sd", tiny_sd_pipeline, ("text_encoder",)),
+        "sdxl": _family(tmp_path_factory, "lora-sdxl", tiny_sdxl_pipeline, ("text_encoder", "text_encoder_2")),
+        "flux": _family(tmp_path_factory, "lora-flux", tiny_flux_pipeline, ("text_encoder",)),
+        "qwen": _family(tmp_path_factory, "lora-qwen", tiny_qwen_image_pipeline, ()),
+    }
+
+
+def _reference(family: dict, prompt: str, p: SamplingParams) -> np.ndarray:
+    import diffusers
+
+    cache = family.setdefault("_pipe", {})
+    if "pipe" not in cache:
+        cache["pipe"] = getattr(diffusers, family["class"]).from_pretrained(family["path"])
+        cache["pipe"].set_progress_bar_config(disable=True)
+    pipe = cache["pipe"]
+    guidance = {"true_cfg_scale": p.guidance_scale} if family["class"] == "QwenImagePipeline" \
+        else {"guidance_scale": p.guidance_scale}
+    return reference_images(pipe, family["adapters"], p.loras, prompt=prompt, negative_prompt=p.negative_prompt,
+                            num_inference_steps=p.num_inference_steps, height=p.height, width=p.width,
+                            num_images_per_prompt=p.n, output_type="np",
+                            generator=torch.Generator("cpu").manual_seed(p.seed), **guidance)
+
+
+def _mixed_batch(name: str) -> list[tuple[str, SamplingParams]]:
+    """No LoRA, one adapter, two with weights, the same adapter at another weight, other steps, guidance
+    and sizes. Qwen-Image runs CFG only with a negative prompt: some requests carry one."""
+    neg = {"negative_prompt": "blurry"} if name == "qwen" else {}
+    base = dict(num_inference_steps=4, guidance_scale=4.0, height=32, width=32, output_type="np")
+    return [
+        ("a red circle", P(**base, seed=1, **neg)),
+        ("a red circle", P(**base, seed=1, loras={"full": 1.0}, **neg)),
+        ("a blue square", P(**{**base, "num_inference_steps": 3}, seed=2, loras={"full": 0.6, "plain": 0.8})),
+        ("a red circle", P(**{**base, "guidance_scale": 2.5}, seed=3, loras={"full": 0.3}, **neg)),
+        ("a green square", P(**{**base, "num_inference_steps": 5}, seed=4, n=2, loras={"plain": 1.2})),
+        ("a red circle", P(**{**base, "height": 16}, seed=5, loras={"full": 1.0, "plain": -0.5}, **neg)),
+    ]
+
+
+def _engine(family: dict, **kwargs) -> DiffusionEngine:
+    return DiffusionEngine(model=family["path"], device="cpu", dtype="float32", lora_modules=family["adapters"],
+                           **{"max_batch_size": 16, **kwargs})
+
+
+def _assert_close(got: list, want, what: str) -> None:
+    assert len(got) == len(want), what
+    for a, b in zip(got, want):
+        diff = float(np.abs(np.asarray(a) - b).max())
+        assert diff <= TOL, f"{what}: max abs diff {diff}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sd", "sdxl", "flux", "qwen"])
+def test_each_request_equals_diffusers_with_its_adapters_alone_and_in_a_mixed_batch(families, name, monkeypatch):
+    allow_peft_for_transformers(monkeypatch)
+    family = families[name]
+    requests = _mixed_batch(name)
+    engine = _engine(family)
+    alone = engine.generate(requests[2][0], requests[2][1], use_tqdm=False)[0]
+    outs = engine.generate([r for r, _ in requests], [p for _, p in requests], use_tqdm=False)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    wants = [_reference(family, prompt, p) for prompt, p in requests]
+    _assert_close(alone.images, wants[2], f"{name}: two adapters, alone")
+    for (prompt, p), out, want in zip(requests, outs, wants):
+        _assert_close(out.images, want, f"{name}: {prompt!r} with loras={p.loras} in the mixed batch")
+    # the adapters do change the image: same prompt and seed with and without
+    change = float(np.abs(outs[1].images[0] - outs[0].images[0]).max())
+    assert change > 0.05, f"{name}: the 'full' adapter changed the image by only {change}"
+    stats = engine.stats()
+    assert stats["loras_resident"] == 2 and stats["lora_slot_loads"] == 2
+    engine.shutdown()
+
+
+def test_text_encoder_adapters_join_the_prompt_cache_key_denoiser_only_ones_do_not(families):
+    family = families["sd"]
+    engine = _engine(family)
+    base = dict(num_inference_steps=2, guidance_scale=4.0, height=32, width=32, output_type="np", seed=1)
+    engine.generate("a red circle", P(**base), use_tqdm=False)
+    before = engine.stats()
+    engine.generate("a red circle", P(**base, loras={"plain": 1.0}), use_tqdm=False)  # denoiser only: shared
+    after_plain = engine.stats()
+    assert after_plain["prompt_cache_hits"] - before["prompt_cache_hits"] == 2  # prompt and negative prompt
+    engine.generate("a red circle", P(**base, loras={"full": 1.0}), use_tqdm=False)
+    after_full = engine.stats()
+    assert after_full["prompt_cache_hits"] == after_plain["prompt_cache_hits"]  # its own embeddings
+    engine.generate("a red circle", P(**base, loras={"full": 0.5}), use_tqdm=False)
+    assert engine.stats()["prompt_cache_hits"] == after_full["prompt_cache_hits"]  # another weight: another key
+    engine.shutdown()
+
+
+def test_one_slot_serves_adapters_in_turn_and_requests_without_loras_never_wait(families):
+    """max_loras=1: the second adapter waits until the first one's request finished (an adapter in use is
+    never evicted), then replaces it; a request without adapters runs alongside either."""
+    family = families["sd"]
+    engine = _engine(family, max_loras=1)
+    base = dict(num_inference_steps=3, guidance_scale=4.0, height=32, width=32, output_type="np")
+    requests = [("a red circle", P(**base, seed=1, loras={"full": 1.0})),
+                ("a blue square", P(**base, seed=2, loras={"plain": 1.0})),
+                ("a green circle", P(**base, seed=3)),
+                ("a red circle", P(**base, seed=4, loras={"full": 0.5}))]
+    for i, (prompt, p) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, p)
+    started, finished, order = {}, {}, []
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            started.setdefault(out.request_id, step)
+            if out.finished:
+                finished[out.request_id] = out
+                order.append(out.request_id)
+    assert all(o.error is None for o in finished.values()), {k: o.error for k, o in finished.items()}
+    assert started["r2"] == started["r0"], "a request without adapters must not wait for a slot"
+    assert started["r1"] > step_of(finished, order, "r0", started), "'plain' waits for 'full' to leave the slot"
+    assert engine.stats()["lora_slot_loads"] == 3  # full, plain, full again
+    for i, (prompt, p) in enumerate(requests):
+        _assert_close(finished[f"r{i}"].images, _reference(family, prompt, p), f"r{i}")
+    engine.shutdown()
+
+
+def step_of(finished: dict, order: list[str], request_id: str, started: dict) -> int:
+    """The step in which a request finished: it started at started[id] and ran its steps one per step."""
+    return started[request_id] + finished[request_id].num_inference_steps - 1
+
+
+def test_unloading_an_adapter_keeps_accepted_requests_and_refuses_new_ones(families):
+    family = families["sd"]
+    engine = _engine(family)
+    p = P(num_inference_steps=3, guidance_scale=4.0, height=32, width=32, output_type="np", seed=1,
+          loras={"plain": 0.7})
+    engine.add_request("accepted", "a red circle", p)
+    engine.step()
+    engine.unload_lora("plain")
+    assert [a["name"] for a in engine.list_loras()] == ["full"]
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'plain'"):
+        engine.add_request("late", "a red circle", p)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    assert final is not None and final.error is None, final
+    _assert_close(final.images, _reference(family, "a red circle", p), "finished after its adapter was unloaded")
+    engine.load_lora("plain", family["adapters"]["plain"])  # the name is free again
+    assert engine.generate("a red circle", p, use_tqdm=False)[0].error is None
+    engine.shutdown()
+
+
+def test_preempted_lora_request_comes_back_with_the_same_image(families):
+    """Preemption unpins its adapter (another may take the slot); readmission loads it again."""
+    family = families["sd"]
+    engine = _engine(family, scheduling_policy="priority", max_loras=1, max_batch_size=2)
+    low = P(num_inference_steps=6, guidance_scale=4.0, height=32, width=32, output_type="np", seed=7,
+            loras={"full": 0.8}, priority=5)
+    engine.add_request("low", "a red circle", low)
+    finals = {}
+    for _ in range(2):
+        engine.step()
+    urgent = P(num_inference_steps=2, guidance_scale=4.0, height=32, width=32, output_type="np", seed=8,
+               loras={"plain": 1.0}, priority=0)
+    engine.add_request("urgent", "a blue square", urgent)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert engine.stats()["num_preemptions"] >= 1
+    assert all(o.error is None for o in finals.values()), {k: o.error for k, o in finals.items()}
+    _assert_close(finals["low"].images, _reference(family, "a red circle", low), "LoRA request after preemption")
+    _assert_close(finals["urgent"].images, _reference(family, "a blue square", urgent), "the urgent one")
+    engine.shutdown()
