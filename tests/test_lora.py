@@ -208,3 +208,162 @@ def test_preempted_lora_request_comes_back_with_the_same_image(families):
     _assert_close(finals["low"].images, _reference(family, "a red circle", low), "LoRA request after preemption")
     _assert_close(finals["urgent"].images, _reference(family, "a blue square", urgent), "the urgent one")
     engine.shutdown()
+
+
+def _kohya_file(folder, pipe, seed: int, alpha: float) -> str:
+    """An adapter in the kohya-ss key style (lora_unet_..., lora_down/lora_up, one `.alpha` per layer), which
+    diffusers converts on load: its alpha comes from the `.alpha` keys, not from metadata."""
+    from safetensors.torch import save_file
+
+    plain = make_lora(pipe, str(folder / "peft"), seed=seed, rank=4, metadata=False)
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for key, value in load_file(f"{plain}/pytorch_lora_weights.safetensors").items():
+        module, _, kind = key.removeprefix("unet.").rpartition(".lora_")
+        name = "lora_unet_" + module.replace(".", "_")
+        tensors[f"{name}.lora_{'down' if kind.startswith('A') else 'up'}.weight"] = value
+        tensors[f"{name}.alpha"] = torch.tensor(alpha)
+    path = str(folder / "kohya.safetensors")
+    save_file(tensors, path)
+    return path
+
+
+def test_alpha_from_kohya_alpha_keys_and_from_metadata_and_else_rank(families, tmp_path, monkeypatch):
+    """Three ways of saying alpha, each as diffusers reads it: an `.alpha` key per layer (here alpha 2 at rank
+    4: scale 0.5), adapter metadata ('full': alpha 8 at rank 4), none ('plain': alpha = rank)."""
+    from conftest import tiny_sd_pipeline
+
+    allow_peft_for_transformers(monkeypatch)
+    family = dict(families["sd"])
+    family["adapters"] = {**family["adapters"], "kohya": _kohya_file(tmp_path, tiny_sd_pipeline(), seed=13, alpha=2.0)}
+    family.pop("_pipe", None)
+    engine = _engine(family)
+    layer = next(iter(engine.loras.get("kohya").layers["unet"].values()))
+    full = next(iter(engine.loras.get("full").layers["unet"].values()))
+    assert layer[0].shape[0] == 4 and full[0].shape[0] == 4
+    base = dict(num_inference_steps=3, guidance_scale=4.0, height=32, width=32, output_type="np")
+    requests = [("a red circle", P(**base, seed=1, loras={"kohya": 1.0})),
+                ("a red circle", P(**base, seed=1, loras={"kohya": 0.5, "full": 0.5}))]
+    outs = engine.generate([r for r, _ in requests], [p for _, p in requests], use_tqdm=False)
+    for (prompt, p), out in zip(requests, outs):
+        assert out.error is None, out.error
+        _assert_close(out.images, _reference(family, prompt, p), f"loras={p.loras}")
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["first_block", "taylorseer"])
+def test_lora_rows_follow_step_caching_inside_the_forward(tmp_path, method, monkeypatch):
+    """With step caching, some rows leave the batch inside the forward; each remaining row must still get
+    its own adapters. A cached LoRA request equals the pipeline with the same adapter and enable_cache."""
+    import diffusers
+    from conftest import tiny_flux_pipeline
+
+    from dvllm.step_cache import parse_cache
+
+    pipe = tiny_flux_pipeline(num_layers=2, num_single_layers=2)
+    pipe.save_pretrained(tmp_path / "model")
+    adapters = {"full": make_lora(pipe, str(tmp_path / "full"), seed=21, components=("transformer",)),
+                "plain": make_lora(pipe, str(tmp_path / "plain"), seed=22, rank=8, metadata=False)}
+    cache = {"method": method, "threshold": 0.21} if method == "first_block" else {"method": method}
+    base = dict(num_inference_steps=8, guidance_scale=3.5, height=32, width=32, output_type="np")
+    requests = [("a red circle", P(**base, seed=1, cache=cache, loras={"full": 1.0})),
+                ("a blue square", P(**base, seed=2, cache=cache)),
+                ("a red circle", P(**base, seed=3, loras={"plain": 0.7, "full": 0.4})),
+                ("a green circle", P(**base, seed=4, cache=cache, loras={"plain": 1.0}))]
+    engine = DiffusionEngine(model=str(tmp_path / "model"), device="cpu", dtype="float32", lora_modules=adapters)
+    outs = engine.generate([r for r, _ in requests], [p for _, p in requests], use_tqdm=False)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    assert any(o.metrics.cached_steps for o in outs), "some steps must be cached for the test to mean anything"
+    for (prompt, p), out in zip(requests, outs):
+        ref = diffusers.FluxPipeline.from_pretrained(tmp_path / "model")
+        ref.set_progress_bar_config(disable=True)
+        if isinstance(p.cache, dict):
+            ref.transformer.enable_cache(parse_cache(p.cache).diffusers_config())
+        want = reference_images(ref, adapters, p.loras, prompt=prompt, num_inference_steps=p.num_inference_steps,
+                                height=p.height, width=p.width, guidance_scale=p.guidance_scale, output_type="np",
+                                generator=torch.Generator("cpu").manual_seed(p.seed))
+        _assert_close(out.images, want, f"{method}: loras={p.loras} cache={p.cache}")
+    engine.shutdown()
+
+
+def _bad_lora_folder(folder, tensors: dict) -> str:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "pytorch_lora_weights.safetensors"))
+    return str(folder)
+
+
+def test_adapters_this_model_cannot_serve_are_value_errors_naming_why(families, tmp_path):
+    from safetensors.torch import load_file
+
+    family = families["sd"]
+    engine = DiffusionEngine(model=family["path"], device="cpu", dtype="float32", max_lora_rank=4,
+                             lora_modules={"full": family["adapters"]["full"]})  # "plain" has rank 8
+    with pytest.raises(ValueError, match="rank 8, more than max_lora_rank=4"):
+        engine.load_lora("wide", family["adapters"]["plain"])
+    with pytest.raises(ValueError, match="does not exist"):
+        engine.load_lora("gone", str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="not a LoRA adapter|no LoRA weights"):
+        engine.load_lora("junk", _bad_lora_folder(tmp_path / "junk", {"some.weight": torch.ones(3, 3)}))
+    with pytest.raises(ValueError, match="not a LoRA adapter|no LoRA weights|does not have"):
+        engine.load_lora("other-model", families["flux"]["adapters"]["plain"])
+    tensors = load_file(f"{family['adapters']['full']}/pytorch_lora_weights.safetensors")
+    a, b = next((tensors[k], tensors[k.replace("lora_A", "lora_B")]) for k in tensors
+                if k.startswith("unet.") and "lora_A" in k)
+    extra = {**tensors, "unet.no_such_block.to_q.lora_A.weight": a.clone(),
+             "unet.no_such_block.to_q.lora_B.weight": b.clone()}
+    with pytest.raises(ValueError, match="no_such_block"):
+        engine.load_lora("extra", _bad_lora_folder(tmp_path / "extra", extra))
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.load_lora("full", family["adapters"]["full"])
+    with pytest.raises(ValueError, match="LoRA name"):
+        engine.load_lora("bad name/", family["adapters"]["full"])
+    with pytest.raises(ValueError, match="no LoRA adapter named 'nope'"):
+        engine.unload_lora("nope")
+    assert sorted(a["name"] for a in engine.list_loras()) == ["full"]  # every failed load left nothing behind
+    p = dict(num_inference_steps=2, height=32, width=32, output_type="np")
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'"):
+        engine.generate("x", P(**p, loras={"nope": 1.0}), use_tqdm=False)
+    for weight in (float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="loras: the weight of 'full'"):
+            engine.generate("x", P(**p, loras={"full": weight}), use_tqdm=False)
+    with pytest.raises(ValueError, match="loras must be an object"):
+        engine.generate("x", P(**p, loras=["full"]), use_tqdm=False)
+    engine.shutdown()
+
+
+def test_too_many_adapters_and_loras_without_lora_serving_are_refused(families):
+    family = families["sd"]
+    engine = _engine(family, max_loras=1)
+    p = dict(num_inference_steps=2, height=32, width=32, output_type="np")
+    with pytest.raises(ValueError, match="2 adapters in one request, but max_loras is 1"):
+        engine.generate("x", P(**p, loras={"full": 1.0, "plain": 1.0}), use_tqdm=False)
+    engine.shutdown()
+    plain = DiffusionEngine(model=family["path"], device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="serves no LoRA adapters"):
+        plain.generate("x", P(**p, loras={"full": 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="serves no LoRA adapters"):
+        plain.load_lora("full", family["adapters"]["full"])
+    assert plain.list_loras() == []
+    plain.shutdown()
+
+
+def test_a_failed_load_does_not_disturb_running_requests(families, tmp_path):
+    family = families["sd"]
+    engine = _engine(family)
+    p = P(num_inference_steps=3, guidance_scale=4.0, height=32, width=32, output_type="np", seed=1,
+          loras={"full": 1.0})
+    engine.add_request("running", "a red circle", p)
+    engine.step()
+    with pytest.raises(ValueError):
+        engine.load_lora("junk", _bad_lora_folder(tmp_path / "junk", {"x": torch.ones(2)}))
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    assert final.error is None
+    _assert_close(final.images, _reference(family, "a red circle", p), "request running across a failed load")
+    engine.shutdown()

@@ -19,6 +19,10 @@ import torch
 TEXT_ENCODER_PREFIX = "text_encoder"  # text_encoder, text_encoder_2: adapters there change prompt embeddings
 
 
+class _Refused(ValueError):
+    """dvllm's own refusal, already worded for the user."""
+
+
 @dataclass(eq=False)
 class LoraWeights:
     name: str
@@ -48,7 +52,7 @@ def read_lora(skeleton: Any, name: str, uid: int, path: str, max_rank: int) -> L
         with _unplaced_weights_are_errors(key):
             skeleton.load_lora_weights(path, adapter_name=key, low_cpu_mem_usage=True)
         layers = _take_layers(skeleton, key, path)
-    except ValueError:
+    except _Refused:
         raise
     except Exception as e:  # a missing file, a file that is no LoRA, shapes of another model...
         raise ValueError(f"{path!r} is not a LoRA adapter this {type(skeleton).__name__} can load: "
@@ -78,15 +82,15 @@ def _take_layers(skeleton: Any, key: str, path: str) -> dict[str, dict[str, tupl
                 continue
             where = f"{component}.{module_name}"
             if module.use_dora.get(key) or getattr(module, "lora_bias", {}).get(key):
-                raise ValueError(f"{path!r}: {where} is a DoRA / biased LoRA layer, which dvllm does not serve")
+                raise _Refused(f"{path!r}: {where} is a DoRA / biased LoRA layer, which dvllm does not serve")
             base = module.get_base_layer()
             if key not in module.lora_A or not isinstance(base, torch.nn.Linear):
-                raise ValueError(f"{path!r}: {where} is a {type(base).__name__}; dvllm applies LoRA to Linear "
+                raise _Refused(f"{path!r}: {where} is a {type(base).__name__}; dvllm applies LoRA to Linear "
                                  "layers only (not convolutions or embeddings)")
             a, b = module.lora_A[key].weight, module.lora_B[key].weight
             scale = module.scaling[key]
             if not math.isfinite(scale):
-                raise ValueError(f"{path!r}: {where} has a non-finite alpha / rank ({scale})")
+                raise _Refused(f"{path!r}: {where} has a non-finite alpha / rank ({scale})")
             layers.setdefault(component, {})[module_name] = (a.detach().float().clone(),
                                                              (b.detach().float() * scale).contiguous())
     return layers
@@ -111,4 +115,4 @@ def _unplaced_weights_are_errors(key: str) -> Iterator[None]:
     finally:
         logger.removeHandler(handler)
     if found:
-        raise ValueError(f"LoRA weights for modules this model does not have: {found[0][:500]}")
+        raise _Refused(f"LoRA weights for modules this model does not have: {found[0][:500]}")
