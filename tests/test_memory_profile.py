@@ -71,6 +71,20 @@ def test_cuda_graphs_and_padded_batches_are_counted(adapter, monkeypatch):
     assert dict(recorded.calls)["denoise"][0] == 8  # 5 rows are padded to the bucket of 8
 
 
+def test_lora_slot_tables_are_held_back_at_their_largest(adapter, monkeypatch):
+    """Every Linear layer of the UNet and the text encoder, in max_loras slots of max_lora_rank."""
+    import torch
+
+    recorded = Recorded(adapter, monkeypatch)
+    peaks = {"encode_prompt": 1 * GIB, "denoise": 2 * GIB, "decode": 1 * GIB}
+    config = EngineConfig(max_batch_size=2, max_image_pixels=32 * 32, enable_lora=True, max_loras=3, max_lora_rank=8)
+    pipe = adapter.pipeline
+    linears = [m for model in (pipe.unet, pipe.text_encoder) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    tables = 3 * 8 * 4 * sum(m.in_features + m.out_features for m in linears)  # float32
+    budget = gpu_pool_bytes(adapter, config, FakeMemory(recorded, peaks, free=70 * GIB, total=80 * GIB))
+    assert budget == int(80 * GIB * 0.9) - 10 * GIB - 2 * GIB - tables
+
+
 def test_a_worst_step_that_leaves_nothing_is_refused_naming_the_knobs(adapter, monkeypatch):
     recorded = Recorded(adapter, monkeypatch)
     peaks = {"encode_prompt": 1 * GIB, "denoise": 9 * GIB, "decode": 2 * GIB}

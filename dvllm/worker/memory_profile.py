@@ -8,6 +8,9 @@ the largest size max_image_pixels allows, and the VAE on a decode chunk (max_dec
 that size; the runner never decodes more at once). Each is run once here on zeros and its peak taken;
 the pool gets what is left under the largest. CUDA graphs share one memory pool (worker/denoiser.py),
 whose size is at most one forward's activations: that much more is held back when they are on.
+With LoRA serving on, the slot tables (worker/lora_layers.py) are held back too, at their largest: every
+Linear layer an adapter could change, max_loras slots of max_lora_rank (they are allocated as adapters
+first touch each layer, so what they will grow to is counted before the pool takes the rest).
 """
 from __future__ import annotations
 
@@ -90,23 +93,40 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
     return peaks
 
 
+def lora_table_bytes(adapter: ModelAdapter, config: EngineConfig) -> int:
+    """The most the LoRA slot tables can grow to: A and B of max_lora_rank for every Linear layer of every
+    LoRA-loadable component, in each of max_loras slots (0 without LoRA serving)."""
+    if not config.enable_lora:
+        return 0
+    per_rank = 0
+    for name in getattr(type(adapter.pipeline), "_lora_loadable_modules", ()):
+        model = getattr(adapter.pipeline, name, None)
+        if isinstance(model, torch.nn.Module):
+            per_rank += sum((m.in_features + m.out_features) * m.weight.element_size()
+                            for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return per_rank * config.max_lora_rank * config.max_loras
+
+
 def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory) -> int:
     """What the state pool may take on this GPU; ValueError when the worst step leaves nothing."""
     peaks = step_peaks(adapter, config, memory)
     graphs = peaks["denoise"] if config.cuda_graph else 0
+    loras = lora_table_bytes(adapter, config)
     free, total = memory.free_and_total()
     used = total - free  # the weights, the CUDA context, anything else on the device
-    budget = int(total * config.gpu_memory_utilization) - used - max(peaks.values()) - graphs
+    budget = int(total * config.gpu_memory_utilization) - used - max(peaks.values()) - graphs - loras
     gib = 2**30
-    logger.info("worst step: %s GiB peak (encode %.2f, denoise %.2f, decode %.2f)%s; %.2f GiB in use",
+    logger.info("worst step: %s GiB peak (encode %.2f, denoise %.2f, decode %.2f)%s%s; %.2f GiB in use",
                 f"{max(peaks.values()) / gib:.2f}", peaks["encode"] / gib, peaks["denoise"] / gib,
-                peaks["decode"] / gib, f", CUDA graphs {graphs / gib:.2f}" if graphs else "", used / gib)
+                peaks["decode"] / gib, f", CUDA graphs {graphs / gib:.2f}" if graphs else "",
+                f", LoRA slots {loras / gib:.2f}" if loras else "", used / gib)
     if budget <= 0:
         raise ValueError(
             f"no GPU memory left for the state pool: the model uses {used / gib:.1f} GiB and its worst step "
             f"{max(peaks.values()) / gib:.1f} GiB more ({', '.join(f'{k} {v / gib:.1f}' for k, v in peaks.items())})"
-            f"{f' plus {graphs / gib:.1f} for CUDA graphs' if graphs else ''}, of {total / gib:.1f} GiB with "
+            f"{f' plus {graphs / gib:.1f} for CUDA graphs' if graphs else ''}"
+            f"{f' plus {loras / gib:.1f} for LoRA slots' if loras else ''}, of {total / gib:.1f} GiB with "
             f"gpu_memory_utilization={config.gpu_memory_utilization}; raise it, or lower max_batch_size, "
-            "max_image_pixels or max_decode_batch"
+            f"max_image_pixels or max_decode_batch{' (or max_loras, max_lora_rank)' if loras else ''}"
         )
     return budget
