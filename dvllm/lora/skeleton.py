@@ -21,8 +21,7 @@ def skeleton_pipeline(model: str | None) -> Any:
     source = resolve_model(model)
     adapter_cls = adapter_for(source.pipeline_class)
     pipeline_cls = getattr(importlib.import_module("diffusers"), source.pipeline_class)
-    with torch.device("meta"):
-        components = dummy_components(source, adapter_cls, seed=0)
+    components = dummy_components(source, adapter_cls, seed=0, meta=True)
     for component in components.values():
         if isinstance(component, torch.nn.Module):
             _hollow(component)

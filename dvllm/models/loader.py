@@ -6,6 +6,7 @@ always load that way.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -138,7 +139,10 @@ def _apply_defaults(adapter: ModelAdapter, path: str) -> None:
     adapter.info = dataclasses.replace(adapter.info, **{names[k]: v for k, v in defaults.items()})
 
 
-def dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed: int) -> dict[str, Any]:
+def dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed: int,
+                     meta: bool = False) -> dict[str, Any]:
+    """Every component from its config, with seeded random weights (meta: the models on the meta device,
+    no weights at all; tokenizers and schedulers as usual)."""
     components: dict[str, Any] = {}
     for name, spec in source.model_index.items():
         if name.startswith("_"):
@@ -151,7 +155,8 @@ def dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed:
             components[name] = None
             continue
         cls = getattr(importlib.import_module(library), class_name)
-        with torch.random.fork_rng(devices=[]):
+        on_meta = meta and isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+        with torch.random.fork_rng(devices=[]), (torch.device("meta") if on_meta else contextlib.nullcontext()):
             # each component's own reproducible weights: no two components share a stream
             torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             components[name] = _build_component(cls, name, source)
