@@ -1,7 +1,8 @@
 """Many LoRA adapters in one batch: each request's image equals the diffusers pipeline's for that request
 alone, after `load_lora_weights` for each adapter and `set_adapters(names, adapter_weights)` (LoRA off for
-a request without any), alone and inside one mixed batch; for SD 1.x and SDXL UNets and the Flux and
-Qwen-Image transformers, with adapters made by peft on the tiny pipelines and saved with save_lora_weights.
+a request without any), alone and inside one mixed batch; for SD 1.x and SDXL UNets and the Flux,
+Qwen-Image, SD3 and Z-Image transformers, with adapters made by peft on the tiny pipelines and saved with
+save_lora_weights.
 
 Two adapters per family: "full" changes the denoiser and every LoRA-loadable text encoder, with alpha 8 at
 rank 4 in its metadata (scale 2); "plain" changes the denoiser only, at rank 8, saved without metadata (so
@@ -36,13 +37,16 @@ def _family(tmp_path_factory, name: str, make, text_encoders: tuple[str, ...]) -
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict:
-    from conftest import tiny_flux_pipeline, tiny_qwen_image_pipeline, tiny_sd_pipeline, tiny_sdxl_pipeline
+    from conftest import (tiny_flux_pipeline, tiny_qwen_image_pipeline, tiny_sd3_pipeline, tiny_sd_pipeline,
+                          tiny_sdxl_pipeline, tiny_z_image_pipeline)
 
     return {
         "sd": _family(tmp_path_factory, "lora-sd", tiny_sd_pipeline, ("text_encoder",)),
         "sdxl": _family(tmp_path_factory, "lora-sdxl", tiny_sdxl_pipeline, ("text_encoder", "text_encoder_2")),
         "flux": _family(tmp_path_factory, "lora-flux", tiny_flux_pipeline, ("text_encoder",)),
         "qwen": _family(tmp_path_factory, "lora-qwen", tiny_qwen_image_pipeline, ()),
+        "sd3": _family(tmp_path_factory, "lora-sd3", tiny_sd3_pipeline, ("text_encoder", "text_encoder_2")),
+        "z-image": _family(tmp_path_factory, "lora-z-image", tiny_z_image_pipeline, ()),
     }
 
 
@@ -90,7 +94,7 @@ def _assert_close(got: list, want, what: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sd", "sdxl", "flux", "qwen"])
+@pytest.mark.parametrize("name", ["sd", "sdxl", "flux", "qwen", "sd3", "z-image"])
 def test_each_request_equals_diffusers_with_its_adapters_alone_and_in_a_mixed_batch(families, name, monkeypatch):
     allow_peft_for_transformers(monkeypatch)
     family = families[name]
