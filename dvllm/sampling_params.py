@@ -22,6 +22,7 @@ SEED_LIMIT = 2**63
 RANDOM_SEED_LIMIT = 2**53
 PRIORITY_LIMIT = 2**31  # priority is a 32-bit signed integer
 MAX_SAMPLER_CHARS = 128
+MAX_LORA_WEIGHT = 100.0  # as ComfyUI's LoRA strength; far past it the images are NaN, not stronger
 
 
 @dataclass
@@ -134,7 +135,7 @@ class SamplingParams:
             eta=info.default_eta if self.eta is None else float(self.eta),
             max_sequence_length=self.max_sequence_length or info.max_sequence_length,
             cache=cache,
-            loras=dict(sorted(self.loras.items())) if self.loras else None,
+            loras={name: float(w) for name, w in sorted(self.loras.items())} if self.loras else None,
         )
         if resolved.loras and not config.enable_lora:
             raise ValueError("loras: this engine serves no LoRA adapters (start it with enable_lora or lora_modules)")
@@ -192,8 +193,13 @@ def _check_loras(loras: Any) -> None:
     for name, weight in loras.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"loras: adapter names must be non-empty strings, got {name!r}")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not abs(weight) < float("inf"):
-            raise ValueError(f"loras: the weight of {name!r} must be a finite number, got {weight!r}")
+        try:
+            number = None if isinstance(weight, bool) else float(weight) if isinstance(weight, (int, float)) else None
+        except OverflowError:  # an integer too large for a float
+            number = None
+        if number is None or not abs(number) <= MAX_LORA_WEIGHT:
+            raise ValueError(f"loras: the weight of {name!r} must be a number in [-{MAX_LORA_WEIGHT:g}, "
+                             f"{MAX_LORA_WEIGHT:g}], got {weight!r}"[:300])
 
 
 def _is_default(cache: Any) -> bool:

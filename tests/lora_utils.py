@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 DENOISER_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-                    "proj_mlp", "linear_1", "linear_2", "time_emb_proj", "ff.net.2"]
+                    "proj_mlp", "linear_1", "linear_2", "time_emb_proj", "ff.net.2", "proj_in", "conv2"]
 TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 
 

@@ -123,6 +123,21 @@ class AsyncDiffusionEngine:
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id, None)
 
+    # -- LoRA adapters ---------------------------------------------------------------
+    # The engine's registry is thread-safe and reads adapters in the caller's thread: a worker thread
+    # here, so the event loop keeps serving and the step loop keeps stepping while one is read.
+    async def load_lora(self, name: str, path: str) -> None:
+        """Reads and registers an adapter (seconds for a large one); ValueError if it cannot be served."""
+        await asyncio.to_thread(self.engine.load_lora, name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Forgets an adapter; requests already accepted with it finish with it. ValueError if unknown."""
+        await asyncio.to_thread(self.engine.unload_lora, name)
+
+    def list_loras(self) -> list[dict]:
+        """The loaded adapters ({"name", "path", "in_host_cache"}); quick, safe on the event loop."""
+        return self.engine.list_loras()
+
     def stats(self) -> dict:
         """The engine's counters as of its latest step (a snapshot taken on the loop thread), with
         one entry per worker under "workers"."""

@@ -71,7 +71,10 @@ class InputProcessor:
             return ()
         if self.loras is None:
             raise ValueError("loras: this engine serves no LoRA adapters (start it with enable_lora or lora_modules)")
-        return tuple((self.loras.get(name), float(weight)) for name, weight in loras.items())
+        try:
+            return tuple((self.loras.get(name), weight) for name, weight in loras.items())
+        except ValueError as e:
+            raise ValueError(f"loras: {e}") from None
 
     def blocks(self, numel: int) -> int:
         return -(-numel // self.block_numel)

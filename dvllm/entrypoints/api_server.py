@@ -1,10 +1,11 @@
 """`dvllm serve`: a FastAPI app speaking the OpenAI Images API in front of an AsyncDiffusionEngine.
 
-Routes: POST /v1/images/generations, GET /v1/images/{id}, GET /v1/models[/{model}], GET /health,
-GET /metrics, GET /version. Errors always in OpenAI's shape. With an API key, every /v1 route
-needs `Authorization: Bearer <key>` except GET /v1/images/{id}, whose random id is the credential
-(so image URLs work in a browser, as OpenAI's signed URLs do); /health, /metrics and /version stay
-open for probes and scrapers.
+Routes: POST /v1/images/generations, POST /v1/images/edits, GET /v1/images/{id}, GET /v1/models[/{model}]
+(the base model and each loaded LoRA adapter), GET /health, GET /metrics, GET /version; with
+--allow-runtime-lora-updating also vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter. Errors
+always in OpenAI's shape. With an API key, every /v1 route needs `Authorization: Bearer <key>` except
+GET /v1/images/{id}, whose random id is the credential (so image URLs work in a browser, as OpenAI's
+signed URLs do); /health, /metrics and /version stay open for probes and scrapers.
 """
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ import dvllm
 from dvllm.engine.async_engine import AsyncDiffusionEngine
 from dvllm.entrypoints.image_store import ImageStore
 from dvllm.entrypoints.metrics import ServerMetrics
-from dvllm.entrypoints.protocol import APIError, ModelCard, ModelList
+from dvllm.entrypoints.protocol import APIError, LoadLoraAdapterRequest, ModelCard, ModelList, UnloadLoraAdapterRequest
 from dvllm.entrypoints.serving_edits import create_edit
-from dvllm.entrypoints.serving_images import ServerContext, create_images
+from dvllm.entrypoints.serving_images import ServerContext, create_images, read_json_body
 
 logger = logging.getLogger(__name__)
 _HTTP_ERROR_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
@@ -44,7 +45,8 @@ _HTTP_ERROR_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_
 
 def build_app(engine: AsyncDiffusionEngine, args: argparse.Namespace) -> FastAPI:
     """The app for one engine. Reads served_model_name, api_key, max_queue_len, request_timeout,
-    max_body_mb, image_store_size and shutdown_grace from args (missing ones take defaults)."""
+    max_body_mb, image_store_size, shutdown_grace and allow_runtime_lora_updating from args (missing ones
+    take defaults)."""
     ctx = ServerContext(
         engine=engine,
         model_name=getattr(args, "served_model_name", None) or engine.model_info.name,
@@ -79,7 +81,7 @@ def build_app(engine: AsyncDiffusionEngine, args: argparse.Namespace) -> FastAPI
                            allow_headers=getattr(args, "allowed_headers", None) or ["*"],
                            allow_credentials=getattr(args, "allow_credentials", False))
     _add_error_handlers(app)
-    app.include_router(_v1_routes(ctx))
+    app.include_router(_v1_routes(ctx, getattr(args, "allow_runtime_lora_updating", False)))
     app.include_router(_open_routes(ctx))
     return app
 
@@ -112,7 +114,7 @@ async def drain(ctx: ServerContext, grace: float) -> None:
         await asyncio.sleep(0.02)
 
 
-def _v1_routes(ctx: ServerContext) -> APIRouter:
+def _v1_routes(ctx: ServerContext, lora_updates: bool = False) -> APIRouter:
     async def require_api_key(request: Request) -> None:
         if ctx.api_key is None:
             return
@@ -134,13 +136,17 @@ def _v1_routes(ctx: ServerContext) -> APIRouter:
 
     @guarded.get("/v1/models")
     async def list_models() -> dict:
-        return ModelList(data=[ModelCard(id=ctx.model_name, created=ctx.created)]).model_dump()
+        return ModelList(data=_model_cards(ctx)).model_dump(exclude_none=True)
 
     @guarded.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict:
-        if model != ctx.model_name:
-            raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
-        return ModelCard(id=ctx.model_name, created=ctx.created).model_dump()
+        for card in _model_cards(ctx):
+            if card.id == model:
+                return card.model_dump(exclude_none=True)
+        raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+
+    if lora_updates:  # off by default: it lets clients make the server read files at paths they name
+        guarded.include_router(_lora_routes(ctx))
 
     @router.get("/v1/images/{image_id}")
     async def get_image(image_id: str) -> Response:
@@ -155,6 +161,58 @@ def _v1_routes(ctx: ServerContext) -> APIRouter:
 
     router.include_router(guarded)
     return router
+
+
+def _model_cards(ctx: ServerContext) -> list[ModelCard]:
+    """The served model, then each loaded LoRA adapter with its path and the base model (vLLM's shape)."""
+    adapters = [ModelCard(id=lora["name"], created=ctx.created, root=lora["path"], parent=ctx.model_name)
+                for lora in ctx.engine.list_loras()]
+    return [ModelCard(id=ctx.model_name, created=ctx.created), *adapters]
+
+
+def _lora_routes(ctx: ServerContext) -> APIRouter:
+    """vLLM's runtime adapter updates. Reading an adapter runs in a worker thread (AsyncDiffusionEngine),
+    so running requests keep stepping and streaming meanwhile."""
+    router = APIRouter()
+
+    @router.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        req = LoadLoraAdapterRequest.parse(await read_json_body(request, ctx.max_body_bytes))
+        if req.lora_name == ctx.model_name:  # `model` would name the base model, never the adapter
+            raise APIError(400, f"The LoRA name '{req.lora_name}' is the served model's name; choose another.",
+                           param="lora_name", code="invalid_value")
+        try:
+            await ctx.engine.load_lora(req.lora_name, req.lora_path)
+        except ValueError as e:
+            raise _lora_error(e, "lora_path") from None
+        logger.info("loaded LoRA adapter %r from %r", req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @router.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        req = UnloadLoraAdapterRequest.parse(await read_json_body(request, ctx.max_body_bytes))
+        try:
+            await ctx.engine.unload_lora(req.lora_name)
+        except ValueError as e:
+            raise _lora_error(e, "lora_name") from None
+        logger.info("unloaded LoRA adapter %r", req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    return router
+
+
+# The engine's load/unload messages that are about the adapter's name (the others are about its path).
+_LORA_NAME_ERRORS = ("LoRA name", "a LoRA adapter named", "no LoRA adapter named")
+
+
+def _lora_error(error: ValueError, param: str) -> APIError:
+    message = str(error)
+    if message.startswith("this engine serves no LoRA adapters"):
+        return APIError(400, "This server serves no LoRA adapters: start it with --enable-lora or --lora-modules.",
+                        code="lora_not_enabled")
+    if message.startswith(_LORA_NAME_ERRORS):
+        param = "lora_name"
+    return APIError(400, message, param=param, code="invalid_value")
 
 
 def _open_routes(ctx: ServerContext) -> APIRouter:

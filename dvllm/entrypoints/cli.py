@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import dvllm
 from dvllm.config import EngineConfig
 from dvllm.entrypoints.cli_args import add_engine_args, engine_kwargs
-from dvllm.entrypoints.generate_jobs import Job, process, read_jobs
+from dvllm.entrypoints.generate_jobs import Job, check_lora_names, process, read_jobs
 from dvllm.entrypoints.generate_output import MANIFEST, ImageWriter, image_paths
 from dvllm.entrypoints.generate_progress import StepProgress, run_requests, stop_on_sigint
 from dvllm.entrypoints.logging_setup import LOG_LEVELS, setup_logging
@@ -68,6 +68,9 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", help="Step cache for these requests: first_block:threshold=0.08, "
                                    "taylorseer:cache_interval=4,max_order=1, mag:mag_ratios=flux, or none "
                                    "(none given: the engine's default_cache).")
+    p.add_argument("--lora", action="append", metavar="NAME[=WEIGHT]",
+                   help="Apply the LoRA adapter NAME (loaded with --lora-modules NAME=PATH) to every prompt at "
+                        "WEIGHT (1.0 when left out); repeat for several. A JSONL line's \"loras\" replaces these.")
     p.add_argument("--no-progress", action="store_true", help="No progress bar.")
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                    help="dvllm's log level; debug also shows the libraries' warnings and loading bars "
@@ -104,6 +107,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                              "with it (default: the address bound, never the request's Host header).")
     server.add_argument("--allow-client-priority", action="store_true",
                         help="Honour requests' `priority` (otherwise a non-zero priority is a 400).")
+    server.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="Serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, with which "
+                             "any client (holding the API key, when one is set) makes the server read LoRA "
+                             "adapters at paths on its disk. Needs --enable-lora or --lora-modules.")
     server.add_argument("--allowed-origins", type=_str_list,
                         help="CORS: origins browsers may call from, as a JSON list or comma-separated "
                              "('*' for any) (default: none, no CORS headers).")
@@ -162,10 +169,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
 # -- checks before anything loads -----------------------------------------------------------------
 
-def check_engine_args(args: argparse.Namespace) -> None:
+def check_engine_args(args: argparse.Namespace) -> EngineConfig:
     """The engine flags, as EngineConfig checks them, and the model name: before the model loads."""
-    EngineConfig.from_kwargs(**engine_kwargs(args))
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
     check_model_name(args.model)
+    return config
 
 
 def check_model_name(model: str | None) -> None:
@@ -218,7 +226,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--public-url must be an http:// or https:// URL, got {args.public_url!r}")
     _check_cors_args(args)
     _check_tls_args(args)
-    check_engine_args(args)
+    _check_lora_serve_args(args, check_engine_args(args))
 
 
 def _check_cors_args(args: argparse.Namespace) -> None:
@@ -231,6 +239,15 @@ def _check_cors_args(args: argparse.Namespace) -> None:
         return
     if args.allowed_methods is not None:
         args.allowed_methods = [method.upper() for method in args.allowed_methods]  # browsers send them so
+
+
+def _check_lora_serve_args(args: argparse.Namespace, config: EngineConfig) -> None:
+    if args.allow_runtime_lora_updating and not config.enable_lora:
+        raise ValueError("--allow-runtime-lora-updating without --enable-lora (or --lora-modules) would do nothing: "
+                         "give --enable-lora too")
+    if args.served_model_name in config.lora_modules:  # requests' `model` would name the base model, not it
+        raise ValueError(f"--lora-modules: {args.served_model_name!r} is the --served-model-name; name the adapter "
+                         "otherwise")
 
 
 def _check_tls_args(args: argparse.Namespace) -> None:
@@ -260,7 +277,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)  # first: importing the model code already makes the libraries talk
     jobs = read_jobs(args)
-    check_engine_args(args)
+    check_lora_names(args, jobs, check_engine_args(args).lora_modules)
     from dvllm.engine.engine import DiffusionEngine
 
     engine = DiffusionEngine(**engine_kwargs(args))

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 
 from dvllm.samplers.registry import SHORT_NAMES, scheduler_class
-from dvllm.sampling_params import SEED_LIMIT, SamplingParams
+from dvllm.sampling_params import MAX_LORA_WEIGHT, SEED_LIMIT, SamplingParams
 from dvllm.step_cache import parse_cache_flag
 
 if TYPE_CHECKING:
@@ -23,7 +23,10 @@ if TYPE_CHECKING:
 
 # JSONL keys accepted in --prompts-file, besides "prompt" and "output"
 _JSONL_KEYS = {"num_inference_steps", "steps", "guidance_scale", "guidance", "negative_prompt", "seed", "size",
-               "height", "width", "n", "sampler", "cache"}
+               "height", "width", "n", "sampler", "cache", "loras"}
+_NULLABLE_KEYS = {"cache", "loras"}  # a line's null means none: no step cache, no adapters (not the flag's)
+
+
 def check_sampler(name: object) -> None:
     """A short name or a diffusers scheduler class: which one the model gets is decided later, but a
     name that is neither can be refused now."""
@@ -54,7 +57,7 @@ _ALIASES = {"steps": "num_inference_steps", "guidance": "guidance_scale"}
 def _long_names(fields: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in fields.items():
-        if value is None and key != "cache":  # a null cache turns the engine's default_cache off
+        if value is None and key not in _NULLABLE_KEYS:
             continue
         if key == "size":
             out["height"], out["width"] = parse_size(value)
@@ -71,6 +74,26 @@ def _params(fields: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
     if params.sampler is not None:
         check_sampler(params.sampler)
     return params
+
+
+def parse_lora_flags(values: list[str] | None) -> dict[str, float]:
+    """--lora NAME[=WEIGHT], repeated -> {name: weight}; the weight is 1.0 unless given."""
+    loras: dict[str, float] = {}
+    for value in values or []:
+        name, sep, text = value.partition("=")
+        if not name:
+            raise ValueError(f"expected NAME or NAME=WEIGHT, got {value!r}")
+        if name in loras:
+            raise ValueError(f"{name!r} is given twice")
+        try:
+            weight = float(text) if sep else 1.0
+        except ValueError:
+            raise ValueError(f"the weight of {name!r} must be a number, got {text!r}") from None
+        if not abs(weight) <= MAX_LORA_WEIGHT:
+            raise ValueError(f"the weight of {name!r} must be a number in [-{MAX_LORA_WEIGHT:g}, "
+                             f"{MAX_LORA_WEIGHT:g}], got {text!r}")
+        loras[name] = weight
+    return loras
 
 
 def _output_path(value: object, where: str, output_dir: str) -> str:
@@ -116,6 +139,10 @@ def check_generate_flags(args: argparse.Namespace) -> None:
             parse_cache_flag(args.cache)
         except ValueError as e:
             raise ValueError(f"--cache: {e}") from None
+    try:
+        parse_lora_flags(args.lora)
+    except ValueError as e:
+        raise ValueError(f"--lora: {e}") from None
 
 
 def read_jobs(args: argparse.Namespace) -> list[Job]:
@@ -126,6 +153,8 @@ def read_jobs(args: argparse.Namespace) -> list[Job]:
     defaults = {k: v for k, v in defaults.items() if v is not None}
     if args.cache is not None:
         defaults["cache"] = parse_cache_flag(args.cache)
+    if args.lora:
+        defaults["loras"] = parse_lora_flags(args.lora)
     if args.prompts_file is None:
         if not args.prompt:
             raise ValueError("give a prompt or --prompts-file")
@@ -161,6 +190,20 @@ def _jsonl_job(line: str, where: str, defaults: dict[str, Any], output_dir: str)
         raise ValueError(f"{where}: {e}") from None
     output = _output_path(record["output"], where, output_dir) if "output" in record else None
     return Job(record["prompt"], params, output, where)
+
+
+def check_lora_names(args: argparse.Namespace, jobs: list[Job], modules: dict[str, str]) -> None:
+    """`dvllm generate` has only the adapters of --lora-modules: any other name is a typo, refused before the
+    model loads (the flag's names first, so a typo there is not blamed on the file's first line)."""
+    def check(loras: dict[str, float] | None, where: str) -> None:
+        unknown = sorted(set(loras or {}) - set(modules))
+        if unknown:
+            raise ValueError(f"{where}: unknown LoRA adapter(s) {unknown}; --lora-modules loads "
+                             f"{sorted(modules) if modules else 'none'}")
+
+    check(parse_lora_flags(args.lora), "--lora")
+    for job in jobs:
+        check(job.params.loras, job.where)
 
 
 def process(jobs: list[Job], engine: DiffusionEngine) -> list[Request]:

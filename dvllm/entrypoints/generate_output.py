@@ -35,7 +35,8 @@ def image_parameters(params: SamplingParams, model: str) -> dict[str, Any]:
     """What made an image, besides its prompt, seed and index: the resolved request parameters."""
     return {"steps": params.num_inference_steps, "guidance": params.guidance_scale,
             "size": f"{params.width}x{params.height}", "sampler": params.sampler,  # None: the model's own
-            "negative_prompt": params.negative_prompt, "n": params.n, "model": model}
+            "negative_prompt": params.negative_prompt, "n": params.n, "model": model,
+            **({"loras": params.loras} if params.loras else {})}
 
 
 class ImageWriter:

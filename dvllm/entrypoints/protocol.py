@@ -6,7 +6,7 @@ Unknown fields are accepted and ignored, as vLLM does; the server logs them.
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -37,6 +37,16 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def valid_unicode(value: Any) -> Any:
+    """JSON may carry a lone surrogate ("\\ud800"), which no encoder, log, path or response can take."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode text (it has a lone surrogate)") from None
+    return value
 
 
 class ImageGenerationRequest(BaseModel):
@@ -72,17 +82,14 @@ class ImageGenerationRequest(BaseModel):
     max_sequence_length: int | None = Field(None, ge=1)  # the text encoder's, where the pipeline takes one
     # step caching: {"method": "first_block" | "taylorseer" | "mag", ...}; absent: the server's default; null: none
     cache: dict[str, Any] | None = None
+    # LoRA adapters loaded on the server, by name, with their weights: {"style": 0.8}. The weights are checked
+    # by the engine, so its messages are the same whatever the entrypoint.
+    loras: dict[str, Any] | None = None
 
     @field_validator("*")
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
-        """JSON may carry a lone surrogate ("\\ud800"), which no encoder, log or response can take."""
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError("must be valid Unicode text (it has a lone surrogate)") from None
-        return value
+        return valid_unicode(value)
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> "ImageGenerationRequest":
@@ -114,6 +121,7 @@ class ImageGenerationRequest(BaseModel):
             output_kind="progress" if self.stream else "final",  # a plain request waits for its end only
             max_sequence_length=self.max_sequence_length,
             cache=self.cache if "cache" in self.model_fields_set else USE_DEFAULT,
+            loras=self.loras,
         )
 
 
@@ -140,7 +148,7 @@ _ENGINE_FIELDS = {"height": "size", "width": "size", "height*width": "size", "nu
                   "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale", "n": "n",
                   "seed": "seed", "sampler": "sampler", "negative_prompt": "negative_prompt", "prompt": "prompt",
                   "priority": "priority", "image": "image", "strength": "strength", "eta": "eta",
-                  "max_sequence_length": "max_sequence_length", "cache": "cache"}
+                  "max_sequence_length": "max_sequence_length", "cache": "cache", "loras": "loras"}
 
 
 def engine_value_error(error: ValueError) -> APIError:
@@ -216,10 +224,14 @@ class CompletedEvent(_ImageEvent):
 
 
 class ModelCard(BaseModel):
+    """vLLM's shape: a LoRA adapter's card names its path as `root` and the base model as `parent`."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "dvllm"
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):
@@ -239,3 +251,35 @@ class ImageEditRequest(ImageGenerationRequest):
         params = super().sampling_params()
         params.image, params.strength = self.image, self.strength
         return params
+
+
+# -- runtime LoRA updates (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter) ----------------
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter. Other fields (vLLM's lora_int_id) are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    lora_name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        return valid_unicode(value)
+
+    @classmethod
+    def parse(cls: type[_Body], body: dict[str, Any]) -> _Body:
+        """Validates a decoded JSON object; a bad field is an APIError 400 naming it in `param`."""
+        try:
+            return cls.model_validate(body)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+
+
+class LoadLoraAdapterRequest(UnloadLoraAdapterRequest):
+    """POST /v1/load_lora_adapter: a name for the adapter and its path on the server's disk."""
+
+    lora_path: str = Field(min_length=1)

@@ -1,8 +1,8 @@
 """POST /v1/images/edits: OpenAI's multipart form, served as image-to-image.
 
-The form's fields are the generation request's (strings, converted by their declared
-types) plus the image file. A mask (inpainting) is refused with a clear 400: dvllm
-serves image-to-image, not inpainting, so far.
+The form's fields are the generation request's (strings, converted by their declared types;
+the objects `cache` and `loras` as JSON text) plus the image file. A mask (inpainting) is
+refused with a clear 400: dvllm serves image-to-image, not inpainting, so far.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from dvllm.entrypoints.protocol import APIError, ImageEditRequest
 from dvllm.entrypoints.serving_images import ServerContext, read_body, serve_request
 
 _FILE_FIELDS = ("image", "image[]", "mask")
+_JSON_FIELDS = ("cache", "loras")  # objects in a JSON body: JSON text in a form
 
 
 async def create_edit(request: Request, ctx: ServerContext) -> Response:
@@ -71,7 +72,7 @@ def _typed(fields: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     hints = typing.get_type_hints(ImageEditRequest)
     for key, value in fields.items():
-        if key == "cache" and isinstance(value, str):  # an object: JSON text in a form
+        if key in _JSON_FIELDS and isinstance(value, str):
             out[key] = _parse_json_field(key, value)
             continue
         kind = _base_type(hints.get(key))

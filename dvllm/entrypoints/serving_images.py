@@ -110,9 +110,7 @@ async def _serve(request: Request, ctx: ServerContext,
     req = await parse()
     if req.model_extra:
         _log_unknown_fields(list(req.model_extra), ctx, request_id)
-    if req.model is not None and req.model != ctx.model_name:
-        raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{ctx.model_name}'.",
-                       param="model", code="model_not_found")
+    loras = _requested_loras(req, ctx)
     if req.stream and req.image_count > 1:
         raise APIError(400, "n must be 1 when stream is true (a stream carries one image); send n requests.",
                        param="n", code="invalid_value")
@@ -124,6 +122,7 @@ async def _serve(request: Request, ctx: ServerContext,
                             "--allow-client-priority to honour clients' priorities.", param="priority",
                        code="invalid_value")
     params = req.sampling_params()
+    params.loras = loras
     if ctx.max_in_flight is not None and ctx.in_flight >= ctx.max_in_flight:
         await asyncio.sleep(0)  # one turn of the event loop: disconnects already received free their slots
     if ctx.max_in_flight is not None and ctx.in_flight >= ctx.max_in_flight:
@@ -165,6 +164,19 @@ async def _serve(request: Request, ctx: ServerContext,
         if not handed_off:
             slot.release()
             await agen.aclose()  # the engine stream aborts its request if it did not finish (one abort)
+
+
+def _requested_loras(req: ImageGenerationRequest, ctx: ServerContext) -> dict[str, Any] | None:
+    """The request's adapters. As in vLLM, `model` may name a loaded LoRA adapter: the request then uses it at
+    weight 1.0, unless `loras` gives it a weight. Any other name but the served model's is a 404."""
+    if req.model is None or req.model == ctx.model_name:
+        return req.loras
+    adapters = [lora["name"] for lora in ctx.engine.list_loras()]
+    if req.model not in adapters:
+        also = f" and the LoRA adapters {adapters}" if adapters else ""
+        raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{ctx.model_name}'{also}.",
+                       param="model", code="model_not_found")
+    return {req.model: 1.0, **(req.loras or {})}
 
 
 async def _engine_call(awaitable: Awaitable[Any]) -> Any:

@@ -1,5 +1,5 @@
 """One LoRA adapter as dvllm applies it: per adapted Linear layer, A [r, in] and B [out, r] already
-multiplied by the layer's alpha / r.
+multiplied by the layer's alpha / r (per Conv2d layer, A [r, in, kh, kw] and B [out, r]).
 
 The file is read the way `pipe.load_lora_weights(path)` reads it (diffusers' key conversions for
 every format it knows, alpha from the adapter metadata, else from `.alpha` keys, else alpha = rank),
@@ -81,19 +81,27 @@ def _take_layers(skeleton: Any, key: str, path: str) -> dict[str, dict[str, tupl
             if not isinstance(module, LoraLayer) or key not in module.scaling:
                 continue
             where = f"{component}.{module_name}"
-            if module.use_dora.get(key) or getattr(module, "lora_bias", {}).get(key):
+            if module.use_dora.get(key) or getattr(module, "lora_bias", {}).get(key) \
+                    or key in getattr(module, "lora_variant", {}):
                 raise _Refused(f"{path!r}: {where} is a DoRA / biased LoRA layer, which dvllm does not serve")
             base = module.get_base_layer()
-            if key not in module.lora_A or not isinstance(base, torch.nn.Linear):
-                raise _Refused(f"{path!r}: {where} is a {type(base).__name__}; dvllm applies LoRA to Linear "
-                                 "layers only (not convolutions or embeddings)")
+            if key not in module.lora_A or not _servable(base):
+                raise _Refused(f"{path!r}: {where} is a {type(base).__name__}; dvllm applies LoRA to Linear and "
+                               "Conv2d (groups=1) layers only")
             a, b = module.lora_A[key].weight, module.lora_B[key].weight
             scale = module.scaling[key]
             if not math.isfinite(scale):
                 raise _Refused(f"{path!r}: {where} has a non-finite alpha / rank ({scale})")
+            # Conv2d: A [r, in, kh, kw] (the base layer's kernel, stride, padding), B a 1x1 conv: [out, r]
             layers.setdefault(component, {})[module_name] = (a.detach().float().clone(),
-                                                             (b.detach().float() * scale).contiguous())
+                                                             (b.detach().float().flatten(1) * scale).contiguous())
     return layers
+
+
+def _servable(base: torch.nn.Module) -> bool:
+    if isinstance(base, torch.nn.Linear):
+        return True
+    return isinstance(base, torch.nn.Conv2d) and base.groups == 1 and base.padding_mode == "zeros"
 
 
 @contextmanager

@@ -29,13 +29,29 @@ RowAdapters = tuple[tuple[int, float], ...]  # one row's adapters: (adapter uid,
 
 
 class _Table:
-    """One adapted layer's slots."""
+    """One adapted layer's slots. A Conv2d layer's A is a conv of the base layer's kernel, stride and padding
+    ([slots, R, in, kh, kw], as peft makes it) and its B a 1x1 conv ([slots, out, R])."""
 
-    def __init__(self, module: torch.nn.Linear, num_slots: int, rank: int) -> None:
+    def __init__(self, module: torch.nn.Module, num_slots: int, rank: int) -> None:
         kw = {"device": module.weight.device, "dtype": module.weight.dtype}
-        self.a = torch.zeros(num_slots, rank, module.in_features, **kw)
-        self.b = torch.zeros(num_slots, module.out_features, rank, **kw)
+        self.conv = isinstance(module, torch.nn.Conv2d)
+        if self.conv:
+            self.stride, self.padding = module.stride, module.padding
+            self.a = torch.zeros(num_slots, rank, module.in_channels, *module.kernel_size, **kw)
+            self.b = torch.zeros(num_slots, module.out_channels, rank, **kw)
+        else:
+            self.a = torch.zeros(num_slots, rank, module.in_features, **kw)
+            self.b = torch.zeros(num_slots, module.out_features, rank, **kw)
         self.filled: set[int] = set()
+
+
+def _fits(module: Any, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether an adapter layer's A and B are made for this module."""
+    if isinstance(module, torch.nn.Linear):
+        return a.dim() == 2 and a.shape[1] == module.in_features and b.shape[0] == module.out_features
+    if isinstance(module, torch.nn.Conv2d):
+        return tuple(a.shape[1:]) == (module.in_channels, *module.kernel_size) and b.shape[0] == module.out_channels
+    return False
 
 
 class LoraLayers:
@@ -57,8 +73,7 @@ class LoraLayers:
             modules = self._named(component)
             for name, (a, b) in layers.items():
                 module = modules.get(name)
-                if not isinstance(module, torch.nn.Linear) or (module.in_features, module.out_features) != \
-                        (a.shape[1], b.shape[0]):
+                if not _fits(module, a, b):
                     raise ValueError(f"LoRA adapter {weights.name!r} does not fit {component}.{name} of this model")
                 if a.shape[0] > self.max_rank:
                     raise ValueError(f"LoRA adapter {weights.name!r} has rank {a.shape[0]} > {self.max_rank}")
@@ -106,7 +121,7 @@ class LoraLayers:
             self._modules[component] = dict(model.named_modules())
         return self._modules[component]
 
-    def _table(self, component: str, name: str, module: torch.nn.Linear) -> _Table:
+    def _table(self, component: str, name: str, module: torch.nn.Module) -> _Table:
         key = (component, name)
         if key not in self.tables:
             table = self.tables[key] = _Table(module, self.num_slots, self.max_rank)
@@ -165,18 +180,40 @@ class _Plan:
         if view is None:
             return out
         local, slots, weights, shared = view
-        r, xs = self.rank, x if local is None else x[local]
-        if shared:  # one set for every adapted row: [k * r, in] and [out, k * r], two plain matmuls
-            a = table.a[slots[0], :r].flatten(0, 1)
-            b = (table.b[slots[0], :, :r] * weights[0].to(table.b.dtype).view(-1, 1, 1)).permute(1, 0, 2).flatten(1)
-            delta = (xs @ a.T) @ b.T
-        else:  # per row: [rows, k * r, in] and [rows, out, k * r]
-            rows, k = slots.shape
-            a = table.a[slots, :r].reshape(rows, k * r, -1)
-            b = table.b[slots, :, :r] * weights.to(table.b.dtype).view(rows, k, 1, 1)
-            b = b.permute(0, 2, 1, 3).reshape(rows, -1, k * r)
-            h = torch.bmm(xs.reshape(rows, -1, xs.shape[-1]), a.transpose(1, 2))
-            delta = torch.bmm(h, b.transpose(1, 2)).reshape(*xs.shape[:-1], -1)
+        xs = x if local is None else x[local]
+        delta = self._conv_delta(table, xs, slots, weights, shared) if table.conv else \
+            self._linear_delta(table, xs, slots, weights, shared)
         if local is None:
             return out + delta
         return out.index_add(0, local, delta)
+
+    def _b(self, table: _Table, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The rows' B, each adapter's scaled by its weight, ranks side by side: [rows, out, k * r]."""
+        rows, k = slots.shape
+        b = table.b[slots, :, :self.rank] * weights.to(table.b.dtype).view(rows, k, 1, 1)
+        return b.permute(0, 2, 1, 3).reshape(rows, -1, k * self.rank)
+
+    def _linear_delta(self, table: _Table, xs: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+                      shared: bool) -> torch.Tensor:
+        r = self.rank
+        if shared:  # one set for every adapted row: [k * r, in] and [out, k * r], two plain matmuls
+            return (xs @ table.a[slots[0], :r].flatten(0, 1).T) @ self._b(table, slots[:1], weights[:1])[0].T
+        rows, k = slots.shape  # per row: [rows, k * r, in] and [rows, out, k * r]
+        a = table.a[slots, :r].reshape(rows, k * r, -1)
+        h = torch.bmm(xs.reshape(rows, -1, xs.shape[-1]), a.transpose(1, 2))
+        return torch.bmm(h, self._b(table, slots, weights).transpose(1, 2)).reshape(*xs.shape[:-1], -1)
+
+    def _conv_delta(self, table: _Table, xs: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+                    shared: bool) -> torch.Tensor:
+        r, (rows, k) = self.rank, slots.shape
+        conv = {"stride": table.stride, "padding": table.padding}
+        if shared:
+            h = torch.nn.functional.conv2d(xs, table.a[slots[0], :r].flatten(0, 1), **conv)
+            b = self._b(table, slots[:1], weights[:1])  # [1, out, k * r]
+        else:  # each row its own A: one grouped conv over the rows stacked as channels
+            a = table.a[slots, :r].flatten(0, 2)  # [rows * k * r, in, kh, kw]
+            h = torch.nn.functional.conv2d(xs.reshape(1, -1, *xs.shape[2:]), a, groups=rows, **conv)
+            h = h.view(rows, k * r, *h.shape[2:])
+            b = self._b(table, slots, weights)
+        delta = torch.bmm(b.expand(rows, -1, -1), h.flatten(2))  # B is a 1x1 conv
+        return delta.view(rows, -1, *h.shape[2:])
