@@ -1,16 +1,16 @@
 """Many LoRA adapters in one batched forward.
 
-Resident adapters live in a bounded slot table (max_loras slots), one table per adapted Linear layer:
-A [slots, max_rank, in] and B [slots, out, max_rank], zero-padded to the largest rank, B already
-multiplied by alpha / r. A slot table rather than pages of the state pool: every layer reads whole
-adapters every step, and one contiguous table per layer makes a row's adapters one index away.
+Resident adapters live in a bounded slot table (max_loras slots), one table per adapted Linear or Conv2d
+layer: A [slots, max_rank, in] and B transposed [slots, max_rank, out], zero-padded to the largest rank,
+B already multiplied by alpha / r. A slot table rather than pages of the state pool: every layer reads
+whole adapters every step, and one contiguous table per layer makes a row's adapters one index away.
 
-Each wrapped layer computes base(x) for the whole batch, then, for the rows with adapters only,
-    delta[row] = sum over the row's adapters (slot s, weight w) of w * B_s @ A_s @ x[row]
-as two batched matmuls over the rows' gathered adapters (the ranks of a row's adapters side by side),
-so rows with different adapter sets share the forward and a row pays for its own adapters' ranks only.
-Rows without adapters pay nothing past the base layer. Where every adapted row has the same set, the
-gather is skipped and two plain matmuls do it.
+Each wrapped layer computes base(x) for the whole batch, then, for the rows with adapters only, adds
+    sum over the row's adapters (slot s, weight w) of w * B_s @ A_s @ x[row]
+in place, as two batched matmuls over the rows' gathered adapters (the ranks of a row's adapters side by
+side; the second one accumulates into the output), so rows with different adapter sets share the forward
+and a row pays for its own adapters' ranks only. Rows without adapters pay nothing past the base layer.
+Where every adapted row has the same set, there is no per-row gather: two plain matmuls do it.
 
 Layers are wrapped (an instance `forward`) when an adapter first touches them, and pass every call
 through unless a forward runs under `LoraLayers.running(...)`.
@@ -18,6 +18,7 @@ through unless a forward runs under `LoraLayers.running(...)`.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -29,8 +30,9 @@ RowAdapters = tuple[tuple[int, float], ...]  # one row's adapters: (adapter uid,
 
 
 class _Table:
-    """One adapted layer's slots. A Conv2d layer's A is a conv of the base layer's kernel, stride and padding
-    ([slots, R, in, kh, kw], as peft makes it) and its B a 1x1 conv ([slots, out, R])."""
+    """One adapted layer's slots: A [slots, R, in] and B transposed, [slots, R, out], so that one index
+    gives a row's adapters with their ranks side by side. A Conv2d layer's A is a conv of the base layer's
+    kernel, stride and padding ([slots, R, in, kh, kw], as peft makes it); its B is a 1x1 conv."""
 
     def __init__(self, module: torch.nn.Module, num_slots: int, rank: int) -> None:
         kw = {"device": module.weight.device, "dtype": module.weight.dtype}
@@ -38,10 +40,10 @@ class _Table:
         if self.conv:
             self.stride, self.padding = module.stride, module.padding
             self.a = torch.zeros(num_slots, rank, module.in_channels, *module.kernel_size, **kw)
-            self.b = torch.zeros(num_slots, module.out_channels, rank, **kw)
+            self.bt = torch.zeros(num_slots, rank, module.out_channels, **kw)
         else:
             self.a = torch.zeros(num_slots, rank, module.in_features, **kw)
-            self.b = torch.zeros(num_slots, module.out_features, rank, **kw)
+            self.bt = torch.zeros(num_slots, rank, module.out_features, **kw)
         self.filled: set[int] = set()
 
 
@@ -83,7 +85,7 @@ class LoraLayers:
             table = self._table(component, name, module)
             r = a.shape[0]
             table.a[slot, :r].copy_(a)
-            table.b[slot, :, :r].copy_(b)
+            table.bt[slot, :r].copy_(b.T)
             table.filled.add(slot)
         self.slot_uid[slot], self.slot_rank[slot] = weights.uid, weights.rank
 
@@ -91,7 +93,7 @@ class LoraLayers:
         for table in self.tables.values():
             if slot in table.filled:
                 table.a[slot].zero_()
-                table.b[slot].zero_()
+                table.bt[slot].zero_()
                 table.filled.discard(slot)
         self.slot_uid[slot], self.slot_rank[slot] = None, 0
 
@@ -138,82 +140,104 @@ class LoraLayers:
         return self.tables[key]
 
 
+@dataclass
+class _View:
+    """The adapted rows of one layer call and what they take."""
+
+    local: torch.Tensor | None  # their index among the call's rows (None: all rows)
+    slots: torch.Tensor         # [rows, k] each row's adapters' slots
+    scale: torch.Tensor         # [rows, k * r] each adapter's weight, repeated over its rank
+    shared: bool                # every adapted row has the same set: one A and B for all
+
+
 class _Plan:
-    """One forward's rows and their adapters, as slot indices and weights."""
+    """One forward's rows and their adapters, as slot indices and weights. A layer adds, to the adapted
+    rows of its output, (x @ A_rows^T * weights) @ B_rows: ranks of a row's adapters side by side, rows with
+    fewer adapters padded with slot 0 at weight 0 (exact zeros), ranks cut to the largest in the batch."""
 
     def __init__(self, rows: list[tuple[tuple[int, float], ...]], layers: LoraLayers) -> None:
         self.num_rows, self.scope = len(rows), layers.scope
         self.slots = {s for row in rows for s, _ in row}
         self.rank = max(layers.slot_rank[s] for s in self.slots)
         k = max(len(row) for row in rows)
-        device = next(iter(layers.tables.values())).a.device
-        # rows with fewer adapters are padded with slot 0 at weight 0, which adds exact zeros
-        self.row_slots = torch.tensor([[s for s, _ in row] + [0] * (k - len(row)) for row in rows], device=device)
-        self.row_weights = torch.tensor([[w for _, w in row] + [0.0] * (k - len(row)) for row in rows],
-                                        dtype=torch.float32, device=device)
+        self.device = next(iter(layers.tables.values())).a.device
+        self.row_slots = torch.tensor([[s for s, _ in row] + [0] * (k - len(row)) for row in rows], device=self.device)
+        self.row_scale = torch.tensor([[w for _, w in row] + [0.0] * (k - len(row)) for row in rows],
+                                      dtype=torch.float32, device=self.device).repeat_interleave(self.rank, dim=1)
         self.has = [bool(row) for row in rows]
         self.sets = rows
-        self._view: tuple[Any, tuple] | None = None
+        self._views: dict[torch.dtype, tuple[Any, _View | None]] = {}
 
-    def _rows(self, n: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, bool] | None:
-        """(index of the adapted rows among x's, or None for all; their slots; weights; one shared set)."""
+    def _rows(self, n: int, dtype: torch.dtype) -> _View | None:
+        """The call's adapted rows: the forward's rows, or those step caching is running now (computed once
+        per row set and dtype, since every layer of the forward asks)."""
         current = self.scope.rows
-        if self._view is not None and self._view[0] is current:
-            return self._view[1]
+        cached = self._views.get(dtype)
+        if cached is not None and cached[0] is current:
+            return cached[1]
         rows = list(range(self.num_rows)) if current is None else current.tolist()
         if len(rows) != n:
             raise RuntimeError(f"a LoRA layer got {n} rows where the forward runs {len(rows)}")
         adapted = [i for i, r in enumerate(rows) if self.has[r]]
-        if not adapted:
-            view = None
-        else:
+        view = None
+        if adapted:
             chosen = [rows[i] for i in adapted]
-            index = torch.tensor(chosen, device=self.row_slots.device)
-            shared = len({self.sets[r] for r in chosen}) == 1
-            local = None if len(adapted) == n else torch.tensor(adapted, device=self.row_slots.device)
-            view = (local, self.row_slots[index], self.row_weights[index], shared)
-        self._view = (current, view)
+            index = torch.tensor(chosen, device=self.device)
+            view = _View(local=None if len(adapted) == n else torch.tensor(adapted, device=self.device),
+                         slots=self.row_slots[index], scale=self.row_scale[index].to(dtype),
+                         shared=len({self.sets[r] for r in chosen}) == 1)
+        self._views[dtype] = (current, view)
         return view
 
     def apply(self, table: _Table, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        view = self._rows(x.shape[0])
+        """`out` (the base layer's fresh output) with the rows' low-rank updates added in place."""
+        view = self._rows(x.shape[0], out.dtype)
         if view is None:
             return out
-        local, slots, weights, shared = view
-        xs = x if local is None else x[local]
-        delta = self._conv_delta(table, xs, slots, weights, shared) if table.conv else \
-            self._linear_delta(table, xs, slots, weights, shared)
-        if local is None:
-            return out + delta
-        return out.index_add(0, local, delta)
+        out = out if out.is_contiguous() else out.contiguous()
+        xs = x if view.local is None else x[view.local]
+        if table.conv:
+            self._add_conv(table, xs, out, view)
+        else:
+            self._add_linear(table, xs, out, view)
+        return out
 
-    def _b(self, table: _Table, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The rows' B, each adapter's scaled by its weight, ranks side by side: [rows, out, k * r]."""
-        rows, k = slots.shape
-        b = table.b[slots, :, :self.rank] * weights.to(table.b.dtype).view(rows, k, 1, 1)
-        return b.permute(0, 2, 1, 3).reshape(rows, -1, k * self.rank)
+    def _add_linear(self, table: _Table, xs: torch.Tensor, out: torch.Tensor, view: _View) -> None:
+        r, width = self.rank, xs.shape[-1]
+        if view.shared:  # [k * r, in] and [k * r, out] for every row: two plain matmuls
+            a, bt = table.a[view.slots[0], :r].flatten(0, 1), table.bt[view.slots[0], :r].flatten(0, 1)
+            h = xs.reshape(-1, width) @ a.T
+            h *= view.scale[0]
+            if view.local is None:
+                out.view(-1, bt.shape[1]).addmm_(h, bt)
+            else:
+                out.index_add_(0, view.local, (h @ bt).view(*xs.shape[:-1], -1))
+            return
+        rows, k = view.slots.shape  # per row: [rows, k * r, in] and [rows, k * r, out], batched matmuls
+        a = table.a[view.slots, :r].reshape(rows, k * r, width)
+        bt = table.bt[view.slots, :r].reshape(rows, k * r, -1)
+        h = torch.bmm(xs.reshape(rows, -1, width), a.transpose(1, 2))
+        h *= view.scale.unsqueeze(1)
+        if view.local is None:
+            out.view(rows, -1, bt.shape[2]).baddbmm_(h, bt)
+        else:
+            out.index_add_(0, view.local, torch.bmm(h, bt).view(*xs.shape[:-1], -1))
 
-    def _linear_delta(self, table: _Table, xs: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                      shared: bool) -> torch.Tensor:
-        r = self.rank
-        if shared:  # one set for every adapted row: [k * r, in] and [out, k * r], two plain matmuls
-            return (xs @ table.a[slots[0], :r].flatten(0, 1).T) @ self._b(table, slots[:1], weights[:1])[0].T
-        rows, k = slots.shape  # per row: [rows, k * r, in] and [rows, out, k * r]
-        a = table.a[slots, :r].reshape(rows, k * r, -1)
-        h = torch.bmm(xs.reshape(rows, -1, xs.shape[-1]), a.transpose(1, 2))
-        return torch.bmm(h, self._b(table, slots, weights).transpose(1, 2)).reshape(*xs.shape[:-1], -1)
-
-    def _conv_delta(self, table: _Table, xs: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                    shared: bool) -> torch.Tensor:
-        r, (rows, k) = self.rank, slots.shape
+    def _add_conv(self, table: _Table, xs: torch.Tensor, out: torch.Tensor, view: _View) -> None:
+        r, (rows, k) = self.rank, view.slots.shape
         conv = {"stride": table.stride, "padding": table.padding}
-        if shared:
-            h = torch.nn.functional.conv2d(xs, table.a[slots[0], :r].flatten(0, 1), **conv)
-            b = self._b(table, slots[:1], weights[:1])  # [1, out, k * r]
+        if view.shared:
+            h = torch.nn.functional.conv2d(xs, table.a[view.slots[0], :r].flatten(0, 1), **conv)
+            h *= view.scale[0].view(1, -1, 1, 1)
+            bt = table.bt[view.slots[0], :r].flatten(0, 1).expand(rows, -1, -1)
         else:  # each row its own A: one grouped conv over the rows stacked as channels
-            a = table.a[slots, :r].flatten(0, 2)  # [rows * k * r, in, kh, kw]
+            a = table.a[view.slots, :r].flatten(0, 2)  # [rows * k * r, in, kh, kw]
             h = torch.nn.functional.conv2d(xs.reshape(1, -1, *xs.shape[2:]), a, groups=rows, **conv)
             h = h.view(rows, k * r, *h.shape[2:])
-            b = self._b(table, slots, weights)
-        delta = torch.bmm(b.expand(rows, -1, -1), h.flatten(2))  # B is a 1x1 conv
-        return delta.view(rows, -1, *h.shape[2:])
+            h *= view.scale.view(rows, -1, 1, 1)
+            bt = table.bt[view.slots, :r].reshape(rows, k * r, -1)
+        h = h.flatten(2)  # B is a 1x1 conv: [rows, out, k * r] @ [rows, k * r, pixels]
+        if view.local is None:
+            out.view(rows, out.shape[1], -1).baddbmm_(bt.transpose(1, 2), h)
+        else:
+            out.index_add_(0, view.local, torch.bmm(bt.transpose(1, 2), h).view(rows, *out.shape[1:]))
