@@ -5,6 +5,7 @@
     python benchmarks/benchmark_throughput.py --num-requests 32 --profile  # where dvllm's step time goes
     python benchmarks/benchmark_throughput.py --model sd15 --load-format dummy --size 512x512 --num-requests 32
     python benchmarks/benchmark_throughput.py --executor ray --num-workers 2   # in-process vs 1 and 2 Ray workers
+    python benchmarks/benchmark_throughput.py --model flux-cpu --size 32x32 --num-requests 16 --loras 8  # multi-LoRA
 (also `dvllm bench throughput ...`)
 """
 from dvllm.benchmarks.throughput import main

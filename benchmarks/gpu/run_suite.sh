@@ -2,7 +2,8 @@
 # The whole GPU check in one call (< 10 minutes on one H200): build the CUDA extension and run the
 # CUDA kernel tests, then time sd15 and sd-turbo (dvllm.benchmarks.gpu_suite), then measure how far
 # batching moves an image in fp16/bf16 and stress the largest step (dvllm.benchmarks.batch_invariance),
-# then step caching on flux-dev (dvllm.benchmarks.cached, through throughput --cache).
+# then step caching on flux-dev (dvllm.benchmarks.cached, through throughput --cache), then multi-LoRA
+# on sdxl: 8 adapters mixed in one batch and the step cost they add (dvllm.benchmarks.lora, throughput --loras).
 #
 #   benchmarks/gpu/run_suite.sh [--dry-run] [--out DIR]
 #
@@ -38,6 +39,8 @@ if [ $dry = 1 ]; then
   $python -m dvllm.benchmarks.throughput --model flux-cpu --device cpu --dtype float32 --size 32x32 --steps 4 \
     --num-requests 4 --workload mixed --cache taylorseer --rounds 1 --static-batch-sizes 2 --cost-rows 4 \
     --cost-rounds 1 --output-json "$out/step_cache_dry.json"
+  $python -m dvllm.benchmarks.throughput --model tiny-sd --device cpu --dtype float32 --size 16x16 --steps 2 \
+    --num-requests 4 --loras 2 --rounds 1 --cost-rows 4 --cost-rounds 1 --output-json "$out/lora_dry.json"
 else
   echo "== CUDA kernels: build and test"
   PYTHON=$python tests/gpu/run.sh 2>&1 | tail -15
@@ -51,4 +54,9 @@ else
     --size 512x512 --steps 20 --guidance 3.5 --num-requests 8 --workload mixed \
     --cache first_block:threshold=0.08 --rounds 1 --static-batch-sizes 4,8 \
     --output-json "$out/step_cache.json" 2>&1 | tee "$out/step_cache.txt"
+  echo "== multi-LoRA: sdxl (fp16, 1024x1024, 4 steps), 8 rank-16 adapters in one batch against no LoRA, the pipeline"
+  echo "   switching adapters per request and batching per adapter; step cost of 16 rows with 8 adapters"
+  $python -m dvllm.benchmarks.throughput --model sdxl --load-format dummy --device cuda --dtype float16 \
+    --size 1024x1024 --steps 4 --guidance 5.0 --num-requests 8 --loras 8 --rounds 1 --cost-rows 16 \
+    --cost-rounds 3 --output-json "$out/lora.json" 2>&1 | tee "$out/lora.txt"
 fi

@@ -66,8 +66,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Step caching instead: dvllm with and without this cache (e.g. first_block:threshold=0.1, "
                         "taylorseer) against the diffusers pipeline with the same cache, and the step cost "
                         "against the rows that compute (Flux and Qwen-Image models)")
-    p.add_argument("--cost-rows", type=int, default=16, help="With --cache: the batch the step cost is measured at")
-    p.add_argument("--cost-rounds", type=int, default=3, help="With --cache: timed rounds of the step cost")
+    p.add_argument("--loras", type=int, default=0,
+                   help="Multi-LoRA instead: N random adapters, requests round-robin over them; dvllm mixing them in "
+                        "one batch against dvllm without LoRA, one adapter at a time, and the diffusers pipeline "
+                        "switching adapters per request or batching per adapter; and the step cost with N adapters")
+    p.add_argument("--lora-rank", type=int, default=16, help="With --loras: the adapters' rank")
+    p.add_argument("--cost-rows", type=int, default=16,
+                   help="With --cache or --loras: the batch the step cost is measured at")
+    p.add_argument("--cost-rounds", type=int, default=3, help="With --cache or --loras: timed rounds of the step cost")
     p.add_argument("--output-json", default=None)
 
 
@@ -193,8 +199,8 @@ def print_report(result: dict) -> None:
 
 
 def run_and_report(args: argparse.Namespace) -> dict:
-    """Runs the comparison args ask for (serial/static/dvllm, or with --executor ray in-process vs Ray
-    workers) and prints its report."""
+    """Runs the comparison args ask for (serial/static/dvllm; with --executor ray in-process vs Ray workers;
+    with --cache step caching; with --loras multi-LoRA) and prints its report."""
     if args.executor == "ray":
         from dvllm.benchmarks import data_parallel
 
@@ -205,6 +211,11 @@ def run_and_report(args: argparse.Namespace) -> dict:
 
         result = cached.run(args)
         cached.print_report(result)
+    elif args.loras:
+        from dvllm.benchmarks import lora
+
+        result = lora.run(args)
+        lora.print_report(result)
     else:
         result = run(args)
         print_report(result)
