@@ -371,3 +371,30 @@ def test_a_failed_load_does_not_disturb_running_requests(families, tmp_path):
     assert final.error is None
     _assert_close(final.images, _reference(family, "a red circle", p), "request running across a failed load")
     engine.shutdown()
+
+
+def test_a_load_that_fails_on_the_worker_fails_its_requests_and_frees_the_slot(families, monkeypatch):
+    family = families["sd"]
+    engine = _engine(family, max_loras=1)
+    layers = engine.executor.worker.runner.lora
+    real_load, calls = layers.load, []
+
+    def failing_once(slot, weights):
+        calls.append(weights.name)
+        if len(calls) == 1:
+            raise RuntimeError("out of device memory (simulated)")
+        real_load(slot, weights)
+
+    monkeypatch.setattr(layers, "load", failing_once)
+    p = P(num_inference_steps=2, guidance_scale=4.0, height=32, width=32, output_type="np", seed=1,
+          loras={"full": 1.0})
+    plain = P(num_inference_steps=2, guidance_scale=4.0, height=32, width=32, output_type="np", seed=2)
+    first = engine.generate(["a red circle", "a blue square"], [p, plain], use_tqdm=False)
+    assert "could not be loaded" in first[0].error and "simulated" in first[0].error
+    assert first[1].error is None  # a request without adapters in the same step is untouched
+    assert engine.stats()["loras_resident"] == 0
+    again = engine.generate("a red circle", p, use_tqdm=False)[0]  # the slot is free and loads again
+    assert again.error is None, again.error
+    assert calls == ["full", "full"]
+    _assert_close(again.images, _reference(family, "a red circle", p), "after a failed load")
+    engine.shutdown()

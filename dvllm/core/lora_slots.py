@@ -59,13 +59,15 @@ class LoraSlots:
 
     def release(self, adapters: list[LoraWeights], iteration: int) -> None:
         for w in adapters:
-            slot = self.uid.index(w.uid)
-            self.users[slot] -= 1
-            self.last_used[slot] = iteration
+            if w.uid in self.uid:  # else its load failed and the slot was forgotten
+                slot = self.uid.index(w.uid)
+                self.users[slot] -= 1
+                self.last_used[slot] = iteration
 
     def forget(self, slot: int) -> None:
-        """The worker could not load the slot's adapter: the slot is empty."""
-        self.uid[slot] = None
+        """The worker could not load the slot's adapter: the slot is empty, and the requests that were to use
+        it failed (they were all admitted with the load)."""
+        self.uid[slot], self.users[slot] = None, 0
 
     @property
     def num_resident(self) -> int:
