@@ -222,7 +222,8 @@ class _DegradedEngine:
                     "pool_used_blocks": 0, "restarts": 0} for i in range(2)]
         self._stats = {"num_running": 0, "num_waiting": 0, "num_preemptions": 0, "pool_total_blocks": 8,
                        "pool_used_blocks": 0, "pool_cached_blocks": 0, "prompt_cache_hits": 0,
-                       "prompt_cache_queries": 0, "cache_skipped_rows": 0, "cache_computed_rows": 0, "num_workers": 2,
+                       "prompt_cache_queries": 0, "cache_skipped_rows": 0, "cache_computed_rows": 0,
+                       "lora_slot_loads": 0, "loras_resident": 0, "num_workers": 2,
                        "num_workers_alive": alive, "workers": workers}
 
     def stats(self) -> dict:
