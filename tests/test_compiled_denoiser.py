@@ -103,3 +103,26 @@ def test_profile_splits_the_step(sd_eps_path):
     assert 0 < report["share_outside_forward"] < 1
     with pytest.raises(ValueError, match="profile_steps=True"):
         DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32").profile()
+
+
+@pytest.mark.slow
+def test_compiled_denoiser_with_lora_layers_loaded_keeps_fidelity(sd_eps_path, tmp_path):
+    """LoRA batches run eagerly; once adapters are loaded, batches without any still take the compiled
+    forward through the wrapped layers. Both give the eager engine's images."""
+    from conftest import tiny_sd_pipeline
+    from lora_utils import make_lora
+
+    adapters = {"style": make_lora(tiny_sd_pipeline(), str(tmp_path / "style"), seed=5)}
+    params = [SamplingParams(num_inference_steps=4, guidance_scale=5.0, seed=s, height=16, width=16, output_type="np",
+                             loras=loras) for s, loras in ((1, {"style": 0.7}), (2, None), (3, {"style": 1.0}))]
+    prompts = ["a", "b", "c"]
+    results = []
+    for compile_mode in ("off", "dynamic"):
+        engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", compile=compile_mode,
+                                 lora_modules=adapters)
+        mixed = engine.generate(prompts, params, use_tqdm=False)
+        plain = engine.generate(prompts[1], params[1], use_tqdm=False)  # no adapter: the compiled path
+        results.append(mixed + plain)
+    for want, got in zip(*results):
+        assert got.error is None, got.error
+        np.testing.assert_allclose(got.images[0], want.images[0], atol=1e-3, rtol=0)

@@ -117,6 +117,29 @@ def test_a_request_that_dies_on_every_worker_fails_instead_of_hanging(sd_eps_pat
         engine.shutdown()
 
 
+def test_lora_adapters_travel_to_ray_workers(sd_eps_path, tmp_path):
+    """Adapters are read on the driver and shipped to each worker when a slot loads them: two Ray workers
+    give the in-process engine's images for a mix of adapters."""
+    from conftest import tiny_sd_pipeline
+    from lora_utils import make_lora
+
+    adapters = {"style": make_lora(tiny_sd_pipeline(), str(tmp_path / "style"), seed=5,
+                                   components=("unet", "text_encoder"))}
+    params = [SamplingParams(num_inference_steps=3, seed=s, height=16, width=16, output_type="np", loras=loras)
+              for s, loras in ((1, {"style": 0.7}), (2, None), (3, {"style": 1.0}), (4, {"style": -0.5}))]
+    prompts = ["a red circle", "a blue square", "a red circle", "a green circle"]
+    local = DiffusionEngine(sd_eps_path, lora_modules=adapters).generate(prompts, params, use_tqdm=False)
+    engine = DiffusionEngine(sd_eps_path, executor="ray", num_workers=2, worker_num_cpus=1, lora_modules=adapters)
+    try:
+        remote = engine.generate(prompts, params, use_tqdm=False)
+        assert engine.stats()["lora_slot_loads"] >= 1
+    finally:
+        engine.shutdown()
+    for want, got in zip(local, remote):
+        assert got.error is None, got.error
+        np.testing.assert_allclose(got.images[0], want.images[0], atol=1e-3, rtol=0)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
