@@ -194,12 +194,21 @@ def _check_loras(loras: Any) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"loras: adapter names must be non-empty strings, got {name!r}")
         try:
-            number = None if isinstance(weight, bool) else float(weight) if isinstance(weight, (int, float)) else None
-        except OverflowError:  # an integer too large for a float
-            number = None
-        if number is None or not abs(number) <= MAX_LORA_WEIGHT:
-            raise ValueError(f"loras: the weight of {name!r} must be a number in [-{MAX_LORA_WEIGHT:g}, "
-                             f"{MAX_LORA_WEIGHT:g}], got {weight!r}"[:300])
+            lora_weight(name, weight)
+        except ValueError as e:
+            raise ValueError(f"loras: {e}") from None
+
+
+def lora_weight(name: str, weight: Any) -> float:
+    """An adapter's weight as a float; ValueError unless a number within +-MAX_LORA_WEIGHT."""
+    try:
+        number = None if isinstance(weight, bool) else float(weight) if isinstance(weight, (int, float)) else None
+    except OverflowError:  # an integer too large for a float
+        number = None
+    if number is None or not abs(number) <= MAX_LORA_WEIGHT:
+        raise ValueError(f"the weight of {name!r} must be a number in [-{MAX_LORA_WEIGHT:g}, {MAX_LORA_WEIGHT:g}], "
+                         f"got {weight!r}"[:300])
+    return number
 
 
 def _is_default(cache: Any) -> bool:

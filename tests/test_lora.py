@@ -86,6 +86,19 @@ def _engine(family: dict, **kwargs) -> DiffusionEngine:
                            **{"max_batch_size": 16, **kwargs})
 
 
+def _run_to_end(engine: DiffusionEngine) -> tuple[dict, dict]:
+    """Steps until every request finished: (request id -> final output, request id -> first step it took)."""
+    finished, started, step = {}, {}, 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            started.setdefault(out.request_id, step)
+            if out.finished:
+                finished[out.request_id] = out
+    assert all(o.error is None for o in finished.values()), {k: o.error for k, o in finished.items()}
+    return finished, started
+
+
 def _assert_close(got: list, want, what: str) -> None:
     assert len(got) == len(want), what
     for a, b in zip(got, want):
@@ -144,27 +157,14 @@ def test_one_slot_serves_adapters_in_turn_and_requests_without_loras_never_wait(
                 ("a red circle", P(**base, seed=4, loras={"full": 0.5}))]
     for i, (prompt, p) in enumerate(requests):
         engine.add_request(f"r{i}", prompt, p)
-    started, finished, order = {}, {}, []
-    step = 0
-    while engine.has_unfinished_requests():
-        step += 1
-        for out in engine.step():
-            started.setdefault(out.request_id, step)
-            if out.finished:
-                finished[out.request_id] = out
-                order.append(out.request_id)
-    assert all(o.error is None for o in finished.values()), {k: o.error for k, o in finished.items()}
+    finished, started = _run_to_end(engine)
     assert started["r2"] == started["r0"], "a request without adapters must not wait for a slot"
-    assert started["r1"] > step_of(finished, order, "r0", started), "'plain' waits for 'full' to leave the slot"
+    r0_last_step = started["r0"] + finished["r0"].num_inference_steps - 1
+    assert started["r1"] > r0_last_step, "'plain' waits for 'full' to leave the slot"
     assert engine.stats()["lora_slot_loads"] == 3  # full, plain, full again
     for i, (prompt, p) in enumerate(requests):
         _assert_close(finished[f"r{i}"].images, _reference(family, prompt, p), f"r{i}")
     engine.shutdown()
-
-
-def step_of(finished: dict, order: list[str], request_id: str, started: dict) -> int:
-    """The step in which a request finished: it started at started[id] and ran its steps one per step."""
-    return started[request_id] + finished[request_id].num_inference_steps - 1
 
 
 def test_unloading_an_adapter_keeps_accepted_requests_and_refuses_new_ones(families):
@@ -178,12 +178,7 @@ def test_unloading_an_adapter_keeps_accepted_requests_and_refuses_new_ones(famil
     assert [a["name"] for a in engine.list_loras()] == ["full"]
     with pytest.raises(ValueError, match="unknown LoRA adapter 'plain'"):
         engine.add_request("late", "a red circle", p)
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final = out
-    assert final is not None and final.error is None, final
+    final = _run_to_end(engine)[0]["accepted"]
     _assert_close(final.images, _reference(family, "a red circle", p), "finished after its adapter was unloaded")
     engine.load_lora("plain", family["adapters"]["plain"])  # the name is free again
     assert engine.generate("a red circle", p, use_tqdm=False)[0].error is None
@@ -197,18 +192,13 @@ def test_preempted_lora_request_comes_back_with_the_same_image(families):
     low = P(num_inference_steps=6, guidance_scale=4.0, height=32, width=32, output_type="np", seed=7,
             loras={"full": 0.8}, priority=5)
     engine.add_request("low", "a red circle", low)
-    finals = {}
     for _ in range(2):
         engine.step()
     urgent = P(num_inference_steps=2, guidance_scale=4.0, height=32, width=32, output_type="np", seed=8,
                loras={"plain": 1.0}, priority=0)
     engine.add_request("urgent", "a blue square", urgent)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+    finals = _run_to_end(engine)[0]
     assert engine.stats()["num_preemptions"] >= 1
-    assert all(o.error is None for o in finals.values()), {k: o.error for k, o in finals.items()}
     _assert_close(finals["low"].images, _reference(family, "a red circle", low), "LoRA request after preemption")
     _assert_close(finals["urgent"].images, _reference(family, "a blue square", urgent), "the urgent one")
     engine.shutdown()
@@ -363,12 +353,7 @@ def test_a_failed_load_does_not_disturb_running_requests(families, tmp_path):
     engine.step()
     with pytest.raises(ValueError):
         engine.load_lora("junk", _bad_lora_folder(tmp_path / "junk", {"x": torch.ones(2)}))
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final = out
-    assert final.error is None
+    final = _run_to_end(engine)[0]["running"]
     _assert_close(final.images, _reference(family, "a red circle", p), "request running across a failed load")
     engine.shutdown()
 

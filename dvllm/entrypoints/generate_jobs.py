@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 
 from dvllm.samplers.registry import SHORT_NAMES, scheduler_class
-from dvllm.sampling_params import MAX_LORA_WEIGHT, SEED_LIMIT, SamplingParams
+from dvllm.sampling_params import SEED_LIMIT, SamplingParams, lora_weight
 from dvllm.step_cache import parse_cache_flag
 
 if TYPE_CHECKING:
@@ -89,10 +89,7 @@ def parse_lora_flags(values: list[str] | None) -> dict[str, float]:
             weight = float(text) if sep else 1.0
         except ValueError:
             raise ValueError(f"the weight of {name!r} must be a number, got {text!r}") from None
-        if not abs(weight) <= MAX_LORA_WEIGHT:
-            raise ValueError(f"the weight of {name!r} must be a number in [-{MAX_LORA_WEIGHT:g}, "
-                             f"{MAX_LORA_WEIGHT:g}], got {text!r}")
-        loras[name] = weight
+        loras[name] = lora_weight(name, weight)
     return loras
 
 

@@ -91,10 +91,6 @@ class LoraRegistry:
             return [{"name": name, "path": e.path, "in_host_cache": e.uid in self._cache}
                     for name, e in self._entries.items()]
 
-    def names(self) -> list[str]:
-        with self._lock:
-            return list(self._entries)
-
     def _remember(self, weights: LoraWeights) -> None:
         self._cache[weights.uid] = weights
         while len(self._cache) > self.max_cpu_loras:

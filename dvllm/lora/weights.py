@@ -36,14 +36,6 @@ class LoraWeights:
     def has_text_encoder(self) -> bool:
         return any(c.startswith(TEXT_ENCODER_PREFIX) for c in self.layers)
 
-    @property
-    def num_layers(self) -> int:
-        return sum(len(m) for m in self.layers.values())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for m in self.layers.values() for a, b in m.values())
-
 
 def read_lora(skeleton: Any, name: str, uid: int, path: str, max_rank: int) -> LoraWeights:
     """The adapter at `path` for the skeleton's pipeline; ValueError saying why it cannot be served."""

@@ -77,8 +77,6 @@ class LoraLayers:
                 module = modules.get(name)
                 if not _fits(module, a, b):
                     raise ValueError(f"LoRA adapter {weights.name!r} does not fit {component}.{name} of this model")
-                if a.shape[0] > self.max_rank:
-                    raise ValueError(f"LoRA adapter {weights.name!r} has rank {a.shape[0]} > {self.max_rank}")
                 targets.append((component, name, module, a, b))
         self.evict(slot)
         for component, name, module, a, b in targets:
