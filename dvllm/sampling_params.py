@@ -41,8 +41,13 @@ class SamplingParams:
     output_kind: str = "progress"
     # Image-to-image: a PIL image, an HxWx3 uint8 array or a file path; strength in (0, 1] is how much of
     # the schedule it runs (1.0 ignores the image's content). None: the model's default strength.
+    # Models that edit from several images (Qwen-Image-Edit Plus) take a list of them.
     image: Any = None
     strength: float | None = None
+    # Inpainting (with image): a mask of the image's size, white where to repaint, as diffusers' inpainting
+    # pipelines take it (made grey and binarized at 0.5). Its default strength and size are the inpainting
+    # pipeline's (1.0 and the model's default size; SDXL's strength 0.9999), not img2img's.
+    mask_image: Any = None
     # DDIM's eta (and TCD's gamma), for pipelines that take one (SD, SDXL). None: the pipeline's default (0.0).
     eta: float | None = None
     # The text encoder's token limit, where the pipeline takes one (Qwen-Image, Z-Image; Flux and SD3 at
@@ -99,6 +104,10 @@ class SamplingParams:
                 raise ValueError(f"strength must be in (0, 1], got {self.strength!r}")
             if self.image is None:
                 raise ValueError("strength needs an image (image-to-image)")
+        if self.mask_image is not None and self.image is None:
+            raise ValueError("mask_image needs an image (inpainting repaints the image where the mask is white)")
+        if isinstance(self.image, (list, tuple)) and not self.image:
+            raise ValueError("image: an empty list of images")
 
     def resolve(self, info: "ModelInfo", config: "EngineConfig") -> "SamplingParams":
         """A copy with every default filled from the model, checked against the engine's limits."""
@@ -117,12 +126,14 @@ class SamplingParams:
         if cache is not None and info.cache_layout is None:
             raise ValueError(f"cache: the {info.family} family serves no step caching (it is served for the "
                              f"transformer families: flux, qwen-image, stable-diffusion-3, z-image)")
-        image = None if self.image is None else _load_image(self.image, info, max_pixels)
-        # An image sets the size, rounded down to the VAE's scale factor as the img2img pipelines' image
-        # processor rounds it; text-to-image sizes are multiples of the size factor its pipeline checks.
-        factor = info.size_factor if image is None else info.latent_scale
-        image_h, image_w = (info.default_height, info.default_width) if image is None else \
-            (image.height // factor * factor, image.width // factor * factor)
+        if self.strength is not None and not info.image_sets_start:
+            raise ValueError(f"strength: {info.pipeline_class} conditions on its images; it takes no strength")
+        image = _load_images(self.image, info, max_pixels)
+        mask = None if self.mask_image is None else _load_mask(self.mask_image, image, info, max_pixels)
+        if info.requires_mask and mask is None:
+            raise ValueError(f"mask_image: this model ({info.pipeline_class}) only inpaints: send an image and a mask")
+        image_h, image_w = default_size(info, image, mask is not None)
+        default_strength = info.default_inpaint_strength if mask is not None else info.default_strength
         resolved = dataclasses.replace(
             self,
             num_inference_steps=self.num_inference_steps or info.default_steps,
@@ -131,7 +142,9 @@ class SamplingParams:
             width=self.width or image_w,
             seed=secrets.randbelow(RANDOM_SEED_LIMIT) if self.seed is None else self.seed,
             image=image,
-            strength=None if image is None else (info.default_strength if self.strength is None else self.strength),
+            mask_image=mask,
+            strength=None if image is None or not info.image_sets_start else
+            (default_strength if self.strength is None else self.strength),
             eta=info.default_eta if self.eta is None else float(self.eta),
             max_sequence_length=self.max_sequence_length or info.max_sequence_length,
             cache=cache,
@@ -146,6 +159,10 @@ class SamplingParams:
             raise ValueError(
                 f"num_inference_steps must be in [1, {config.max_inference_steps}], got {resolved.num_inference_steps}"
             )
+        # img2img sizes are multiples of the VAE's scale factor (its image processor rounds to them); others of
+        # the size factor the pipeline checks
+        factor = info.latent_scale if image is not None and mask is None and info.image_sets_start else \
+            info.size_factor
         for name in ("height", "width"):
             value = getattr(resolved, name)
             if value % factor:
@@ -222,30 +239,75 @@ def _optional_int(name: str, value: object, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
-def _load_image(image: Any, info: "ModelInfo", max_pixels: int) -> Any:
-    """An RGB PIL image from what the caller gave; ValueError naming `image` otherwise."""
+def default_size(info: "ModelInfo", image: Any, inpaint: bool) -> tuple[int, int]:
+    """(height, width) of a request that names none. Text-to-image and inpainting: the model's default (the
+    inpainting pipelines resize the image to it). Image-to-image: the image's size, rounded down to the VAE's
+    scale factor as the img2img pipelines' image processor rounds it. Edit models: their own rule."""
+    if image is None or inpaint:
+        return info.default_height, info.default_width
+    sizes = tuple((i.width, i.height) for i in image) if isinstance(image, tuple) else ((image.width, image.height),)
+    if info.edit_size is not None:
+        return info.edit_size(sizes)
+    factor = info.latent_scale
+    (w, h), = sizes
+    return h // factor * factor, w // factor * factor
+
+
+def _load_images(image: Any, info: "ModelInfo", max_pixels: int) -> Any:
+    """One RGB PIL image, or a tuple of them for models that take several; None for none."""
+    if image is None:
+        if info.requires_image:
+            raise ValueError(f"image: this model ({info.pipeline_class}) edits images: send an image")
+        return None
+    if not isinstance(image, (list, tuple)):
+        return _load_image(image, info, max_pixels)
+    if len(image) > info.max_input_images:
+        raise ValueError(f"image: {len(image)} images, but this model takes at most {info.max_input_images}")
+    if info.max_input_images == 1:
+        return _load_image(image[0], info, max_pixels)
+    return tuple(_load_image(i, info, max_pixels, f"image[{k}]") for k, i in enumerate(image))
+
+
+def _load_mask(mask: Any, image: Any, info: "ModelInfo", max_pixels: int) -> Any:
+    """The mask as a PIL image of the image's size (kept as given: the pipeline's mask processor makes it grey)."""
+    if not info.inpaint_channels:
+        raise ValueError(f"mask_image: inpainting is not supported for the {info.family} family")
+    if isinstance(image, tuple):
+        raise ValueError("mask_image: inpainting takes one image, got several")
+    mask = _load_image(mask, info, max_pixels, "mask_image", mode=None).copy()
+    if mask.size != image.size:
+        raise ValueError(f"mask_image must be the size of image ({image.width}x{image.height}), "
+                         f"got {mask.width}x{mask.height}")
+    return mask
+
+
+def _load_image(image: Any, info: "ModelInfo", max_pixels: int, name: str = "image", mode: str | None = "RGB") -> Any:
+    """A PIL image (converted to `mode`) from what the caller gave; ValueError naming the field otherwise."""
     import numpy as np
     from PIL import Image, UnidentifiedImageError
 
     if not info.supports_img2img:
-        raise ValueError(f"image: image-to-image is not supported for the {info.family} family")
+        raise ValueError(f"{name}: image-to-image is not supported for the {info.family} family")
     try:
         if isinstance(image, str):
             with Image.open(image) as f:
                 _check_image_size(f, info, max_pixels)  # from the header, before decoding
                 image = f.copy()
         elif isinstance(image, np.ndarray):
-            if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
-                raise ValueError(f"an array must be HxWx3 uint8, got {image.dtype} {image.shape}")
+            grey = mode is None and image.ndim == 2  # a mask may be HxW
+            if image.dtype != np.uint8 or not (grey or image.ndim == 3 and image.shape[2] == 3):
+                raise ValueError(f"an array must be HxWx3{' or HxW' if mode is None else ''} uint8, "
+                                 f"got {image.dtype} {image.shape}")
             image = Image.fromarray(image)
         elif not isinstance(image, Image.Image):
             raise ValueError(f"expected a PIL image, an HxWx3 uint8 array or a path, got {type(image).__name__}")
         _check_image_size(image, info, max_pixels)
-        return image.convert("RGB")  # decodes a lazily opened file: its size is checked first
+        image.load()  # decodes a lazily opened file: its size is checked first
+        return image.convert(mode) if mode is not None else image
     except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as e:
-        raise ValueError(f"image: cannot read it as an image: {e}") from None
+        raise ValueError(f"{name}: cannot read it as an image: {e}") from None
     except ValueError as e:
-        raise ValueError(str(e) if str(e).startswith("image") else f"image: {e}") from None
+        raise ValueError(str(e) if str(e).startswith(name) else f"{name}: {e}") from None
 
 
 def _check_image_size(image: Any, info: "ModelInfo", max_pixels: int) -> None:

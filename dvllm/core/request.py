@@ -45,6 +45,8 @@ class Request:
     cond_blocks: int = 1      # state-pool blocks per prompt's conditions
     uses_history: bool = False
     cache_blocks: int = 0     # state-pool blocks per model row for its step cache (0: none)
+    input_blocks: int = 0     # state-pool blocks per image for what its input image(s) left (inpainting, edits)
+    input_numel: int = 0      # the numbers in them
     cached_steps: int = 0     # steps whose remaining blocks it skipped or predicted
     # its LoRA adapters (dvllm.lora.weights.LoraWeights, held until it finishes) and their weights
     loras: tuple[tuple[Any, float], ...] = ()
@@ -77,8 +79,9 @@ class Request:
 
     @property
     def private_blocks(self) -> int:
-        """Blocks only this request uses: latents, history for multistep samplers, step-cache state."""
-        return self.params.n * self.latent_blocks * (2 if self.uses_history else 1) + self.rows * self.cache_blocks
+        """Blocks only this request uses: latents, history for multistep samplers, step-cache state, inputs."""
+        per_image = self.latent_blocks * (2 if self.uses_history else 1) + self.input_blocks
+        return self.params.n * per_image + self.rows * self.cache_blocks
 
     @property
     def max_blocks(self) -> int:

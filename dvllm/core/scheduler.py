@@ -255,6 +255,7 @@ class Scheduler:
         history = [self.blocks.allocate(nb) for _ in range(n)] if request.uses_history else None
         cache = [self.blocks.allocate(request.cache_blocks) for _ in range(request.rows)] \
             if request.cache_blocks else None
+        inputs = [self.blocks.allocate(request.input_blocks) for _ in range(n)] if request.input_blocks else None
         entries, writes = [], []
         for key in request.cond_keys:
             if key is None:
@@ -269,7 +270,7 @@ class Scheduler:
             entries.append(entry)
         request.cond_entry, request.uncond_entry = entries
         request.blocks = BlockTables(
-            latents=latents, history=history, cache=cache, cond=entries[0].blocks,
+            latents=latents, history=history, cache=cache, inputs=inputs, cond=entries[0].blocks,
             uncond=entries[1].blocks if entries[1] else None, write_cond=writes[0], write_uncond=writes[1],
         )
         return request.blocks
@@ -278,7 +279,7 @@ class Scheduler:
         tables = request.blocks
         if tables is None:
             return
-        for blocks in tables.latents + (tables.history or []) + (tables.cache or []):
+        for blocks in tables.latents + (tables.history or []) + (tables.cache or []) + (tables.inputs or []):
             self.blocks.free(blocks)
         for entry in (request.cond_entry, request.uncond_entry):
             if entry is not None:
@@ -389,6 +390,7 @@ def _new_request_data(request: Request, tables: BlockTables) -> NewRequestData:
         request_id=request.request_id, prompt=request.prompt, negative_prompt=p.negative_prompt, n=p.n,
         height=p.height, width=p.width, seed=p.seed, guidance_scale=p.guidance_scale, cfg=request.cfg,
         output_type=p.output_type, plan=request.plan, blocks=tables, preview_steps=request.preview_steps,
-        image=p.image, max_sequence_length=p.max_sequence_length, cache=p.cache,
+        image=p.image, mask=p.mask_image, strength=p.strength, input_numel=request.input_numel,
+        max_sequence_length=p.max_sequence_length, cache=p.cache,
         loras=request.row_loras, text_loras=request.text_loras,
     )

@@ -14,6 +14,7 @@ class BlockTables:
     cond: list[int]                        # the prompt's conditions (may be shared with other requests)
     uncond: list[int] | None               # the negative prompt's, with CFG
     cache: list[list[int]] | None = None   # step-cache state, one list per model row (cond rows, then uncond)
+    inputs: list[list[int]] | None = None  # what its input image(s) left (inpainting, edits), one list per image
     write_cond: bool = True                # the worker must fill cond (a cache miss)
     write_uncond: bool = True
 
@@ -35,7 +36,10 @@ class NewRequestData:
     plan: Any  # dvllm.samplers.SamplerPlan
     blocks: BlockTables
     preview_steps: frozenset[int] = frozenset()  # after these step counts, decode a preview
-    image: Any = None  # image-to-image: the start image (PIL, RGB), sent once
+    image: Any = None  # image-to-image: the start image (PIL, RGB), sent once; edit models: a tuple of them
+    mask: Any = None   # inpainting: the mask (PIL), white where to repaint
+    strength: float | None = None  # image-to-image and inpainting
+    input_numel: int = 0  # numbers per image of its input state (in blocks.inputs)
     max_sequence_length: int | None = None  # the text encoder's length (None: the pipeline takes none)
     cache: Any = None  # its step cache (dvllm.step_cache.CacheConfig), or None
     loras: tuple[tuple[int, float], ...] = ()       # (adapter load id, weight): applied to all its rows

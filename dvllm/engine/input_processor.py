@@ -51,6 +51,7 @@ class InputProcessor:
         resolved = (params or SamplingParams()).resolve(self.info, self.config)
         info = self.info
         plan = self.plan(resolved)
+        input_numel = info.input_numel(resolved.height, resolved.width, resolved.image, resolved.mask_image is not None)
         request = Request(
             loras=self._loras(resolved.loras),
             request_id=request_id, prompt=prompt, params=resolved, num_steps=plan.num_steps,
@@ -58,6 +59,7 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time, arrival_seq=next(self._arrivals),
             latent_blocks=self.blocks(info.latent_numel(resolved.height, resolved.width)),
             cond_blocks=self.blocks(info.condition_numel), uses_history=plan.uses_history,
+            input_blocks=self.blocks(input_numel), input_numel=input_numel,
             cache_blocks=0 if resolved.cache is None else self.blocks(info.cache_layout.request_row(
                 resolved.cache, resolved.height, resolved.width, resolved.max_sequence_length,
                 (prompt, resolved.negative_prompt))[1]),
@@ -105,7 +107,7 @@ class InputProcessor:
 
     def _plan_key(self, params: SamplingParams) -> tuple:
         extra = self._timestep_kwargs(params.height, params.width, params.num_inference_steps)
-        return (params.sampler, params.num_inference_steps, params.strength, params.eta,
+        return (params.sampler, params.num_inference_steps, params.strength, params.eta, params.mask_image is not None,
                 tuple(sorted((k, _hashable(v)) for k, v in extra.items())))
 
     def _timestep_kwargs(self, height: int, width: int, steps: int) -> dict[str, Any]:
@@ -114,7 +116,8 @@ class InputProcessor:
 
     def _build(self, sampler: str | None, steps: int, params: SamplingParams) -> SamplerPlan:
         plan = build_plan(self.info.scheduler_config, sampler, steps, params.strength, params.eta,
-                          self.info.step_kwargs, **self._timestep_kwargs(params.height, params.width, steps))
+                          self.info.step_kwargs, renoise=params.mask_image is not None,
+                          **self._timestep_kwargs(params.height, params.width, steps))
         probe_plan(plan, self._probe_shape())
         return plan
 
@@ -143,7 +146,7 @@ class InputProcessor:
     def _most_steps(self, sampler: str | None, good: int, bad: int, params: SamplingParams) -> int:
         """The largest step count in [good, bad) that runs, by bisection (schedules break past a point).
         Remembered, so that asking again with other step counts costs nothing."""
-        key = (sampler, params.strength, params.eta, params.height, params.width)
+        key = (sampler, params.strength, params.eta, params.height, params.width, params.mask_image is not None)
         most = self._most.get(key)
         if most is not None and most < bad:
             return most

@@ -36,6 +36,25 @@ class ModelInfo:
     cfg_threshold: float = 1.0  # CFG for guidance above this (Z-Image: above 0)
     supports_img2img: bool = False
     default_strength: float = 0.8  # the img2img pipeline's default
+    # Inpainting (SamplingParams.mask_image): the per-image state it keeps at latent resolution, in channels
+    # (StableDiffusionAdapter.prepare_inpaint says which); 0: the family does not inpaint.
+    inpaint_channels: int = 0
+    default_inpaint_strength: float = 1.0  # the inpainting pipeline's default
+    requires_mask: bool = False   # an inpainting UNet (9 input channels): every image request brings a mask
+    # The denoiser reads each row's input state (the 9-channel UNet's mask and masked-image latents, an edit
+    # model's image latents) as conditions["image_inputs"]: [rows, numbers], zero-padded to the batch's longest.
+    denoiser_takes_inputs: bool = False
+    # Edit models (Qwen-Image-Edit): every request brings its images, which condition the prompt and the
+    # denoiser instead of setting the start (no strength); at most max_input_images of them.
+    requires_image: bool = False
+    image_sets_start: bool = True
+    max_input_images: int = 1
+    # (input images' (width, height)s) -> the (height, width) of a request that names none; None: img2img's
+    # rule (the image's size). A module-level function: picklable.
+    edit_size: Callable[[tuple[tuple[int, int], ...]], tuple[int, int]] | None = None
+    # (height, width, input images' (width, height)s) -> numbers per image of the request's private input
+    # state (Qwen-Image-Edit's image latents); None: none beyond inpainting's.
+    edit_numel: Callable[[int, int, tuple[tuple[int, int], ...]], int] | None = None
     # Packed latents (Flux, Qwen-Image): patches of latent_patch x latent_patch latent pixels become
     # one token of channels * latent_patch**2 features. 0: unpacked [C, h, w] latents.
     latent_patch: int = 0
@@ -71,6 +90,21 @@ class ModelInfo:
 
     def latent_numel(self, height: int, width: int) -> int:
         return math.prod(self.latent_shape(height, width))
+
+    def input_numel(self, height: int, width: int, image: Any, inpaint: bool) -> int:
+        """Numbers per image of what a request's input image(s) leave in its private state: inpainting's
+        mask and latents, an edit model's image latents (0: nothing, text-to-image and img2img)."""
+        if inpaint:
+            return self.inpaint_channels * (height // self.latent_scale) * (width // self.latent_scale)
+        if image is None or self.edit_numel is None:
+            return 0
+        images = image if isinstance(image, tuple) else (image,)
+        return self.edit_numel(height, width, tuple((i.width, i.height) for i in images))
+
+    def most_input_numel(self, height: int, width: int) -> int:
+        """The most numbers per image a request of this size can bring as input state."""
+        inpaint = self.input_numel(height, width, None, True)
+        return max(inpaint, self.edit_numel(height, width, None) if self.edit_numel is not None else 0)
 
     @property
     def condition_numel(self) -> int:

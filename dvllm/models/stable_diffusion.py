@@ -1,10 +1,16 @@
-"""Stable Diffusion 1.x / 2.x: UNet2DConditionModel, CLIP text encoder, epsilon or v-prediction."""
+"""Stable Diffusion 1.x / 2.x: UNet2DConditionModel, CLIP text encoder, epsilon or v-prediction.
+
+Inpainting runs as StableDiffusionInpaintPipeline does. A regular (4-channel) UNet denoises everything
+and the known region is put back, re-noised, after every step; an inpainting UNet (9 channels) takes the
+mask and the masked image's latents as extra input channels and needs no blending.
+"""
 from __future__ import annotations
 
 from functools import cached_property
 from typing import Any
 
 import torch
+from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 
@@ -12,11 +18,12 @@ from dvllm.models.base import Conditions, ModelAdapter, ModelInfo
 
 
 class StableDiffusionAdapter(ModelAdapter):
-    pipeline_classes = ("StableDiffusionPipeline",)
+    pipeline_classes = ("StableDiffusionPipeline", "StableDiffusionInpaintPipeline")
     load_kwargs = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
     family = "stable-diffusion"
     default_guidance = 7.5  # the pipeline's __call__ defaults
     default_strength = 0.8  # StableDiffusionImg2ImgPipeline's
+    default_inpaint_strength = 1.0  # StableDiffusionInpaintPipeline's
 
     @cached_property
     def info(self) -> ModelInfo:
@@ -33,12 +40,15 @@ class StableDiffusionAdapter(ModelAdapter):
             default_height=default_size,
             default_width=default_size,
             size_factor=max(8, factor),  # the pipeline's check_inputs wants multiples of 8
-            latent_channels=pipe.unet.config.in_channels,
+            latent_channels=pipe.vae.config.latent_channels,
             latent_scale=factor,
             condition_shapes=self.probe_condition_shapes(),
             # LCM-distilled UNets embed the guidance scale instead of running CFG rows.
             supports_cfg=pipe.unet.config.time_cond_proj_dim is None,
             supports_img2img=True, default_strength=self.default_strength,
+            inpaint_channels=self._inpaint_channels, requires_mask=self.inpainting_unet,
+            denoiser_takes_inputs=self.inpainting_unet,
+            default_inpaint_strength=self.default_inpaint_strength,
             step_kwargs=("eta", "generator"), default_eta=0.0,  # prepare_extra_step_kwargs, __call__'s eta=0.0
         )
 
@@ -70,13 +80,76 @@ class StableDiffusionAdapter(ModelAdapter):
         a, b = start_noise
         return a * latents + b * noise
 
+    @property
+    def inpainting_unet(self) -> bool:
+        """An inpainting UNet: latents, then the mask and the masked image's latents, as input channels."""
+        unet, vae = self.pipeline.unet.config, self.pipeline.vae.config
+        if unet.in_channels == vae.latent_channels:
+            return False
+        if unet.in_channels != 2 * vae.latent_channels + 1:
+            raise ValueError(f"{self.name}: a UNet of {unet.in_channels} input channels is neither a regular one "
+                             f"({vae.latent_channels}) nor an inpainting one ({2 * vae.latent_channels + 1})")
+        return True
+
+    @property
+    def _inpaint_channels(self) -> int:
+        # per image: the mask, then the masked image's latents (inpainting UNet) or the image's latents and
+        # the first noise, which re-noise the known region after each step (regular UNet)
+        return 1 + (1 if self.inpainting_unet else 2) * self.pipeline.vae.config.latent_channels
+
+    def prepare_inpaint(self, image: Any, mask: Any, n: int, height: int, width: int, generator: torch.Generator,
+                        plan: Any, strength: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(start latents, per-image inpainting state [n, inpaint_channels, h, w]), with every random draw where
+        the inpainting pipeline makes it: the image's VAE sample (when it is needed), the noise, then the
+        masked image's VAE sample (drawn even where a regular UNet never reads it)."""
+        pipe, scale = self.pipeline, self.info.latent_scale
+        pixels = pipe.image_processor.preprocess(image, height=height, width=width).to(torch.float32)
+        mask_pixels = self._mask_processor.preprocess(mask, height=height, width=width)
+        full_noise = strength == 1.0  # the pipelines start from pure noise only at exactly 1.0
+        image_latents = None
+        if not self.inpainting_unet or not full_noise:
+            image_latents = self._vae_sample(pixels, generator).repeat(n, 1, 1, 1)
+        noise = randn_tensor((n, *self.latent_shape(height, width)), generator=generator, device=self.device,
+                             dtype=self.dtype)
+        if full_noise:
+            latents = noise * plan.init_noise_sigma
+        else:
+            a, b = plan.start_noise
+            latents = a * image_latents + b * noise
+        # the mask reaches the latent grid by nearest-neighbour resizing (interpolate's default)
+        mask = torch.nn.functional.interpolate(mask_pixels, size=(height // scale, width // scale))
+        mask = mask.to(self.device, self.dtype).repeat(n, 1, 1, 1)
+        masked_latents = self._vae_sample(pixels * (mask_pixels < 0.5), generator).repeat(n, 1, 1, 1)
+        state = [mask, masked_latents] if self.inpainting_unet else [mask, image_latents, noise]
+        return latents, torch.cat(state, dim=1)
+
+    @cached_property
+    def _mask_processor(self) -> VaeImageProcessor:
+        # the inpainting pipelines' own: grey, binarized at 0.5, not normalized (a plain pipeline has none)
+        return getattr(self.pipeline, "mask_processor", None) or VaeImageProcessor(
+            vae_scale_factor=self.pipeline.vae_scale_factor, do_normalize=False, do_binarize=True,
+            do_convert_grayscale=True)
+
+    def _vae_sample(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """As the inpainting pipelines' _encode_vae_image: a VAE sample drawn from the generator, scaled."""
+        vae = self.pipeline.vae
+        latents = retrieve_latents(vae.encode(pixels.to(self.device, vae.dtype)), generator=generator)
+        return vae.config.scaling_factor * latents.to(self.dtype)
+
     def _scale_image_latents(self, latents: torch.Tensor) -> torch.Tensor:
         return self.pipeline.vae.config.scaling_factor * latents
+
+    def unet_input(self, latents: torch.Tensor, conditions: Conditions) -> torch.Tensor:
+        """The UNet's input: an inpainting UNet's takes each row's mask and masked-image latents after its latents."""
+        if not self.inpainting_unet:
+            return latents
+        inputs = conditions["image_inputs"][:, :self.info.inpaint_channels * latents[0, 0].numel()]
+        return torch.cat([latents, inputs.view(len(latents), -1, *latents.shape[2:]).to(latents.dtype)], dim=1)
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                 guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         return self.pipeline.unet(
-            latents,
+            self.unet_input(latents, conditions),
             timesteps,
             encoder_hidden_states=conditions["prompt_embeds"],
             timestep_cond=self._timestep_cond(guidance, latents.dtype),

@@ -8,13 +8,17 @@ from dvllm.models.stable_diffusion import StableDiffusionAdapter
 
 
 class StableDiffusionXLAdapter(StableDiffusionAdapter):
-    pipeline_classes = ("StableDiffusionXLPipeline",)
+    pipeline_classes = ("StableDiffusionXLPipeline", "StableDiffusionXLInpaintPipeline")
     load_kwargs = {"add_watermarker": False}  # dvllm returns the model's own pixels
     family = "stable-diffusion-xl"
     default_guidance = 5.0
     default_strength = 0.3  # StableDiffusionXLImg2ImgPipeline's
+    default_inpaint_strength = 0.9999  # StableDiffusionXLInpaintPipeline's: it skips the first step
 
     def __init__(self, pipeline, name: str, device: torch.device, dtype: torch.dtype) -> None:
+        if pipeline.config.get("requires_aesthetics_score", False):
+            raise ValueError(f"{name}: SDXL models that take an aesthetic score (requires_aesthetics_score, the "
+                             "refiner) are not supported")
         super().__init__(pipeline, name, device, dtype)
         vae = pipeline.vae
         # The pipeline decodes in float32 when a float16 VAE would overflow; keep that copy resident
@@ -51,10 +55,9 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         pooled = conditions["pooled_prompt_embeds"]
         projection_dim = (pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None
                           else pooled.shape[-1])
-        time_ids = pipe._get_add_time_ids(size, (0, 0), size, dtype=conditions["prompt_embeds"].dtype,
-                                          text_encoder_projection_dim=projection_dim)
+        time_ids = _add_time_ids(pipe, size, projection_dim, conditions["prompt_embeds"].dtype)
         return pipe.unet(
-            latents, timesteps, encoder_hidden_states=conditions["prompt_embeds"],
+            self.unet_input(latents, conditions), timesteps, encoder_hidden_states=conditions["prompt_embeds"],
             timestep_cond=self._timestep_cond(guidance, latents.dtype),
             added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids.to(self.device).repeat(len(latents), 1)},
             return_dict=False,
@@ -80,3 +83,15 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
             latents = latents / config.scaling_factor
         image = vae.decode(latents, return_dict=False)[0]
         return self.pipeline.image_processor.postprocess(image, output_type="pt")
+
+
+def _add_time_ids(pipe, size: tuple[int, int], projection_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """(original size, crop (0, 0), target size), as the text-to-image and inpainting pipelines both make them
+    (their _get_add_time_ids differ in signature, not in these ids without an aesthetic score)."""
+    ids = [*size, 0, 0, *size]
+    unet = pipe.unet
+    passed = unet.config.addition_time_embed_dim * len(ids) + projection_dim
+    expected = unet.add_embedding.linear_1.in_features
+    if expected != passed:
+        raise ValueError(f"the UNet expects {expected} added-condition features, the time ids make {passed}")
+    return torch.tensor([ids], dtype=dtype)

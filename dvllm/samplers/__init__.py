@@ -49,11 +49,13 @@ _VECTORIZED: dict[str, tuple[Callable[[Any], bool], Callable[[Any], list[StepRow
 
 def build_plan(model_scheduler_config: dict[str, Any], sampler: str | None, num_steps: int,
                strength: float | None = None, eta: float | None = None, step_kwargs: tuple[str, ...] = (),
-               **timestep_kwargs: Any) -> SamplerPlan:
+               renoise: bool = False, **timestep_kwargs: Any) -> SamplerPlan:
     """The schedule of `sampler` for `num_steps`, as diffusers computes it; ValueError if it cannot run.
     timestep_kwargs go to set_timesteps as the model's pipeline passes them (sigmas, mu). With a
     strength (image-to-image) the run skips the schedule's first steps, as the img2img pipelines do.
-    step_kwargs names what the pipeline passes to scheduler.step ("eta", "generator") when it takes them."""
+    step_kwargs names what the pipeline passes to scheduler.step ("eta", "generator") when it takes them.
+    renoise (inpainting with a 4-channel UNet, which takes a strength): also each step's re-noising of the
+    known region."""
     scheduler = make_scheduler(model_scheduler_config, sampler)
     name = sampler or model_scheduler_config["_class_name"]
     takes = set(inspect.signature(scheduler.step).parameters) & set(step_kwargs)
@@ -68,6 +70,8 @@ def build_plan(model_scheduler_config: dict[str, Any], sampler: str | None, num_
             plan = plan_for(name, scheduler, vectorize=vectorize)
         else:
             plan = _img2img_plan(name, scheduler, num_steps, strength, vectorize)
+            if renoise:
+                plan.renoise = _renoise_coeffs(scheduler, plan.start_index, len(plan.steps))
         plan.eta = eta if "eta" in takes else None
         plan.pass_generator = "generator" in takes
         return plan
@@ -75,6 +79,24 @@ def build_plan(model_scheduler_config: dict[str, Any], sampler: str | None, num_
         raise
     except (ValueError, TypeError, IndexError) as e:  # e.g. a schedule that indexes past the training steps
         raise ValueError(f"num_inference_steps={num_steps} does not work with sampler {name!r}: {e}") from e
+
+
+def _renoise_coeffs(scheduler: SchedulerMixin, start: int, num_steps: int) -> list[tuple[float, float]]:
+    """After step k the inpainting pipelines put the known region back as scheduler.add_noise(image latents,
+    first noise, timesteps[k + 1]), and as the clean image latents after the last step. add_noise is linear:
+    its two coefficients per step, read with the scheduler where the pipeline's would be then (its step index
+    one past k: schedulers that keep one look the sigma up by it, the others by the timestep)."""
+    one, zero = torch.ones(1), torch.zeros(1)
+    coeffs = []
+    for k in range(num_steps - 1):
+        index = start + k + 1
+        if hasattr(scheduler, "_step_index"):
+            scheduler._step_index = index
+        t = scheduler.timesteps[index:index + 1]
+        coeffs.append((float(scheduler.add_noise(one, zero, t)), float(scheduler.add_noise(zero, one, t))))
+    if hasattr(scheduler, "_step_index"):
+        scheduler._step_index = None
+    return coeffs + [(1.0, 0.0)]
 
 
 def plan_for(name: str, scheduler: SchedulerMixin, start: int = 0, vectorize: bool = True) -> SamplerPlan:

@@ -38,6 +38,8 @@ class SamplerPlan:
     # Image-to-image: the run begins at this index of the full schedule, from a * image_latents + b * noise.
     start_index: int = 0
     start_noise: tuple[float, float] | None = None
+    # inpainting: (a, b) per step; the known region becomes a * image latents + b * first noise after it
+    renoise: list[tuple[float, float]] | None = None
     # What a fallback scheduler's step() gets besides (output, t, sample), as the pipeline passes it.
     eta: float | None = None
     pass_generator: bool = False

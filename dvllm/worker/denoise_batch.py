@@ -76,6 +76,7 @@ def denoise_step(adapter: ModelAdapter, denoiser: Denoiser, pool: StatePool, sta
                 out = adapter.denoise(model_in, timesteps, conditions, guidance, size)
     with timer.phase("update_scatter"):
         update(pool, batch, guide(adapter, batch, out), errors, previews)
+        renoise_known_region(adapter, pool, batch.states, errors)
         if caching is not None:
             ids = {id(s.cache): s.request_id for s in batch.states if s.cache is not None}
             for state, skipped, computed in caching.commit(pool.write):
@@ -104,9 +105,41 @@ def model_inputs(adapter: ModelAdapter, pool: StatePool, batch: Batch) -> tuple[
     cond_rows = [s.blocks.cond for s in states for _ in range(s.n)]
     cond_rows += [s.blocks.uncond for s in cfg_states for _ in range(s.n)]
     conditions = unflatten(pool.read(cond_rows, info.condition_numel), info.condition_shapes)
+    if info.denoiser_takes_inputs:
+        inputs = image_inputs(pool, states)
+        conditions["image_inputs"] = torch.cat([inputs, inputs[:batch.num_cfg]]) if batch.num_cfg else inputs
     if batch.num_cfg:
         model_in = torch.cat([model_in, model_in[:batch.num_cfg]])
     return model_in, conditions
+
+
+def image_inputs(pool: StatePool, states: list[RequestState]) -> torch.Tensor:
+    """Each row's input state, [rows, numbers], zero-padded to the longest (edits of other image sizes)."""
+    longest = max(s.input_numel for s in states)
+    if all(s.input_numel == longest for s in states):
+        return pool.read([r for s in states for r in s.blocks.inputs], longest)
+    rows = [torch.nn.functional.pad(pool.read(s.blocks.inputs, s.input_numel), (0, longest - s.input_numel))
+            for s in states]
+    return torch.cat(rows)
+
+
+def renoise_known_region(adapter: ModelAdapter, pool: StatePool, states: list[RequestState],
+                         errors: dict[str, str]) -> None:
+    """Inpainting with a regular UNet: after each step the known region (mask 0) is the image's latents,
+    re-noised to the next step with the request's first noise (clean after the last step), as the pipeline's
+    loop writes (1 - mask) * known + mask * latents."""
+    info = adapter.info
+    for s in states:
+        if s.data.mask is None or info.denoiser_takes_inputs or s.request_id in errors:
+            continue
+        shape = info.latent_shape(s.data.height, s.data.width)
+        c = shape[0]
+        latents = pool.read(s.blocks.latents, math.prod(shape)).view(s.n, *shape)
+        inputs = pool.read(s.blocks.inputs, s.input_numel).view(s.n, 1 + 2 * c, *shape[1:])
+        mask, image, noise = inputs[:, :1], inputs[:, 1:1 + c], inputs[:, 1 + c:]
+        a, b = s.plan.renoise[s.step]
+        known = image if b == 0.0 else a * image + b * noise
+        pool.write(s.blocks.latents, ((1 - mask) * known + mask * latents).reshape(s.n, -1))
 
 
 def guide(adapter: ModelAdapter, batch: Batch, out: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,9 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
         latents = torch.zeros((rows, *info.latent_shape(height, width)), dtype=dtype, device=device)
         conditions = {k: torch.zeros((rows, *shape), dtype=dtype, device=device)
                       for k, shape in info.condition_shapes.items()}
+        if info.denoiser_takes_inputs:  # the most input state a row can bring
+            conditions["image_inputs"] = torch.zeros((rows, info.most_input_numel(height, width)), dtype=dtype,
+                                                     device=device)
         ones = torch.ones(rows, device=device)
         adapter.denoise(latents, ones * 500, conditions, ones * info.default_guidance, (height, width))
 

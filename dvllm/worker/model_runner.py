@@ -124,7 +124,11 @@ class ModelRunner:
         def prepare(group: list[NewRequestData]) -> None:
             for d in group:  # new requests may differ in size: one write each
                 generator = torch.Generator("cpu").manual_seed(d.seed)
-                if d.image is not None:
+                if d.mask is not None:
+                    x, inputs = self.adapter.prepare_inpaint(d.image, d.mask, d.n, d.height, d.width, generator,
+                                                             d.plan, d.strength)
+                    self.pool.write(d.blocks.inputs, inputs.reshape(d.n, -1))
+                elif d.image is not None:
                     x = self.adapter.encode_image(d.image, d.n, d.height, d.width, generator, d.plan.start_noise)
                 else:
                     x = self.adapter.prepare_latents(d.n, d.height, d.width, generator, d.plan.init_noise_sigma)
@@ -184,6 +188,8 @@ class ModelRunner:
             host["history"] = pool.read(blocks.history, numel)
         if blocks.cache is not None:
             host["cache"] = pool.read(blocks.cache, state.cache.numel)
+        if blocks.inputs is not None:
+            host["inputs"] = pool.read(blocks.inputs, state.input_numel)
         host["cond"] = pool.read([blocks.cond], self.adapter.info.condition_numel)
         if blocks.uncond is not None:
             host["uncond"] = pool.read([blocks.uncond], self.adapter.info.condition_numel)
@@ -199,6 +205,8 @@ class ModelRunner:
             self.pool.write(blocks.history, host["history"])
         if blocks.cache is not None:
             self.pool.write(blocks.cache, host["cache"])
+        if blocks.inputs is not None:
+            self.pool.write(blocks.inputs, host["inputs"])
         if blocks.write_cond:  # evicted from the prompt cache meanwhile: restore our copy
             self.pool.write([blocks.cond], host["cond"])
         if blocks.uncond is not None and blocks.write_uncond:

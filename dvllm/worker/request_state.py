@@ -34,6 +34,11 @@ class RequestState:
         return self.data.n
 
     @property
+    def input_numel(self) -> int:
+        """Numbers per image of its input state (0: none); the adapter wrote exactly this many."""
+        return self.data.input_numel
+
+    @property
     def fallback_timestep(self) -> torch.Tensor:
         """The diffusers scheduler's own timestep for this step (an img2img run starts into its schedule)."""
         return self.fallback.timesteps[self.plan.start_index + self.step]
