@@ -15,10 +15,12 @@ from dvllm.sampling_params import SamplingParams
 
 
 def prompt_cache_key(role: str, text: str | None, max_sequence_length: int | None = None,
-                     text_loras: tuple[tuple[int, float], ...] = ()) -> bytes:
+                     text_loras: tuple[tuple[int, float], ...] = (), image_key: str | None = None) -> bytes:
     """What identifies one text's conditions: its role, text and the request fields that change its
-    encoding (the text length; the text-encoder LoRA adapters, by load id, with their weights)."""
+    encoding (the text length; the text-encoder LoRA adapters, by load id, with their weights; the digest
+    of the images an edit model reads the prompt with)."""
     fields = [role, text, max_sequence_length] + ([[list(a) for a in text_loras]] if text_loras else [])
+    fields += [image_key] if image_key else []
     payload = json.dumps(fields, ensure_ascii=False).encode("utf-8", "surrogatepass")
     return hashlib.blake2b(payload, digest_size=16).digest()
 
@@ -47,6 +49,8 @@ class Request:
     cache_blocks: int = 0     # state-pool blocks per model row for its step cache (0: none)
     input_blocks: int = 0     # state-pool blocks per image for what its input image(s) left (inpainting, edits)
     input_numel: int = 0      # the numbers in them
+    input_grids: tuple[tuple[int, int], ...] = ()  # an edit's input images' token grids
+    image_key: str | None = None  # an edit's images' digest: its prompt's conditions depend on them
     cached_steps: int = 0     # steps whose remaining blocks it skipped or predicted
     # its LoRA adapters (dvllm.lora.weights.LoraWeights, held until it finishes) and their weights
     loras: tuple[tuple[Any, float], ...] = ()
@@ -93,8 +97,10 @@ class Request:
         """Prompt-cache keys of its conditions (positive, and negative with CFG): digests, so the cache
         holds a few bytes per entry however long the texts are."""
         length, text_loras = self.params.max_sequence_length, self.text_loras
-        negative = prompt_cache_key("negative", self.params.negative_prompt, length, text_loras) if self.cfg else None
-        return prompt_cache_key("prompt", self.prompt, length, text_loras), negative
+        images = self.image_key
+        negative = prompt_cache_key("negative", self.params.negative_prompt, length, text_loras, images) \
+            if self.cfg else None
+        return prompt_cache_key("prompt", self.prompt, length, text_loras, images), negative
 
     @property
     def lora_adapters(self) -> list[Any]:

@@ -391,6 +391,7 @@ def _new_request_data(request: Request, tables: BlockTables) -> NewRequestData:
         height=p.height, width=p.width, seed=p.seed, guidance_scale=p.guidance_scale, cfg=request.cfg,
         output_type=p.output_type, plan=request.plan, blocks=tables, preview_steps=request.preview_steps,
         image=p.image, mask=p.mask_image, strength=p.strength, input_numel=request.input_numel,
+        input_grids=request.input_grids, image_key=request.image_key,
         max_sequence_length=p.max_sequence_length, cache=p.cache,
         loras=request.row_loras, text_loras=request.text_loras,
     )

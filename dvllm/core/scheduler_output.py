@@ -40,6 +40,8 @@ class NewRequestData:
     mask: Any = None   # inpainting: the mask (PIL), white where to repaint
     strength: float | None = None  # image-to-image and inpainting
     input_numel: int = 0  # numbers per image of its input state (in blocks.inputs)
+    input_grids: tuple[tuple[int, int], ...] = ()  # an edit's input images' token grids
+    image_key: str | None = None  # their digest
     max_sequence_length: int | None = None  # the text encoder's length (None: the pipeline takes none)
     cache: Any = None  # its step cache (dvllm.step_cache.CacheConfig), or None
     loras: tuple[tuple[int, float], ...] = ()       # (adapter load id, weight): applied to all its rows

@@ -7,6 +7,7 @@ schedule of many steps) runs where it could stall other clients. Thread-safe.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 import time
@@ -60,6 +61,8 @@ class InputProcessor:
             latent_blocks=self.blocks(info.latent_numel(resolved.height, resolved.width)),
             cond_blocks=self.blocks(info.condition_numel), uses_history=plan.uses_history,
             input_blocks=self.blocks(input_numel), input_numel=input_numel,
+            input_grids=info.input_grids(resolved.image),
+            image_key=image_digest(resolved.image) if info.edit_grids is not None else None,
             cache_blocks=0 if resolved.cache is None else self.blocks(info.cache_layout.request_row(
                 resolved.cache, resolved.height, resolved.width, resolved.max_sequence_length,
                 (prompt, resolved.negative_prompt))[1]),
@@ -176,6 +179,15 @@ class InputProcessor:
             candidates = list(SHORT_NAMES) + sorted(n for n in dir(diffusers) if scheduler_class(n) is not None)
             self._valid_samplers = [n for n in candidates if self._runs(n, steps, params)]
         return self._valid_samplers
+
+
+def image_digest(image: Any) -> str:
+    """A digest of a request's images' pixels (bounded by max_image_pixels; computed here, off the loops)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for i in image if isinstance(image, tuple) else (image,):
+        digest.update(f"{i.mode}:{i.width}x{i.height};".encode())
+        digest.update(i.tobytes())
+    return digest.hexdigest()
 
 
 def _hashable(value: Any) -> Any:

@@ -53,8 +53,11 @@ class ModelInfo:
     # rule (the image's size). A module-level function: picklable.
     edit_size: Callable[[tuple[tuple[int, int], ...]], tuple[int, int]] | None = None
     # (height, width, input images' (width, height)s) -> numbers per image of the request's private input
-    # state (Qwen-Image-Edit's image latents); None: none beyond inpainting's.
-    edit_numel: Callable[[int, int, tuple[tuple[int, int], ...]], int] | None = None
+    # state (Qwen-Image-Edit's image latents; sizes None: the most); None: none beyond inpainting's.
+    edit_numel: Callable[[int, int, tuple[tuple[int, int], ...] | None], int] | None = None
+    # (input images' (width, height)s) -> each image's token grid (rows, columns), which the denoiser gets
+    # per row as conditions["image_grids"]; the prompt is then read with the images (its cache key covers them).
+    edit_grids: Callable[[tuple[tuple[int, int], ...]], tuple[tuple[int, int], ...]] | None = None
     # Packed latents (Flux, Qwen-Image): patches of latent_patch x latent_patch latent pixels become
     # one token of channels * latent_patch**2 features. 0: unpacked [C, h, w] latents.
     latent_patch: int = 0
@@ -98,8 +101,13 @@ class ModelInfo:
             return self.inpaint_channels * (height // self.latent_scale) * (width // self.latent_scale)
         if image is None or self.edit_numel is None:
             return 0
-        images = image if isinstance(image, tuple) else (image,)
-        return self.edit_numel(height, width, tuple((i.width, i.height) for i in images))
+        return self.edit_numel(height, width, image_sizes(image))
+
+    def input_grids(self, image: Any) -> tuple[tuple[int, int], ...]:
+        """An edit request's input images' token grids; () for other requests."""
+        if image is None or self.edit_grids is None:
+            return ()
+        return self.edit_grids(image_sizes(image))
 
     def most_input_numel(self, height: int, width: int) -> int:
         """The most numbers per image a request of this size can bring as input state."""
@@ -109,6 +117,12 @@ class ModelInfo:
     @property
     def condition_numel(self) -> int:
         return sum(math.prod(shape) for shape in self.condition_shapes.values())
+
+
+def image_sizes(image: Any) -> tuple[tuple[int, int], ...]:
+    """(width, height) of each of a request's images (one PIL image, or a tuple of them)."""
+    images = image if isinstance(image, tuple) else (image,)
+    return tuple((i.width, i.height) for i in images)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dvllm.models.base import ModelAdapter
 from dvllm.models.flux import FluxAdapter
 from dvllm.models.qwen_image import QwenImageAdapter
+from dvllm.models.qwen_image_edit import QwenImageEditAdapter
 from dvllm.models.z_image import ZImageAdapter
 from dvllm.models.stable_diffusion import StableDiffusionAdapter
 from dvllm.models.stable_diffusion_3 import StableDiffusion3Adapter
@@ -11,7 +12,7 @@ from dvllm.models.stable_diffusion_xl import StableDiffusionXLAdapter
 
 ADAPTERS: tuple[type[ModelAdapter], ...] = (
     StableDiffusionAdapter, StableDiffusionXLAdapter, StableDiffusion3Adapter, FluxAdapter, QwenImageAdapter,
-    ZImageAdapter,
+    QwenImageEditAdapter, ZImageAdapter,
 )
 
 

@@ -106,8 +106,11 @@ def model_inputs(adapter: ModelAdapter, pool: StatePool, batch: Batch) -> tuple[
     cond_rows += [s.blocks.uncond for s in cfg_states for _ in range(s.n)]
     conditions = unflatten(pool.read(cond_rows, info.condition_numel), info.condition_shapes)
     if info.denoiser_takes_inputs:
-        inputs = image_inputs(pool, states)
-        conditions["image_inputs"] = torch.cat([inputs, inputs[:batch.num_cfg]]) if batch.num_cfg else inputs
+        extra = {"image_inputs": image_inputs(pool, states)}
+        if info.edit_grids is not None:
+            extra["image_grids"] = image_grids(states, batch.sample.device)
+        for key, value in extra.items():
+            conditions[key] = torch.cat([value, value[:batch.num_cfg]]) if batch.num_cfg else value
     if batch.num_cfg:
         model_in = torch.cat([model_in, model_in[:batch.num_cfg]])
     return model_in, conditions
@@ -121,6 +124,14 @@ def image_inputs(pool: StatePool, states: list[RequestState]) -> torch.Tensor:
     rows = [torch.nn.functional.pad(pool.read(s.blocks.inputs, s.input_numel), (0, longest - s.input_numel))
             for s in states]
     return torch.cat(rows)
+
+
+def image_grids(states: list[RequestState], device: torch.device) -> torch.Tensor:
+    """Each row's input images' token grids, flat and zero-padded: [rows, 2 * most images]."""
+    flat = [[x for grid in s.data.input_grids for x in grid] for s in states]
+    longest = max(len(f) for f in flat)
+    rows = [f + [0] * (longest - len(f)) for s, f in zip(states, flat) for _ in range(s.n)]
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def renoise_known_region(adapter: ModelAdapter, pool: StatePool, states: list[RequestState],

@@ -128,6 +128,9 @@ class ModelRunner:
                     x, inputs = self.adapter.prepare_inpaint(d.image, d.mask, d.n, d.height, d.width, generator,
                                                              d.plan, d.strength)
                     self.pool.write(d.blocks.inputs, inputs.reshape(d.n, -1))
+                elif d.input_grids:  # an edit: its images' latents are its input state
+                    x, inputs = self.adapter.prepare_edit(_images(d), d.n, d.height, d.width, generator)
+                    self.pool.write(d.blocks.inputs, inputs.reshape(d.n, -1))
                 elif d.image is not None:
                     x = self.adapter.encode_image(d.image, d.n, d.height, d.width, generator, d.plan.start_noise)
                 else:
@@ -147,26 +150,32 @@ class ModelRunner:
 
     def _write_conditions(self, new: list[NewRequestData]) -> dict[tuple[int, ...], str]:
         """Encodes every text whose blocks must be filled (one call); returns failed blocks -> message."""
-        targets: dict[tuple[int, ...], tuple[str | None, bool, int | None, tuple]] = {}
+        # (text, negative, length, text adapters, images an edit model reads the text with), by the blocks to fill
+        targets: dict[tuple[int, ...], tuple[str | None, bool, int | None, tuple, Any]] = {}
         for d in new:
+            images = _ImageKey(d) if d.input_grids else None
             if d.blocks.write_cond:
-                targets[tuple(d.blocks.cond)] = (d.prompt, False, d.max_sequence_length, d.text_loras)
+                targets[tuple(d.blocks.cond)] = (d.prompt, False, d.max_sequence_length, d.text_loras, images)
             if d.cfg and d.blocks.write_uncond:
-                targets[tuple(d.blocks.uncond)] = (d.negative_prompt, True, d.max_sequence_length, d.text_loras)
+                targets[tuple(d.blocks.uncond)] = (d.negative_prompt, True, d.max_sequence_length, d.text_loras,
+                                                   images)
         if not targets:
             return {}
         shapes = self.adapter.info.condition_shapes
         failed: dict[tuple[int, ...], str] = {}
 
-        def encode(texts: list[tuple[str | None, bool, int | None, tuple]]) -> None:
+        def encode(texts: list[tuple[str | None, bool, int | None, tuple, Any]]) -> None:
             encoded = {}
-            for length, loras in dict.fromkeys(t[2:] for t in texts):  # one encoder call per length and adapters
-                group = [t for t in texts if t[2:] == (length, loras)]
+            # one encoder call per length, adapters and images
+            for length, loras, images in dict.fromkeys(t[2:] for t in texts):
+                group = [t for t in texts if t[2:] == (length, loras, images)]
                 items = [t[:2] for t in group]
+                # the length and images only where the family takes them: others keep the one-argument call
+                kwargs = {} if length is None else {"max_sequence_length": length}
+                if images is not None:
+                    kwargs["images"] = images.images
                 with self.lora.running([loras] * len(items)):  # every text of the call takes these adapters
-                    # the length only where the family has one: adapters without it keep the one-argument call
-                    conditions = self.adapter.encode_prompt(items) if length is None else \
-                        self.adapter.encode_prompt(items, max_sequence_length=length)
+                    conditions = self.adapter.encode_prompt(items, **kwargs)
                 encoded.update(zip(group, conditions))
             blocks = [b for b, text in targets.items() if text in encoded]
             self.pool.write([list(b) for b in blocks], torch.cat([flatten(encoded[targets[b]], shapes) for b in blocks]))
@@ -257,6 +266,24 @@ class ModelRunner:
 
         _per_request(finished, decode, errors, "decode")
         return images
+
+
+class _ImageKey:
+    """An edit's images, equal to another request's when their digests are (so identical texts with identical
+    images are encoded once)."""
+
+    def __init__(self, data: NewRequestData) -> None:
+        self.images, self.key = _images(data), data.image_key
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ImageKey) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+def _images(data: NewRequestData) -> tuple[Any, ...]:
+    return data.image if isinstance(data.image, tuple) else (data.image,)
 
 
 def _fail_lora_users(out: SchedulerOutput, states: dict[str, RequestState], failed: dict[int, tuple[int, str]],
