@@ -216,6 +216,20 @@ def qwen_image_path(tmp_path_factory) -> str:
     return _saved(tmp_path_factory, "tiny-qwen-image", tiny_qwen_image_pipeline())
 
 
+@pytest.fixture(scope="session")
+def qwen_image_edit_path(tmp_path_factory) -> str:
+    from qwen_edit_utils import tiny_qwen_image_edit_pipeline
+
+    return _saved(tmp_path_factory, "tiny-qwen-image-edit", tiny_qwen_image_edit_pipeline())
+
+
+@pytest.fixture(scope="session")
+def qwen_image_edit_plus_path(tmp_path_factory) -> str:
+    from qwen_edit_utils import tiny_qwen_image_edit_pipeline
+
+    return _saved(tmp_path_factory, "tiny-qwen-image-edit-plus", tiny_qwen_image_edit_pipeline(plus=True))
+
+
 def tiny_z_image_pipeline():
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model

@@ -173,6 +173,10 @@ class ModelAdapter(ABC):
     @abstractmethod
     def info(self) -> ModelInfo: ...
 
+    @classmethod
+    def before_loading(cls) -> None:
+        """Whatever the process needs before this family's pipeline can be loaded (nothing, mostly)."""
+
     def scheduler_config(self) -> dict[str, Any]:
         """The pipeline's scheduler config, with its class name: what every sampler is built from."""
         scheduler = self.pipeline.scheduler

@@ -20,7 +20,8 @@ import torch
 from transformers import PreTrainedModel
 
 from dvllm.models.base import ModelAdapter
-from dvllm.models.byte_tokenizer import byte_clip_tokenizer, byte_qwen_tokenizer, byte_t5_tokenizer
+from dvllm.models.byte_tokenizer import (allow_qwen_vl_processor_without_torchvision, byte_clip_tokenizer,
+                                         byte_qwen_tokenizer, byte_qwen_vl_processor, byte_t5_tokenizer)
 from dvllm.models.registry import adapter_for
 
 DEFAULT_MODEL = "tiny-shapes"  # trained in the repo (scripts/train_tiny_shapes.py), shipped in the package
@@ -111,6 +112,7 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     source = resolve_model(model)
     adapter_cls = adapter_for(source.pipeline_class)
     pipeline_cls = getattr(importlib.import_module("diffusers"), source.pipeline_class)
+    adapter_cls.before_loading()
     if load_format == "dummy" or source.preset is not None:
         pipeline = pipeline_cls(**dummy_components(source, adapter_cls, seed))
     else:
@@ -173,6 +175,9 @@ def _build_component(cls: type, name: str, source: ModelSource) -> Any:
             return byte_t5_tokenizer(config["model_max_length"])
         if kind == "qwen":
             return byte_qwen_tokenizer(config["model_max_length"])
+        if kind == "qwen-vl":  # a Qwen2VLProcessor: that tokenizer with the vision tokens, and an image processor
+            settings = {key: value for key, value in config.items() if key not in ("byte_level", "image_processor")}
+            return byte_qwen_vl_processor(**settings, **config.get("image_processor", {}))
         if kind:  # "clip" (or true, as older presets say)
             return byte_clip_tokenizer(config["model_max_length"], config.get("pad_token", "<|endoftext|>"))
         if hasattr(cls, "from_config"):  # diffusers models and schedulers
@@ -183,4 +188,5 @@ def _build_component(cls: type, name: str, source: ModelSource) -> Any:
         return cls.from_config(cls.load_config(subfolder))
     if issubclass(cls, PreTrainedModel):
         return cls(cls.config_class.from_pretrained(subfolder))
+    allow_qwen_vl_processor_without_torchvision()  # a Qwen2VLProcessor loads only with it where torchvision is missing
     return cls.from_pretrained(subfolder)  # tokenizers, feature extractors: small files, no weights

@@ -26,6 +26,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from dvllm.models.base import Conditions, ModelInfo
+from dvllm.models.byte_tokenizer import allow_qwen_vl_processor_without_torchvision
 from dvllm.models.flux import flux_timestep_kwargs
 from dvllm.models.qwen_image import MAX_TEXT_TOKENS, QwenImageAdapter
 
@@ -67,6 +68,10 @@ def edit_numel(vae_scale: int, features: int, max_images: int, height: int, widt
 
 class QwenImageEditAdapter(QwenImageAdapter):
     pipeline_classes = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+
+    @classmethod
+    def before_loading(cls) -> None:
+        allow_qwen_vl_processor_without_torchvision()  # its processor loads without torchvision only so
 
     @property
     def plus(self) -> bool:

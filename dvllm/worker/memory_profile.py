@@ -67,11 +67,16 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
 
     def denoise() -> None:
         latents = torch.zeros((rows, *info.latent_shape(height, width)), dtype=dtype, device=device)
-        conditions = {k: torch.zeros((rows, *shape), dtype=dtype, device=device)
+        # masks all ones: every text at its longest, the worst case (zeros would cut the text to nothing)
+        conditions = {k: (torch.ones if k.endswith("_mask") else torch.zeros)((rows, *shape), dtype=dtype,
+                                                                               device=device)
                       for k, shape in info.condition_shapes.items()}
         if info.denoiser_takes_inputs:  # the most input state a row can bring
             conditions["image_inputs"] = torch.zeros((rows, info.most_input_numel(height, width)), dtype=dtype,
                                                      device=device)
+        if info.edit_grids is not None:  # as many square images as it takes, at the pipeline's VAE area
+            grids = info.edit_grids(((height, height),) * info.max_input_images)
+            conditions["image_grids"] = torch.tensor([[x for g in grids for x in g]] * rows, device=device)
         ones = torch.ones(rows, device=device)
         adapter.denoise(latents, ones * 500, conditions, ones * info.default_guidance, (height, width))
 
@@ -81,7 +86,15 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
         adapter.decode(latents, (height, width))
 
     def encode() -> None:
-        adapter.encode_prompt(texts)
+        if info.edit_grids is None:
+            adapter.encode_prompt(texts)
+            return
+        # an edit model reads each prompt with its images, and encodes the images at admission too
+        from PIL import Image
+
+        images = tuple(Image.new("RGB", (height, height)) for _ in range(info.max_input_images))
+        adapter.encode_prompt([("x", False)], images=images)
+        adapter.prepare_edit(images, 1, height, width, torch.Generator("cpu").manual_seed(0))
 
     peaks = {}
     with torch.inference_mode():

@@ -1,0 +1,98 @@
+"""Qwen-Image-Edit and Qwen-Image-Edit Plus: each request's image equals its diffusers pipeline's for that
+request alone, in batches that mix input images of other sizes (other token grids), one and several images,
+true CFG and not, and n > 1."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+from PIL import Image
+
+from dvllm import DiffusionEngine, SamplingParams
+from dvllm.models.qwen_image_edit import VAE_AREA, target_size
+
+
+def picture(seed: int, size: tuple[int, int]) -> Image.Image:
+    pixels = np.random.default_rng(seed).random((size[1], size[0], 3))
+    return Image.fromarray((pixels * 255).astype("uint8"))
+
+
+def reference(pipe, prompt: str, p: SamplingParams) -> np.ndarray:
+    return pipe(image=p.image, prompt=prompt, negative_prompt=p.negative_prompt, true_cfg_scale=p.guidance_scale,
+                num_inference_steps=p.num_inference_steps, height=p.height, width=p.width,
+                num_images_per_prompt=p.n, generator=torch.Generator("cpu").manual_seed(p.seed), output_type="np").images
+
+
+def _check(path: str, jobs: list[tuple[str, SamplingParams]]) -> DiffusionEngine:
+    pipe = DiffusionPipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    engine = DiffusionEngine(model=path, device="cpu", dtype="float32")
+    outs = engine.generate([prompt for prompt, _ in jobs], [p for _, p in jobs], use_tqdm=False)
+    for (prompt, p), out in zip(jobs, outs):
+        assert out.error is None, out.error
+        expected = reference(pipe, prompt, p)
+        assert len(out.images) == len(expected) == p.n
+        for got, want in zip(out.images, expected):
+            assert got.shape == want.shape
+            assert float(np.abs(got - want).max()) <= 1e-3, prompt
+    return engine
+
+
+def P(**kwargs) -> SamplingParams:
+    return SamplingParams(**{"num_inference_steps": 3, "height": 32, "width": 32, "guidance_scale": 4.0,
+                             "output_type": "np", **kwargs})
+
+
+def test_edits_of_other_input_sizes_share_steps_and_match_the_pipeline(qwen_image_edit_path):
+    tall, wide = picture(1, (40, 56)), picture(2, (64, 48))
+    jobs = [
+        ("make it red", P(image=tall, negative_prompt="blurry", n=2, seed=1)),  # true CFG, two images
+        ("add a hat", P(image=wide, seed=2)),  # another input size: another token grid
+        # the same prompt with another image: its conditions must not come from the prompt cache
+        ("add a hat", P(image=tall, seed=3, negative_prompt=" ", guidance_scale=3.0, num_inference_steps=4)),
+        ("make it red", P(image=tall, negative_prompt="blurry", seed=4, height=48)),  # another output size
+    ]
+    engine = _check(qwen_image_edit_path, jobs)
+    # identical prompts with identical images share one encoding; with other images they do not
+    stats = engine.stats()
+    assert stats["prompt_cache_hits"] == 2  # "make it red" and "blurry" with the same image, again
+
+
+def test_plus_takes_one_or_several_images(qwen_image_edit_plus_path):
+    jobs = [
+        ("combine them", P(image=[picture(1, (40, 40)), picture(2, (64, 32))], seed=1, negative_prompt="ugly")),
+        ("one image", P(image=picture(3, (48, 40)), seed=2)),
+        ("three", P(image=[picture(4, (32, 32)), picture(5, (40, 32)), picture(6, (32, 48))], seed=3, n=2)),
+    ]
+    _check(qwen_image_edit_plus_path, jobs)
+
+
+def test_the_default_size_is_the_pipelines(qwen_image_edit_path, qwen_image_edit_plus_path):
+    """Without height and width: about 1024x1024 with the (Plus: last) image's aspect, as calculate_dimensions."""
+    for path, images in ((qwen_image_edit_path, picture(1, (300, 200))),
+                         (qwen_image_edit_plus_path, [picture(1, (300, 200)), picture(2, (100, 300))])):
+        engine = DiffusionEngine(model=path, device="cpu", dtype="float32")
+        params = SamplingParams(image=images).resolve(engine.model_info, engine.config)
+        last = images[-1] if isinstance(images, list) else images
+        width, height = target_size(VAE_AREA, last.width, last.height)
+        assert (params.height, params.width) == (height // 16 * 16, width // 16 * 16)
+
+
+def test_edit_errors_name_the_field(qwen_image_edit_path, qwen_image_edit_plus_path):
+    engine = DiffusionEngine(model=qwen_image_edit_path, device="cpu", dtype="float32")
+    image = picture(1, (40, 40))
+    bad = [
+        (SamplingParams(), "image: this model \\(QwenImageEditPipeline\\) edits images"),
+        (SamplingParams(image=image, strength=0.5), "strength: QwenImageEditPipeline conditions on its images"),
+        (SamplingParams(image=[image, image]), "image: 2 images, but this model takes at most 1"),
+        (SamplingParams(image=image, mask_image=image), "mask_image: inpainting is not supported"),
+        (SamplingParams(image=image, height=40), "height must be a positive multiple of 16"),
+    ]
+    for params, message in bad:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request("r", "x", params)
+    plus = DiffusionEngine(model=qwen_image_edit_plus_path, device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="image: 4 images, but this model takes at most 3"):
+        plus.add_request("r", "x", SamplingParams(image=[image] * 4))
+    assert not engine.has_unfinished_requests() and not plus.has_unfinished_requests()
