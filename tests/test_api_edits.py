@@ -57,8 +57,8 @@ def test_edit_streams_image_edit_events(server):
 @pytest.mark.parametrize("files, data, status, param", [
     ({}, {"prompt": "x"}, 400, "image"),
     ({"image": ("a.txt", b"not an image", "text/plain")}, {"prompt": "x"}, 400, "image"),
-    ({"image": ("a.png", png_bytes(1), "image/png"), "mask": ("m.png", png_bytes(2), "image/png")},
-     {"prompt": "x"}, 400, "mask"),
+    ({"image": ("a.png", png_bytes(1), "image/png"), "mask": ("m.png", png_bytes(2, (16, 16)), "image/png")},
+     {"prompt": "x"}, 400, "mask"),  # a mask must have the image's size (masks: test_edit_entrypoints.py)
     ({"image": ("a.png", png_bytes(1), "image/png")}, {"prompt": "x", "strength": "1.5"}, 400, "strength"),
     ({"image": ("a.png", png_bytes(1), "image/png")}, {"prompt": "x", "seed": "seven"}, 400, "seed"),
     ({"image": ("a.png", png_bytes(1), "image/png")}, {}, 400, "prompt"),

@@ -71,6 +71,15 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", action="append", metavar="NAME[=WEIGHT]",
                    help="Apply the LoRA adapter NAME (loaded with --lora-modules NAME=PATH) to every prompt at "
                         "WEIGHT (1.0 when left out); repeat for several. A JSONL line's \"loras\" replaces these.")
+    p.add_argument("--image", action="append", metavar="PATH",
+                   help="Start image: image-to-image, or inpainting with --mask; repeat for models that take "
+                        "several. A JSONL line's \"image\" (a path or a list) replaces it.")
+    p.add_argument("--mask", metavar="PATH",
+                   help="Inpainting mask of the image's size, as OpenAI's edits take it: pixels with alpha < 128 "
+                        "(transparent) are repainted, opaque ones kept; a mask without alpha is grey, white = "
+                        "repaint (diffusers'). A JSONL line's \"mask\" replaces it.")
+    p.add_argument("--strength", type=float, help="How much of the schedule an image request runs, in (0, 1] "
+                                                  "(default: the model's, for img2img or for inpainting).")
     p.add_argument("--no-progress", action="store_true", help="No progress bar.")
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                    help="dvllm's log level; debug also shows the libraries' warnings and loading bars "
@@ -304,7 +313,7 @@ def _generate(engine: DiffusionEngine, jobs: list[Job], requests: list[Request],
             progress.print(f"error: request {index} ({job.prompt!r}): {out.error}", file=sys.stderr)
             return
         paths = image_paths(index if batch_mode else None, out.seed, len(out.images), job.output, args.output_dir)
-        writer.write(job.prompt, requests[index].params, out.seed, out.images, paths)
+        writer.write(job.prompt, requests[index].params, out.seed, out.images, paths, job.inputs)
         for path in paths:
             progress.print(f"{path}  (seed {out.seed}, {out.num_inference_steps} steps)")
 

@@ -8,11 +8,12 @@ import difflib
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
+from dvllm.entrypoints.mask_upload import mask_from_upload
 from dvllm.samplers.registry import SHORT_NAMES, scheduler_class
 from dvllm.sampling_params import SEED_LIMIT, SamplingParams, lora_weight
 from dvllm.step_cache import parse_cache_flag
@@ -23,7 +24,8 @@ if TYPE_CHECKING:
 
 # JSONL keys accepted in --prompts-file, besides "prompt" and "output"
 _JSONL_KEYS = {"num_inference_steps", "steps", "guidance_scale", "guidance", "negative_prompt", "seed", "size",
-               "height", "width", "n", "sampler", "cache", "loras"}
+               "height", "width", "n", "sampler", "cache", "loras", "strength"}
+_INPUT_KEYS = ("image", "mask")  # input files: relative paths are under the prompts file's folder
 _NULLABLE_KEYS = {"cache", "loras"}  # a line's null means none: no step cache, no adapters (not the flag's)
 
 
@@ -66,10 +68,11 @@ def _long_names(fields: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _params(fields: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
+def _params(fields: dict[str, Any], defaults: dict[str, Any],
+            inputs: dict[str, Any] | None = None) -> SamplingParams:
     """Checked as far as possible without the model. Both sides are normalized first, so a line's
-    "num_inference_steps" beats the CLI's --steps."""
-    params = SamplingParams(**{**_long_names(defaults), **_long_names(fields)})
+    "num_inference_steps" beats the CLI's --steps. `inputs`: the image path(s) and the converted mask."""
+    params = SamplingParams(**{**_long_names(defaults), **_long_names(fields), **(inputs or {})})
     params.validate()
     if params.sampler is not None:
         check_sampler(params.sampler)
@@ -109,6 +112,59 @@ class Job:
     params: SamplingParams
     output: str | None  # the file asked for, or None for the default name
     where: str          # for messages: "command line" or "file:line"
+    inputs: dict[str, Any] = field(default_factory=dict)  # the input files' paths, for the PNGs and manifest
+
+
+class _Inputs:
+    """The input files of a run (--image, --mask, a line's "image" and "mask"), checked before the model
+    loads. Each mask is read and converted once (mask_upload.py), however many lines name it."""
+
+    def __init__(self) -> None:
+        self._masks: dict[str, Image.Image] = {}
+        self._sizes: dict[str, tuple[int, int]] = {}
+
+    def paths(self, key: str, value: object, base: str) -> str | list[str]:
+        """A path, or for "image" a list of them, each an image file; relative ones under `base`."""
+        values = value if key == "image" and isinstance(value, list) else [value]
+        if not values or not all(isinstance(v, str) and v for v in values):
+            kind = "a path or a list of paths" if key == "image" else "a path"
+            raise ValueError(f"must be {kind} to an image file, got {value!r}")
+        paths = [os.path.join(base, os.path.expanduser(v)) for v in values]
+        for path in paths:
+            self._size(path)
+        return paths if isinstance(value, list) else paths[0]
+
+    def params(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """SamplingParams fields of a job's input paths: the image path(s) as they are (the engine reads
+        them), the mask as diffusers' grey mask, checked against the image's size."""
+        if "mask" not in inputs:
+            return {"image": inputs.get("image")}
+        image, mask = inputs.get("image"), self._mask(inputs["mask"])
+        if isinstance(image, str) and self._size(image) != mask.size:
+            (w, h), (mw, mh) = self._size(image), mask.size
+            raise ValueError(f"mask {inputs['mask']!r} is {mw}x{mh}, but image {image!r} is {w}x{h}: the mask "
+                             "must have the image's size")
+        return {"image": image, "mask_image": mask}
+
+    def _size(self, path: str) -> tuple[int, int]:
+        if path not in self._sizes:
+            if not os.path.isfile(path):
+                raise ValueError(f"no such file: {path!r}")
+            try:
+                with Image.open(path) as image:  # the header only
+                    self._sizes[path] = image.size
+            except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as e:
+                raise ValueError(f"cannot read {path!r} as an image: {e}") from None
+        return self._sizes[path]
+
+    def _mask(self, path: str) -> Image.Image:
+        if path not in self._masks:
+            try:
+                with Image.open(path) as image:
+                    self._masks[path] = mask_from_upload(image)
+            except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as e:
+                raise ValueError(f"cannot read mask {path!r} as an image: {e}") from None
+        return self._masks[path]
 
 
 def check_generate_flags(args: argparse.Namespace) -> None:
@@ -140,53 +196,109 @@ def check_generate_flags(args: argparse.Namespace) -> None:
         parse_lora_flags(args.lora)
     except ValueError as e:
         raise ValueError(f"--lora: {e}") from None
+    if args.strength is not None and not 0 < args.strength <= 1:
+        raise ValueError(f"--strength must be in (0, 1], got {args.strength}")
+    if args.prompts_file is None and args.image is None:  # a file's lines may bring their own image
+        for flag, value in (("--mask", args.mask), ("--strength", args.strength)):
+            if value is not None:
+                raise ValueError(f"{flag} needs --image (the image to {'inpaint' if flag == '--mask' else 'edit'})")
+
+
+def _flag_inputs(args: argparse.Namespace, inputs: _Inputs) -> dict[str, Any]:
+    """--image (repeated: a list, for models that take several) and --mask, as paths, checked."""
+    found: dict[str, Any] = {}
+    for key, value in (("image", args.image), ("mask", args.mask)):
+        if value is None:
+            continue
+        try:
+            found[key] = inputs.paths(key, value[0] if key == "image" and len(value) == 1 else value, "")
+        except ValueError as e:
+            raise ValueError(f"--{key}: {e}") from None
+    return found
 
 
 def read_jobs(args: argparse.Namespace) -> list[Job]:
     """Every image request on the command line or in the file, checked as far as the model allows."""
     check_generate_flags(args)
     defaults = {"steps": args.steps, "guidance": args.guidance, "negative_prompt": args.negative_prompt,
-                "seed": args.seed, "size": args.size, "sampler": args.sampler, "n": args.n}
+                "seed": args.seed, "size": args.size, "sampler": args.sampler, "n": args.n,
+                "strength": args.strength}
     defaults = {k: v for k, v in defaults.items() if v is not None}
     if args.cache is not None:
         defaults["cache"] = parse_cache_flag(args.cache)
     if args.lora:
         defaults["loras"] = parse_lora_flags(args.lora)
+    inputs = _Inputs()
+    flag_paths = _flag_inputs(args, inputs)
     if args.prompts_file is None:
         if not args.prompt:
             raise ValueError("give a prompt or --prompts-file")
-        return [Job(args.prompt, _params({}, defaults), args.output, "command line")]
+        try:
+            fields = inputs.params(flag_paths)
+        except ValueError as e:
+            raise ValueError(f"--mask: {e}") from None
+        return [Job(args.prompt, _params({}, defaults, fields), args.output, "command line", flag_paths)]
     if args.prompt:
         raise ValueError("give either a prompt or --prompts-file, not both")
-    plain = _params({}, defaults)  # one object for every plain line: they all ask the same
+    plain: SamplingParams | None = None  # one object for every plain line: they all ask the same
     jobs = []
     with open(args.prompts_file) as f:
         for number, line in enumerate(f, 1):
             line = line.strip()
             where = f"{args.prompts_file}:{number}"
-            if line:
-                jobs.append(Job(line, plain, None, where) if not line.startswith("{")
-                            else _jsonl_job(line, where, defaults, args.output_dir))
+            if line.startswith("{"):
+                jobs.append(_jsonl_job(line, where, defaults, args, flag_paths, inputs))
+            elif line:
+                plain = plain or _plain_params(defaults, flag_paths, where, inputs)
+                jobs.append(Job(line, plain, None, where, flag_paths))
     if not jobs:
         raise ValueError(f"{args.prompts_file} holds no prompts")
     return jobs
 
 
-def _jsonl_job(line: str, where: str, defaults: dict[str, Any], output_dir: str) -> Job:
+def _plain_params(defaults: dict[str, Any], flag_paths: dict[str, Any], where: str, inputs: _Inputs) -> SamplingParams:
+    """The flags' request, which every plain line of a prompts file asks for."""
+    fields = _job_inputs(flag_paths, where, inputs)
+    try:
+        return _params({}, defaults, fields)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _job_inputs(paths: dict[str, Any], where: str, inputs: _Inputs) -> dict[str, Any]:
+    """A prompts file line's input fields; its mask needs an image (the line's or --image's)."""
+    if "mask" in paths and "image" not in paths:
+        raise ValueError(f"{where}: a mask needs an image to inpaint: give the line an \"image\" or give --image")
+    try:
+        return inputs.params(paths)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _jsonl_job(line: str, where: str, defaults: dict[str, Any], args: argparse.Namespace,
+               flag_paths: dict[str, Any], inputs: _Inputs) -> Job:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON: {e}") from None
-    unknown = set(record) - _JSONL_KEYS - {"prompt", "output"}
+    unknown = set(record) - _JSONL_KEYS - {"prompt", "output", *_INPUT_KEYS}
     if unknown or not isinstance(record.get("prompt"), str):
         raise ValueError(f"{where}: needs a string 'prompt'; unknown keys {sorted(unknown)}; "
-                         f"allowed {sorted(_JSONL_KEYS)}")
+                         f"allowed {sorted(_JSONL_KEYS | set(_INPUT_KEYS))}")
+    paths = dict(flag_paths)
+    for key in _INPUT_KEYS:
+        if record.get(key) is not None:  # null: the flag's
+            try:
+                paths[key] = inputs.paths(key, record[key], os.path.dirname(args.prompts_file))
+            except ValueError as e:
+                raise ValueError(f"{where}: {key}: {e}") from None
+    fields = _job_inputs(paths, where, inputs)
     try:
-        params = _params({k: record[k] for k in _JSONL_KEYS & set(record)}, defaults)
+        params = _params({k: record[k] for k in _JSONL_KEYS & set(record)}, defaults, fields)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{where}: {e}") from None
-    output = _output_path(record["output"], where, output_dir) if "output" in record else None
-    return Job(record["prompt"], params, output, where)
+    output = _output_path(record["output"], where, args.output_dir) if "output" in record else None
+    return Job(record["prompt"], params, output, where, paths)
 
 
 def check_lora_names(args: argparse.Namespace, jobs: list[Job], modules: dict[str, str]) -> None:

@@ -31,12 +31,14 @@ def image_paths(index: int | None, seed: int, count: int, output: str | None, ou
     return [f"{root}-{k}{ext or '.png'}" for k in range(count)]
 
 
-def image_parameters(params: SamplingParams, model: str) -> dict[str, Any]:
-    """What made an image, besides its prompt, seed and index: the resolved request parameters."""
+def image_parameters(params: SamplingParams, model: str, inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What made an image, besides its prompt, seed and index: the resolved request parameters, and for an
+    image request its input files' paths (`inputs`: "image", "mask") and strength."""
     return {"steps": params.num_inference_steps, "guidance": params.guidance_scale,
             "size": f"{params.width}x{params.height}", "sampler": params.sampler,  # None: the model's own
             "negative_prompt": params.negative_prompt, "n": params.n, "model": model,
-            **({"loras": params.loras} if params.loras else {})}
+            **({"loras": params.loras} if params.loras else {}),
+            **(inputs or {}), **({"strength": params.strength} if params.strength is not None else {})}
 
 
 class ImageWriter:
@@ -49,8 +51,8 @@ class ImageWriter:
         self.written = 0
 
     def write(self, prompt: str, params: SamplingParams, seed: int, images: list[Image.Image],
-              paths: list[str]) -> None:
-        parameters = image_parameters(params, self.model)
+              paths: list[str], inputs: dict[str, Any] | None = None) -> None:
+        parameters = image_parameters(params, self.model, inputs)
         for k, (image, path) in enumerate(zip(images, paths)):
             record = {"prompt": prompt, "seed": seed, "index": k, **parameters}
             _save(image, path, record)

@@ -148,7 +148,8 @@ _ENGINE_FIELDS = {"height": "size", "width": "size", "height*width": "size", "nu
                   "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale", "n": "n",
                   "seed": "seed", "sampler": "sampler", "negative_prompt": "negative_prompt", "prompt": "prompt",
                   "priority": "priority", "image": "image", "strength": "strength", "eta": "eta",
-                  "max_sequence_length": "max_sequence_length", "cache": "cache", "loras": "loras"}
+                  "max_sequence_length": "max_sequence_length", "cache": "cache", "loras": "loras",
+                  "mask_image": "mask"}  # the edits form's field
 
 
 def engine_value_error(error: ValueError) -> APIError:
@@ -240,16 +241,20 @@ class ModelList(BaseModel):
 
 
 class ImageEditRequest(ImageGenerationRequest):
-    """POST /v1/images/edits (multipart): the generation fields, the start image, and dvllm's strength."""
+    """POST /v1/images/edits (multipart): the generation fields, the start image(s), an optional mask, and
+    dvllm's strength."""
 
     event_prefix: ClassVar[str] = "image_edit"
     strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     input_fidelity: Any = None  # OpenAI's; does not apply
-    image: Any = Field(None, exclude=True)  # the decoded PIL image, attached after parsing
+    # attached after parsing: the uploaded image (PIL, opened lazily), or a list of them for models that take
+    # several; and the mask, already converted to diffusers' grey mask (mask_upload.py)
+    image: Any = Field(None, exclude=True)
+    mask: Any = Field(None, exclude=True)
 
     def sampling_params(self) -> SamplingParams:
         params = super().sampling_params()
-        params.image, params.strength = self.image, self.strength
+        params.image, params.mask_image, params.strength = self.image, self.mask, self.strength
         return params
 
 

@@ -1,28 +1,43 @@
-"""POST /v1/images/edits: OpenAI's multipart form, served as image-to-image.
+"""POST /v1/images/edits: OpenAI's multipart form, served as image-to-image, or as inpainting with a mask.
 
 The form's fields are the generation request's (strings, converted by their declared types;
-the objects `cache` and `loras` as JSON text) plus the image file. A mask (inpainting) is
-refused with a clear 400: dvllm serves image-to-image, not inpainting, so far.
+the objects `cache` and `loras` as JSON text) plus the files: one image, or several (`image[]`, in the
+order sent) for models that take several (`model_info.max_input_images`), and an optional `mask`.
+
+The mask follows OpenAI: a PNG of the image's size whose transparent pixels mark where to edit. With an
+alpha channel (RGBA, LA, or a palette or grey PNG with transparency info) the grey mask diffusers gets is
+`255 - alpha`, so after diffusers' 0.5 binarization a pixel is repainted where alpha < 128 (fully
+transparent: edited; opaque: kept). A mask without alpha is taken as diffusers takes it: made grey, white =
+repaint (dvllm's extension). The image's own alpha is not a mask: without a mask an edit is image-to-image.
+Only the uploads' headers are read on the event loop (their sizes are checked first); the mask is decoded
+and converted in a worker thread (mask_upload.py), the images by the engine's input processor.
 """
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import re
 import types
 import typing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PIL import Image, UnidentifiedImageError
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response
 
+from dvllm.entrypoints.mask_upload import mask_from_upload
 from dvllm.entrypoints.protocol import APIError, ImageEditRequest
 from dvllm.entrypoints.serving_images import ServerContext, read_body, serve_request
 
-_FILE_FIELDS = ("image", "image[]", "mask")
+if TYPE_CHECKING:
+    from dvllm.models.base import ModelInfo
+
+_IMAGE_FIELDS = ("image", "image[]")
+_FILE_FIELDS = (*_IMAGE_FIELDS, "mask")
 _JSON_FIELDS = ("cache", "loras")  # objects in a JSON body: JSON text in a form
+_MAX_FILES = 64  # however many images a model takes: each file part costs a spooled file while parsing
 
 
 async def create_edit(request: Request, ctx: ServerContext) -> Response:
@@ -32,38 +47,80 @@ async def create_edit(request: Request, ctx: ServerContext) -> Response:
             raise APIError(415, f"Content-Type must be multipart/form-data, got {content_type!r}.",
                            code="unsupported_media_type")
         request._body = await read_body(request, ctx.max_body_bytes)  # bounded, then parsed from memory
-        try:
-            form = await request.form(max_files=4, max_fields=64)
-        except Exception as e:  # a malformed multipart body
+        info = ctx.engine.model_info
+        try:  # room for the images the model takes, a mask, and one file more, which _check_files names
+            form = await request.form(max_files=min(info.max_input_images + 2, _MAX_FILES), max_fields=64)
+        except Exception as e:  # a malformed multipart body, or too many files
+            if "Too many files" in str(getattr(e, "detail", e)):
+                raise _too_many_images(info, "too many files;") from None
             raise APIError(400, f"The request body is not a valid multipart form: {e}.", code="invalid_form") from None
-        if form.get("mask") is not None:
-            raise APIError(400, "mask (inpainting) is not supported yet; send the image without a mask.",
-                           param="mask", code="unsupported_value")
-        images = [v for key in ("image", "image[]") for v in form.getlist(key)]
-        if len(images) != 1 or not isinstance(images[0], UploadFile):
-            raise APIError(400, "Send exactly one image file as 'image'.", param="image", code="invalid_value")
+        images = [value for key, value in form.multi_items() if key in _IMAGE_FIELDS]  # in the order sent
+        masks = form.getlist("mask")
+        _check_files(images, masks, info)
         fields = {k: v for k, v in form.multi_items() if k not in _FILE_FIELDS}
         req = ImageEditRequest.parse(_typed(fields))
-        info = ctx.engine.model_info
-        req.image = _open(await images[0].read(), ctx.engine.config.image_pixel_limit(info.default_height,
-                                                                                      info.default_width))
+        max_pixels = ctx.engine.config.image_pixel_limit(info.default_height, info.default_width)
+        opened = [_open(await image.read(), max_pixels) for image in images]
+        req.image = opened[0] if len(opened) == 1 else opened
+        if masks:
+            req.mask = await _mask(await masks[0].read(), opened[0], max_pixels)
         return req
 
     return await serve_request(request, ctx, parse)
 
 
-def _open(data: bytes, max_pixels: int) -> Image.Image:
+def _check_files(images: list[Any], masks: list[Any], info: ModelInfo) -> None:
+    """The file parts, counted and typed before any is read."""
+    if not images or not all(isinstance(image, UploadFile) for image in images):
+        takes = "an image file" if info.max_input_images == 1 else f"1 to {info.max_input_images} image files"
+        raise APIError(400, f"Send {takes} as 'image' (several as 'image[]').", param="image", code="invalid_value")
+    if len(images) > info.max_input_images:
+        raise _too_many_images(info, f"{len(images)} images, but")
+    if not masks:
+        return
+    if len(masks) > 1 or not isinstance(masks[0], UploadFile):
+        raise APIError(400, "Invalid value for 'mask': send one image file.", param="mask", code="invalid_value")
+    if not info.inpaint_channels:  # said before the engine's image-to-image refusal, which would name 'image'
+        raise APIError(400, f"Invalid value for 'mask': inpainting is not supported for the {info.family} family; "
+                            "send the image without a mask.", param="mask", code="unsupported_value")
+
+
+def _too_many_images(info: ModelInfo, what: str) -> APIError:
+    plural = "image" if info.max_input_images == 1 else "images"
+    return APIError(400, f"Invalid value for 'image': {what} this model takes at most {info.max_input_images} "
+                         f"{plural} (and one mask).", param="image", code="invalid_value")
+
+
+async def _mask(data: bytes, image: Image.Image, max_pixels: int) -> Image.Image:
+    """The upload as diffusers' grey mask: its header checked here, decoded and converted in a thread."""
+    mask = _open(data, max_pixels, "mask")
+    if mask.size != image.size:
+        raise APIError(400, f"Invalid value for 'mask': {mask.width}x{mask.height}, but the image is "
+                            f"{image.width}x{image.height}; the mask must have the image's size.", param="mask",
+                       code="invalid_image")
+    return await asyncio.to_thread(_convert_mask, mask)
+
+
+def _convert_mask(mask: Image.Image) -> Image.Image:
+    try:
+        return mask_from_upload(mask)
+    except (OSError, ValueError, Image.DecompressionBombError) as e:  # e.g. a truncated PNG
+        raise APIError(400, f"Invalid value for 'mask': not a readable image ({e}).", param="mask",
+                       code="invalid_image") from None
+
+
+def _open(data: bytes, max_pixels: int, param: str = "image") -> Image.Image:
     """The upload, opened lazily: only its header is read here, on the event loop. Its size is checked
-    before anything is decoded; the engine's input processor decodes it, off the loop, once the
-    request is past the queue check."""
+    before anything is decoded; an image is decoded by the engine's input processor, off the loop, once
+    the request is past the queue check (a mask by _mask, in a thread)."""
     try:
         image = Image.open(io.BytesIO(data))
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
-        raise APIError(400, f"Invalid value for 'image': not a readable image ({e}).", param="image",
+        raise APIError(400, f"Invalid value for '{param}': not a readable image ({e}).", param=param,
                        code="invalid_image") from None
     if image.width * image.height > max_pixels:
-        raise APIError(400, f"Invalid value for 'image': {image.width}x{image.height} is over this server's "
-                            f"limit of {max_pixels} pixels (max_image_pixels).", param="image", code="invalid_image")
+        raise APIError(400, f"Invalid value for '{param}': {image.width}x{image.height} is over this server's "
+                            f"limit of {max_pixels} pixels (max_image_pixels).", param=param, code="invalid_image")
     return image
 
 
