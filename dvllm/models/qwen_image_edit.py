@@ -6,11 +6,9 @@ digest too. The images' VAE latents (argmax, no random draw) follow the noisy la
 transformer's sequence; they are the request's private input state in the pool, and the
 denoiser's output is cut back to the noisy latents' tokens.
 
-Rows whose input images differ in size cannot share one transformer call: the transformer's RoPE
-takes one set of image shapes for the whole batch (diffusers uses the first row's and warns).
-Padding or packing would need per-row positions inside the attention, which the black box does not
-take. So a step's rows run one call per distinct set of input shapes; rows with the same shapes
-(the usual case: one service, a few standard sizes) share their call.
+Rows whose input images differ in size (other token grids, other sequence lengths) share one
+transformer call: their image tokens are padded to the longest row's and each row gets its own
+rotary positions (qwen_rows.py), since the transformer itself takes one set of shapes per call.
 
 Plus (several images) encodes each image at about 384x384 for the VL encoder and 1024x1024 for the
 VAE; Edit encodes one image at about 1024x1024 for both. Step caching is not served here (the
@@ -19,6 +17,7 @@ hidden stream carries the input images' tokens, which the cache layout does not 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from functools import cached_property, partial
 from typing import Any
 
@@ -29,6 +28,7 @@ from dvllm.models.base import Conditions, ModelInfo
 from dvllm.models.byte_tokenizer import allow_qwen_vl_processor_without_torchvision
 from dvllm.models.flux import flux_timestep_kwargs
 from dvllm.models.qwen_image import MAX_TEXT_TOKENS, QwenImageAdapter
+from dvllm.models.qwen_rows import rows_of_own_shapes
 
 VAE_AREA = 1024 * 1024        # both pipelines' VAE image area (Edit's VL image too)
 PLUS_CONDITION_AREA = 384 * 384  # Plus's VL image area
@@ -158,34 +158,51 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                 guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
-        """One transformer call per distinct set of input-image grids (see the module docstring)."""
+        """One transformer call; rows of other input shapes are padded to share it (see the module docstring)."""
         grids = [tuple(g) for g in conditions["image_grids"].tolist()]
-        out = torch.empty_like(latents)
-        for shapes in dict.fromkeys(grids):
-            rows = [i for i, g in enumerate(grids) if g == shapes]
-            index = torch.tensor(rows, device=latents.device)
-            out[index] = self._denoise_rows(latents[index], timesteps[index],
-                                            {k: v[index] for k, v in conditions.items()}, shapes, image_size)
-        return out
+        if len(set(grids)) == 1 or self.pipeline.transformer.zero_cond_t:
+            if len(set(grids)) == 1:
+                return self._call(latents, timesteps, conditions, [self._shapes(grids[0], image_size)] * len(grids))
+            # zero_cond_t modulates tokens by their image's place, which padding would shift: a call per shape set
+            out = torch.empty_like(latents)
+            for shapes in dict.fromkeys(grids):
+                index = torch.tensor([i for i, g in enumerate(grids) if g == shapes], device=latents.device)
+                rows = {k: v[index] for k, v in conditions.items()}
+                out[index] = self._call(latents[index], timesteps[index], rows,
+                                        [self._shapes(shapes, image_size)] * len(index))
+            return out
+        return self._call(latents, timesteps, conditions, [self._shapes(g, image_size) for g in grids], padded=True)
 
-    def _denoise_rows(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                      grids: tuple[int, ...], image_size: tuple[int, int]) -> torch.Tensor:
+    def _shapes(self, grids: tuple[int, ...], image_size: tuple[int, int]) -> list[tuple[int, int, int]]:
+        """The transformer's img_shapes of one row: its output's token grid, then each input image's."""
+        scale = self.pipeline.vae_scale_factor
+        images = [(1, grids[i], grids[i + 1]) for i in range(0, len(grids), 2) if grids[i]]
+        return [(1, image_size[0] // scale // 2, image_size[1] // scale // 2), *images]
+
+    def _call(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
+              shapes: list[list[tuple[int, int, int]]], padded: bool = False) -> torch.Tensor:
         pipe = self.pipeline
-        pairs = [(grids[i], grids[i + 1]) for i in range(0, len(grids), 2) if grids[i]]
         tokens, features = latents.shape[1], latents.shape[2]
-        image_tokens = sum(r * c for r, c in pairs)
-        image_latents = conditions["image_inputs"][:, :image_tokens * features].view(len(latents), -1, features)
+        # each row's image tokens, padded to the longest row's (all equal unless `padded`)
+        image_tokens = [sum(r * c for _, r, c in row[1:]) for row in shapes]
+        longest = max(image_tokens)
+        image_latents = conditions["image_inputs"][:, :longest * features].view(len(latents), longest, features)
         mask = conditions["prompt_embeds_mask"] > 0.5
-        length = int(mask.sum(dim=1).max())
+        length = int(mask.sum(dim=1).max())  # the batch's longest prompt: the rest is padding
         mask, embeds = mask[:, :length], conditions["prompt_embeds"][:, :length]
-        scale = pipe.vae_scale_factor
-        shapes = [(1, image_size[0] // scale // 2, image_size[1] // scale // 2), *[(1, r, c) for r, c in pairs]]
-        out = pipe.transformer(
-            hidden_states=torch.cat([latents, image_latents.to(latents.dtype)], dim=1),
-            timestep=timesteps.to(latents.dtype) / 1000, guidance=None,
-            encoder_hidden_states_mask=None if bool(mask.all()) else mask.long(), encoder_hidden_states=embeds,
-            img_shapes=[shapes] * len(latents), return_dict=False,
-        )[0]
+        text_mask = None if bool(mask.all()) else mask.long()
+        context = nullcontext({})
+        if padded:
+            real = torch.arange(tokens + longest, device=latents.device)[None] < \
+                torch.tensor([tokens + t for t in image_tokens], device=latents.device)[:, None]
+            context = rows_of_own_shapes(pipe.transformer, shapes, tokens + longest, real)
+        with context as attention_kwargs:
+            out = pipe.transformer(
+                hidden_states=torch.cat([latents, image_latents.to(latents.dtype)], dim=1),
+                timestep=timesteps.to(latents.dtype) / 1000, guidance=None, encoder_hidden_states_mask=text_mask,
+                encoder_hidden_states=embeds, img_shapes=shapes, attention_kwargs=attention_kwargs or None,
+                return_dict=False,
+            )[0]
         return out[:, :tokens]
 
     def cache_spec(self) -> None:
