@@ -3,7 +3,9 @@
 # CUDA kernel tests, then time sd15 and sd-turbo (dvllm.benchmarks.gpu_suite), then measure how far
 # batching moves an image in fp16/bf16 and stress the largest step (dvllm.benchmarks.batch_invariance),
 # then step caching on flux-dev (dvllm.benchmarks.cached, through throughput --cache), then multi-LoRA
-# on sdxl: 8 adapters mixed in one batch and the step cost they add (dvllm.benchmarks.lora, throughput --loras).
+# on sdxl: 8 adapters mixed in one batch and the step cost they add (dvllm.benchmarks.lora, throughput --loras),
+# then image editing on qwen-image-edit: dvllm, serial and static on the same edit requests at 3x what serial
+# sustains (dvllm.benchmarks.edit_sweep, one server at a time: three copies of the 20B model do not fit).
 #
 #   benchmarks/gpu/run_suite.sh [--dry-run] [--out DIR]
 #
@@ -41,6 +43,9 @@ if [ $dry = 1 ]; then
     --cost-rounds 1 --output-json "$out/step_cache_dry.json"
   $python -m dvllm.benchmarks.throughput --model tiny-sd --device cpu --dtype float32 --size 16x16 --steps 2 \
     --num-requests 4 --loras 2 --rounds 1 --cost-rows 4 --cost-rounds 1 --output-json "$out/lora_dry.json"
+  $python -m dvllm.benchmarks.edit_sweep --model qwen-image-edit-cpu --device cpu --dtype float32 --size 32x32 \
+    --edit-images 1,2 --steps 2 --num-requests 2 --calibration-requests 1 --sequential \
+    --output-dir "$out/edit_dry"
 else
   echo "== CUDA kernels: build and test"
   PYTHON=$python tests/gpu/run.sh 2>&1 | tail -15
@@ -59,4 +64,9 @@ else
   $python -m dvllm.benchmarks.throughput --model sdxl --load-format dummy --device cuda --dtype float16 \
     --size 1024x1024 --steps 4 --guidance 5.0 --num-requests 8 --loras 8 --rounds 1 --cost-rows 16 \
     --cost-rounds 3 --output-json "$out/lora.json" 2>&1 | tee "$out/lora.txt"
+  echo "== image editing: qwen-image-edit (bf16, one input image of 384-512 px (under the 1 MiB body limit), each resized to ~1024x1024 for the"
+  echo "   VAE and VL encoder; 512x512 out; 8/16 steps, CFG with a negative prompt for half), Poisson at 3x serial"
+  $python -m dvllm.benchmarks.edit_sweep --model qwen-image-edit --device cuda --dtype bfloat16 --size 512x512 \
+    --edit-image-sizes 384x384,512x384,384x512 --edit-images 1 --steps 8,16 --guidance 1.0,4.0 \
+    --num-requests 12 --calibration-requests 4 --sequential --output-dir "$out/edit" 2>&1 | tee "$out/edit.txt"
 fi

@@ -1,4 +1,5 @@
-"""`dvllm bench serve`: an async HTTP load generator for POST /v1/images/generations.
+"""`dvllm bench serve`: an async HTTP load generator for POST /v1/images/generations (and, with
+--workload edit, multipart POST /v1/images/edits with generated input images).
 
 Sends a workload (fixed parameters, a seeded random mix, or a JSONL trace) to any server that speaks
 dvllm's API (dvllm serve, or the baselines in dvllm/benchmarks/baselines/) at Poisson or gamma arrivals
@@ -10,6 +11,7 @@ request's record.
     dvllm bench serve --base-url http://127.0.0.1:8000 --num-requests 64 --request-rate 8
     dvllm bench serve --workload mix --max-concurrency 8 --output-json mix.json
     dvllm bench serve --workload trace --trace requests.jsonl --slo 5
+    dvllm bench serve --workload edit --size 64x64 --edit-images 1,2 --mix-steps 2,4 --mix-guidance 1.0,4.0
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from dvllm.benchmarks.report import RequestRecord, format_table, json_safe, queu
 from dvllm.benchmarks.workloads import (
     RequestSpec,
     arrival_times,
+    edit_workload,
     fixed_workload,
     mix_workload,
     split_list,
@@ -48,7 +51,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="Requests in flight at most; with rate inf this is a closed loop (default: no cap).")
     p.add_argument("--warmup", type=int, default=2, help="Untimed requests sent first, all at once (default: 2).")
     p.add_argument("--seed", type=int, default=0, help="Seeds arrivals, the mix and image seeds (default: 0).")
-    p.add_argument("--workload", choices=["fixed", "mix", "trace"], default="fixed")
+    p.add_argument("--workload", choices=["fixed", "mix", "trace", "edit"], default="fixed",
+                   help="edit: multipart POST /v1/images/edits with seeded generated input images, output --size, "
+                        "steps from --mix-steps, guidance from --mix-guidance (> 1: with a negative prompt).")
     p.add_argument("--size", default="16x16", help="fixed workload (and trace default): WxH (default: 16x16).")
     p.add_argument("--steps", type=int, default=20, help="fixed workload: num_inference_steps (default: 20).")
     p.add_argument("--guidance", type=float, default=7.5, help="fixed workload: guidance_scale (default: 7.5).")
@@ -60,6 +65,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="mix: guidance scales; <= 1 means no CFG (default: %(default)s).")
     p.add_argument("--mix-samplers", default="none,euler,euler_a,dpmpp_2m",
                    help="mix: samplers, 'none' for the model's (default: %(default)s).")
+    p.add_argument("--edit-image-sizes", default="48x64,64x64,80x48",
+                   help="edit: input image sizes to draw from, WxH (default: %(default)s).")
+    p.add_argument("--edit-images", default="1",
+                   help="edit: input images per request to draw from, e.g. 1,2 (several only for models that "
+                        "take several, such as Qwen-Image-Edit Plus) (default: %(default)s).")
     p.add_argument("--trace", help="trace: JSONL, one request a line: prompt, size, steps, guidance, sampler, "
                                    "and optionally seed, n, negative_prompt, slo (s), arrival (s from start).")
     p.add_argument("--slo", type=float, help="Latency SLO in seconds for requests without their own.")
@@ -86,6 +96,15 @@ def build_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], list[Re
         specs = specs[:args.num_requests] if args.num_requests else specs
         warm = [RequestSpec(**{**asdict(s), "prompt": "warmup: " + s.prompt}) for s in specs[:args.warmup]]
         desc = f"trace {args.trace} ({len(specs)} requests)"
+    elif args.workload == "edit":
+        edit = dict(size=args.size, image_sizes=split_list(args.edit_image_sizes, str, "--edit-image-sizes"),
+                    images_per_request=split_list(args.edit_images, int, "--edit-images"),
+                    steps=split_list(args.mix_steps, int, "--mix-steps"),
+                    guidances=split_list(args.mix_guidance, float, "--mix-guidance"))
+        specs = edit_workload(num, seed=args.seed, slo=args.slo, **edit)
+        warm = edit_workload(args.warmup, seed=args.seed + 1, prefix="warmup: ", **edit)
+        desc = (f"edit output {args.size}, input images {args.edit_images} of {args.edit_image_sizes}, "
+                f"steps={args.mix_steps} guidance={args.mix_guidance}")
     elif args.workload == "mix":
         mix = dict(sizes=split_list(args.mix_sizes, str, "--mix-sizes"),
                    steps=split_list(args.mix_steps, int, "--mix-steps"),
@@ -123,7 +142,10 @@ async def send_one(client: Any, spec: RequestSpec, index: int, arrival: float, s
     sent = time.perf_counter()
     status = seeds = latency = error = None
     try:
-        response = await client.post(ENDPOINT, json=spec.body())
+        if spec.images is None:
+            response = await client.post(ENDPOINT, json=spec.body())
+        else:
+            response = await client.post(spec.endpoint, data=spec.form(), files=spec.files())
         latency = time.perf_counter() - sent
         status = response.status_code
         if status != 200:
@@ -178,6 +200,8 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], arrivals: list[
             for r in warm:
                 if not r.ok:
                     print(f"warning: warm-up request failed: {r.error}")
+        for spec in specs:  # the input images' PNGs made (and cached) before the clock starts
+            spec.files()
         before = await _queue_totals(client)
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 

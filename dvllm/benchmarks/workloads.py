@@ -1,10 +1,12 @@
-"""What a serving benchmark sends, and when: request specs (fixed, mix, trace) and arrival times.
+"""What a serving benchmark sends, and when: request specs (fixed, mix, trace, edit) and arrival times.
 
 Everything is drawn from seeded generators, so two runs with the same --seed send the same
 requests at the same offsets to whichever server they measure.
 """
 from __future__ import annotations
 
+import functools
+import io
 import json
 import math
 import random
@@ -29,6 +31,24 @@ class RequestSpec:
     negative_prompt: str | None = None
     slo: float | None = None      # seconds from send to answer; None: no SLO
     arrival: float | None = None  # seconds from the start, when a trace fixes it
+    # Edit requests (POST /v1/images/edits): the input images as (width, height, pixel seed), made by
+    # edit_image_png; None: a generation request.
+    images: tuple[tuple[int, int, int], ...] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return "/v1/images/generations" if self.images is None else "/v1/images/edits"
+
+    def form(self) -> dict[str, str]:
+        """The edit request's multipart text fields: body()'s, as strings."""
+        return {k: str(v) for k, v in self.body().items()}
+
+    def files(self) -> list[tuple[str, tuple[str, bytes, str]]]:
+        """The edit request's file parts: one image as `image`, several as `image[]` in order."""
+        if self.images is None:
+            return []
+        field = "image" if len(self.images) == 1 else "image[]"
+        return [(field, (f"input{i}.png", edit_image_png(*image), "image/png")) for i, image in enumerate(self.images)]
 
     def body(self) -> dict[str, Any]:
         """The POST /v1/images/generations body: dvllm's fields, which the baselines speak too."""
@@ -87,6 +107,54 @@ def mix_workload(num: int, *, sizes: list[str], steps: list[int], guidances: lis
     return [RequestSpec(_prompt(prefix, i, seed), rng.choice(sizes), rng.choice(steps),
                         rng.choice(guidances), rng.choice(samplers), rng.randrange(2**31), slo=slo)
             for i in range(num)]
+
+
+@functools.lru_cache(maxsize=256)
+def edit_image_png(width: int, height: int, seed: int) -> bytes:
+    """A seeded input image as PNG: a random background colour, a rectangle and an ellipse of random
+    colours and places, and some pixel noise. The same arguments always give the same bytes."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+
+    def colour() -> tuple[int, int, int]:
+        return (rng.randrange(256), rng.randrange(256), rng.randrange(256))
+
+    image = Image.new("RGB", (width, height), colour())
+    draw = ImageDraw.Draw(image)
+    for shape in (draw.rectangle, draw.ellipse):
+        x0, y0 = rng.randrange(width // 2), rng.randrange(height // 2)
+        shape((x0, y0, x0 + rng.randrange(4, width // 2 + 5), y0 + rng.randrange(4, height // 2 + 5)), fill=colour())
+    pixels = np.asarray(image, dtype=np.int16)
+    noise = np.random.default_rng(seed).integers(-12, 13, size=pixels.shape)
+    out = io.BytesIO()
+    Image.fromarray(np.clip(pixels + noise, 0, 255).astype(np.uint8)).save(out, format="PNG")
+    return out.getvalue()
+
+
+EDIT_NEGATIVE_PROMPT = "blurry, low quality, distorted"
+
+
+def edit_workload(num: int, *, size: str, image_sizes: list[str], images_per_request: list[int], steps: list[int],
+                  guidances: list[float], seed: int = 0, slo: float | None = None,
+                  prefix: str = "") -> list[RequestSpec]:
+    """Edit requests: each draws its step count, guidance, how many input images and each image's size
+    independently; a request with guidance > 1 carries a negative prompt (Qwen-Image's CFG runs only
+    with one), the others none. The output size is `size` for all."""
+    rng = random.Random(seed)
+    dims = [tuple(int(v) for v in check_size(s, "--edit-image-sizes").split("x")) for s in image_sizes]
+    if not images_per_request or min(images_per_request) < 1:
+        raise ValueError(f"--edit-images must be >= 1 each, got {images_per_request}")
+    specs = []
+    for i in range(num):
+        count, step, guidance = rng.choice(images_per_request), rng.choice(steps), rng.choice(guidances)
+        images = tuple((*rng.choice(dims), rng.randrange(2**31)) for _ in range(count))
+        prompt = f"{prefix}edit number {i} (run {seed}): make the shapes {rng.choice(['red', 'blue', 'green'])}"
+        specs.append(RequestSpec(prompt, check_size(size), step, guidance, None, rng.randrange(2**31), slo=slo,
+                                 negative_prompt=EDIT_NEGATIVE_PROMPT if guidance > 1 else None,
+                                 images=images))
+    return specs
 
 
 def trace_workload(path: str, *, size: str, steps: int, guidance: float, sampler: str | None,

@@ -9,6 +9,9 @@ denoiser's output is cut back to the noisy latents' tokens.
 Rows whose input images differ in size (other token grids, other sequence lengths) share one
 transformer call: their image tokens are padded to the longest row's and each row gets its own
 rotary positions (qwen_rows.py), since the transformer itself takes one set of shapes per call.
+Measured (benchmarks/README.md, "Edits of other input sizes"): padding rows of one image to rows of
+two doubles their tokens and cost more than a second call saved, so rows share a padded call per
+image count; within one count the VAE area is fixed (~1024^2) and padding costs a few percent.
 
 Plus (several images) encodes each image at about 384x384 for the VL encoder and 1024x1024 for the
 VAE; Edit encodes one image at about 1024x1024 for both. Step caching is not served here (the
@@ -158,19 +161,26 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                 guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
-        """One transformer call; rows of other input shapes are padded to share it (see the module docstring)."""
+        """Rows with as many input images share one call, padded to the longest (see the module docstring)."""
         grids = [tuple(g) for g in conditions["image_grids"].tolist()]
-        if len(set(grids)) == 1 or self.pipeline.transformer.zero_cond_t:
-            if len(set(grids)) == 1:
-                return self._call(latents, timesteps, conditions, [self._shapes(grids[0], image_size)] * len(grids))
-            # zero_cond_t modulates tokens by their image's place, which padding would shift: a call per shape set
-            out = torch.empty_like(latents)
-            for shapes in dict.fromkeys(grids):
-                index = torch.tensor([i for i, g in enumerate(grids) if g == shapes], device=latents.device)
-                rows = {k: v[index] for k, v in conditions.items()}
-                out[index] = self._call(latents[index], timesteps[index], rows,
-                                        [self._shapes(shapes, image_size)] * len(index))
-            return out
+        if len(set(grids)) == 1:
+            return self._call(latents, timesteps, conditions, [self._shapes(grids[0], image_size)] * len(grids))
+        # zero_cond_t modulates tokens by their image's place, which padding would shift: a call per shape set
+        key = (lambda g: g) if self.pipeline.transformer.zero_cond_t else (lambda g: sum(1 for x in g[::2] if x))
+        out = torch.empty_like(latents)
+        for group in dict.fromkeys(key(g) for g in grids):
+            rows = [i for i, g in enumerate(grids) if key(g) == group]
+            index = torch.tensor(rows, device=latents.device)
+            part = {k: v[index] for k, v in conditions.items()}
+            shapes = [self._shapes(grids[i], image_size) for i in rows]
+            out[index] = self._call(latents[index], timesteps[index], part, shapes,
+                                    padded=len({grids[i] for i in rows}) > 1)
+        return out
+
+    def padded_denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
+                       image_size: tuple[int, int]) -> torch.Tensor:
+        """Every row in one call, whatever its image count (benchmarks/edit_padding.py measures it)."""
+        grids = [tuple(g) for g in conditions["image_grids"].tolist()]
         return self._call(latents, timesteps, conditions, [self._shapes(g, image_size) for g in grids], padded=True)
 
     def _shapes(self, grids: tuple[int, ...], image_size: tuple[int, int]) -> list[tuple[int, int, int]]:

@@ -4,6 +4,15 @@
 `static` collects compatible requests (same size, steps, guidance, sampler, n) for up to a window
 after the oldest arrived, up to max_batch_size, and calls the pipeline once on their prompts with one
 seeded CPU generator per image, so every image equals the one the request gets alone (and dvllm's).
+
+Edits (requests with input images) call the model's diffusers edit pipeline: `image=` one PIL image or a
+list, dvllm's guidance_scale as `true_cfg_scale` (CFG only with a negative prompt, as in diffusers).
+What `static` can batch there is what diffusers allows:
+- QwenImageEditPlusPipeline refuses batch_size > 1 (its __call__ raises for a list of prompts): it batches
+  only a request's own n images (num_images_per_prompt), so its static baseline IS serial, one request
+  per call. Not faked: such jobs get a key of their own.
+- QwenImageEditPipeline takes a list of prompts with a list of images (one each), but resizes every image
+  to the size it computes from the first: only requests whose input image has the same size share a call.
 """
 from __future__ import annotations
 
@@ -30,13 +39,14 @@ class Job:
     future: asyncio.Future
     arrival: float = field(default_factory=time.monotonic)
     started: float | None = None     # when its pipeline call began
+    batch_tag: Any = None            # more of the key: PipelineRunner.batch_tag (edits)
 
     @property
     def key(self) -> tuple:
         """Requests with equal keys can share one pipeline call."""
         p = self.params
         return (p.height, p.width, p.num_inference_steps, p.guidance_scale, p.sampler, p.n,
-                p.negative_prompt is None)
+                p.negative_prompt is None, self.batch_tag)
 
 
 class PipelineRunner:
@@ -53,6 +63,7 @@ class PipelineRunner:
         self.pipeline = adapter.pipeline
         self.info = adapter.info
         self._checked: set[tuple] = set()  # (sampler, steps, height, width) whose schedule builds
+        self._solo = 0  # edit calls that can hold one request only, numbered
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """Fills the model's defaults and checks what dvllm checks (limits, sampler, its schedule for this
@@ -67,6 +78,15 @@ class PipelineRunner:
             self._checked.add(key)
         return resolved
 
+    def batch_tag(self, params: SamplingParams) -> Any:
+        """What else an edit's pipeline call must share (see the module's docstring); None for generations."""
+        if params.image is None:
+            return None
+        if self.info.max_input_images > 1:  # QwenImageEditPlusPipeline: batch_size 1 only, never shared
+            self._solo += 1
+            return ("alone", self._solo)
+        return ("image size", params.image.size)
+
     def run(self, jobs: list[Job]) -> list[list[Any]]:
         """One pipeline call for jobs that share a key; each job's PIL images. Runs on the worker thread."""
         p = jobs[0].params
@@ -77,8 +97,23 @@ class PipelineRunner:
         else:  # one per image; a request's n images share its generator, drawn in turn
             generator = [g for job in jobs for g in [torch.Generator("cpu").manual_seed(job.params.seed)] * p.n]
         negative = None if p.negative_prompt is None else [job.params.negative_prompt for job in jobs]
+        if p.image is not None:
+            return self._edit(jobs, negative, generator)
         out = self.pipeline([job.prompt for job in jobs], negative_prompt=negative, height=p.height, width=p.width,
                             num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
+                            num_images_per_prompt=p.n, generator=generator, output_type="pil")
+        return [out.images[i * p.n:(i + 1) * p.n] for i in range(len(jobs))]
+
+    def _edit(self, jobs: list[Job], negative: list[str] | None, generator: Any) -> list[list[Any]]:
+        p = jobs[0].params
+        if len(jobs) == 1:  # one request: its image, or its several images as a list (Plus)
+            image: Any = list(p.image) if isinstance(p.image, tuple) else p.image
+            prompt: Any = jobs[0].prompt
+            negative = None if negative is None else negative[0]
+        else:  # QwenImageEditPipeline only (batch_tag): one image per prompt, all of one size
+            image, prompt = [job.params.image for job in jobs], [job.prompt for job in jobs]
+        out = self.pipeline(image=image, prompt=prompt, negative_prompt=negative, true_cfg_scale=p.guidance_scale,
+                            height=p.height, width=p.width, num_inference_steps=p.num_inference_steps,
                             num_images_per_prompt=p.n, generator=generator, output_type="pil")
         return [out.images[i * p.n:(i + 1) * p.n] for i in range(len(jobs))]
 

@@ -7,7 +7,11 @@
 (what Triton's dynamic batcher and request-batching servers do): compatible requests collected for
 --batch-window-ms after the oldest arrived, up to --max-batch-size, in one pipeline call.
 
-Same route, JSON fields, validation and response shape (per-image seed) as `dvllm serve`; the model
+Also POST /v1/images/edits (multipart: `image`, or several `image[]`, plus the generation fields) for edit
+models, run by the model's diffusers edit pipeline (runner.py says what `static` can batch there: for
+QwenImageEditPlusPipeline nothing, so its static baseline is serial). No mask (answered 400).
+
+Same routes, fields, validation and response shape (per-image seed) as `dvllm serve`; the model
 is loaded by dvllm's own loader, so weights (presets: dummy weights of --dummy-weight-seed) are
 identical. Also GET /health and GET /metrics, with the queue-time and latency histograms under
 dvllm's names. Not supported (answered 400): stream, response_format=url.
@@ -29,7 +33,15 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from dvllm.benchmarks.baselines.runner import Batcher, Job, PipelineRunner, load_on_worker
 from dvllm.entrypoints.image_store import encode_b64
-from dvllm.entrypoints.protocol import APIError, ImageData, ImageGenerationRequest, ImagesResponse, engine_value_error
+from dvllm.entrypoints.protocol import (
+    APIError,
+    ImageData,
+    ImageEditRequest,
+    ImageGenerationRequest,
+    ImagesResponse,
+    engine_value_error,
+)
+from dvllm.entrypoints.serving_edits import _open, _typed
 from dvllm.entrypoints.serving_images import read_json_body
 
 logger = logging.getLogger("baseline")
@@ -78,7 +90,32 @@ def build_app(runner: PipelineRunner, worker: ThreadPoolExecutor, mode: str, max
 
     @app.post("/v1/images/generations")
     async def generations(request: Request) -> Response:
-        req = ImageGenerationRequest.parse(await read_json_body(request, max_body))
+        return await serve(ImageGenerationRequest.parse(await read_json_body(request, max_body)))
+
+    @app.post("/v1/images/edits")
+    async def edits(request: Request) -> Response:
+        if not runner.info.requires_image and not runner.info.supports_img2img:
+            raise APIError(400, f"{name} does not edit images.", param="image")
+        if int(request.headers.get("content-length") or 0) > max_body:
+            raise APIError(413, f"The request body is over {max_body} bytes.", code="request_too_large")
+        try:
+            form = await request.form(max_files=runner.info.max_input_images + 1, max_fields=64)
+        except Exception as e:  # noqa: BLE001 - a malformed multipart body, or too many files
+            raise APIError(400, f"The request body is not a valid multipart form: {e}.", code="invalid_form") \
+                from None
+        if form.getlist("mask"):
+            raise APIError(400, f"mask is not supported by the {mode} baseline.", param="mask")
+        files = [v for k, v in form.multi_items() if k in ("image", "image[]")]
+        if not files or len(files) > runner.info.max_input_images or any(isinstance(f, str) for f in files):
+            raise APIError(400, f"Send 1 to {runner.info.max_input_images} image files as 'image' or 'image[]'.",
+                           param="image")
+        req = ImageEditRequest.parse(_typed({k: v for k, v in form.multi_items() if k not in ("image", "image[]")}))
+        max_pixels = runner.config.image_pixel_limit(runner.info.default_height, runner.info.default_width)
+        opened = [_open(await f.read(), max_pixels) for f in files]
+        req.image = opened[0] if len(opened) == 1 else opened
+        return await serve(req)
+
+    async def serve(req: ImageGenerationRequest) -> Response:
         if req.stream:
             raise APIError(400, f"stream is not supported by the {mode} baseline.", param="stream")
         if req.response_format == "url":
@@ -91,7 +128,7 @@ def build_app(runner: PipelineRunner, worker: ThreadPoolExecutor, mode: str, max
             params = runner.resolve(req.sampling_params())
         except ValueError as e:
             raise engine_value_error(e) from None
-        job = Job(req.prompt, params, asyncio.get_running_loop().create_future())
+        job = Job(req.prompt, params, asyncio.get_running_loop().create_future(), batch_tag=runner.batch_tag(params))
         batcher.submit(job)
         try:
             images = await job.future
