@@ -44,7 +44,8 @@ def sampler_update(
     clip: bool = False,          # whether any row clamps x0 (skips the clamp otherwise)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (prev_sample, x0), both float32."""
-    c = coeffs.to(torch.float32)[:, :, None, None, None]
+    # [R, NUM_COEFFS, 1, ...]: c[:, k] broadcasts per row over latents of any layout (packed ones are [R, N, D])
+    c = coeffs.to(torch.float32).view(*coeffs.shape, *[1] * (sample.dim() - 1))
     sample = sample.to(torch.float32)
     model_output = model_output.to(torch.float32)
     x0 = c[:, AX] * sample + c[:, AM] * model_output

@@ -3,6 +3,8 @@ request alone, in batches that mix input images of other sizes (other token grid
 true CFG and not, and n > 1."""
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -21,7 +23,8 @@ def picture(seed: int, size: tuple[int, int]) -> Image.Image:
 def reference(pipe, prompt: str, p: SamplingParams) -> np.ndarray:
     return pipe(image=p.image, prompt=prompt, negative_prompt=p.negative_prompt, true_cfg_scale=p.guidance_scale,
                 num_inference_steps=p.num_inference_steps, height=p.height, width=p.width,
-                num_images_per_prompt=p.n, generator=torch.Generator("cpu").manual_seed(p.seed), output_type="np").images
+                num_images_per_prompt=p.n, generator=torch.Generator("cpu").manual_seed(p.seed),
+                output_type="np").images
 
 
 def _check(path: str, jobs: list[tuple[str, SamplingParams]]) -> DiffusionEngine:
@@ -96,3 +99,61 @@ def test_edit_errors_name_the_field(qwen_image_edit_path, qwen_image_edit_plus_p
     with pytest.raises(ValueError, match="image: 4 images, but this model takes at most 3"):
         plus.add_request("r", "x", SamplingParams(image=[image] * 4))
     assert not engine.has_unfinished_requests() and not plus.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_served_edits_with_several_images_equal_the_engine(qwen_image_edit_plus_path):
+    """The openai client's images.edit with two images (sent as image[]), plain and streamed: the engine's pixels."""
+    from openai import OpenAI
+    from utils_server import BASE_ARGS, RemoteServer, png_pixels
+
+    images = [picture(1, (40, 40)), picture(2, (64, 32))]
+    files = []
+    for k, image in enumerate(images):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        files.append((f"in{k}.png", buffer.getvalue(), "image/png"))
+    body = {"num_inference_steps": 3, "seed": 7, "guidance_scale": 4.0, "negative_prompt": "blurry"}
+    engine = DiffusionEngine(model=qwen_image_edit_plus_path, device="cpu", dtype="float32")
+    out = engine.generate("put them together", SamplingParams(image=images, height=32, width=32, **body),
+                          use_tqdm=False)[0]
+    assert out.error is None, out.error
+    expected = np.asarray(out.images[0].convert("RGB"))
+    with RemoteServer(qwen_image_edit_plus_path, BASE_ARGS) as server:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        result = client.images.edit(image=files, prompt="put them together", size="32x32", extra_body=body)
+        np.testing.assert_array_equal(png_pixels(result.data[0].b64_json), expected)
+        events = list(client.images.edit(image=files, prompt="put them together", size="32x32", stream=True,
+                                         partial_images=1, extra_body=body))
+        assert [e.type for e in events] == ["image_edit.partial_image", "image_edit.completed"]
+        np.testing.assert_array_equal(png_pixels(events[-1].b64_json), expected)
+
+
+def test_zero_cond_t_models_run_a_call_per_shape_set(tmp_path):
+    """Qwen-Image-Edit-2511's transformer (zero_cond_t) modulates each token by its image's place in the sequence,
+    which padding would shift: rows of other input shapes run apart, and still equal the pipeline."""
+    from diffusers import QwenImageTransformer2DModel
+    from qwen_edit_utils import tiny_qwen_image_edit_pipeline
+
+    pipe = tiny_qwen_image_edit_pipeline()
+    torch.manual_seed(3)
+    pipe.transformer = QwenImageTransformer2DModel.from_config({**pipe.transformer.config, "zero_cond_t": True})
+    pipe.save_pretrained(tmp_path)
+    jobs = [("make it red", P(image=picture(1, (40, 56)), negative_prompt="blurry", seed=1)),
+            ("add a hat", P(image=picture(2, (64, 48)), seed=2))]
+    _check(str(tmp_path), jobs)
+
+
+@pytest.mark.parametrize("fixture", ["qwen_image_edit_path", "qwen_image_path", "flux_path"])
+def test_previews_of_packed_latents(fixture, request):
+    """Partial images of the packed-latent families ([rows, tokens, features] latents) decode at the output size."""
+    path = request.getfixturevalue(fixture)
+    engine = DiffusionEngine(model=path, device="cpu", dtype="float32")
+    params = SamplingParams(num_inference_steps=3, num_previews=1, height=32, width=32, seed=1)
+    if engine.model_info.requires_image:
+        params.image = picture(1, (40, 40))
+    engine.add_request("r", "x", params)
+    previews = []
+    while engine.has_unfinished_requests():
+        previews += [p for out in engine.step() for p in out.previews]
+    assert len(previews) == 1 and previews[0].size == (32, 32)
