@@ -62,7 +62,7 @@ class InputProcessor:
             cond_blocks=self.blocks(info.condition_numel), uses_history=plan.uses_history,
             input_blocks=self.blocks(input_numel), input_numel=input_numel,
             input_grids=info.input_grids(resolved.image),
-            image_key=image_digest(resolved.image) if info.edit_grids is not None else None,
+            image_key=image_digest(resolved.image) if info.prompt_reads_images else None,
             cache_blocks=0 if resolved.cache is None else self.blocks(info.cache_layout.request_row(
                 resolved.cache, resolved.height, resolved.width, resolved.max_sequence_length,
                 (prompt, resolved.negative_prompt))[1]),

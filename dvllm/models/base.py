@@ -56,8 +56,11 @@ class ModelInfo:
     # state (Qwen-Image-Edit's image latents; sizes None: the most); None: none beyond inpainting's.
     edit_numel: Callable[[int, int, tuple[tuple[int, int], ...] | None], int] | None = None
     # (input images' (width, height)s) -> each image's token grid (rows, columns), which the denoiser gets
-    # per row as conditions["image_grids"]; the prompt is then read with the images (its cache key covers them).
+    # per row as conditions["image_grids"].
     edit_grids: Callable[[tuple[tuple[int, int], ...]], tuple[tuple[int, int], ...]] | None = None
+    # An edit model's text encoder reads the prompt with the images (Qwen-Image-Edit): encode_prompt gets them
+    # and the prompt cache keys the images' digest too. False (FLUX.1 Kontext): the prompt alone.
+    prompt_reads_images: bool = False
     # Packed latents (Flux, Qwen-Image): patches of latent_patch x latent_patch latent pixels become
     # one token of channels * latent_patch**2 features. 0: unpacked [C, h, w] latents.
     latent_patch: int = 0

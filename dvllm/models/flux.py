@@ -64,11 +64,17 @@ class FluxAdapter(ModelAdapter):
         pipe = self.pipeline
         height, width = (2 * (s // (pipe.vae_scale_factor * 2)) for s in image_size)
         img_ids = pipe._prepare_latent_image_ids(len(latents), height // 2, width // 2, self.device, latents.dtype)
+        return self._forward(latents, img_ids, timesteps, conditions, guidance)
+
+    def _forward(self, hidden: torch.Tensor, img_ids: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
+                 guidance: torch.Tensor) -> torch.Tensor:
+        """One transformer call on the image tokens `hidden` at positions `img_ids` ([tokens, 3], the whole batch's)."""
+        pipe = self.pipeline
         embeds = conditions["prompt_embeds"]
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=embeds.dtype)
         return pipe.transformer(
-            hidden_states=latents,
-            timestep=timesteps.to(latents.dtype) / 1000,
+            hidden_states=hidden,
+            timestep=timesteps.to(hidden.dtype) / 1000,
             guidance=guidance.float() if pipe.transformer.config.guidance_embeds else None,
             pooled_projections=conditions["pooled_prompt_embeds"], encoder_hidden_states=embeds,
             txt_ids=txt_ids, img_ids=img_ids, return_dict=False,

@@ -100,6 +100,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
             supports_img2img=True, requires_image=True, image_sets_start=False, max_input_images=images,
             edit_size=partial(edit_size, self.plus, factor * 2), edit_grids=partial(edit_grids, factor),
             edit_numel=partial(edit_numel, factor, features, images), denoiser_takes_inputs=True,
+            prompt_reads_images=True,
         )
 
     @property

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dvllm.models.base import ModelAdapter
 from dvllm.models.flux import FluxAdapter
+from dvllm.models.flux_kontext import FluxKontextAdapter
 from dvllm.models.qwen_image import QwenImageAdapter
 from dvllm.models.qwen_image_edit import QwenImageEditAdapter
 from dvllm.models.z_image import ZImageAdapter
@@ -12,7 +13,7 @@ from dvllm.models.stable_diffusion_xl import StableDiffusionXLAdapter
 
 ADAPTERS: tuple[type[ModelAdapter], ...] = (
     StableDiffusionAdapter, StableDiffusionXLAdapter, StableDiffusion3Adapter, FluxAdapter, QwenImageAdapter,
-    QwenImageEditAdapter, ZImageAdapter,
+    QwenImageEditAdapter, ZImageAdapter, FluxKontextAdapter,
 )
 
 

@@ -153,7 +153,7 @@ class ModelRunner:
         # (text, negative, length, text adapters, images an edit model reads the text with), by the blocks to fill
         targets: dict[tuple[int, ...], tuple[str | None, bool, int | None, tuple, Any]] = {}
         for d in new:
-            images = _ImageKey(d) if d.input_grids else None
+            images = _ImageKey(d) if d.input_grids and self.adapter.info.prompt_reads_images else None
             if d.blocks.write_cond:
                 targets[tuple(d.blocks.cond)] = (d.prompt, False, d.max_sequence_length, d.text_loras, images)
             if d.cfg and d.blocks.write_uncond:
