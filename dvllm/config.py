@@ -58,6 +58,12 @@ class EngineConfig:
         metadata={"help": "Characters of new prompts tokenized per engine step (new requests beyond it wait "
                           "for the next step; one is always admitted). Default: 2 * max_prompt_chars."},
     )
+    max_input_images_per_step: int = field(
+        default=4,
+        metadata={"help": "Input images (image-to-image, inpainting, edits) encoded per engine step as their "
+                          "requests are admitted (a VAE encode each, and the VL encoder for edit models); "
+                          "new requests beyond it wait for the next step; one is always admitted."},
+    )
     default_cache: Any = field(
         default=None,
         metadata={"help": "Step cache for requests that name none, e.g. first_block:threshold=0.08, "
@@ -189,7 +195,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("max_batch_size", "max_num_waiting", "max_inference_steps", "max_images_per_prompt",
                      "max_prompt_chars", "sampler_plan_cache_size", "priority_aging_iterations", "num_workers",
-                     "max_decode_batch", "max_cuda_graphs", "max_loras", "max_lora_rank"):
+                     "max_decode_batch", "max_cuda_graphs", "max_loras", "max_lora_rank",
+                     "max_input_images_per_step"):
             _positive_int(name, getattr(self, name))
         for name in ("max_image_pixels", "max_prompt_chars_per_step", "max_cpu_loras"):
             if getattr(self, name) is not None:

@@ -368,3 +368,24 @@ def test_the_scheduler_says_which_step_each_request_takes_and_which_finish():
     assert by_id["b"].finished and by_id["b"].error == "the worker returned no images for the request's last step"
     out = s.schedule()
     assert (out.scheduled_ids, out.step_indices, out.finishing_ids) == (["a"], [1], ["a"])
+
+
+def test_one_iteration_encodes_a_bounded_number_of_input_images():
+    """Input images are encoded on the step loop at admission: at most max_input_images_per_step a step (one
+    request always), in arrival order; requests without images are not held back by the budget."""
+    from PIL import Image
+
+    s, c = make(max_input_images_per_step=2), Clock()
+    image = Image.new("RGB", (8, 8))
+    for rid, images in (("one", image), ("two", (image, image)), ("three", (image,) * 3)):
+        request = c.request(rid, steps=4, cfg=False, prompt="x")
+        request.params.image = images
+        s.add_request(request)
+    out, _ = iterate(s)
+    assert [r.request_id for r in out.new_requests] == ["one"]  # a second would make 3 images
+    out, _ = iterate(s)
+    assert [r.request_id for r in out.new_requests] == ["two"]
+    out, _ = iterate(s)
+    assert [r.request_id for r in out.new_requests] == ["three"]  # over the budget alone: still admitted
+    with pytest.raises(ValueError, match="max_input_images_per_step"):
+        EngineConfig(max_input_images_per_step=0)

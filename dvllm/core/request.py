@@ -103,6 +103,12 @@ class Request:
         return prompt_cache_key("prompt", self.prompt, length, text_loras, images), negative
 
     @property
+    def num_input_images(self) -> int:
+        """Images its admission has the worker encode (image-to-image, inpainting, edits)."""
+        image = self.params.image
+        return 0 if image is None else len(image) if isinstance(image, tuple) else 1
+
+    @property
     def lora_adapters(self) -> list[Any]:
         return [weights for weights, _ in self.loras]
 

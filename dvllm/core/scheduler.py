@@ -32,6 +32,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.max_batch_size = config.max_batch_size
         self.prompt_chars_per_step = config.prompt_chars_per_step
+        self.input_images_per_step = config.max_input_images_per_step
         self.by_priority = config.scheduling_policy == "priority"
         self.aging = config.priority_aging_iterations
         self.blocks = block_manager
@@ -143,9 +144,11 @@ class Scheduler:
         for request in self.running:
             rows[request.shape_key] += request.rows
         blocked = set()
-        # Prompts are tokenized on the step loop when their requests are admitted: bound how many
-        # characters one iteration takes on, so long prompts cannot stall everyone's next step.
+        # Prompts are tokenized and input images encoded on the step loop when their requests are admitted:
+        # bound how much one iteration takes on, so a burst of long prompts or images cannot stall everyone's
+        # next step.
         chars_budget, admitted_new = self.prompt_chars_per_step, False
+        images_budget = self.input_images_per_step
         lora_blocked = False
         for request in list(self.waiting):  # requests preempted below join the queue after this pass
             key = request.shape_key
@@ -154,7 +157,8 @@ class Scheduler:
             if request.loras and lora_blocked:
                 continue
             chars = self._chars_to_encode(request)
-            if admitted_new and chars > chars_budget:
+            images = 0 if request.swapped else request.num_input_images
+            if admitted_new and (chars > chars_budget or images > images_budget):
                 break  # in order: it goes first next iteration
             if not self._fits(request, rows):
                 preempted = self.by_priority and self._preempt_for(request, rows, out)
@@ -169,8 +173,9 @@ class Scheduler:
                     blocked.add(key)  # rows are per shape: later requests of this shape wait behind it
                     continue
             rows[key] += request.rows
-            if chars:
+            if chars or images:
                 chars_budget -= chars
+                images_budget -= images
                 admitted_new = True
             self._admit_one(request, out)
 
