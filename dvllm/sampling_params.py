@@ -239,13 +239,23 @@ def _optional_int(name: str, value: object, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
+def as_images(image: Any) -> tuple[Any, ...]:
+    """A resolved request's images as a tuple (it holds one PIL image, or a tuple for several; None: none)."""
+    return () if image is None else image if isinstance(image, tuple) else (image,)
+
+
+def image_sizes(image: Any) -> tuple[tuple[int, int], ...]:
+    """(width, height) of each of a resolved request's images."""
+    return tuple((i.width, i.height) for i in as_images(image))
+
+
 def default_size(info: "ModelInfo", image: Any, inpaint: bool) -> tuple[int, int]:
     """(height, width) of a request that names none. Text-to-image and inpainting: the model's default (the
     inpainting pipelines resize the image to it). Image-to-image: the image's size, rounded down to the VAE's
     scale factor as the img2img pipelines' image processor rounds it. Edit models: their own rule."""
     if image is None or inpaint:
         return info.default_height, info.default_width
-    sizes = tuple((i.width, i.height) for i in image) if isinstance(image, tuple) else ((image.width, image.height),)
+    sizes = image_sizes(image)
     if info.edit_size is not None:
         return info.edit_size(sizes)
     factor = info.latent_scale

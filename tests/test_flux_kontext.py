@@ -96,3 +96,20 @@ def test_kontext_defaults_and_errors_name_the_field(kontext_path):
         with pytest.raises(ValueError, match=message):
             engine.add_request("r", "x", p)
     assert not engine.has_unfinished_requests()
+
+
+def test_the_memory_profile_runs_the_worst_kontext_step(kontext_path):
+    """The GPU pool sizing's worst step (run here with the memory queries faked): texts without the image, the
+    image's encode, and a forward with the largest input state."""
+    from dvllm.config import EngineConfig
+    from dvllm.worker.memory_profile import step_peaks
+
+    adapter = DiffusionEngine(model=kontext_path, device="cpu", dtype="float32").executor.worker.runner.adapter
+
+    class Runs:
+        def measure(self, run) -> int:
+            run()
+            return 1
+
+    peaks = step_peaks(adapter, EngineConfig(max_batch_size=2, max_image_pixels=64 * 64), Runs())
+    assert set(peaks) == {"encode", "denoise", "decode"}

@@ -157,3 +157,60 @@ def test_previews_of_packed_latents(fixture, request):
     while engine.has_unfinished_requests():
         previews += [p for out in engine.step() for p in out.previews]
     assert len(previews) == 1 and previews[0].size == (32, 32)
+
+
+def test_lora_rows_in_separate_calls_keep_their_adapters(qwen_image_edit_plus_path, tmp_path):
+    """Rows of other image counts run in separate transformer calls within one step: each call's LoRA layers
+    must see its own rows' adapters. Every image equals the pipeline with the adapter set as the request asks."""
+    from lora_utils import make_lora, reference_images
+
+    pipe = DiffusionPipeline.from_pretrained(qwen_image_edit_plus_path)
+    pipe.set_progress_bar_config(disable=True)
+    adapter = make_lora(pipe, str(tmp_path / "edit"), seed=3)
+    engine = DiffusionEngine(model=qwen_image_edit_plus_path, device="cpu", dtype="float32",
+                             lora_modules=[f"edit={adapter}"], max_input_images_per_step=8)
+    one, two = [picture(1, (40, 40))], [picture(2, (64, 32)), picture(3, (32, 48))]
+    jobs = [("one image", P(image=one, seed=1, loras={"edit": 1.0})),
+            ("two images", P(image=two, seed=2)),
+            ("two again", P(image=two, seed=3, loras={"edit": 0.5}))]
+    adapter_model = engine.executor.worker.runner.adapter
+    denoise, rows_per_call = adapter_model.denoise, []
+
+    def counted(latents, *args):
+        rows_per_call.append(len(latents))
+        return denoise(latents, *args)
+
+    adapter_model.denoise = counted
+    outs = engine.generate([prompt for prompt, _ in jobs], [p for _, p in jobs], use_tqdm=False)
+    adapter_model.denoise = denoise
+    # every step ran the three rows in one forward (a failed batched call would be retried row by row)
+    assert rows_per_call == [3] * 3
+    for (prompt, p), out in zip(jobs, outs):
+        assert out.error is None, out.error
+        expected = reference_images(pipe, {"edit": adapter}, p.loras, image=p.image, prompt=prompt,
+                                    true_cfg_scale=p.guidance_scale, num_inference_steps=p.num_inference_steps,
+                                    height=p.height, width=p.width,
+                                    generator=torch.Generator("cpu").manual_seed(p.seed), output_type="np")
+        assert float(np.abs(out.images[0] - expected[0]).max()) <= 1e-3, prompt
+    # the adapter changes the image (else the comparison above would not test it)
+    without = engine.generate(jobs[0][0], P(image=one, seed=1), use_tqdm=False)[0].images[0]
+    assert float(np.abs(outs[0].images[0] - without).max()) > 1e-3
+    engine.shutdown()
+
+
+def test_the_memory_profile_runs_the_worst_edit_step(qwen_image_edit_plus_path):
+    """The GPU pool sizing's worst step (run here with the memory queries faked): a prompt read with as many
+    images as the model takes, their encode, and a forward with the largest input state."""
+    from dvllm.config import EngineConfig
+    from dvllm.worker.memory_profile import step_peaks
+
+    engine = DiffusionEngine(model=qwen_image_edit_plus_path, device="cpu", dtype="float32")
+    adapter = engine.executor.worker.runner.adapter
+
+    class Runs:
+        def measure(self, run) -> int:
+            run()
+            return 1
+
+    peaks = step_peaks(adapter, EngineConfig(max_batch_size=2, max_image_pixels=64 * 64), Runs())
+    assert set(peaks) == {"encode", "denoise", "decode"}

@@ -48,13 +48,12 @@ def rows(adapter, size: int) -> tuple:
 
 def grouped(adapter, latents, timesteps, conditions, size: int) -> torch.Tensor:
     grids = [tuple(g) for g in conditions["image_grids"].tolist()]
-    out = torch.empty_like(latents)
-    for shapes in dict.fromkeys(grids):
-        index = torch.tensor([i for i, g in enumerate(grids) if g == shapes])
-        part = {k: v[index] for k, v in conditions.items()}
-        out[index] = adapter._call(latents[index], timesteps[index], part,
-                                   [adapter._shapes(shapes, (size, size))] * len(index))
-    return out
+
+    def call(rows: list[int], index: torch.Tensor) -> torch.Tensor:
+        return adapter._call(latents[index], timesteps[index], {k: v[index] for k, v in conditions.items()},
+                             [adapter._shapes(grids[rows[0]], (size, size))] * len(rows))
+
+    return adapter.call_per_group(grids, latents, call)
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from dvllm.core.block_manager import CachedEntry
 from dvllm.core.scheduler_output import BlockTables
 from dvllm.outputs import RequestMetrics, RequestOutput
-from dvllm.sampling_params import SamplingParams
+from dvllm.sampling_params import SamplingParams, as_images
 
 
 def prompt_cache_key(role: str, text: str | None, max_sequence_length: int | None = None,
@@ -105,8 +105,7 @@ class Request:
     @property
     def num_input_images(self) -> int:
         """Images its admission has the worker encode (image-to-image, inpainting, edits)."""
-        image = self.params.image
-        return 0 if image is None else len(image) if isinstance(image, tuple) else 1
+        return len(as_images(self.params.image))
 
     @property
     def lora_adapters(self) -> list[Any]:

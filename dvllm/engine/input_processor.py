@@ -25,7 +25,7 @@ from dvllm.models.base import ModelInfo
 from dvllm.samplers import SHORT_NAMES, PlanRefused, SamplerPlan, build_plan
 from dvllm.samplers.probe import probe_plan
 from dvllm.samplers.registry import scheduler_class
-from dvllm.sampling_params import SamplingParams, check_text
+from dvllm.sampling_params import SamplingParams, as_images, check_text
 
 
 class InputProcessor:
@@ -184,7 +184,7 @@ class InputProcessor:
 def image_digest(image: Any) -> str:
     """A digest of a request's images' pixels (bounded by max_image_pixels; computed here, off the loops)."""
     digest = hashlib.blake2b(digest_size=16)
-    for i in image if isinstance(image, tuple) else (image,):
+    for i in as_images(image):
         digest.update(f"{i.mode}:{i.width}x{i.height};".encode())
         digest.update(i.tobytes())
     return digest.hexdigest()

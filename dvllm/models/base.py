@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, ContextManager
 
 import torch
 
+from dvllm.sampling_params import image_sizes
 from dvllm.step_cache import CacheLayout
 
 # One text's conditioning, e.g. {"prompt_embeds": [1, L, D]}; the runner stacks them per key.
@@ -122,12 +124,6 @@ class ModelInfo:
         return sum(math.prod(shape) for shape in self.condition_shapes.values())
 
 
-def image_sizes(image: Any) -> tuple[tuple[int, int], ...]:
-    """(width, height) of each of a request's images (one PIL image, or a tuple of them)."""
-    images = image if isinstance(image, tuple) else (image,)
-    return tuple((i.width, i.height) for i in images)
-
-
 @dataclass
 class CacheSpec:
     """Where a family's transformer has what the step-cache methods hook (worker/step_cache_hooks.py)."""
@@ -171,6 +167,8 @@ class ModelAdapter(ABC):
         self.name = name
         self.device = device
         self.dtype = dtype
+        # index -> a context in which the forward runs on those of its rows (the worker's RowScope.narrow)
+        self.narrow_rows: Callable[[torch.Tensor], ContextManager[None]] = lambda index: nullcontext()
 
     @property
     @abstractmethod
@@ -179,6 +177,22 @@ class ModelAdapter(ABC):
     @classmethod
     def before_loading(cls) -> None:
         """Whatever the process needs before this family's pipeline can be loaded (nothing, mostly)."""
+
+    def call_per_group(self, keys: list[Any], out_like: torch.Tensor,
+                       call: Callable[[list[int], Any], torch.Tensor]) -> torch.Tensor:
+        """One transformer call per distinct key, for rows that cannot share a call (other input-image shapes).
+        `call(rows, index)` gets the group's row numbers and what selects them (a slice when every row is in the
+        one group: nothing is copied) and returns the group's output, which lands in those rows. Each call runs
+        with the row scope narrowed to its rows, so modules that treat rows apart (LoRA layers) know them."""
+        if len(set(keys)) == 1:
+            return call(list(range(len(keys))), slice(None))
+        out = torch.empty_like(out_like)
+        for key in dict.fromkeys(keys):
+            rows = [i for i, k in enumerate(keys) if k == key]
+            index = torch.tensor(rows, device=out_like.device)
+            with self.narrow_rows(index):
+                out[index] = call(rows, index)
+        return out
 
     def scheduler_config(self) -> dict[str, Any]:
         """The pipeline's scheduler config, with its class name: what every sampler is built from."""

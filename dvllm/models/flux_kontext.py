@@ -107,14 +107,12 @@ class FluxKontextAdapter(FluxAdapter):
                 guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         """Rows of one input grid share a call; one call per distinct grid (see the module docstring)."""
         grids = [tuple(g[:2]) for g in conditions["image_grids"].tolist()]
-        if len(set(grids)) == 1:
-            return self._call(latents, timesteps, conditions, guidance, image_size, grids[0])
-        out = torch.empty_like(latents)
-        for grid in dict.fromkeys(grids):
-            index = torch.tensor([i for i, g in enumerate(grids) if g == grid], device=latents.device)
-            part = {k: v[index] for k, v in conditions.items()}
-            out[index] = self._call(latents[index], timesteps[index], part, guidance[index], image_size, grid)
-        return out
+
+        def call(rows: list[int], index: Any) -> torch.Tensor:
+            return self._call(latents[index], timesteps[index], {k: v[index] for k, v in conditions.items()},
+                              guidance[index], image_size, grids[rows[0]])
+
+        return self.call_per_group(grids, latents, call)
 
     def _call(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions, guidance: torch.Tensor,
               image_size: tuple[int, int], grid: tuple[int, int]) -> torch.Tensor:

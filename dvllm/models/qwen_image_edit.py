@@ -164,19 +164,15 @@ class QwenImageEditAdapter(QwenImageAdapter):
                 guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         """Rows with as many input images share one call, padded to the longest (see the module docstring)."""
         grids = [tuple(g) for g in conditions["image_grids"].tolist()]
-        if len(set(grids)) == 1:
-            return self._call(latents, timesteps, conditions, [self._shapes(grids[0], image_size)] * len(grids))
         # zero_cond_t modulates tokens by their image's place, which padding would shift: a call per shape set
-        key = (lambda g: g) if self.pipeline.transformer.zero_cond_t else (lambda g: sum(1 for x in g[::2] if x))
-        out = torch.empty_like(latents)
-        for group in dict.fromkeys(key(g) for g in grids):
-            rows = [i for i, g in enumerate(grids) if key(g) == group]
-            index = torch.tensor(rows, device=latents.device)
-            part = {k: v[index] for k, v in conditions.items()}
-            shapes = [self._shapes(grids[i], image_size) for i in rows]
-            out[index] = self._call(latents[index], timesteps[index], part, shapes,
-                                    padded=len({grids[i] for i in rows}) > 1)
-        return out
+        keys = grids if self.pipeline.transformer.zero_cond_t else [sum(1 for x in g[::2] if x) for g in grids]
+
+        def call(rows: list[int], index: Any) -> torch.Tensor:
+            return self._call(latents[index], timesteps[index], {k: v[index] for k, v in conditions.items()},
+                              [self._shapes(grids[i], image_size) for i in rows],
+                              padded=len({grids[i] for i in rows}) > 1)
+
+        return self.call_per_group(keys, latents, call)
 
     def padded_denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                        image_size: tuple[int, int]) -> torch.Tensor:

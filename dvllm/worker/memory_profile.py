@@ -89,11 +89,14 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
         if info.edit_grids is None:
             adapter.encode_prompt(texts)
             return
-        # an edit model reads each prompt with its images, and encodes the images at admission too
+        # an edit model encodes its images at admission too, and may read each prompt with them
         from PIL import Image
 
         images = tuple(Image.new("RGB", (height, height)) for _ in range(info.max_input_images))
-        adapter.encode_prompt([("x", False)], images=images)
+        if info.prompt_reads_images:
+            adapter.encode_prompt([("x", False)], images=images)
+        else:
+            adapter.encode_prompt(texts)
         adapter.prepare_edit(images, 1, height, width, torch.Generator("cpu").manual_seed(0))
 
     peaks = {}

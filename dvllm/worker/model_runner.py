@@ -15,6 +15,7 @@ import torch
 from dvllm.core.scheduler_output import NewRequestData, ResumedRequestData, RunnerOutput, SchedulerOutput
 from dvllm.models.base import ModelAdapter
 from dvllm.profiler import PhaseTimer
+from dvllm.sampling_params import as_images
 from dvllm.worker.conditions import flatten
 from dvllm.worker.denoise_batch import denoise_step
 from dvllm.worker.denoiser import Denoiser
@@ -40,6 +41,7 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         self._cache_hooks: CacheHooks | None = None  # installed on the transformer with the first caching request
         self.rows = RowScope()  # which rows step caching runs a module on: LoRA layers follow it
+        adapter.narrow_rows = self.rows.narrow  # so do the adapter's per-group calls (edits of other input shapes)
         self.lora = LoraLayers(adapter.pipeline, max_loras, max_lora_rank, self.rows)
 
     @property
@@ -129,7 +131,7 @@ class ModelRunner:
                                                              d.plan, d.strength)
                     self.pool.write(d.blocks.inputs, inputs.reshape(d.n, -1))
                 elif d.input_grids:  # an edit: its images' latents are its input state
-                    x, inputs = self.adapter.prepare_edit(_images(d), d.n, d.height, d.width, generator)
+                    x, inputs = self.adapter.prepare_edit(as_images(d.image), d.n, d.height, d.width, generator)
                     self.pool.write(d.blocks.inputs, inputs.reshape(d.n, -1))
                 elif d.image is not None:
                     x = self.adapter.encode_image(d.image, d.n, d.height, d.width, generator, d.plan.start_noise)
@@ -273,17 +275,13 @@ class _ImageKey:
     images are encoded once)."""
 
     def __init__(self, data: NewRequestData) -> None:
-        self.images, self.key = _images(data), data.image_key
+        self.images, self.key = as_images(data.image), data.image_key
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _ImageKey) and other.key == self.key
 
     def __hash__(self) -> int:
         return hash(self.key)
-
-
-def _images(data: NewRequestData) -> tuple[Any, ...]:
-    return data.image if isinstance(data.image, tuple) else (data.image,)
 
 
 def _fail_lora_users(out: SchedulerOutput, states: dict[str, RequestState], failed: dict[int, tuple[int, str]],
