@@ -1,42 +1,51 @@
-"""Draws docs/images/tiny-shapes.png: the built-in model on the meaning test's 32 prompts.
+"""Draws docs/images/<model>.png: a built-in model on every colour x shape prompt.
 
-One column per colour, one row per shape, seed = the prompt's index (as tests/test_meaning.py
-runs them), at the model's default steps and guidance: what a newcomer gets, not a pick.
+One column per colour, one row per shape, on the seeds the meaning test gives those prompts
+(dvllm.tiny_shapes.meaning: 1000 and up, never used in training), at the model's default steps and
+guidance: what a newcomer gets, not a pick.
+
+    python scripts/make_readme_image.py tiny-shapes tiny-shapes-dit
 """
 from __future__ import annotations
 
-import itertools
+import argparse
 import os
 
 from PIL import Image, ImageDraw
 
 from dvllm import DiffusionEngine, SamplingParams
 from dvllm.tiny_shapes.data import COLORS, SHAPES
+from dvllm.tiny_shapes.meaning import cases
 
-OUT = os.path.join(os.path.dirname(__file__), "..", "docs", "images", "tiny-shapes.png")
-
-
-def prompt(colour: str, shape: str) -> str:
-    return f"{'an' if colour[0] in 'aeiou' else 'a'} {colour} {shape}"
+OUT = os.path.join(os.path.dirname(__file__), "..", "docs", "images")
 
 
-def main() -> None:
-    cases = list(itertools.product(COLORS, SHAPES))
-    outs = DiffusionEngine().generate([prompt(c, s) for c, s in cases],
-                                      [SamplingParams(seed=i) for i in range(len(cases))], use_tqdm=False)
+def draw(model: str) -> str:
+    plain = cases(forms=("plain",))
+    outs = DiffusionEngine(model=model, max_batch_size=64).generate(
+        [c.prompt for c in plain], [SamplingParams(seed=c.seed) for c in plain], use_tqdm=False)
     tile, pad, top, left = 80, 6, 18, 58
     columns, rows = len(COLORS), len(SHAPES)
     sheet = Image.new("RGB", (left + columns * (tile + pad), top + rows * (tile + pad)), "white")
-    draw = ImageDraw.Draw(sheet)
+    pen = ImageDraw.Draw(sheet)
     for c, colour in enumerate(COLORS):
-        draw.text((left + c * (tile + pad) + 4, 3), colour, fill=(60, 60, 60))
+        pen.text((left + c * (tile + pad) + 4, 3), colour, fill=(60, 60, 60))
     for r, shape in enumerate(SHAPES):
-        draw.text((4, top + r * (tile + pad) + tile // 2 - 6), shape, fill=(60, 60, 60))
-    for i, ((colour, shape), out) in enumerate(zip(cases, outs)):
-        c, r = list(COLORS).index(colour), SHAPES.index(shape)
-        sheet.paste(out.images[0].resize((tile, tile), Image.NEAREST), (left + c * (tile + pad), top + r * (tile + pad)))
-    sheet.save(OUT)
-    print(f"wrote {OUT}")
+        pen.text((4, top + r * (tile + pad) + tile // 2 - 6), shape, fill=(60, 60, 60))
+    for case, out in zip(plain, outs):
+        c, r = list(COLORS).index(case.colour), SHAPES.index(case.shape)
+        corner = (left + c * (tile + pad), top + r * (tile + pad))
+        sheet.paste(out.images[0].resize((tile, tile), Image.NEAREST), corner)
+    path = os.path.join(OUT, f"{model}.png")
+    sheet.save(path)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="*", default=["tiny-shapes"])
+    for model in parser.parse_args().models:
+        print(f"wrote {draw(model)}")
 
 
 if __name__ == "__main__":

@@ -6,42 +6,35 @@
 Stage 1 trains a small AutoencoderKL (64x64 RGB <-> 16x16x4 latents) to reconstruct the
 scenes; stage 2 freezes it and trains a small UNet2DConditionModel and CLIP text encoder
 to predict the noise in those latents (DDPM, epsilon), dropping 10% of captions so that
-classifier-free guidance works. Everything is seeded: the same command gives the same
+classifier-free guidance works. The target is not the noise that was drawn but its exact
+posterior mean given the caption (dvllm/tiny_shapes/targets.py), and the shipped weights are
+an exponential moving average. Everything is seeded: the same command gives the same
 weights. The result is a diffusers folder (fp16 safetensors) that dvllm loads like any other.
 """
 from __future__ import annotations
 
 import argparse
-import itertools
+import copy
 import json
 import math
 import os
-import random
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel
 
-from dvllm.tiny_shapes.data import COLORS, POSITIONS, SHAPES, SIZES, Scene
+from dvllm.tiny_shapes.data import Scene
+from dvllm.tiny_shapes.targets import CaptionSampler, all_scenes, posterior_mean, render_all
 from dvllm.tiny_shapes.tokenizer import MAX_LENGTH, write_tokenizer
 
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "..", "dvllm", "models", "builtin", "tiny-shapes")
 # DDPM's linear schedule: at the last timestep almost no signal is left (sqrt(alpha_bar) ~ 0.006). With
 # SD's scaled_linear (~0.07 left) the model learnt to take a shape's colour from the starting noise.
 BETAS = {"beta_start": 0.0001, "beta_end": 0.02, "beta_schedule": "linear", "num_train_timesteps": 1000}
-OFFSET_NOISE = 0.1  # a per-channel constant in the noise lets the model move a whole colour (offset noise)
-
-
-def all_scenes() -> list[Scene]:
-    return [Scene(*combo) for combo in itertools.product(COLORS, SHAPES, SIZES, POSITIONS)]
-
-
-def to_tensor(scenes: list[Scene]) -> torch.Tensor:
-    pixels = np.stack([np.asarray(s.render(), dtype=np.float32) / 127.5 - 1.0 for s in scenes])
-    return torch.from_numpy(pixels).permute(0, 3, 1, 2)
+LEARNING_RATE = 5e-4
+EMA_DECAY = 0.999
 
 
 def build_vae() -> AutoencoderKL:
@@ -87,31 +80,41 @@ def train_vae(images: torch.Tensor, steps: int, log) -> AutoencoderKL:
 def train_unet(latents: torch.Tensor, scenes: list[Scene], tokenizer, steps: int, batch_size: int, log):
     text_encoder = build_text_encoder(len(tokenizer), tokenizer.eos_token_id)
     unet = build_unet(text_encoder.config.hidden_size)
-    params = list(unet.parameters()) + list(text_encoder.parameters())
-    optimizer = torch.optim.AdamW(params, lr=5e-4, weight_decay=1e-2)
+    models = torch.nn.ModuleList([unet, text_encoder])
+    average = copy.deepcopy(models).requires_grad_(False)
+    optimizer = torch.optim.AdamW(models.parameters(), lr=LEARNING_RATE, weight_decay=1e-2)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, s / 200) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    noise_scheduler = DDPMScheduler(**BETAS)
-    rng, gen = random.Random(2), torch.Generator().manual_seed(2)
+    alphas_cumprod = DDPMScheduler(**BETAS).alphas_cumprod
+    captions, gen = CaptionSampler(scenes, seed=2), torch.Generator().manual_seed(2)
     for step in range(1, steps + 1):
-        index = torch.randint(len(scenes), (batch_size,), generator=gen)
-        # 10% empty captions: the unconditional model classifier-free guidance needs
-        captions = [scenes[i].caption(rng) if rng.random() > 0.1 else "" for i in index.tolist()]
-        ids = tokenizer(captions, padding="max_length", max_length=MAX_LENGTH, truncation=True,
+        texts, allowed, index = captions.draw(batch_size)
+        ids = tokenizer(texts, padding="max_length", max_length=MAX_LENGTH, truncation=True,
                         return_tensors="pt").input_ids
         x0 = latents[index]
         noise = torch.randn(x0.shape, generator=gen)
-        noise = noise + OFFSET_NOISE * torch.randn((*x0.shape[:2], 1, 1), generator=gen)
         t = torch.randint(0, BETAS["num_train_timesteps"], (batch_size,), generator=gen)
-        pred = unet(noise_scheduler.add_noise(x0, noise, t), t, encoder_hidden_states=text_encoder(ids)[0]).sample
-        loss = F.mse_loss(pred, noise)
+        signal, noise_std = alphas_cumprod[t].sqrt(), (1 - alphas_cumprod[t]).sqrt()
+        noisy = signal.view(-1, 1, 1, 1) * x0 + noise_std.view(-1, 1, 1, 1) * noise
+        # v = a * noise - s * x0 with x0 its posterior mean given the caption: the v that was drawn, corrected by
+        # how far the scene drawn is from all the caption allows (at high noise the model draws that average)
+        expected = posterior_mean(noisy, signal, noise_std, latents, allowed)
+        target = (signal.view(-1, 1, 1, 1) * noise - noise_std.view(-1, 1, 1, 1) * x0
+                  + (x0 - expected) / noise_std.view(-1, 1, 1, 1))
+        pred = unet(noisy, t, encoder_hidden_states=text_encoder(ids)[0]).sample
+        loss = F.mse_loss(pred, target)
         optimizer.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(models.parameters(), 1.0)
         optimizer.step()
         schedule.step()
+        decay = min(EMA_DECAY, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for kept, live in zip(average.parameters(), models.parameters()):
+                kept.lerp_(live, 1 - decay)
         if step % 50 == 0 or step == steps:
             log("unet", step, steps, loss.item())
+    unet, text_encoder = average
     return unet.eval(), text_encoder.eval()
 
 
@@ -119,6 +122,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--vae-steps", type=int, default=800)
+    parser.add_argument("--vae-from", default=None,
+                        help="a tiny-shapes folder whose VAE to keep instead of training one (stage 2 alone)")
     parser.add_argument("--unet-steps", type=int, default=4500)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
@@ -138,16 +143,19 @@ def main() -> None:
             f.write(line + "\n")
 
     scenes = all_scenes()
-    images = to_tensor(scenes)
-    vae = train_vae(images, args.vae_steps, log)
+    images = render_all(scenes)
+    if args.vae_from:
+        vae = AutoencoderKL.from_pretrained(os.path.join(args.vae_from, "vae"), torch_dtype=torch.float32).eval()
+    else:
+        vae = train_vae(images, args.vae_steps, log)
+        with torch.no_grad():
+            vae.register_to_config(scaling_factor=float(1.0 / vae.encode(images).latent_dist.mean.flatten().std()))
     with torch.no_grad():
-        raw = vae.encode(images).latent_dist.mean
-        scaling = float(1.0 / raw.flatten().std())
-        vae.register_to_config(scaling_factor=scaling)
-        latents = raw * scaling
+        latents = vae.encode(images).latent_dist.mean * vae.config.scaling_factor
     tokenizer = write_tokenizer(os.path.join(args.out, "tokenizer"))
     unet, text_encoder = train_unet(latents, scenes, tokenizer, args.unet_steps, args.batch_size, log)
-    scheduler = DDIMScheduler(**BETAS, clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    scheduler = DDIMScheduler(**BETAS, clip_sample=False, set_alpha_to_one=False, steps_offset=1,
+                              prediction_type="v_prediction")
     pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
                                    scheduler=scheduler, safety_checker=None, feature_extractor=None,
                                    requires_safety_checker=False)

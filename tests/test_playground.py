@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from shape_checker import read_image
 from utils_server import RemoteServer
+
+from dvllm.tiny_shapes.reader import read_image
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 # CI installs them (.ci/run) and sets DVLLM_REQUIRE_BROWSER=1, so there a missing browser fails loudly.

@@ -220,6 +220,30 @@ def test_own_rule_cached_request_alone_equals_it_batched(family, method, request
     assert outs[0].metrics.cached_steps == alone.metrics.cached_steps
 
 
+def test_sd3_taylorseer_equals_diffusers_hook_applied_directly(sd3_path):
+    """SD3's transformer has no enable_cache, but diffusers' TaylorSeer hook runs on it inside a cache
+    context (the cached benchmark's baseline): dvllm's cached SD3, alone and batched, equals it."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from dvllm.benchmarks.cached import diffusers_cache
+
+    cache = {"method": "taylorseer", "cache_interval": 3, "disable_cache_before_step": 2}
+    params = P(num_inference_steps=10, guidance_scale=3.5, seed=5, height=16, width=16, output_type="np", cache=cache)
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3_path)
+    pipe.set_progress_bar_config(disable=True)
+    with diffusers_cache(pipe.transformer, parse_cache(cache)):
+        want = pipe("a red circle", num_inference_steps=10, guidance_scale=3.5, height=16, width=16,
+                    generator=torch.Generator().manual_seed(5), output_type="np").images
+    plain = pipe("a red circle", num_inference_steps=10, guidance_scale=3.5, height=16, width=16,
+                 generator=torch.Generator().manual_seed(5), output_type="np").images
+    assert float(np.abs(want - plain).max()) > 1e-4, "the hook must be on, and off again after"
+    engine = DiffusionEngine(model=sd3_path, device="cpu", dtype="float32")
+    neighbour = P(num_inference_steps=6, guidance_scale=5.0, seed=9, height=16, width=16, output_type="np")
+    outs = engine.generate(["a red circle", "a blue star"], [params, neighbour], use_tqdm=False)
+    assert_images_close(outs[0].images, want, "sd3 taylorseer batched")
+    assert outs[0].metrics.cached_steps == sum(not parse_cache(cache).computes(i) for i in range(10))
+
+
 def test_preempted_cached_request_comes_back_with_the_same_image(deep_flux_path):
     """Its cache state is swapped out to host memory with its latents, and back in."""
     cache = {"method": "first_block", "threshold": THRESHOLDS["flux"]}

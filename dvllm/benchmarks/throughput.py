@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=8)
     p.add_argument("--workload", choices=("fixed", "mixed"), default="fixed",
                    help="fixed: every request alike; mixed: steps, CFG on/off and two sizes vary")
+    p.add_argument("--prompts", choices=("numbered", "shapes"), default="numbered",
+                   help="numbered: 'a photo of object number i'; shapes: the tiny-shapes meaning prompts (for the "
+                        "built-in models, whose features then evolve as on real work)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--guidance", type=float, default=7.5)
     p.add_argument("--size", default="16x16", help="WxH (fixed workload; mixed adds twice this size)")
@@ -77,14 +80,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None)
 
 
+def job_prompts(args: argparse.Namespace) -> list[str]:
+    if getattr(args, "prompts", "numbered") == "shapes":
+        from dvllm.tiny_shapes.meaning import cases
+
+        shapes = [c.prompt for c in cases()]
+        return [shapes[(7 * i) % len(shapes)] for i in range(args.num_requests)]  # stride 7: mixed colours and forms
+    return [f"a photo of object number {i}" for i in range(args.num_requests)]
+
+
 def make_jobs(args: argparse.Namespace) -> list[Job]:
     width, height = (int(v) for v in args.size.lower().split("x"))
+    prompts = job_prompts(args)
     if args.workload == "fixed":
-        return [Job(f"a photo of object number {i}", i, args.steps, args.guidance, height, width, args.sampler)
+        return [Job(prompts[i], i, args.steps, args.guidance, height, width, args.sampler)
                 for i in range(args.num_requests)]
     rng = random.Random(0)
     steps = [args.steps // 2, args.steps, args.steps + args.steps // 2]
-    return [Job(f"a photo of object number {i}", i, rng.choice(steps), rng.choice([args.guidance, 1.0]),
+    return [Job(prompts[i], i, rng.choice(steps), rng.choice([args.guidance, 1.0]),
                 *rng.choice([(height, width), (2 * height, 2 * width)]), args.sampler)
             for i in range(args.num_requests)]
 
