@@ -117,7 +117,8 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
         pipeline = pipeline_cls(**dummy_components(source, adapter_cls, seed))
     else:
         pipeline = pipeline_cls.from_pretrained(
-            source.hub_id or source.folder, dtype=dtype, **adapter_cls.load_kwargs
+            source.hub_id or source.folder, dtype=dtype, **_absent_components(source, pipeline_cls),
+            **adapter_cls.load_kwargs
         )
     # Dummy components are built in float32; cast only when asked for another dtype.
     pipeline.to(device=device, **({"dtype": dtype} if pipeline.dtype != dtype else {}))
@@ -128,17 +129,37 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     return adapter
 
 
+def _absent_components(source: ModelSource, pipeline_cls: type) -> dict[str, None]:
+    """Components the folder saved as absent ([null, null] in model_index.json) that the pipeline does not
+    list as optional: from_pretrained wants them passed as None (an SD3 without T5: text_encoder_3 and
+    tokenizer_3, as diffusers documents it)."""
+    optional = set(getattr(pipeline_cls, "_optional_components", []))
+    return {name: None for name, spec in source.model_index.items()
+            if not name.startswith("_") and spec in ([None, None], (None, None)) and name not in optional}
+
+
 def _apply_defaults(adapter: ModelAdapter, path: str) -> None:
     """A folder's dvllm_defaults.json (num_inference_steps, guidance_scale, height, width) replaces the
-    pipeline's generic defaults: a model trained for 25 steps at 64x64 should get them when none are asked."""
+    pipeline's generic defaults: a model trained for 25 steps at 64x64 should get them when none are asked.
+    "max_sequence_length" sets the text length of a model whose pipeline pads its text to that length with
+    zeros (stable-diffusion-3 without T5): it changes the model's conditions, so it is applied first, before
+    the adapter's info (which reads it) is computed."""
     with open(path) as f:
         defaults = json.load(f)
+    if not isinstance(defaults, dict):
+        raise ValueError(f"{path}: expected a JSON object of defaults, got {type(defaults).__name__}")
     names = {"num_inference_steps": "default_steps", "guidance_scale": "default_guidance",
              "height": "default_height", "width": "default_width"}
-    unknown = sorted(set(defaults) - set(names))
+    unknown = sorted(set(defaults) - set(names) - {"max_sequence_length"})
     if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown}; allowed {sorted(names)}")
-    adapter.info = dataclasses.replace(adapter.info, **{names[k]: v for k, v in defaults.items()})
+        raise ValueError(f"{path}: unknown keys {unknown}; allowed {sorted([*names, 'max_sequence_length'])}")
+    if "max_sequence_length" in defaults:
+        setter = getattr(adapter, "set_max_sequence_length", None)
+        if setter is None:
+            raise ValueError(f"{path}: max_sequence_length: the {adapter.info.family} family takes no "
+                             f"per-model text length (only stable-diffusion-3 models without a T5 encoder do)")
+        setter(defaults["max_sequence_length"], source=f"{path}: max_sequence_length")
+    adapter.info = dataclasses.replace(adapter.info, **{names[k]: v for k, v in defaults.items() if k in names})
 
 
 def dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed: int,

@@ -24,6 +24,22 @@ def sd3_timestep_kwargs(vae_scale: int, patch: int, height: int, width: int, num
 class StableDiffusion3Adapter(ModelAdapter):
     pipeline_classes = ("StableDiffusion3Pipeline",)
     load_kwargs: dict[str, Any] = {}
+    # The T5 length the pipeline is called with. Without a T5 encoder the pipeline appends this many zero
+    # tokens to the CLIP tokens, so a model trained without T5 may set its own (dvllm_defaults.json's
+    # "max_sequence_length", through set_max_sequence_length).
+    max_sequence_length: int = MAX_SEQUENCE_LENGTH
+
+    def set_max_sequence_length(self, length: int, source: str = "max_sequence_length") -> None:
+        """Serve `length` text tokens instead of the pipeline's default: only for a pipeline without T5,
+        whose extra tokens are zeros the model was trained with. Must come before `info` is used."""
+        if self.pipeline.text_encoder_3 is not None:
+            raise ValueError(f"{source}: this stable-diffusion-3 model has a T5 encoder (text_encoder_3), whose "
+                             f"length stays the pipeline's default, {MAX_SEQUENCE_LENGTH}; only a model without "
+                             f"T5 may set its own")
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"{source}: must be a positive integer, got {length!r}")
+        self.max_sequence_length = length
+        self.__dict__.pop("info", None)  # computed from the length: recomputed on next use
 
     @cached_property
     def info(self) -> ModelInfo:
@@ -36,7 +52,8 @@ class StableDiffusion3Adapter(ModelAdapter):
             default_height=pipe.default_sample_size * factor, default_width=pipe.default_sample_size * factor,
             size_factor=factor * patch, latent_channels=pipe.transformer.config.in_channels, latent_scale=factor,
             condition_shapes=shapes, timestep_kwargs=partial(sd3_timestep_kwargs, factor, patch),
-            max_sequence_length=MAX_SEQUENCE_LENGTH, sequence_length_range=(MAX_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH),
+            max_sequence_length=self.max_sequence_length,
+            sequence_length_range=(self.max_sequence_length, self.max_sequence_length),
             cache_layout=self.cache_layout(self._cache_spec(shapes["prompt_embeds"][0])),
         )
 
@@ -46,7 +63,7 @@ class StableDiffusion3Adapter(ModelAdapter):
         prompts = [text or "" for text, _ in texts]
         embeds, _, pooled, _ = self.pipeline.encode_prompt(
             prompts, None, None, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=False,
-            max_sequence_length=MAX_SEQUENCE_LENGTH,
+            max_sequence_length=self.max_sequence_length,
         )
         return [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds.split(1), pooled.split(1))]
 
