@@ -16,9 +16,11 @@ from dvllm.tiny_shapes.data import COLORS, POSITIONS, SHAPES, SIZES, Scene
 from dvllm.tiny_shapes.meaning import HELD_OUT_SEED, cases, evaluate, score
 from dvllm.tiny_shapes.reader import Reading, read_scene
 
-# model -> the least share right of each attribute over the 128 cases (measured: see benchmarks/README.md)
+# model -> the least share right of each attribute over the 128 cases. Both shipped models measured 99-100%
+# on every attribute here (benchmarks/README.md): a bound of 93% lets 8 of 128 reads flip on another BLAS.
 BOUNDS = {
-    "tiny-shapes": {"colour": 0.8, "shape": 0.55, "size": 0.55, "position": 0.1, "clean": 0.65},
+    "tiny-shapes": {"colour": 0.95, "shape": 0.93, "size": 0.93, "position": 0.93, "clean": 0.93},
+    "tiny-shapes-dit": {"colour": 0.95, "shape": 0.93, "size": 0.93, "position": 0.93, "clean": 0.93},
 }
 
 
