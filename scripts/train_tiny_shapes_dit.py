@@ -1,6 +1,6 @@
 """Trains dvllm's second built-in model, tiny-shapes-dit: a tiny SD3 (MMDiT, flow matching) on the shapes data.
 
-    python scripts/train_tiny_shapes_dit.py                  # at most ~50 minutes on 2 idle CPU cores
+    python scripts/train_tiny_shapes_dit.py                  # about 35 minutes on 2 idle CPU cores (0.57 s a step)
     python scripts/train_tiny_shapes_dit.py --threads 1      # the shipped weights: 49 min, 1 thread, busy machine
     python scripts/train_tiny_shapes_dit.py --out /tmp/dit --steps 100   # a quick try
 

@@ -119,8 +119,10 @@ def test_bench_throughput_with_cache_reports_every_contender(flux_path, tmp_path
     assert cost["4/4 rows compute"] == 1.0 and set(cost) >= {"0/4 rows compute", "2/4 rows compute"}
 
 
-@pytest.mark.parametrize("cache, baseline", [("taylorseer:disable_cache_before_step=1,cache_interval=2", "pipeline+cache"),
-                                             ("first_block:threshold=0.2", "pipeline")])
+@pytest.mark.parametrize("cache, baseline", [
+    ("taylorseer:disable_cache_before_step=1,cache_interval=2", "pipeline+cache"),
+    ("first_block:threshold=0.2", "pipeline"),
+])
 def test_bench_throughput_with_cache_on_sd3(sd3_path, tmp_path, cache, baseline):
     """SD3 has no enable_cache: diffusers' TaylorSeer hook runs on it directly; its first block cache does not,
     so that baseline is the plain pipeline, and the result says why."""
