@@ -69,8 +69,8 @@ def diffusers_cache_unsupported(transformer: torch.nn.Module, config: CacheConfi
         return None
     if type(transformer).__name__ == "SD3Transformer2DModel" and config.method == "taylorseer":
         return None
-    return (f"diffusers' {config.method} cache does not run on {type(transformer).__name__} "
-            f"(no enable_cache; its hooks do not fit its blocks)")
+    return (f"diffusers' {config.method} cache does not run on {type(transformer).__name__} (it has no "
+            f"enable_cache, and this benchmark knows no direct use of diffusers' hooks that runs on it)")
 
 
 @contextlib.contextmanager
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
     pipe, device = adapter.pipeline, adapter.device
     unsupported = diffusers_cache_unsupported(pipe.transformer, config)
     guidance_name = "true_cfg_scale" if type(pipe).__name__ == "QwenImagePipeline" else "guidance_scale"
-    extra: dict[str, Any] = {guidance_name: None}
+    extra: dict[str, Any] = {}
     if engine.model_info.max_sequence_length is not None:  # a model's own text length (tiny-shapes-dit: 1)
         extra["max_sequence_length"] = engine.model_info.max_sequence_length
     baseline = "pipeline" if unsupported else "pipeline+cache"

@@ -117,8 +117,8 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
         pipeline = pipeline_cls(**dummy_components(source, adapter_cls, seed))
     else:
         pipeline = pipeline_cls.from_pretrained(
-            source.hub_id or source.folder, dtype=dtype, **_absent_components(source, pipeline_cls),
-            **adapter_cls.load_kwargs
+            source.hub_id or source.folder, dtype=dtype,
+            **(_absent_components(source, pipeline_cls) | adapter_cls.load_kwargs)
         )
     # Dummy components are built in float32; cast only when asked for another dtype.
     pipeline.to(device=device, **({"dtype": dtype} if pipeline.dtype != dtype else {}))
