@@ -143,7 +143,7 @@ def test_engine_without_model_loads_the_trained_tiny_shapes():
     assert info.name == "tiny-shapes"
     assert info.pipeline_class == "StableDiffusionPipeline"
     # its dvllm_defaults.json: what it was trained for, not the pipeline's generic 50 steps at 512 px
-    assert (info.default_height, info.default_width, info.default_steps, info.default_guidance) == (64, 64, 25, 5.0)
+    assert (info.default_height, info.default_width, info.default_steps, info.default_guidance) == (64, 64, 25, 1.5)
 
 
 def test_a_folders_dvllm_defaults_must_be_known_keys(sd_eps_path, tmp_path):
