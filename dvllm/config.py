@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dvllm.lora.files import LoraFilePolicy
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -89,6 +92,20 @@ class EngineConfig:
         default=None,
         metadata={"help": "Loaded adapters kept read in host memory; others are read again when a request names "
                           "them. Default: 2 * max_loras."},
+    )
+    max_lora_file_mb: float = field(
+        default=2048.0,
+        metadata={"help": "Largest LoRA weights file read (MB); a larger one is refused before it is read."},
+    )
+    allow_lora_bin: bool = field(
+        default=False,
+        metadata={"help": "Also read LoRA adapters from .bin files (pickles, read with torch.load's weights_only); "
+                          "by default only .safetensors files."},
+    )
+    allow_lora_hub_ids: bool = field(
+        default=False,
+        metadata={"help": "Let a LoRA path that is no local file or folder name a Hugging Face Hub repo "
+                          "(owner/name), fetched when loaded; by default adapter paths are local only."},
     )
     max_guidance_scale: float = field(default=100.0, metadata={"help": "Largest guidance_scale accepted."})
     sampler_plan_cache_size: int = field(default=256, metadata={"help": "Sampler schedules kept per (sampler, steps)."})
@@ -201,6 +218,8 @@ class EngineConfig:
         for name in ("max_image_pixels", "max_prompt_chars_per_step", "max_cpu_loras"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        if not (_is_number(self.max_lora_file_mb) and 0 < self.max_lora_file_mb < float("inf")):
+            raise ValueError(f"max_lora_file_mb must be a finite number > 0, got {self.max_lora_file_mb!r}")
         if not (_is_number(self.max_guidance_scale) and 0 <= self.max_guidance_scale < float("inf")):
             raise ValueError(f"max_guidance_scale must be a finite number >= 0, got {self.max_guidance_scale!r}")
         if self.num_state_blocks is not None:
@@ -228,6 +247,23 @@ class EngineConfig:
     @property
     def cpu_lora_cache_size(self) -> int:
         return self.max_cpu_loras or 2 * self.max_loras
+
+    def check_lora_modules(self) -> None:
+        """Each --lora-modules name and path, as a load would check them: before the model loads, not after."""
+        from dvllm.lora.files import check_lora_name, locate_lora
+
+        for name, path in self.lora_modules.items():
+            try:
+                check_lora_name(name)
+                locate_lora(path, self.lora_file_policy)
+            except ValueError as e:
+                raise ValueError(f"lora_modules: {name}={path}: {e}") from None
+
+    @property
+    def lora_file_policy(self) -> "LoraFilePolicy":
+        from dvllm.lora.files import LoraFilePolicy
+
+        return LoraFilePolicy(self.max_lora_file_mb, self.allow_lora_bin, self.allow_lora_hub_ids)
 
     @property
     def prompt_chars_per_step(self) -> int:

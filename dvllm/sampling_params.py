@@ -6,7 +6,8 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dvllm.step_cache import USE_DEFAULT, parse_cache
+from dvllm.lora.files import check_lora_name
+from dvllm.step_cache import USE_DEFAULT, parse_cache, show_value
 
 if TYPE_CHECKING:
     from dvllm.config import EngineConfig
@@ -23,6 +24,9 @@ RANDOM_SEED_LIMIT = 2**53
 PRIORITY_LIMIT = 2**31  # priority is a 32-bit signed integer
 MAX_SAMPLER_CHARS = 128
 MAX_LORA_WEIGHT = 100.0  # as ComfyUI's LoRA strength; far past it the images are NaN, not stronger
+# Adapters one request may name: far more than any engine's max_loras (resident slots, checked in resolve),
+# so that a body naming thousands is refused before each name is looked at.
+MAX_REQUEST_LORAS = 256
 
 
 @dataclass
@@ -207,10 +211,11 @@ def _check_loras(loras: Any) -> None:
         return
     if not isinstance(loras, dict):
         raise ValueError(f"loras must be an object of adapter name -> weight, got {type(loras).__name__}")
+    if len(loras) > MAX_REQUEST_LORAS:
+        raise ValueError(f"loras: at most {MAX_REQUEST_LORAS} adapters in one request, got {len(loras)}")
     for name, weight in loras.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"loras: adapter names must be non-empty strings, got {name!r}")
         try:
+            check_lora_name(name)  # what an adapter can be loaded as
             lora_weight(name, weight)
         except ValueError as e:
             raise ValueError(f"loras: {e}") from None
@@ -223,8 +228,8 @@ def lora_weight(name: str, weight: Any) -> float:
     except OverflowError:  # an integer too large for a float
         number = None
     if number is None or not abs(number) <= MAX_LORA_WEIGHT:
-        raise ValueError(f"the weight of {name!r} must be a number in [-{MAX_LORA_WEIGHT:g}, {MAX_LORA_WEIGHT:g}], "
-                         f"got {weight!r}"[:300])
+        raise ValueError(f"the weight of {show_value(name)} must be a number in [-{MAX_LORA_WEIGHT:g}, "
+                         f"{MAX_LORA_WEIGHT:g}], got {show_value(weight)}")
     return number
 
 

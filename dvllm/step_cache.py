@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -19,6 +20,10 @@ MAX_MAG_RATIOS = 1000
 FACTOR_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}  # name -> bytes per element
 MAX_CACHE_INTERVAL = 1000
 MAX_TAYLOR_ORDER = 4
+# Step numbers and step counts: far past any schedule served (max_inference_steps is 1000 by default), where
+# every larger value means the same; it keeps them small integers for the worker and torch.
+MAX_CACHE_STEP = 100_000
+MAX_SHOWN_CHARS = 120  # of a value quoted in an error message
 # The request field that means "the engine's default_cache" (absent in the HTTP body); None opts out.
 USE_DEFAULT = "default"
 
@@ -98,9 +103,12 @@ def parse_cache(value: Any) -> CacheConfig | None:
         raise ValueError(f"cache must be an object like {{\"method\": \"first_block\", \"threshold\": 0.05}} or null, "
                          f"got {type(value).__name__}")
     fields = dict(value)
+    not_names = [name for name in fields if not isinstance(name, str)]
+    if not_names:
+        raise ValueError(f"cache: field names must be strings, got {show_value(not_names[0])}")
     method = fields.pop("method", None)
-    if method not in METHODS:
-        raise ValueError(f"cache.method must be one of {list(METHODS)}, got {method!r}")
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"cache.method must be one of {list(METHODS)}, got {show_value(method)}")
     for name, default in _DEFAULT_ONLY.get(method, {}).items():
         if name in fields and fields.pop(name) != default:
             why = ("dvllm serves TaylorSeer on the default attention modules only" if method == "taylorseer" else
@@ -110,7 +118,7 @@ def parse_cache(value: Any) -> CacheConfig | None:
         fields["mag_ratios"] = _mag_ratios(fields.get("mag_ratios"))
     unknown = sorted(set(fields) - set(_FIELDS[method]))
     if unknown:
-        raise ValueError(f"cache.{unknown[0]} is not a field of {method} (its fields: {list(_FIELDS[method])})")
+        raise ValueError(f"cache.{_field(unknown[0])} is not a field of {method} (its fields: {list(_FIELDS[method])})")
     config = CacheConfig(method=method, **fields)
     _check(config, set(fields))
     return config
@@ -121,35 +129,65 @@ def _mag_ratios(value: Any) -> tuple[float, ...]:
         from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
 
         return tuple(float(v) for v in FLUX_MAG_RATIOS)
-    if not isinstance(value, (list, tuple)) or not 1 <= len(value) <= MAX_MAG_RATIOS or any(
-            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf for v in value):
-        raise ValueError(f"cache.mag_ratios must be a list of 1 to {MAX_MAG_RATIOS} positive numbers (the model's, "
-                         f"from a diffusers calibration run) or \"flux\", got {str(value)[:80]}")
-    return tuple(float(v) for v in value)
+    ratios = tuple(map(_finite, value)) if isinstance(value, (list, tuple)) and len(value) <= MAX_MAG_RATIOS else ()
+    if not ratios or any(r is None or r <= 0 for r in ratios):
+        raise ValueError(f"cache.mag_ratios must be a list of 1 to {MAX_MAG_RATIOS} positive finite numbers (the "
+                         f"model's, from a diffusers calibration run) or \"flux\", got {show_value(value)}")
+    return ratios
 
 
 def _check(config: CacheConfig, given: set[str]) -> None:
     if "threshold" in given:
-        t = config.threshold
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
-            raise ValueError(f"cache.threshold must be a finite number >= 0, got {t!r}")
-        object.__setattr__(config, "threshold", float(t))
-    for name, low, high in (("cache_interval", 1, MAX_CACHE_INTERVAL), ("disable_cache_before_step", 0, None),
-                            ("max_order", 0, MAX_TAYLOR_ORDER), ("max_skip_steps", 0, None),
+        t = _finite(config.threshold)
+        if t is None or t < 0:
+            raise ValueError(f"cache.threshold must be a finite number >= 0, got {show_value(config.threshold)}")
+        object.__setattr__(config, "threshold", t)
+    for name, low, high in (("cache_interval", 1, MAX_CACHE_INTERVAL), ("disable_cache_before_step", 0, MAX_CACHE_STEP),
+                            ("max_order", 0, MAX_TAYLOR_ORDER), ("max_skip_steps", 0, MAX_CACHE_STEP),
                             ("num_inference_steps", 1, MAX_MAG_RATIOS)):
         value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
-            bound = f"in [{low}, {high}]" if high else f">= {low}"
-            raise ValueError(f"cache.{name} must be an integer {bound}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"cache.{name} must be an integer in [{low}, {high}], got {show_value(value)}")
     after = config.disable_cache_after_step
-    if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
-        raise ValueError(f"cache.disable_cache_after_step must be an integer >= 0 or null, got {after!r}")
-    r = config.retention_ratio
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
-        raise ValueError(f"cache.retention_ratio must be a number in [0, 1], got {r!r}")
-    if config.taylor_factors_dtype not in FACTOR_DTYPES:
+    if after is not None and (isinstance(after, bool) or not isinstance(after, int)
+                              or not 0 <= after <= MAX_CACHE_STEP):
+        raise ValueError(f"cache.disable_cache_after_step must be an integer in [0, {MAX_CACHE_STEP}] or null, "
+                         f"got {show_value(after)}")
+    r = _finite(config.retention_ratio)
+    if r is None or not 0 <= r <= 1:
+        raise ValueError(f"cache.retention_ratio must be a number in [0, 1], "
+                         f"got {show_value(config.retention_ratio)}")
+    dtype = config.taylor_factors_dtype
+    if not isinstance(dtype, str) or dtype not in FACTOR_DTYPES:  # a list or an object is unhashable
         raise ValueError(f"cache.taylor_factors_dtype must be one of {list(FACTOR_DTYPES)}, "
-                         f"got {config.taylor_factors_dtype!r}")
+                         f"got {show_value(dtype)}")
+
+
+def _finite(value: Any) -> float | None:
+    """A number as a finite float; None for anything else (a bool, text, NaN, an integer past a float's range)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def show_value(value: Any) -> str:
+    """A client's value as an error message quotes it: at most MAX_SHOWN_CHARS, and encodable as UTF-8 (repr
+    escapes a lone surrogate, which would make the JSON error response itself fail)."""
+    shown = reprlib.Repr()
+    shown.maxstring = shown.maxother = shown.maxlong = 60
+    try:
+        return shown.repr(value)[:MAX_SHOWN_CHARS]
+    except (ValueError, RecursionError):  # an integer past Python's digit limit, a value nested too deep
+        return f"a {type(value).__name__}"
+
+
+def _field(name: str) -> str:
+    """A field name as cache.<name> quotes it: as sent when it is a plain identifier, else shown as a value."""
+    return name if name.isidentifier() and name.isascii() and len(name) <= 64 else show_value(name)
 
 
 def _split_fields(text: str) -> list[str]:

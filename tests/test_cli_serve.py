@@ -2,7 +2,6 @@
 start-up, CORS (vLLM's flag names), TLS, and signals during the shutdown drain."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import ipaddress
@@ -15,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from utils_cli import assert_quiet, cli, expect_usage_error, no_model_load, restore_logging  # noqa: F401 (fixtures)
+from utils_cli import (  # noqa: F401 (fixtures)
+    assert_quiet, cli, expect_usage_error, no_model_load, restore_logging, serve_args)
 from utils_server import RemoteServer, wait_until
 
 from dvllm.engine.async_engine import AsyncDiffusionEngine
 from dvllm.entrypoints.api_server import build_app
-from dvllm.entrypoints.cli import _add_serve_args, check_serve_args
 
 BASE_ARGS = ["--device", "cpu", "--dtype", "float32", "--state-pool-mb", "32", "--log-level", "warning"]
 ORIGIN = "https://app.example"
@@ -71,15 +70,6 @@ def engine(sd_eps_path):
     engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", state_pool_mb=32)
     yield engine
     asyncio.run(engine.shutdown(0))
-
-
-def serve_args(*flags: str) -> argparse.Namespace:
-    """The namespace `dvllm serve FLAGS` makes, checked as the command checks it."""
-    parser = argparse.ArgumentParser()
-    _add_serve_args(parser)
-    args = parser.parse_args(list(flags))
-    check_serve_args(args)
-    return args
 
 
 def preflight(client: TestClient, origin: str = ORIGIN, headers: str = "authorization,content-type"):

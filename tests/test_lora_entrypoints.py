@@ -126,8 +126,9 @@ def test_models_lists_each_adapter_with_its_parent(server, adapters):
     models = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
     base = models[0]["id"]
     assert set(models[0]) == {"id", "object", "created", "owned_by"}  # the base model's card as before
-    card = {"id": "style", "object": "model", "owned_by": "dvllm", "root": adapters["style"], "parent": base}
+    card = {"id": "style", "object": "model", "owned_by": "dvllm", "parent": base}
     assert [{k: m[k] for k in card} for m in models[1:]] == [card]
+    assert "root" not in models[1]  # the server's paths are not shown without --show-lora-paths
     assert httpx.get(server.url + "/v1/models/style", timeout=30).json()["parent"] == base
     assert OpenAI(base_url=server.url + "/v1", api_key="unused").models.retrieve("style").id == "style"
 
@@ -156,8 +157,9 @@ def test_runtime_load_generate_unload(server, adapters, reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("body, param, words", [
-    ({"lora_name": "x", "lora_path": "/nonexistent/lora"}, "lora_path", "does not exist"),
-    ({"lora_name": "x", "lora_path": "MODEL"}, "lora_path", "not a LoRA adapter"),  # the model folder itself
+    # a missing path and a folder without weights are answered alike (the log tells them apart)
+    ({"lora_name": "x", "lora_path": "/nonexistent/lora"}, "lora_path", "is not a loadable adapter"),
+    ({"lora_name": "x", "lora_path": "MODEL"}, "lora_path", "is not a loadable adapter"),  # the model folder
     ({"lora_name": "bad name", "lora_path": "STYLE"}, "lora_name", "LoRA name"),
     ({"lora_name": "BASE", "lora_path": "STYLE"}, "lora_name", "served model's name"),
     ({"lora_name": "x"}, "lora_path", "Missing required parameter"),
@@ -286,11 +288,12 @@ def test_generate_lora_flag_and_jsonl_loras(sd_eps_path, adapters, reference, tm
     (["--lora", "style=high"], "--lora: the weight of 'style' must be a number"),
     (["--lora", "style=nan"], "--lora: the weight of 'style' must be a number in [-100, 100]"),
     (["--lora", "style", "--lora", "style=2"], "--lora: 'style' is given twice"),
-    (["--lora", "other", "--lora-modules", "style=/x"],
+    (["--lora", "other", "--lora-modules", "style=STYLE"],
      "--lora: unknown LoRA adapter(s) ['other']; --lora-modules loads ['style']"),
     (["--lora", "style"], "--lora: unknown LoRA adapter(s) ['style']; --lora-modules loads none"),
 ], ids=["no-name", "not-a-number", "nan", "twice", "unknown", "no-modules"])
-def test_bad_lora_flags_are_usage_errors(capsys, no_model_load, flags, expected):  # noqa: F811
+def test_bad_lora_flags_are_usage_errors(capsys, no_model_load, adapters, flags, expected):  # noqa: F811
+    flags = [f"style={adapters['style']}" if flag == "style=STYLE" else flag for flag in flags]
     err = expect_usage_error(capsys, "generate", "x", "--device", "cpu", *flags)
     assert expected in err, err
 
@@ -300,19 +303,30 @@ def test_bad_lora_flags_are_usage_errors(capsys, no_model_load, flags, expected)
     ({"prompt": "x", "loras": ["style"]}, ":2: loras must be an object"),
     ({"prompt": "x", "loras": {"style": "1"}}, ":2: loras: the weight of 'style' must be a number in [-100, 100]"),
 ], ids=["unknown", "not-an-object", "string-weight"])
-def test_bad_jsonl_loras_are_usage_errors(capsys, no_model_load, tmp_path, line, expected):  # noqa: F811
+def test_bad_jsonl_loras_are_usage_errors(capsys, no_model_load, adapters, tmp_path, line, expected):  # noqa: F811
     lines = tmp_path / "p.jsonl"
     lines.write_text("a plain line\n" + json.dumps(line) + "\n")
     err = expect_usage_error(capsys, "generate", "--prompts-file", str(lines), "--device", "cpu",
-                             "--lora-modules", "style=/x")
+                             "--lora-modules", f"style={adapters['style']}")
     assert expected in err, err
 
 
 @pytest.mark.parametrize("flags, expected", [
     (["--allow-runtime-lora-updating"], "--allow-runtime-lora-updating without --enable-lora"),
-    (["--served-model-name", "base", "--lora-modules", "base=/x"], "'base' is the --served-model-name"),
-], ids=["updating-without-lora", "adapter-named-as-the-model"])
-def test_bad_serve_lora_flags_are_usage_errors(capsys, no_model_load, flags, expected):  # noqa: F811
+    (["--served-model-name", "base", "--lora-modules", "base=STYLE"], "'base' is the --served-model-name"),
+    (["--lora-modules", "style=/nonexistent/lora"], "lora_modules: style=/nonexistent/lora: LoRA path "),
+    (["--lora-modules", "bad/name=STYLE"], "LoRA name must be"),
+    (["--lora-modules", "style=MODEL"], "the folder holds no .safetensors file"),
+    (["--lora-modules", "style=STYLE", "--max-lora-file-mb", "0.001"], "over max_lora_file_mb=0.001"),
+    (["--max-lora-file-mb", "0", "--enable-lora"], "max_lora_file_mb must be a finite number > 0"),
+], ids=["updating-without-lora", "adapter-named-as-the-model", "missing-path", "bad-name", "model-folder",
+        "too-large", "zero-file-limit"])
+def test_bad_serve_lora_flags_are_usage_errors(capsys, no_model_load, sd_eps_path, adapters,  # noqa: F811
+                                               flags, expected):
+    """--lora-modules names and paths are checked with the other flags, before the model loads."""
+    paths = {"STYLE": adapters["style"], "MODEL": sd_eps_path}
+    flags = [flag.split("=")[0] + "=" + paths[flag.split("=")[1]] if flag.split("=")[-1] in paths else flag
+             for flag in flags]
     err = expect_usage_error(capsys, "serve", "--device", "cpu", *flags)
     assert expected in err, err
 

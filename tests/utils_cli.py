@@ -1,12 +1,13 @@
 """Helpers shared by the command-line tests (test_cli.py, test_cli_serve.py)."""
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
 import pytest
 
-from dvllm.entrypoints.cli import main
+from dvllm.entrypoints.cli import _add_serve_args, check_serve_args, main
 
 
 def expect_usage_error(capsys, *argv: str) -> str:
@@ -59,3 +60,12 @@ def assert_quiet(stderr: str) -> None:
 
 def cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "dvllm.entrypoints.cli", *argv]
+
+
+def serve_args(*flags: str) -> argparse.Namespace:
+    """The namespace `dvllm serve FLAGS` makes, checked as the command checks it."""
+    parser = argparse.ArgumentParser()
+    _add_serve_args(parser)
+    args = parser.parse_args(list(flags))
+    check_serve_args(args)
+    return args

@@ -30,6 +30,7 @@ class StepStats:
 class DiffusionEngine:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        self.config.check_lora_modules()  # a typo'd adapter fails now, not after the model loads
         self.executor = create_executor(self.config)
         try:
             self.model_info = self.executor.model_info()
@@ -42,7 +43,7 @@ class DiffusionEngine:
         self.loras = None
         if self.config.enable_lora:
             self.loras = LoraRegistry(self.config.model, self.model_info.name, self.config.max_lora_rank,
-                                      self.config.cpu_lora_cache_size)
+                                      self.config.cpu_lora_cache_size, self.config.lora_file_policy)
         self.processor = InputProcessor(self.config, self.model_info, self.block_numel, pool_blocks, self.loras)
         self._generate_ids = itertools.count()
         # The one path for outputs not produced by a step: aborts, requests failed while no worker could

@@ -27,7 +27,9 @@ from types import FrameType
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 import dvllm
@@ -36,7 +38,8 @@ from dvllm.entrypoints.image_store import ImageStore
 from dvllm.entrypoints.metrics import ServerMetrics
 from dvllm.entrypoints.protocol import APIError, LoadLoraAdapterRequest, ModelCard, ModelList, UnloadLoraAdapterRequest
 from dvllm.entrypoints.serving_edits import create_edit
-from dvllm.entrypoints.serving_images import ServerContext, create_images, read_json_body
+from dvllm.entrypoints.serving_images import BodyLimits, ServerContext, create_images, read_json_body
+from dvllm.lora.files import LoraPathError
 
 logger = logging.getLogger(__name__)
 _HTTP_ERROR_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
@@ -45,8 +48,9 @@ _HTTP_ERROR_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_
 
 def build_app(engine: AsyncDiffusionEngine, args: argparse.Namespace) -> FastAPI:
     """The app for one engine. Reads served_model_name, api_key, max_queue_len, request_timeout,
-    max_body_mb, image_store_size, shutdown_grace and allow_runtime_lora_updating from args (missing ones
-    take defaults)."""
+    max_body_mb, body_timeout, max_pending_bodies, image_store_size, shutdown_grace,
+    allow_runtime_lora_updating and the CORS flags from args (missing ones take defaults)."""
+    check_cors(getattr(args, "allowed_origins", None), getattr(args, "allow_credentials", False))
     ctx = ServerContext(
         engine=engine,
         model_name=getattr(args, "served_model_name", None) or engine.model_info.name,
@@ -58,7 +62,9 @@ def build_app(engine: AsyncDiffusionEngine, args: argparse.Namespace) -> FastAPI
         allow_client_priority=getattr(args, "allow_client_priority", False),
         max_in_flight=getattr(args, "max_queue_len", None),
         request_timeout=getattr(args, "request_timeout", None),
-        max_body_bytes=int(getattr(args, "max_body_mb", 1.0) * (1 << 20)),
+        body_limits=BodyLimits(max_bytes=int(getattr(args, "max_body_mb", 1.0) * (1 << 20)),
+                               timeout=getattr(args, "body_timeout", 30.0),
+                               max_receiving=getattr(args, "max_pending_bodies", 32)),
     )
     grace = getattr(args, "shutdown_grace", 30.0)
     engine.step_listeners.append(ctx.metrics.on_step)
@@ -74,14 +80,14 @@ def build_app(engine: AsyncDiffusionEngine, args: argparse.Namespace) -> FastAPI
     app.state.ctx = ctx
     origins = getattr(args, "allowed_origins", None)
     if origins:  # CORS only when asked for: without it browsers on other origins get no access
-        from starlette.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=origins,
+        app.add_middleware(_CORSMiddleware, allow_origins=origins,
                            allow_methods=getattr(args, "allowed_methods", None) or ["*"],
                            allow_headers=getattr(args, "allowed_headers", None) or ["*"],
                            allow_credentials=getattr(args, "allow_credentials", False))
     _add_error_handlers(app)
-    app.include_router(_v1_routes(ctx, getattr(args, "allow_runtime_lora_updating", False)))
+    app.include_router(_v1_routes(ctx, getattr(args, "allow_runtime_lora_updating", False),
+                                  show_lora_paths=getattr(args, "show_lora_paths", False),
+                                  detailed_lora_errors=getattr(args, "log_level", "info") == "debug"))
     app.include_router(_open_routes(ctx))
     return app
 
@@ -101,6 +107,28 @@ def public_url(args: argparse.Namespace) -> str:
     return f"{scheme}://{host}:{getattr(args, 'port', 8000)}"
 
 
+def check_cors(allowed_origins: list[str] | None, allow_credentials: bool) -> None:
+    """Refuses '*' with credentials: Starlette then echoes any Origin back with Allow-Credentials, so every
+    web page could call the server with its visitors' cookies or auth and read the answers."""
+    if allow_credentials and allowed_origins and "*" in allowed_origins:
+        raise ValueError("--allowed-origins '*' with --allow-credentials would let any web page send credentialed "
+                         "requests and read the answers: list the origins that may")
+
+
+class _CORSMiddleware(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight answered in OpenAI's error shape (Starlette answers it in
+    plain text), its CORS headers kept."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code < 400:
+            return response
+        refused = bytes(response.body).decode().removeprefix("Disallowed CORS ")  # e.g. "origin, headers"
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        return _error_response(APIError(response.status_code, f"CORS preflight refused: disallowed {refused}.",
+                                        code="cors_not_allowed", headers=headers))
+
+
 async def drain(ctx: ServerContext, grace: float) -> None:
     """Stop taking requests (503), let running ones finish for up to `grace` seconds, abort the rest
     (they are answered 503), then wait briefly for every handler to write its answer."""
@@ -114,7 +142,8 @@ async def drain(ctx: ServerContext, grace: float) -> None:
         await asyncio.sleep(0.02)
 
 
-def _v1_routes(ctx: ServerContext, lora_updates: bool = False) -> APIRouter:
+def _v1_routes(ctx: ServerContext, lora_updates: bool = False, show_lora_paths: bool = False,
+               detailed_lora_errors: bool = False) -> APIRouter:
     async def require_api_key(request: Request) -> None:
         if ctx.api_key is None:
             return
@@ -136,17 +165,17 @@ def _v1_routes(ctx: ServerContext, lora_updates: bool = False) -> APIRouter:
 
     @guarded.get("/v1/models")
     async def list_models() -> dict:
-        return ModelList(data=_model_cards(ctx)).model_dump(exclude_none=True)
+        return ModelList(data=_model_cards(ctx, show_lora_paths)).model_dump(exclude_none=True)
 
     @guarded.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict:
-        for card in _model_cards(ctx):
+        for card in _model_cards(ctx, show_lora_paths):
             if card.id == model:
                 return card.model_dump(exclude_none=True)
         raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
 
     if lora_updates:  # off by default: it lets clients make the server read files at paths they name
-        guarded.include_router(_lora_routes(ctx))
+        guarded.include_router(_lora_routes(ctx, detailed_lora_errors))
 
     @router.get("/v1/images/{image_id}")
     async def get_image(image_id: str) -> Response:
@@ -163,34 +192,41 @@ def _v1_routes(ctx: ServerContext, lora_updates: bool = False) -> APIRouter:
     return router
 
 
-def _model_cards(ctx: ServerContext) -> list[ModelCard]:
-    """The served model, then each loaded LoRA adapter with its path and the base model (vLLM's shape)."""
-    adapters = [ModelCard(id=lora["name"], created=ctx.created, root=lora["path"], parent=ctx.model_name)
+def _model_cards(ctx: ServerContext, show_lora_paths: bool) -> list[ModelCard]:
+    """The served model, then each loaded LoRA adapter with the base model (vLLM's shape), and its path as `root`
+    only where the operator chose to show the server's paths (--show-lora-paths)."""
+    adapters = [ModelCard(id=lora["name"], created=ctx.created, root=lora["path"] if show_lora_paths else None,
+                          parent=ctx.model_name)
                 for lora in ctx.engine.list_loras()]
     return [ModelCard(id=ctx.model_name, created=ctx.created), *adapters]
 
 
-def _lora_routes(ctx: ServerContext) -> APIRouter:
+def _lora_routes(ctx: ServerContext, detailed_errors: bool) -> APIRouter:
     """vLLM's runtime adapter updates. Reading an adapter runs in a worker thread (AsyncDiffusionEngine),
-    so running requests keep stepping and streaming meanwhile."""
+    so running requests keep stepping and streaming meanwhile. A path that names no loadable file is answered
+    alike whatever the reason (missing, a folder, unreadable...), so that clients cannot map the server's disk;
+    the reason is logged, and answered too on a server run with --log-level debug."""
     router = APIRouter()
 
     @router.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
-        req = LoadLoraAdapterRequest.parse(await read_json_body(request, ctx.max_body_bytes))
+        req = LoadLoraAdapterRequest.parse(await read_json_body(request, ctx.body_limits))
         if req.lora_name == ctx.model_name:  # `model` would name the base model, never the adapter
             raise APIError(400, f"The LoRA name '{req.lora_name}' is the served model's name; choose another.",
                            param="lora_name", code="invalid_value")
         try:
             await ctx.engine.load_lora(req.lora_name, req.lora_path)
         except ValueError as e:
+            logger.warning("LoRA adapter %r from %r not loaded: %s", req.lora_name, req.lora_path, e)
+            if isinstance(e, LoraPathError) and not detailed_errors:
+                e = ValueError(e.public_message)
             raise _lora_error(e, "lora_path") from None
         logger.info("loaded LoRA adapter %r from %r", req.lora_name, req.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @router.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
-        req = UnloadLoraAdapterRequest.parse(await read_json_body(request, ctx.max_body_bytes))
+        req = UnloadLoraAdapterRequest.parse(await read_json_body(request, ctx.body_limits))
         try:
             await ctx.engine.unload_lora(req.lora_name)
         except ValueError as e:

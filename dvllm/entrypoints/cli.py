@@ -101,8 +101,15 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         help="Requests in flight at the server beyond which new ones get 429 (default: no limit "
                              "beyond the engine's max_num_waiting).")
     server.add_argument("--request-timeout", type=float,
-                        help="Seconds after which a request is aborted and answered 504 (default: none).")
+                        help="Seconds, counted from when its body has arrived, after which a request is aborted "
+                             "and answered 504 (default: none).")
     server.add_argument("--max-body-mb", type=float, default=1.0, help="Largest request body, in MiB (default: 1).")
+    server.add_argument("--body-timeout", type=float, default=30.0,
+                        help="Seconds a request's whole body may take to arrive; a slower one is answered 408 and "
+                             "its connection closed (default: 30).")
+    server.add_argument("--max-pending-bodies", type=int, default=32,
+                        help="Requests whose body may be arriving at once; further ones are answered 429 at once, "
+                             "unread (default: 32).")
     server.add_argument("--shutdown-grace", type=float, default=30.0,
                         help="On SIGTERM/SIGINT, seconds running requests get to finish before they are aborted; "
                              "further signals meanwhile are ignored (default: 30).")
@@ -120,6 +127,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         help="Serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, with which "
                              "any client (holding the API key, when one is set) makes the server read LoRA "
                              "adapters at paths on its disk. Needs --enable-lora or --lora-modules.")
+    server.add_argument("--show-lora-paths", action="store_true",
+                        help="Show each LoRA adapter's path on the server's disk in /v1/models (as `root`); by "
+                             "default only its name and base model.")
     server.add_argument("--allowed-origins", type=_str_list,
                         help="CORS: origins browsers may call from, as a JSON list or comma-separated "
                              "('*' for any) (default: none, no CORS headers).")
@@ -182,6 +192,7 @@ def check_engine_args(args: argparse.Namespace) -> EngineConfig:
     """The engine flags, as EngineConfig checks them, and the model name: before the model loads."""
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
     check_model_name(args.model)
+    config.check_lora_modules()
     return config
 
 
@@ -222,9 +233,12 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue_len is not None and args.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
-    for flag, value in (("--request-timeout", args.request_timeout), ("--max-body-mb", args.max_body_mb)):
+    for flag, value in (("--request-timeout", args.request_timeout), ("--max-body-mb", args.max_body_mb),
+                        ("--body-timeout", args.body_timeout)):
         if value is not None and not value > 0:
             raise ValueError(f"{flag} must be > 0, got {value}")
+    if args.max_pending_bodies < 1:
+        raise ValueError(f"--max-pending-bodies must be >= 1, got {args.max_pending_bodies}")
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
     if args.image_store_size < 0:
@@ -246,6 +260,9 @@ def _check_cors_args(args: argparse.Namespace) -> None:
         if given:
             raise ValueError(f"{', '.join(given)} without --allowed-origins would do nothing: give the origins too")
         return
+    from dvllm.entrypoints.api_server import check_cors  # the app's own rule, checked before the model loads
+
+    check_cors(args.allowed_origins, args.allow_credentials)
     if args.allowed_methods is not None:
         args.allowed_methods = [method.upper() for method in args.allowed_methods]  # browsers send them so
 

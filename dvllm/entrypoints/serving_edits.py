@@ -46,7 +46,7 @@ async def create_edit(request: Request, ctx: ServerContext) -> Response:
         if not content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
             raise APIError(415, f"Content-Type must be multipart/form-data, got {content_type!r}.",
                            code="unsupported_media_type")
-        request._body = await read_body(request, ctx.max_body_bytes)  # bounded, then parsed from memory
+        request._body = await read_body(request, ctx.body_limits)  # bounded, then parsed from memory
         info = ctx.engine.model_info
         try:  # room for the images the model takes, a mask, and one file more, which _check_files names
             form = await request.form(max_files=min(info.max_input_images + 2, _MAX_FILES), max_fields=64)
@@ -145,11 +145,15 @@ def _typed(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def _parse_json_field(key: str, value: str) -> Any:
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
+    try:  # as a JSON body is read: NaN and Infinity are no JSON; 5000 digits or 10**5 brackets are ValueErrors too
+        return json.loads(value, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
         raise APIError(400, f"Invalid value for '{key}': expected a JSON object or null, got {value[:80]!r}.",
                        param=key, code="invalid_value") from None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def _base_type(hint: Any) -> Any:

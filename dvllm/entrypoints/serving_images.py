@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -39,6 +39,16 @@ _STATUS_OUTCOME = {429: "rejected", 499: "disconnected", 503: "unavailable", 504
 
 
 @dataclass
+class BodyLimits:
+    """How one app's request bodies may arrive (read_body), and how many are arriving now."""
+
+    max_bytes: int = 1 << 20
+    timeout: float = 30.0  # s to receive a whole body: a slow sender would hold its connection and task forever
+    max_receiving: int = 32  # bodies arriving at once; more are refused at once, unread
+    receiving: int = 0
+
+
+@dataclass
 class ServerContext:
     """Everything one app's routes share: no module-level mutable state."""
 
@@ -51,7 +61,7 @@ class ServerContext:
     allow_client_priority: bool = False
     max_in_flight: int | None = None
     request_timeout: float | None = None
-    max_body_bytes: int = 1 << 20
+    body_limits: BodyLimits = field(default_factory=BodyLimits)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     in_flight: int = 0
@@ -85,7 +95,7 @@ def outcome_of(status: int) -> str:
 async def create_images(request: Request, ctx: ServerContext) -> Response:
     """POST /v1/images/generations: a JSON body."""
     async def parse() -> ImageGenerationRequest:
-        return ImageGenerationRequest.parse(await read_json_body(request, ctx.max_body_bytes))
+        return ImageGenerationRequest.parse(await read_json_body(request, ctx.body_limits))
 
     return await serve_request(request, ctx, parse)
 
@@ -103,11 +113,12 @@ async def serve_request(request: Request, ctx: ServerContext,
 async def _serve(request: Request, ctx: ServerContext,
                  parse: Callable[[], Awaitable[ImageGenerationRequest]]) -> Response:
     request_id = f"img-{uuid.uuid4().hex}"
-    loop = asyncio.get_running_loop()
-    deadline = None if ctx.request_timeout is None else loop.time() + ctx.request_timeout
     if ctx.draining or not ctx.engine.is_running:
         raise APIError(503, "The server is shutting down or its engine is not running.", code="service_unavailable")
     req = await parse()
+    # The clock starts once the body is in: a slow upload is --body-timeout's (408), not a 504 after it.
+    loop = asyncio.get_running_loop()
+    deadline = None if ctx.request_timeout is None else loop.time() + ctx.request_timeout
     if req.model_extra:
         _log_unknown_fields(list(req.model_extra), ctx, request_id)
     loras = _requested_loras(req, ctx)
@@ -275,14 +286,16 @@ def _encode_all(final: RequestOutput, req: ImageGenerationRequest, ctx: ServerCo
     return data
 
 
-async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object; 415 for another content type, 413 past max_bytes, 400 for anything
-    not a JSON object."""
+async def read_json_body(request: Request, limits: BodyLimits) -> dict[str, Any]:
+    """The body as a JSON object; 415 unless the Content-Type is application/json, 400 for anything not a
+    JSON object (and read_body's refusals)."""
     content_type = request.headers.get("content-type")
-    if content_type is not None and content_type.split(";")[0].strip().lower() != "application/json":
-        raise APIError(415, f"Content-Type must be application/json, got {content_type!r}.",
-                       code="unsupported_media_type")
-    raw = await read_body(request, max_bytes)
+    # No Content-Type is refused too: a web page can send a body without one, and without a CORS
+    # preflight (fetch in no-cors mode with a Blob), to a server on the visitor's own machine.
+    if content_type is None or content_type.split(";")[0].strip().lower() != "application/json":
+        got = "none" if content_type is None else repr(content_type)
+        raise APIError(415, f"Content-Type must be application/json, got {got}.", code="unsupported_media_type")
+    raw = await read_body(request, limits)
     if not raw.strip():
         raise APIError(400, "The request body is empty; send a JSON object.", code="invalid_json")
     try:
@@ -295,19 +308,43 @@ async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
     return body
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
+async def read_body(request: Request, limits: BodyLimits) -> bytes:
     """The raw body; 413 past max_bytes, by Content-Length and by what actually arrives (so chunked
-    bodies are bounded too)."""
+    bodies are bounded too); 408 unless all of it arrives within limits.timeout; 429, unread, while
+    limits.max_receiving other bodies are arriving."""
+    max_bytes = limits.max_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"The request body is {declared} bytes; the limit is {max_bytes}.",
                        code="request_too_large")
+    # Refusals of a body left unread close the connection: otherwise the sender could go on trickling it.
+    if limits.receiving >= limits.max_receiving:
+        raise APIError(429, f"{limits.receiving} request bodies are still arriving (--max-pending-bodies "
+                            f"{limits.max_receiving}); retry later.", type="rate_limit_error",
+                       code="rate_limit_exceeded", headers={"Retry-After": RETRY_AFTER_SECONDS, "Connection": "close"})
+    limits.receiving += 1
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"The request body is over the limit of {max_bytes} bytes.", code="request_too_large")
-        chunks.append(chunk)
+    loop, stream = asyncio.get_running_loop(), request.stream()
+    deadline = loop.time() + limits.timeout
+    try:
+        while True:
+            try:  # (asyncio.timeout would read better, but Python 3.10 lacks it)
+                chunk = await asyncio.wait_for(anext(stream), max(deadline - loop.time(), 0.0))
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise APIError(408, f"The request body did not arrive within {limits.timeout:g} s (--body-timeout).",
+                               code="request_timeout", headers={"Connection": "close"}) from None
+            size += len(chunk)
+            if size > max_bytes:
+                raise APIError(413, f"The request body is over the limit of {max_bytes} bytes.",
+                               code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # not a server error: nobody reads the answer, it only counts as disconnected
+        raise APIError(499, "The client closed the connection while sending the request body.",
+                       code="client_disconnected") from None
+    finally:
+        limits.receiving -= 1
     return b"".join(chunks)
 
 

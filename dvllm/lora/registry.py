@@ -2,62 +2,55 @@
 
 Reading an adapter (disk, diffusers' conversion) happens here, when it is loaded and when a request
 names one that fell out of the host cache: in the caller's thread, which for the async engine is the
-admission thread pool, never the step loop. A request holds its adapters' weights until it finishes,
-so unloading or evicting an adapter loses nothing that was accepted. Thread-safe.
+admission thread pool, never the step loop. A path is checked before anything reads it (files.py), and
+reads hold no lock that another read waits on: each takes a skeleton of its own from a pool. A request
+holds its adapters' weights until it finishes, so unloading or evicting an adapter loses nothing that was
+accepted. Thread-safe.
 """
 from __future__ import annotations
 
 import itertools
-import os
-import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from dvllm.lora.files import LoraFile, LoraFilePolicy, check_lora_name, locate_lora
 from dvllm.lora.weights import LoraWeights, read_lora
-
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
-
 
 @dataclass(frozen=True)
 class _Entry:
     uid: int
-    path: str
+    path: str       # as the operator named it
+    file: LoraFile  # the weights file it resolved to, as it was when loaded
 
 
 class LoraRegistry:
-    def __init__(self, model: str | None, served_name: str, max_rank: int, max_cpu_loras: int) -> None:
+    def __init__(self, model: str | None, served_name: str, max_rank: int, max_cpu_loras: int,
+                 policy: LoraFilePolicy) -> None:
         self.model, self.served_name = model, served_name
-        self.max_rank, self.max_cpu_loras = max_rank, max_cpu_loras
+        self.max_rank, self.max_cpu_loras, self.policy = max_rank, max_cpu_loras, policy
         self._entries: dict[str, _Entry] = {}
         self._cache: OrderedDict[int, LoraWeights] = OrderedDict()  # uid -> weights, least recently used first
         self._uids = itertools.count(1)
-        self._lock = threading.Lock()       # names and the cache
-        self._read_lock = threading.Lock()  # one read at a time: they share the skeleton
-        self._skeleton: Any = None
+        self._lock = threading.Lock()  # names, the cache and the idle skeletons; never held while reading
+        self._idle_skeletons: list[Any] = []  # a read takes one (or builds one): reads never wait on each other
 
     def load(self, name: str, path: str) -> LoraWeights:
         """Reads and registers an adapter; ValueError (bad name, name taken, not a LoRA for this model)."""
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise ValueError(f"LoRA name must be 1-128 letters, digits or ._:@+- (starting with a letter or "
-                             f"digit), got {name!r}")
+        check_lora_name(name)
         if name == self.served_name:
             raise ValueError(f"LoRA name {name!r} is the base model's name; choose another")
-        if not isinstance(path, str) or not path:
-            raise ValueError(f"LoRA path must be a non-empty string, got {path!r}")
-        path = os.path.expanduser(path)
-        if not os.path.exists(path):
-            raise ValueError(f"LoRA path {path!r} does not exist")
         with self._lock:
             if name in self._entries:
                 raise ValueError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
             uid = next(self._uids)
-        weights = self._read(name, uid, path)
+        file = locate_lora(path, self.policy)
+        weights = self._read(name, uid, file)
         with self._lock:
             if name in self._entries:  # another load of this name finished first
                 raise ValueError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
-            self._entries[name] = _Entry(uid, path)
+            self._entries[name] = _Entry(uid, path, file)
             self._remember(weights)
         return weights
 
@@ -80,7 +73,7 @@ class LoraRegistry:
             if weights is not None:
                 self._cache.move_to_end(entry.uid)
                 return weights
-        weights = self._read(name, entry.uid, entry.path)
+        weights = self._read(name, entry.uid, entry.file)
         with self._lock:
             if self._entries.get(name) == entry:
                 self._remember(weights)
@@ -88,7 +81,7 @@ class LoraRegistry:
 
     def list(self) -> list[dict[str, Any]]:
         with self._lock:
-            return [{"name": name, "path": e.path, "in_host_cache": e.uid in self._cache}
+            return [{"name": name, "path": e.path, "file": e.file.path, "in_host_cache": e.uid in self._cache}
                     for name, e in self._entries.items()]
 
     def _remember(self, weights: LoraWeights) -> None:
@@ -96,10 +89,26 @@ class LoraRegistry:
         while len(self._cache) > self.max_cpu_loras:
             self._cache.popitem(last=False)
 
-    def _read(self, name: str, uid: int, path: str) -> LoraWeights:
-        with self._read_lock:
-            if self._skeleton is None:
-                from dvllm.lora.skeleton import skeleton_pipeline
+    def _read(self, name: str, uid: int, file: LoraFile) -> LoraWeights:
+        """Reads the file that was checked: a file changed since (or while being read) is refused, naming why."""
+        why = file.changed()
+        if why is None:
+            skeleton = self._take_skeleton()
+            try:
+                weights = read_lora(skeleton, name, uid, file, self.max_rank)
+            finally:
+                with self._lock:
+                    self._idle_skeletons.append(skeleton)
+            why = file.changed()
+        if why is not None:
+            raise ValueError(f"LoRA adapter {name!r}: its file changed since it was loaded ({why}); unload it and "
+                             "load it again to serve the new file")
+        return weights
 
-                self._skeleton = skeleton_pipeline(self.model)
-            return read_lora(self._skeleton, name, uid, path, self.max_rank)
+    def _take_skeleton(self) -> Any:
+        with self._lock:
+            if self._idle_skeletons:
+                return self._idle_skeletons.pop()
+        from dvllm.lora.skeleton import skeleton_pipeline
+
+        return skeleton_pipeline(self.model)

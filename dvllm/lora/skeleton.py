@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dvllm.lora.weights import EXPECTED_LAYERS
 from dvllm.models.loader import dummy_components, resolve_model
 from dvllm.models.registry import adapter_for
 
@@ -26,9 +27,37 @@ def skeleton_pipeline(model: str | None) -> Any:
         if isinstance(component, torch.nn.Module):
             _hollow(component)
     for name in getattr(pipeline_cls, "_lora_loadable_modules", ()):
-        if name.startswith("text_encoder") and isinstance(components.get(name), torch.nn.Module):
+        if not isinstance(components.get(name), torch.nn.Module):
+            continue
+        if name.startswith("text_encoder"):
             _inject_with_peft(components[name])
+        else:
+            _record_expected_layers(components[name])
     return pipeline_cls(**components)
+
+
+def _record_expected_layers(model: torch.nn.Module) -> None:
+    """diffusers reports an adapter's weights that match no module of the model only as a log warning, which a
+    server's log level may drop. So the denoiser's `load_lora_adapter` first notes which modules the adapter
+    names, by diffusers' own key conversion; read_lora compares them with the layers peft placed."""
+    from diffusers.utils import convert_unet_state_dict_to_peft
+
+    load = model.load_lora_adapter
+
+    def load_lora_adapter(self: torch.nn.Module, state_dict: Any, prefix: str | None = "transformer", *args: Any,
+                          **kwargs: Any) -> Any:
+        expected = None  # not known: LoKr (refused later: no LoRA layers), or weights given other than as a dict
+        if isinstance(state_dict, dict):
+            keys = {k.removeprefix(f"{prefix}."): v for k, v in state_dict.items()
+                    if prefix is None or k.startswith(f"{prefix}.")}
+            if not any(".lokr_" in k for k in keys):
+                if keys and "lora_A" not in next(iter(keys)):  # as diffusers decides it
+                    keys = convert_unet_state_dict_to_peft(keys)
+                expected = {k.split(".lora_")[0] for k in keys if ".lora_" in k}
+        setattr(self, EXPECTED_LAYERS, expected)
+        return load(state_dict, prefix, *args, **kwargs)
+
+    model.load_lora_adapter = types.MethodType(load_lora_adapter, model)
 
 
 def _hollow(module: torch.nn.Module) -> None:

@@ -1,22 +1,28 @@
 """One LoRA adapter as dvllm applies it: per adapted Linear layer, A [r, in] and B [out, r] already
 multiplied by the layer's alpha / r (per Conv2d layer, A [r, in, kh, kw] and B [out, r]).
 
-The file is read the way `pipe.load_lora_weights(path)` reads it (diffusers' key conversions for
-every format it knows, alpha from the adapter metadata, else from `.alpha` keys, else alpha = rank),
-into a weightless copy of the pipeline (skeleton.py); what peft then holds per layer is taken out.
-So a request's weight w adds w * (alpha / r) * B @ A to each layer, as `set_adapters` with weight w does.
+The file (already located and checked: files.py) is read the way `pipe.load_lora_weights(path)` reads it
+(diffusers' key conversions for every format it knows, alpha from the adapter metadata, else from `.alpha`
+keys, else alpha = rank), into a weightless copy of the pipeline (skeleton.py); what peft then holds per
+layer is taken out. So a request's weight w adds w * (alpha / r) * B @ A to each layer, as `set_adapters`
+with weight w does. Weights for modules the model lacks, and weights that are not finite numbers of a sane
+size, are refused: served, the first would differ from what was trained, the second paint black images.
 """
 from __future__ import annotations
 
-import logging
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
+from dvllm.lora.files import LoraFile
+
+# Far past any trained adapter's values (of order 1): beyond it an fp16 forward overflows to inf, then NaN.
+MAX_ABS_LORA_VALUE = 1e4
 TEXT_ENCODER_PREFIX = "text_encoder"  # text_encoder, text_encoder_2: adapters there change prompt embeddings
+# Set on a skeleton's denoiser by its load_lora_adapter (skeleton.py): the module names the adapter has weights for
+EXPECTED_LAYERS = "_dvllm_lora_expected"
 
 
 class _Refused(ValueError):
@@ -37,12 +43,16 @@ class LoraWeights:
         return any(c.startswith(TEXT_ENCODER_PREFIX) for c in self.layers)
 
 
-def read_lora(skeleton: Any, name: str, uid: int, path: str, max_rank: int) -> LoraWeights:
-    """The adapter at `path` for the skeleton's pipeline; ValueError saying why it cannot be served."""
-    key = f"dvllm_{uid}"
+def read_lora(skeleton: Any, name: str, uid: int, file: LoraFile, max_rank: int) -> LoraWeights:
+    """The adapter in `file` for the skeleton's pipeline; ValueError saying why it cannot be served."""
+    key, path = f"dvllm_{uid}", file.path
+    for component in _components(skeleton):
+        setattr(component[1], EXPECTED_LAYERS, None)
     try:
-        with _unplaced_weights_are_errors(key):
-            skeleton.load_lora_weights(path, adapter_name=key, low_cpu_mem_usage=True)
+        # One local file, read by the reader of its type only: no pickle fallback for a broken safetensors
+        # file, no Hub lookup.
+        skeleton.load_lora_weights(path, adapter_name=key, low_cpu_mem_usage=True,
+                                   use_safetensors=file.is_safetensors, local_files_only=True)
         layers = _take_layers(skeleton, key, path)
     except _Refused:
         raise
@@ -65,13 +75,12 @@ def _take_layers(skeleton: Any, key: str, path: str) -> dict[str, dict[str, tupl
     from peft.tuners.lora import LoraLayer
 
     layers: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
-    for component in skeleton._lora_loadable_modules:
-        model = getattr(skeleton, component, None)
-        if not isinstance(model, torch.nn.Module):
-            continue
+    for component, model in _components(skeleton):
+        placed = set()
         for module_name, module in model.named_modules():
             if not isinstance(module, LoraLayer) or key not in module.scaling:
                 continue
+            placed.add(module_name)
             where = f"{component}.{module_name}"
             if module.use_dora.get(key) or getattr(module, "lora_bias", {}).get(key) \
                     or key in getattr(module, "lora_variant", {}):
@@ -85,34 +94,41 @@ def _take_layers(skeleton: Any, key: str, path: str) -> dict[str, dict[str, tupl
             if not math.isfinite(scale):
                 raise _Refused(f"{path!r}: {where} has a non-finite alpha / rank ({scale})")
             # Conv2d: A [r, in, kh, kw] (the base layer's kernel, stride, padding), B a 1x1 conv: [out, r]
-            layers.setdefault(component, {})[module_name] = (a.detach().float().clone(),
-                                                             (b.detach().float().flatten(1) * scale).contiguous())
+            a, b = a.detach().float().clone(), (b.detach().float().flatten(1) * scale).contiguous()
+            _check_values(path, f"{where}.lora_A", a)
+            _check_values(path, f"{where}.lora_B (times alpha / rank)", b)
+            layers.setdefault(component, {})[module_name] = (a, b)
+        _check_placed(path, component, getattr(model, EXPECTED_LAYERS, None), placed)
     return layers
+
+
+def _components(skeleton: Any) -> list[tuple[str, torch.nn.Module]]:
+    return [(name, getattr(skeleton, name)) for name in skeleton._lora_loadable_modules
+            if isinstance(getattr(skeleton, name, None), torch.nn.Module)]
+
+
+def _check_values(path: str, where: str, values: torch.Tensor) -> None:
+    if not bool(torch.isfinite(values).all()):
+        raise _Refused(f"{path!r}: {where} holds non-finite values (NaN or inf)")
+    peak = float(values.abs().max()) if values.numel() else 0.0
+    if peak > MAX_ABS_LORA_VALUE:
+        raise _Refused(f"{path!r}: {where} holds a value of magnitude {peak:.3g}, over {MAX_ABS_LORA_VALUE:g}: "
+                       "no trained adapter has such weights, and they overflow a half-precision forward")
+
+
+def _check_placed(path: str, component: str, expected: set[str] | None, placed: set[str]) -> None:
+    """Every module the adapter has weights for got a layer, and no layer was made without weights."""
+    if expected is None:
+        return
+    for names, what in ((expected - placed, "weights for modules this model does not have"),
+                        (placed - expected, "layers this model matched but the adapter has no weights for")):
+        if names:
+            shown = ", ".join(f"{component}.{n}" for n in sorted(names)[:5])
+            raise _Refused(f"{path!r}: LoRA {what}: {shown}{', ...' if len(names) > 5 else ''} "
+                           f"({len(names)} in all)")
 
 
 def _servable(base: torch.nn.Module) -> bool:
     if isinstance(base, torch.nn.Linear):
         return True
     return isinstance(base, torch.nn.Conv2d) and base.groups == 1 and base.padding_mode == "zeros"
-
-
-@contextmanager
-def _unplaced_weights_are_errors(key: str) -> Iterator[None]:
-    """diffusers only warns about adapter weights that match no module of the model (another model's
-    adapter, a module this model lacks); serving the rest would silently differ from what was trained."""
-    found: list[str] = []
-
-    class Catch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            message = record.getMessage()
-            if "unexpected keys" in message or ("missing keys" in message and f".{key}." in message):
-                found.append(message)
-
-    handler, logger = Catch(logging.WARNING), logging.getLogger("diffusers")
-    logger.addHandler(handler)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-    if found:
-        raise _Refused(f"LoRA weights for modules this model does not have: {found[0][:500]}")

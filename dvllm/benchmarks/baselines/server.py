@@ -42,7 +42,7 @@ from dvllm.entrypoints.protocol import (
     engine_value_error,
 )
 from dvllm.entrypoints.serving_edits import _open, _typed
-from dvllm.entrypoints.serving_images import read_json_body
+from dvllm.entrypoints.serving_images import BodyLimits, read_json_body
 
 logger = logging.getLogger("baseline")
 _BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -73,6 +73,7 @@ def build_app(runner: PipelineRunner, worker: ThreadPoolExecutor, mode: str, max
                       on_batch=metrics.batch_size.observe)
     name = model_name or runner.info.name
     max_body = int(max_body_mb * (1 << 20))
+    body_limits = BodyLimits(max_bytes=max_body)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -90,7 +91,7 @@ def build_app(runner: PipelineRunner, worker: ThreadPoolExecutor, mode: str, max
 
     @app.post("/v1/images/generations")
     async def generations(request: Request) -> Response:
-        return await serve(ImageGenerationRequest.parse(await read_json_body(request, max_body)))
+        return await serve(ImageGenerationRequest.parse(await read_json_body(request, body_limits)))
 
     @app.post("/v1/images/edits")
     async def edits(request: Request) -> Response:
