@@ -202,3 +202,43 @@ def test_bodies_arriving_at_once_are_bounded(gate_server):
     wait_until(lambda: metrics(url)[gone] >= before + 2, what="the held bodies' clients to be seen gone")
     response = httpx.post(generate, json={"prompt": "a", **FAST}, timeout=WAIT)
     assert response.status_code == 200, response.text
+
+
+def trickle_until_closed(sock: socket.socket, every: float = 0.2) -> bytes:
+    """What the server sends while the body keeps trickling, one byte at a time, until it closes the connection."""
+    received = b""
+    for _ in range(int(WAIT / every)):
+        if select.select([sock], [], [], every)[0]:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return received
+            received += chunk
+        else:
+            try:
+                sock.sendall(b" ")
+            except OSError:  # reset: closed with the trickle unread
+                return received
+    raise AssertionError(f"the connection stayed open while its body trickled; the server sent {received!r}")
+
+
+@pytest.fixture(scope="module")
+def keyed_server(sd_eps_path):
+    with RemoteServer(sd_eps_path, [*BASE_ARGS, "--api-key", "sk-test"]) as server:
+        yield server
+
+
+def test_a_refusal_before_the_body_is_read_closes_the_connection(keyed_server):
+    """A 401 (no key) or 415 answered before the body was read used to leave the connection open, so its sender
+    could trickle the body for ever, outside --max-pending-bodies and --body-timeout."""
+    host, port = keyed_server.url.removeprefix("http://").split(":")
+    for extra, status in (("Content-Type: application/json\r\n", 401),
+                          ("Authorization: Bearer sk-test\r\nContent-Type: text/plain\r\n", 415)):
+        sock = socket.create_connection((host, int(port)), timeout=WAIT)
+        sock.sendall((f"POST /v1/images/generations HTTP/1.1\r\nHost: {host}\r\nContent-Length: 10000\r\n"
+                      f"{extra}\r\n").encode() + b'{"prompt": "a"')
+        answer = trickle_until_closed(sock)
+        assert answer.startswith(f"HTTP/1.1 {status} ".encode()) and b"connection: close" in answer.lower(), answer
+    # A refusal after the whole body was read keeps the connection, as before.
+    with httpx.Client(headers={"Authorization": "Bearer sk-test"}) as client:
+        bad = client.post(keyed_server.url + "/v1/images/generations", json={"prompt": "a", "sampler": "nope"})
+        assert bad.status_code == 400 and bad.headers.get("connection") != "close", bad.headers

@@ -35,6 +35,7 @@ from dvllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_SECONDS = "1"
+BODY_READ = "dvllm.body_read"  # set in a request's scope once read_body has received all of its body
 _STATUS_OUTCOME = {429: "rejected", 499: "disconnected", 503: "unavailable", 504: "timeout"}
 
 
@@ -345,6 +346,7 @@ async def read_body(request: Request, limits: BodyLimits) -> bytes:
                        code="client_disconnected") from None
     finally:
         limits.receiving -= 1
+    request.scope[BODY_READ] = True
     return b"".join(chunks)
 
 
