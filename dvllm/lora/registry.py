@@ -101,8 +101,8 @@ class LoraRegistry:
                     self._idle_skeletons.append(skeleton)
             why = file.changed()
         if why is not None:
-            raise ValueError(f"LoRA adapter {name!r}: its file changed since it was loaded ({why}); unload it and "
-                             "load it again to serve the new file")
+            raise ValueError(f"LoRA adapter {name!r}: its file changed since it was loaded or while it was read "
+                             f"({why}); unload it and load it again to serve the new file")
         return weights
 
     def _take_skeleton(self) -> Any:
