@@ -14,16 +14,15 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
+
+// The Coeff enumeration (scatter_update's coefficient columns), generated from dvllm/sampler_coeffs.py by
+// dvllm/_extension.py into the build directory.
+#include "dvllm_coeffs.h"
 
 namespace dvllm {
 namespace {
 
-// Coefficient columns of scatter_update's coeffs: dvllm/sampler_coeffs.py defines them, and
-// dvllm/_extension.py passes the list in at build time.
-#ifndef DVLLM_COEFFS
-#error "DVLLM_COEFFS is undefined: build through dvllm/_extension.py, which passes the coefficient layout"
-#endif
-enum Coeff { DVLLM_COEFFS, NUM_COEFFS };
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -263,9 +262,13 @@ void scatter_update_cpu(at::Tensor& pool,                                 // [nu
   });
 }
 
+// The coefficient layout this library was compiled with: the names' indices, then NUM_COEFFS.
+std::vector<int64_t> coeff_layout() { return DVLLM_COEFF_LAYOUT; }
+
 }  // namespace dvllm
 
 TORCH_LIBRARY(dvllm, m) {
+  m.def("coeff_layout() -> int[]", &dvllm::coeff_layout);
   m.def("gather_blocks(Tensor(a!) out, Tensor pool, Tensor block_table) -> ()");
   m.def("scatter_blocks(Tensor src, Tensor(a!) pool, Tensor block_table) -> ()");
   m.def(

@@ -15,6 +15,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
+
+// The Coeff enumeration (scatter_update's coefficient columns), generated from dvllm/sampler_coeffs.py by
+// dvllm/_extension.py into the build directory.
+#include "dvllm_coeffs.h"
 
 namespace dvllm {
 
@@ -27,12 +32,6 @@ void check_update_args(const at::Tensor& pool, const at::Tensor& latent_table, c
 
 namespace {
 
-// Coefficient columns of scatter_update's coeffs: dvllm/sampler_coeffs.py defines them, and
-// dvllm/_extension.py passes the list in at build time.
-#ifndef DVLLM_COEFFS
-#error "DVLLM_COEFFS is undefined: build through dvllm/_extension.py, which passes the coefficient layout"
-#endif
-enum Coeff { DVLLM_COEFFS, NUM_COEFFS };
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxGrid = 65535;  // the limit of gridDim.y (and plenty for x)
@@ -197,7 +196,18 @@ void scatter_update_cuda(at::Tensor& pool,                                 // [n
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The coefficient layout as nvcc compiled it into these kernels (see coeff_layout in state_ops.cpp).
+std::vector<int64_t> cuda_coeff_layout() { return DVLLM_COEFF_LAYOUT; }
+
+// The architectures the kernels were compiled for (e.g. 800, 900): nvcc's own list.
+std::vector<int64_t> cuda_archs() { return {__CUDA_ARCH_LIST__}; }
+
 }  // namespace dvllm
+
+TORCH_LIBRARY_FRAGMENT(dvllm, m) {
+  m.def("cuda_coeff_layout() -> int[]", &dvllm::cuda_coeff_layout);
+  m.def("cuda_archs() -> int[]", &dvllm::cuda_archs);
+}
 
 TORCH_LIBRARY_IMPL(dvllm, CUDA, m) {
   m.impl("gather_blocks", &dvllm::gather_blocks_cuda);

@@ -282,3 +282,29 @@ def test_presets_build_the_published_architectures(name):
             model = cls.from_config(config) if hasattr(cls, "from_config") else cls(cls.config_class(**config))
         count = sum(p.numel() for p in model.parameters()) / 1e6
         assert count == pytest.approx(millions, rel=0.01), f"{name}/{component}: {count:.1f}M parameters"
+
+
+@pytest.mark.parametrize("pipeline_class, expected", [
+    ("StableDiffusionPipeline", torch.float16), ("StableDiffusionXLPipeline", torch.float16),
+    ("StableDiffusionXLInpaintPipeline", torch.float16),
+    ("FluxPipeline", torch.bfloat16), ("FluxKontextPipeline", torch.bfloat16),
+    ("StableDiffusion3Pipeline", torch.bfloat16), ("QwenImagePipeline", torch.bfloat16),
+    ("QwenImageEditPipeline", torch.bfloat16), ("ZImagePipeline", torch.bfloat16),
+])
+def test_auto_dtype_is_each_familys_half_precision_on_a_gpu(pipeline_class, expected):
+    """Flux overflows in float16: the DiT families' pipelines document bfloat16, the UNets float16. On the CPU,
+    auto is float32 for every family; a named dtype is taken as named."""
+    from dvllm.models.loader import resolve_dtype
+    from dvllm.models.registry import adapter_for
+
+    adapter_cls = adapter_for(pipeline_class)
+    assert resolve_dtype("auto", torch.device("cuda"), adapter_cls) == expected
+    assert resolve_dtype("auto", torch.device("cpu"), adapter_cls) == torch.float32
+    assert resolve_dtype("float16", torch.device("cuda"), adapter_cls) == torch.float16
+
+
+def test_auto_dtype_is_resolved_at_load_and_logged(sd3_path, caplog):
+    with caplog.at_level("INFO", logger="dvllm.models.loader"):
+        adapter = load_adapter(sd3_path, "auto", torch.device("cpu"), "auto")
+    assert adapter.dtype == torch.float32 and adapter.pipeline.transformer.dtype == torch.float32
+    assert "dtype float32 on cpu" in caplog.text and "StableDiffusion3Adapter" in caplog.text

@@ -219,6 +219,27 @@ def test_many_threads(device: str, dtype: torch.dtype) -> None:
     torch.testing.assert_close(pool, expected, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("block_numel, numel, rows", [
+    (4096, 2 * 4096 + 100, 3),  # production block sizes: a CUDA block strides over thousands of elements
+    (65536, 65536 + 1000, 2),
+    (16, 40, 70_000),  # more rows than a CUDA grid's y dimension (65535): rows stride over the grid
+    (16, 16 * 70_000 + 3, 1),  # more blocks a row than its x dimension (65535): blocks stride too
+], ids=["4096", "65536", "rows>65535", "blocks>65535"])
+def test_production_sizes(device: str, block_numel: int, numel: int, rows: int) -> None:
+    dtype = torch.float16
+    gen = torch.Generator().manual_seed(block_numel + rows)
+    pool, latent_table, *rest = update_case(device, dtype, block_numel, numel, rows, "mixed-history+noise+clip", gen)
+    exact(ops.gather_blocks(pool, latent_table, numel), ops.gather_blocks_ref(pool, latent_table, numel))
+    src, expected = torch.randn(rows, numel, generator=gen).to(device, dtype), pool.clone()
+    ops.scatter_blocks_ref(src, expected, latent_table)
+    ops.scatter_blocks(src, pool, latent_table)
+    exact(pool, expected)
+    ops.scatter_update_ref(expected, latent_table, *rest)
+    ops.scatter_update(pool, latent_table, *rest)
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(pool, expected, rtol=rtol, atol=atol)
+
+
 def test_scatter_update_history_read_before_write(device: str) -> None:
     """prev uses the old history, and the new history is x0: check one element by hand."""
     pool = torch.tensor([[1.0, 2.0], [10.0, 20.0]], device=device)
@@ -381,22 +402,64 @@ def test_env_var_end_to_end() -> None:
 
 
 def test_the_coefficient_layout_has_one_definition_and_no_import_cycle():
-    """dvllm/sampler_coeffs.py defines the layout; the kernels get it at build time and hard-code none;
-    dvllm/_extension.py (which builds them) does not import dvllm.ops (which calls it)."""
+    """dvllm/sampler_coeffs.py defines the layout; the kernels include the header generated from it and
+    hard-code none; dvllm/_extension.py (which builds them) does not import dvllm.ops (which calls it)."""
     import ast
     from pathlib import Path
 
     from dvllm import ops
-    from dvllm.sampler_coeffs import Coeff, c_enumerators
+    from dvllm.sampler_coeffs import Coeff, c_header
 
     root = Path(__file__).resolve().parents[1]
     assert (ops.AX, ops.CLIP, ops.CN, ops.NUM_COEFFS) == (Coeff.AX, Coeff.CLIP, Coeff.CN, len(Coeff))
-    assert c_enumerators() == "AX,AM,CLIP,CS,CM,CX,CH,CN"
+    assert "enum Coeff : int { AX = 0, AM = 1, CLIP = 2, CS = 3, CM = 4, CX = 5, CH = 6, CN = 7, NUM_COEFFS = 8 };" \
+        in c_header()
     for source in ("state_ops.cpp", "state_ops_cuda.cu"):
         text = (root / "csrc" / source).read_text()
-        assert "enum Coeff { DVLLM_COEFFS, NUM_COEFFS };" in text and "AX, AM" not in text
+        assert '#include "dvllm_coeffs.h"' in text and "enum Coeff" not in text and "AX = " not in text
     tree = ast.parse((root / "dvllm" / "_extension.py").read_text())
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     modules |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert "dvllm.ops" not in modules
+
+
+def test_the_built_library_reports_the_layout_of_sampler_coeffs(device: str) -> None:
+    """What the compiler made of the generated header, read back from the library itself (the CUDA build is
+    checked without a GPU too: tests/test_cuda_build.py)."""
+    from dvllm.sampler_coeffs import layout
+
+    custom_ops_on(device)
+    op = torch.ops.dvllm.coeff_layout if device == "cpu" else torch.ops.dvllm.cuda_coeff_layout
+    assert list(op()) == layout()
+
+
+def test_a_failed_build_is_an_error_that_says_why(monkeypatch, caplog) -> None:
+    """Not a silent fall back to the slower reference ops: the engine refuses to start, naming the cause and
+    the switch that chooses the reference ops."""
+    from torch.utils import cpp_extension
+
+    def broken(**kwargs):
+        raise RuntimeError("Error building extension 'dvllm_C': g++: fatal error: no input files")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    failure = _extension._load.__wrapped__()
+    assert isinstance(failure, _extension.CustomOpsBuildError)
+    assert "no input files" in str(failure) and f"{_extension.ENV_VAR}=0" in str(failure)
+    monkeypatch.setattr(_extension, "_load", lambda: failure)
+    with pytest.raises(_extension.CustomOpsBuildError, match="could not be built"):
+        _extension.custom_ops_available("cpu")
+    with pytest.raises(_extension.CustomOpsBuildError):  # every call, without building again
+        ops.gather_blocks(torch.zeros(4, 16), torch.zeros(1, 1, dtype=torch.int32), 16)
+
+
+def test_the_log_says_which_path_runs(monkeypatch, caplog) -> None:
+    monkeypatch.setenv(_extension.ENV_VAR, "0")
+    with caplog.at_level("INFO", logger="dvllm._extension"):
+        assert _extension._load.__wrapped__() == frozenset()
+    assert "pure-torch reference ops" in caplog.text
+    monkeypatch.delenv(_extension.ENV_VAR)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="dvllm._extension"):
+        assert "cpu" in _extension._load.__wrapped__()  # loads the library already built (fakes once more)
+    assert "dvllm custom ops: cpu kernels" in caplog.text

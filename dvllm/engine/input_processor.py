@@ -40,8 +40,13 @@ class InputProcessor:
         self._lock = threading.Lock()
         self._plans: OrderedDict[tuple, SamplerPlan | ValueError] = OrderedDict()  # failures are cached too
         self._arrivals = itertools.count()
-        self._valid_samplers: list[str] | None = None
         self._most: OrderedDict[tuple, int] = OrderedDict()  # (sampler, strength, size) -> most steps it runs
+        # Which samplers run this model is probed once, from start-up, beside whatever else runs (a second or
+        # two: every diffusers scheduler is tried); the first refusal that lists them waits for it only if it
+        # comes sooner.
+        self._valid_samplers: list[str] = []
+        self._probed = threading.Event()
+        threading.Thread(target=self._probe_samplers, name="dvllm-sampler-probe", daemon=True).start()
 
     def process(self, request_id: str, prompt: str, params: SamplingParams | None,
                 arrival_time: float | None = None) -> Request:
@@ -171,14 +176,19 @@ class InputProcessor:
         return self.info.latent_shape(size, size)
 
     def valid_samplers(self) -> list[str]:
-        """Short names and diffusers scheduler classes that run this model's default schedule (probed
-        once, on the first refusal)."""
-        if self._valid_samplers is None:
+        """Short names and diffusers scheduler classes that run this model's default schedule (probed once,
+        from start-up)."""
+        self._probed.wait()
+        return self._valid_samplers
+
+    def _probe_samplers(self) -> None:
+        try:
             info, steps = self.info, self.info.default_steps
             params = SamplingParams(num_inference_steps=steps, height=info.default_height, width=info.default_width)
             candidates = list(SHORT_NAMES) + sorted(n for n in dir(diffusers) if scheduler_class(n) is not None)
             self._valid_samplers = [n for n in candidates if self._runs(n, steps, params)]
-        return self._valid_samplers
+        finally:
+            self._probed.set()
 
 
 def image_digest(image: Any) -> str:

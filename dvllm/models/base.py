@@ -161,6 +161,9 @@ class ModelAdapter(ABC):
     pipeline_classes: ClassVar[tuple[str, ...]] = ()
     # keyword arguments for `Pipeline.from_pretrained` (e.g. skip optional parts)
     load_kwargs: ClassVar[dict[str, Any]] = {}
+    # dtype="auto" on a GPU: the half precision the family's pipelines document (the UNets run in float16;
+    # the DiTs in bfloat16, Flux overflowing in float16)
+    half_dtype: ClassVar[torch.dtype] = torch.float16
 
     def __init__(self, pipeline: Any, name: str, device: torch.device, dtype: torch.dtype) -> None:
         self.pipeline = pipeline

@@ -28,6 +28,7 @@ def flux_timestep_kwargs(vae_scale: int, height: int, width: int, num_steps: int
 class FluxAdapter(ModelAdapter):
     pipeline_classes = ("FluxPipeline",)
     load_kwargs: dict[str, Any] = {}
+    half_dtype = torch.bfloat16  # its pipelines' documented dtype
 
     @cached_property
     def info(self) -> ModelInfo:

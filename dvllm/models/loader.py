@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import logging
 import os
 import zlib
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from dvllm.models.byte_tokenizer import (allow_qwen_vl_processor_without_torchvi
                                          byte_qwen_tokenizer, byte_qwen_vl_processor, byte_t5_tokenizer)
 from dvllm.models.registry import adapter_for
 
+logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "tiny-shapes"  # trained in the repo (scripts/train_tiny_shapes.py), shipped in the package
 DEFAULTS_FILE = "dvllm_defaults.json"  # a model folder's own defaults (steps, guidance, size) for dvllm
 
@@ -107,10 +109,28 @@ def _from_hub(repo_id: str) -> ModelSource:
     return source
 
 
-def load_adapter(model: str | None, load_format: str, device: torch.device, dtype: torch.dtype,
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: torch.device, adapter_cls: type[ModelAdapter] | None = None) -> torch.dtype:
+    """A dtype name; "auto" is float32 on the CPU and, on a GPU, the family's half precision (float16
+    where no family is given)."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    return torch.float16 if adapter_cls is None else adapter_cls.half_dtype
+
+
+def load_adapter(model: str | None, load_format: str, device: torch.device, dtype: torch.dtype | str,
                  seed: int = 0) -> ModelAdapter:
+    """The model's adapter on `device`, in `dtype` (a torch dtype or a name: "auto" resolved for its family)."""
     source = resolve_model(model)
     adapter_cls = adapter_for(source.pipeline_class)
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype, device, adapter_cls)
+        logger.info("dtype %s on %s for %s (%s)", str(dtype).removeprefix("torch."), device.type, source.name,
+                    adapter_cls.__name__)
     pipeline_cls = getattr(importlib.import_module("diffusers"), source.pipeline_class)
     adapter_cls.before_loading()
     if load_format == "dummy" or source.preset is not None:

@@ -26,6 +26,7 @@ DEFAULT_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s max_sequence_lengt
 class QwenImageAdapter(ModelAdapter):
     pipeline_classes = ("QwenImagePipeline",)
     load_kwargs: dict[str, Any] = {}
+    half_dtype = torch.bfloat16  # its pipelines' documented dtype
 
     def __init__(self, pipeline: Any, name: str, device: torch.device, dtype: torch.dtype) -> None:
         if pipeline.transformer.config.guidance_embeds:

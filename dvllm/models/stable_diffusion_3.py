@@ -24,6 +24,7 @@ def sd3_timestep_kwargs(vae_scale: int, patch: int, height: int, width: int, num
 class StableDiffusion3Adapter(ModelAdapter):
     pipeline_classes = ("StableDiffusion3Pipeline",)
     load_kwargs: dict[str, Any] = {}
+    half_dtype = torch.bfloat16  # its pipelines' documented dtype
     # The T5 length the pipeline is called with. Without a T5 encoder the pipeline appends this many zero
     # tokens to the CLIP tokens, so a model trained without T5 may set its own (dvllm_defaults.json's
     # "max_sequence_length", through set_max_sequence_length).

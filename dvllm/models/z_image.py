@@ -30,6 +30,7 @@ def z_image_timestep_kwargs(vae_scale: int, height: int, width: int, num_steps: 
 class ZImageAdapter(ModelAdapter):
     pipeline_classes = ("ZImagePipeline",)
     load_kwargs: dict[str, Any] = {}
+    half_dtype = torch.bfloat16  # its pipelines' documented dtype
 
     @cached_property
     def info(self) -> ModelInfo:

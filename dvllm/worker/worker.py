@@ -15,9 +15,6 @@ from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.model_runner import ModelRunner
 from dvllm.worker.state_pool import create_state_pool
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -27,17 +24,11 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":  # half precision where it is fast, float32 on the CPU
-        return torch.float16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        adapter = load_adapter(config.model, config.load_format, self.device, self.dtype, seed=config.dummy_weight_seed)
+        adapter = load_adapter(config.model, config.load_format, self.device, config.dtype, seed=config.dummy_weight_seed)
+        self.dtype = adapter.dtype  # "auto" resolved for the model's family
         self.pool = create_state_pool(config, adapter)
         custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step
         self.timer = PhaseTimer(config.profile_steps, self.device)

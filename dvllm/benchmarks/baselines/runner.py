@@ -29,7 +29,7 @@ from dvllm.config import EngineConfig
 from dvllm.models.loader import load_adapter
 from dvllm.samplers import build_plan, make_scheduler
 from dvllm.sampling_params import SamplingParams
-from dvllm.worker.worker import resolve_device, resolve_dtype
+from dvllm.worker.worker import resolve_device
 
 
 @dataclass
@@ -58,8 +58,7 @@ class PipelineRunner:
         self.config = EngineConfig(model=model, load_format=load_format, device=device, dtype=dtype,
                                    dummy_weight_seed=dummy_weight_seed)
         torch_device = resolve_device(device)
-        adapter = load_adapter(model, load_format, torch_device, resolve_dtype(dtype, torch_device),
-                               seed=dummy_weight_seed)
+        adapter = load_adapter(model, load_format, torch_device, dtype, seed=dummy_weight_seed)
         self.pipeline = adapter.pipeline
         self.info = adapter.info
         self._checked: set[tuple] = set()  # (sampler, steps, height, width) whose schedule builds
