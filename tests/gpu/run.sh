@@ -35,7 +35,17 @@ start = time.perf_counter()
 ok = custom_ops_available("cuda")
 print(f"custom ops with CUDA kernels: {ok} ({time.perf_counter() - start:.1f} s)")
 if not ok:
-    raise SystemExit("FAIL: the CUDA kernels did not build (the warning above says why)")
+    raise SystemExit("FAIL: the CUDA kernels did not build (the error above says why)")
+import torch
+from dvllm.sampler_coeffs import layout
+got = {"cpu": list(torch.ops.dvllm.coeff_layout()), "cuda": list(torch.ops.dvllm.cuda_coeff_layout())}
+archs = list(torch.ops.dvllm.cuda_archs())
+major, minor = torch.cuda.get_device_capability()
+print(f"coefficient layout: {got} (sampler_coeffs.py: {layout()}); CUDA archs built: {archs}")
+if any(v != layout() for v in got.values()):
+    raise SystemExit("FAIL: a kernel library was compiled with another coefficient layout than sampler_coeffs.py")
+if not any(a <= major * 100 + minor * 10 for a in archs):  # an older arch's cubin (same major) or PTX runs
+    raise SystemExit(f"FAIL: nothing built for this GPU (sm_{major}{minor}) or older among {archs}")
 PY
 
 echo "== tests/test_state_ops.py $* (CPU and CUDA)"
