@@ -28,7 +28,8 @@ class RowWiseAdapter:
 def test_buckets_are_powers_of_two_covering_the_largest_batch():
     assert batch_buckets(1) == [1]
     assert batch_buckets(12) == [1, 2, 4, 8, 16]
-    assert batch_buckets(32) == [1, 2, 4, 8, 16, 32]
+    assert batch_buckets(32) == [1, 2, 4, 8, 16, 24, 32]  # multiples of 8 past 8: 17 rows run as 24, not 32
+    assert next(b for b in batch_buckets(128) if b >= 17) == 24
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 8])

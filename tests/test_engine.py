@@ -274,7 +274,6 @@ def test_a_request_sharing_an_entry_whose_refill_failed_fails_instead_of_reading
 def test_valid_samplers_are_probed_from_start_up_not_on_the_first_refusal(engine, monkeypatch):
     """Probing every diffusers scheduler took the first request with a bad sampler 1.4 s (2.2 s loaded)."""
     processor = engine.processor
-    assert processor._probed.wait(120), "the start-up probe never finished"
     tried = []
     real_runs = processor._runs
     monkeypatch.setattr(processor, "_runs", lambda *args: tried.append(args[0]) or real_runs(*args))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from dvllm import DiffusionEngine, SamplingParams
 from dvllm.config import EngineConfig
@@ -72,15 +73,18 @@ def test_cuda_graphs_and_padded_batches_are_counted(adapter, monkeypatch):
 
 
 def test_lora_slot_tables_are_held_back_at_their_largest(adapter, monkeypatch):
-    """Every Linear layer of the UNet and the text encoder, in max_loras slots of max_lora_rank."""
-    import torch
+    """The tables worker/lora_layers.py allocates for every layer an adapter may change (Linear and Conv2d, of
+    the UNet and the text encoder), in max_loras slots of max_lora_rank."""
+    from dvllm.lora.weights import servable
+    from dvllm.worker.lora_layers import _Table
 
     recorded = Recorded(adapter, monkeypatch)
     peaks = {"encode_prompt": 1 * GIB, "denoise": 2 * GIB, "decode": 1 * GIB}
     config = EngineConfig(max_batch_size=2, max_image_pixels=32 * 32, enable_lora=True, max_loras=3, max_lora_rank=8)
     pipe = adapter.pipeline
-    linears = [m for model in (pipe.unet, pipe.text_encoder) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    tables = 3 * 8 * 4 * sum(m.in_features + m.out_features for m in linears)  # float32
+    layers = [m for model in (pipe.unet, pipe.text_encoder) for m in model.modules() if servable(m)]
+    assert any(isinstance(m, torch.nn.Conv2d) for m in layers)  # the UNet's convs have tables too
+    tables = sum((t.a.numel() + t.bt.numel()) * t.a.element_size() for t in (_Table(m, 3, 8) for m in layers))
     budget = gpu_pool_bytes(adapter, config, FakeMemory(recorded, peaks, free=70 * GIB, total=80 * GIB))
     assert budget == int(80 * GIB * 0.9) - 10 * GIB - 2 * GIB - tables
 

@@ -86,7 +86,7 @@ def _take_layers(skeleton: Any, key: str, path: str) -> dict[str, dict[str, tupl
                     or key in getattr(module, "lora_variant", {}):
                 raise _Refused(f"{path!r}: {where} is a DoRA / biased LoRA layer, which dvllm does not serve")
             base = module.get_base_layer()
-            if key not in module.lora_A or not _servable(base):
+            if key not in module.lora_A or not servable(base):
                 raise _Refused(f"{path!r}: {where} is a {type(base).__name__}; dvllm applies LoRA to Linear and "
                                "Conv2d (groups=1) layers only")
             a, b = module.lora_A[key].weight, module.lora_B[key].weight
@@ -128,7 +128,8 @@ def _check_placed(path: str, component: str, expected: set[str] | None, placed: 
                            f"({len(names)} in all)")
 
 
-def _servable(base: torch.nn.Module) -> bool:
+def servable(base: torch.nn.Module) -> bool:
+    """A layer dvllm applies LoRA to (worker/lora_layers.py): Linear, or Conv2d with groups=1 and zero padding."""
     if isinstance(base, torch.nn.Linear):
         return True
     return isinstance(base, torch.nn.Conv2d) and base.groups == 1 and base.padding_mode == "zeros"

@@ -1,8 +1,9 @@
 """The denoiser forward as the runner calls it: eager, torch.compile'd, or replayed from CUDA graphs.
 
-Bucketing pads a batch up to the next power of two by repeating its last row (real
-data, so no NaN or overflow can come from padding) and drops the extra rows after:
-each row's output depends on its own inputs only, so padding changes no result.
+Bucketing pads a batch up to the next bucket (1, 2, 4, 8, then multiples of 8) by repeating its last row
+(real data, so no NaN or overflow can come from padding) and drops the extra rows after: each row's output
+depends on its own inputs only, so padding changes no result. Not powers of two all the way: a diffusion
+forward is compute-bound, and 17 rows padded to 32 would waste 47% of it (to 24: 29%).
 """
 from __future__ import annotations
 
@@ -18,11 +19,15 @@ from dvllm.models.base import Conditions, ModelAdapter
 logger = logging.getLogger(__name__)
 
 
+BUCKET_STEP = 8
+
+
 def batch_buckets(max_rows: int) -> list[int]:
-    """Powers of two up to the first one that holds max_rows (CFG doubles a request's rows)."""
+    """1, 2, 4, 8, then multiples of 8, up to the first one that holds max_rows (CFG doubles a request's rows)."""
     buckets = [1]
     while buckets[-1] < max_rows:
-        buckets.append(buckets[-1] * 2)
+        last = buckets[-1]
+        buckets.append(last * 2 if last < BUCKET_STEP else last + BUCKET_STEP)
     return buckets
 
 

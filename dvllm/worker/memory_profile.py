@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from dvllm.config import EngineConfig
+from dvllm.lora.weights import servable
 from dvllm.models.base import ModelAdapter, ModelInfo
 from dvllm.worker.denoiser import batch_buckets
 
@@ -113,17 +114,26 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
 
 
 def lora_table_bytes(adapter: ModelAdapter, config: EngineConfig) -> int:
-    """The most the LoRA slot tables can grow to: A and B of max_lora_rank for every Linear layer of every
-    LoRA-loadable component, in each of max_loras slots (0 without LoRA serving)."""
+    """The most the LoRA slot tables can grow to: A and B of max_lora_rank for every Linear and Conv2d layer
+    an adapter may change (worker/lora_layers.py), in every LoRA-loadable component, in each of max_loras slots
+    (0 without LoRA serving)."""
     if not config.enable_lora:
         return 0
     per_rank = 0
     for name in getattr(type(adapter.pipeline), "_lora_loadable_modules", ()):
         model = getattr(adapter.pipeline, name, None)
         if isinstance(model, torch.nn.Module):
-            per_rank += sum((m.in_features + m.out_features) * m.weight.element_size()
-                            for m in model.modules() if isinstance(m, torch.nn.Linear))
+            per_rank += sum(_table_numel_per_rank(m) * m.weight.element_size() for m in model.modules()
+                            if servable(m))
     return per_rank * config.max_lora_rank * config.max_loras
+
+
+def _table_numel_per_rank(module: torch.nn.Module) -> int:
+    """Elements of one slot's A and B per unit of rank, for a servable layer: A [in] (a conv's [in, kh, kw])
+    and B [out]."""
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features + module.out_features
+    return module.in_channels * math.prod(module.kernel_size) + module.out_channels
 
 
 def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory) -> int:
