@@ -19,7 +19,8 @@ _EXPORTS = {
     "RequestOutput": "dvllm.outputs",
     "SamplingParams": "dvllm.sampling_params",
 }
-__all__ = [*sorted(_EXPORTS), "__version__"]
+__all__ = ["AsyncDiffusionEngine", "DiffusionEngine", "EngineConfig", "QueueFullError", "RequestMetrics", "RequestOutput",
+           "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from dvllm.config import EngineConfig
