@@ -31,7 +31,10 @@ class EngineConfig:
         default="auto",
         metadata={"help": "'auto' loads weights; 'dummy' builds the architecture with random weights."},
     )
-    dtype: str = field(default="auto", metadata={"help": "auto | float32 | float16 | bfloat16."})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto | float32 | float16 | bfloat16. auto: float32 on the CPU; on a GPU the family's half precision "
+                "(bfloat16 for the DiT families: Flux, SD3, Qwen-Image, Z-Image and the edit models; float16 for "
+                "SD and SDXL), logged at start."})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N."})
     dummy_weight_seed: int = field(
         default=0, metadata={"help": "Seed of load_format='dummy' weights (images use each request's seed)."}
