@@ -202,11 +202,9 @@ def test_scatter_update_matches_sampler_update(device: str, dtype: torch.dtype) 
     assert (x0.abs() <= 0.5).any() and (x0.abs() > 0.5).any()  # the case did clip some rows, not all
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_many_threads(device: str, dtype: torch.dtype) -> None:
-    """Enough segments that the CPU kernels split the work across threads (about 16K elements a task)."""
-    gen = torch.Generator().manual_seed(6)
-    rows, numel, block_numel = 5, 9000, 256  # 36 segments a row
+def check_every_op(device: str, dtype: torch.dtype, block_numel: int, numel: int, rows: int, seed: int) -> None:
+    """gather, scatter and the fused update of one case, each against its reference."""
+    gen = torch.Generator().manual_seed(seed)
     pool, latent_table, *rest = update_case(device, dtype, block_numel, numel, rows, "mixed-history+noise+clip", gen)
     exact(ops.gather_blocks(pool, latent_table, numel), ops.gather_blocks_ref(pool, latent_table, numel))
     src, expected = torch.randn(rows, numel, generator=gen).to(device, dtype), pool.clone()
@@ -217,6 +215,12 @@ def test_many_threads(device: str, dtype: torch.dtype) -> None:
     ops.scatter_update(pool, latent_table, *rest)
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(pool, expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_many_threads(device: str, dtype: torch.dtype) -> None:
+    """Enough segments that the CPU kernels split the work across threads (about 16K elements a task)."""
+    check_every_op(device, dtype, block_numel=256, numel=9000, rows=5, seed=6)  # 36 segments a row
 
 
 @pytest.mark.parametrize("block_numel, numel, rows", [
@@ -226,18 +230,7 @@ def test_many_threads(device: str, dtype: torch.dtype) -> None:
     (16, 16 * 70_000 + 3, 1),  # more blocks a row than its x dimension (65535): blocks stride too
 ], ids=["4096", "65536", "rows>65535", "blocks>65535"])
 def test_production_sizes(device: str, block_numel: int, numel: int, rows: int) -> None:
-    dtype = torch.float16
-    gen = torch.Generator().manual_seed(block_numel + rows)
-    pool, latent_table, *rest = update_case(device, dtype, block_numel, numel, rows, "mixed-history+noise+clip", gen)
-    exact(ops.gather_blocks(pool, latent_table, numel), ops.gather_blocks_ref(pool, latent_table, numel))
-    src, expected = torch.randn(rows, numel, generator=gen).to(device, dtype), pool.clone()
-    ops.scatter_blocks_ref(src, expected, latent_table)
-    ops.scatter_blocks(src, pool, latent_table)
-    exact(pool, expected)
-    ops.scatter_update_ref(expected, latent_table, *rest)
-    ops.scatter_update(pool, latent_table, *rest)
-    rtol, atol = TOLERANCE[dtype]
-    torch.testing.assert_close(pool, expected, rtol=rtol, atol=atol)
+    check_every_op(device, torch.float16, block_numel, numel, rows, seed=block_numel + rows)
 
 
 def test_scatter_update_history_read_before_write(device: str) -> None:
@@ -422,44 +415,3 @@ def test_the_coefficient_layout_has_one_definition_and_no_import_cycle():
     modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     modules |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert "dvllm.ops" not in modules
-
-
-def test_the_built_library_reports_the_layout_of_sampler_coeffs(device: str) -> None:
-    """What the compiler made of the generated header, read back from the library itself (the CUDA build is
-    checked without a GPU too: tests/test_cuda_build.py)."""
-    from dvllm.sampler_coeffs import layout
-
-    custom_ops_on(device)
-    op = torch.ops.dvllm.coeff_layout if device == "cpu" else torch.ops.dvllm.cuda_coeff_layout
-    assert list(op()) == layout()
-
-
-def test_a_failed_build_is_an_error_that_says_why(monkeypatch, caplog) -> None:
-    """Not a silent fall back to the slower reference ops: the engine refuses to start, naming the cause and
-    the switch that chooses the reference ops."""
-    from torch.utils import cpp_extension
-
-    def broken(**kwargs):
-        raise RuntimeError("Error building extension 'dvllm_C': g++: fatal error: no input files")
-
-    monkeypatch.setattr(cpp_extension, "load", broken)
-    failure = _extension._load.__wrapped__()
-    assert isinstance(failure, _extension.CustomOpsBuildError)
-    assert "no input files" in str(failure) and f"{_extension.ENV_VAR}=0" in str(failure)
-    monkeypatch.setattr(_extension, "_load", lambda: failure)
-    with pytest.raises(_extension.CustomOpsBuildError, match="could not be built"):
-        _extension.custom_ops_available("cpu")
-    with pytest.raises(_extension.CustomOpsBuildError):  # every call, without building again
-        ops.gather_blocks(torch.zeros(4, 16), torch.zeros(1, 1, dtype=torch.int32), 16)
-
-
-def test_the_log_says_which_path_runs(monkeypatch, caplog) -> None:
-    monkeypatch.setenv(_extension.ENV_VAR, "0")
-    with caplog.at_level("INFO", logger="dvllm._extension"):
-        assert _extension._load.__wrapped__() == frozenset()
-    assert "pure-torch reference ops" in caplog.text
-    monkeypatch.delenv(_extension.ENV_VAR)
-    caplog.clear()
-    with caplog.at_level("INFO", logger="dvllm._extension"):
-        assert "cpu" in _extension._load.__wrapped__()  # loads the library already built (fakes once more)
-    assert "dvllm custom ops: cpu kernels" in caplog.text

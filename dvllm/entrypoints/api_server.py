@@ -37,8 +37,9 @@ from dvllm.engine.async_engine import AsyncDiffusionEngine
 from dvllm.entrypoints.image_store import ImageStore
 from dvllm.entrypoints.metrics import ServerMetrics
 from dvllm.entrypoints.protocol import APIError, LoadLoraAdapterRequest, ModelCard, ModelList, UnloadLoraAdapterRequest
+from dvllm.entrypoints.request_body import BODY_READ, BodyLimits, read_json_body
 from dvllm.entrypoints.serving_edits import create_edit
-from dvllm.entrypoints.serving_images import BODY_READ, BodyLimits, ServerContext, create_images, read_json_body
+from dvllm.entrypoints.serving_images import ServerContext, create_images
 from dvllm.lora.files import LoraPathError
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,8 @@ from starlette.responses import Response
 
 from dvllm.entrypoints.mask_upload import mask_from_upload
 from dvllm.entrypoints.protocol import APIError, ImageEditRequest
-from dvllm.entrypoints.serving_images import ServerContext, read_body, serve_request
+from dvllm.entrypoints.request_body import read_body
+from dvllm.entrypoints.serving_images import ServerContext, serve_request
 
 if TYPE_CHECKING:
     from dvllm.models.base import ModelInfo

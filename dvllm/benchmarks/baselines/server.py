@@ -41,8 +41,8 @@ from dvllm.entrypoints.protocol import (
     ImagesResponse,
     engine_value_error,
 )
+from dvllm.entrypoints.request_body import BodyLimits, read_json_body
 from dvllm.entrypoints.serving_edits import _open, _typed
-from dvllm.entrypoints.serving_images import BodyLimits, read_json_body
 
 logger = logging.getLogger("baseline")
 _BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
