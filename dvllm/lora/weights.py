@@ -46,8 +46,8 @@ class LoraWeights:
 def read_lora(skeleton: Any, name: str, uid: int, file: LoraFile, max_rank: int) -> LoraWeights:
     """The adapter in `file` for the skeleton's pipeline; ValueError saying why it cannot be served."""
     key, path = f"dvllm_{uid}", file.path
-    for component in _components(skeleton):
-        setattr(component[1], EXPECTED_LAYERS, None)
+    for _, model in _components(skeleton):
+        setattr(model, EXPECTED_LAYERS, None)  # set again by this load, where the model's loader runs
     try:
         # One local file, read by the reader of its type only: no pickle fallback for a broken safetensors
         # file, no Hub lookup.
