@@ -223,13 +223,14 @@ def trickle_until_closed(sock: socket.socket, every: float = 0.2) -> bytes:
 
 @pytest.fixture(scope="module")
 def keyed_server(sd_eps_path):
-    with RemoteServer(sd_eps_path, [*BASE_ARGS, "--api-key", "sk-test"]) as server:
+    with RemoteServer(sd_eps_path, [*BASE_ARGS, "--api-key", "sk-test", "--body-timeout", "2"]) as server:
         yield server
 
 
-def test_a_refusal_before_the_body_is_read_closes_the_connection(keyed_server):
+def test_a_refusal_before_the_body_is_read_closes_a_trickling_connection(keyed_server):
     """A 401 (no key) or 415 answered before the body was read used to leave the connection open, so its sender
-    could trickle the body for ever, outside --max-pending-bodies and --body-timeout."""
+    could trickle the body for ever, outside --max-pending-bodies and --body-timeout. Now the body is received
+    and dropped within those bounds (--body-timeout 2 here), and past them the connection closes."""
     host, port = keyed_server.url.removeprefix("http://").split(":")
     for extra, status in (("Content-Type: application/json\r\n", 401),
                           ("Authorization: Bearer sk-test\r\nContent-Type: text/plain\r\n", 415)):
@@ -238,7 +239,13 @@ def test_a_refusal_before_the_body_is_read_closes_the_connection(keyed_server):
                       f"{extra}\r\n").encode() + b'{"prompt": "a"')
         answer = trickle_until_closed(sock)
         assert answer.startswith(f"HTTP/1.1 {status} ".encode()) and b"connection: close" in answer.lower(), answer
-    # A refusal after the whole body was read keeps the connection, as before.
-    with httpx.Client(headers={"Authorization": "Bearer sk-test"}) as client:
-        bad = client.post(keyed_server.url + "/v1/images/generations", json={"prompt": "a", "sampler": "nope"})
+    # A refusal after the whole body was read keeps the connection, as before; so does one before it was read
+    # when the body arrives at once (dropped, not left unread: closing then would reset the connection, and the
+    # client could lose the answer).
+    with httpx.Client(timeout=WAIT) as client:
+        url = keyed_server.url + "/v1/images/generations"
+        bad = client.post(url, json={"prompt": "a", "sampler": "nope"}, headers={"Authorization": "Bearer sk-test"})
         assert bad.status_code == 400 and bad.headers.get("connection") != "close", bad.headers
+        big = {"prompt": "a", "negative_prompt": "y" * 200_000}  # under --max-body-mb 0.25, refused unread
+        unauthorized = client.post(url, json=big)
+        assert unauthorized.status_code == 401 and unauthorized.headers.get("connection") != "close"

@@ -37,7 +37,7 @@ from dvllm.engine.async_engine import AsyncDiffusionEngine
 from dvllm.entrypoints.image_store import ImageStore
 from dvllm.entrypoints.metrics import ServerMetrics
 from dvllm.entrypoints.protocol import APIError, LoadLoraAdapterRequest, ModelCard, ModelList, UnloadLoraAdapterRequest
-from dvllm.entrypoints.request_body import BODY_READ, BodyLimits, read_json_body
+from dvllm.entrypoints.request_body import BodyLimits, discard_unread_body, read_json_body
 from dvllm.entrypoints.serving_edits import create_edit
 from dvllm.entrypoints.serving_images import ServerContext, create_images
 from dvllm.lora.files import LoraPathError
@@ -300,46 +300,48 @@ def _open_routes(ctx: ServerContext) -> APIRouter:
     return router
 
 
-def _error_response(error: APIError, request: Request | None = None) -> JSONResponse:
-    headers = dict(error.headers)
-    if request is not None and _body_left_unread(request):
-        # Refused before its body was read (401, 413, 415...): kept open, the connection would let its sender
-        # go on trickling the body for ever, uncounted by --max-pending-bodies and --body-timeout.
-        headers["Connection"] = "close"
+def _error_response(error: APIError, close: bool = False) -> JSONResponse:
+    headers = {**error.headers, **({"Connection": "close"} if close else {})}
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-def _body_left_unread(request: Request) -> bool:
-    declared = request.headers.get("content-length", "0").strip() not in ("", "0")
-    return (declared or "transfer-encoding" in request.headers) and not request.scope.get(BODY_READ)
+async def _refusal(request: Request, error: APIError) -> JSONResponse:
+    """An error answer. A body the refusal left unread is received and dropped first, within bounds; past
+    them the connection closes, so that its sender cannot go on trickling it for ever."""
+    ctx = getattr(request.app.state, "ctx", None)
+    close = error.headers.get("Connection") == "close"
+    if not close and ctx is not None:
+        close = not await discard_unread_body(request, ctx.body_limits)
+    return _error_response(error, close)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc, request)
+        return await _refusal(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = {404: f"No route {request.method} {request.url.path}.",
                    405: f"Method {request.method} is not allowed on {request.url.path}."}.get(exc.status_code,
                                                                                               str(exc.detail))
-        return _error_response(APIError(exc.status_code, message, code=_HTTP_ERROR_CODES.get(exc.status_code),
-                                        headers=dict(exc.headers or {})), request)
+        return await _refusal(request, APIError(exc.status_code, message,
+                                                code=_HTTP_ERROR_CODES.get(exc.status_code),
+                                                headers=dict(exc.headers or {})))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return _error_response(APIError(400, f"Invalid value for '{param}': {first.get('msg', 'invalid')}.",
-                                        param=param, code="invalid_value"), request)
+        return await _refusal(request, APIError(400, f"Invalid value for '{param}': {first.get('msg', 'invalid')}.",
+                                                param=param, code="invalid_value"))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         request_id = f"err-{uuid.uuid4().hex}"
         logger.error("%s: internal error on %s %s", request_id, request.method, request.url.path, exc_info=exc)
-        return _error_response(APIError(500, f"The server had an error (request id {request_id}).",
-                                        code="internal_error"), request)
+        return await _refusal(request, APIError(500, f"The server had an error (request id {request_id}).",
+                                                code="internal_error"))
 
 
 # -- running it ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from starlette.requests import ClientDisconnect, Request
 from dvllm.entrypoints.protocol import APIError
 
 RETRY_AFTER_SECONDS = "1"
-BODY_READ = "dvllm.body_read"  # set in a request's scope once read_body has received all of its body
+BODY_STARTED = "dvllm.body_started"  # set in a request's scope once read_body has begun receiving its body
 
 
 @dataclass
@@ -56,11 +56,12 @@ async def read_body(request: Request, limits: BodyLimits) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"The request body is {declared} bytes; the limit is {max_bytes}.",
                        code="request_too_large")
-    # Refusals of a body left unread close the connection: otherwise the sender could go on trickling it.
+    # A flood of unread bodies is refused with the connection closed: otherwise each could go on trickling.
     if limits.receiving >= limits.max_receiving:
         raise APIError(429, f"{limits.receiving} request bodies are still arriving (--max-pending-bodies "
                             f"{limits.max_receiving}); retry later.", type="rate_limit_error",
                        code="rate_limit_exceeded", headers={"Retry-After": RETRY_AFTER_SECONDS, "Connection": "close"})
+    request.scope[BODY_STARTED] = True
     limits.receiving += 1
     chunks, size = [], 0
     loop, stream = asyncio.get_running_loop(), request.stream()
@@ -84,8 +85,42 @@ async def read_body(request: Request, limits: BodyLimits) -> bytes:
                        code="client_disconnected") from None
     finally:
         limits.receiving -= 1
-    request.scope[BODY_READ] = True
     return b"".join(chunks)
+
+
+async def discard_unread_body(request: Request, limits: BodyLimits) -> bool:
+    """For a request refused before its body was read (401, 404, 413 by Content-Length, 415): receives and
+    drops the body, so that the refusal can be answered on a connection that stays open (closing it with
+    bytes unread would reset it, and the client could lose the answer). True if that worked; False when the
+    connection must close: a body over twice max_bytes, slower than limits.timeout (a sender trickling it
+    for ever), or one too many arriving at once."""
+    headers = request.headers
+    declared = headers.get("content-length", "")
+    if request.scope.get(BODY_STARTED) or (declared in ("", "0") and "transfer-encoding" not in headers):
+        return True  # read_body owns it (uvicorn drops the rest of a body refused midway), or there is none
+    cap = 2 * limits.max_bytes
+    if (declared.isdigit() and int(declared) > cap) or limits.receiving >= limits.max_receiving:
+        return False
+    limits.receiving += 1
+    try:
+        await asyncio.wait_for(_discard(request, cap), limits.timeout)
+        return True
+    except (asyncio.TimeoutError, ClientDisconnect, _TooLarge):
+        return False
+    finally:
+        limits.receiving -= 1
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _discard(request: Request, cap: int) -> None:
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise _TooLarge
 
 
 def _no_constants(name: str) -> None:
