@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dvllm import DiffusionEngine, EngineConfig, SamplingParams
+from dvllm.models.layout import BatchLayout
 from dvllm.worker.denoiser import Denoiser, batch_buckets
 
 
@@ -19,7 +20,7 @@ class RowWiseAdapter:
     def __init__(self) -> None:
         self.seen_rows: list[int] = []
 
-    def denoise(self, latents, timesteps, conditions, guidance, image_size):
+    def denoise(self, latents, timesteps, conditions, guidance, layout):
         self.seen_rows.append(len(latents))
         scale = (timesteps + guidance)[:, None, None, None]
         return latents * scale + conditions["prompt_embeds"].mean(dim=(1, 2))[:, None, None, None]
@@ -37,8 +38,9 @@ def test_bucketed_padding_changes_no_row(rows):
     adapter = RowWiseAdapter()
     denoiser = Denoiser(adapter, EngineConfig(compile="bucketed", max_batch_size=4))
     args = (torch.randn(rows, 4, 2, 2), torch.rand(rows), {"prompt_embeds": torch.randn(rows, 3, 5)}, torch.rand(rows))
-    out = denoiser(*args, (16, 16))
-    expected = adapter.denoise(*args, (16, 16))
+    layout = BatchLayout.single((16, 16), rows)
+    out = denoiser(*args, layout)
+    expected = adapter.denoise(*args, layout)
     assert adapter.seen_rows[0] == next(b for b in batch_buckets(8) if b >= rows)  # ran padded up
     torch.testing.assert_close(out, expected)
 

@@ -133,10 +133,10 @@ def test_failure_in_the_forward_fails_only_that_request(engine, sd_eps_path):
     adapter = engine.executor.worker.runner.adapter
     real = adapter.denoise
 
-    def denoise(latents, timesteps, conditions, guidance, image_size):
+    def denoise(latents, timesteps, conditions, guidance, layout):
         if bool((guidance == 13.0).any()):
             raise RuntimeError("CUDA error: an illegal memory access")
-        return real(latents, timesteps, conditions, guidance, image_size)
+        return real(latents, timesteps, conditions, guidance, layout)
 
     adapter.denoise = denoise
     prompts = ["one", "poison", "two"]

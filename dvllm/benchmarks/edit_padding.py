@@ -18,6 +18,7 @@ import time
 import torch
 from PIL import Image
 
+from dvllm.models.layout import BatchLayout
 from dvllm.models.loader import load_adapter
 
 # (width, height) of each request's input images: three aspects, one or two images a request
@@ -36,22 +37,23 @@ def rows(adapter, size: int) -> tuple:
         noise, packed = adapter.prepare_edit(images, 1, size, size, generator)
         latents.append(noise)
         image_inputs.append(packed[0])
-        grids.append([x for grid in info.edit_grids(sizes) for x in grid])
+        grids.append(tuple(x for grid in info.edit_grids(sizes) for x in grid))
     longest = max(len(x) for x in image_inputs)
-    widest = max(len(g) for g in grids)
     conditions = {k: torch.zeros((len(inputs), *shape)) for k, shape in info.condition_shapes.items()}
     conditions["prompt_embeds_mask"][:, :32] = 1  # a 32-token prompt
     conditions["image_inputs"] = torch.stack([torch.nn.functional.pad(x, (0, longest - len(x))) for x in image_inputs])
-    conditions["image_grids"] = torch.tensor([g + [0] * (widest - len(g)) for g in grids])
-    return torch.cat(latents), torch.full((len(inputs),), 500.0), conditions
+    layout = BatchLayout.single((size, size), len(inputs), image_grids=tuple(grids),
+                                text_lengths=((32, 32),) * len(inputs))
+    return torch.cat(latents), torch.full((len(inputs),), 500.0), conditions, layout
 
 
-def grouped(adapter, latents, timesteps, conditions, size: int) -> torch.Tensor:
-    grids = [tuple(g) for g in conditions["image_grids"].tolist()]
+def grouped(adapter, latents, timesteps, conditions, layout: BatchLayout) -> torch.Tensor:
+    grids = layout.row_grids
 
     def call(rows: list[int], index: torch.Tensor) -> torch.Tensor:
         return adapter._call(latents[index], timesteps[index], {k: v[index] for k, v in conditions.items()},
-                             [adapter._shapes(grids[rows[0]], (size, size))] * len(rows))
+                             [adapter._shapes(grids[rows[0]], layout.image_size)] * len(rows),
+                             [layout.row_text_lengths[i] for i in rows])
 
     return adapter.call_per_group(grids, latents, call)
 
@@ -63,11 +65,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     adapter = load_adapter(args.model, "dummy", torch.device("cpu"), torch.float32)
-    latents, timesteps, conditions = rows(adapter, args.size)
-    size = (args.size, args.size)
-    ways = {"dvllm": lambda: adapter.denoise(latents, timesteps, conditions, timesteps, size),
-            "padded": lambda: adapter.padded_denoise(latents, timesteps, conditions, size),
-            "grouped": lambda: grouped(adapter, latents, timesteps, conditions, args.size)}
+    latents, timesteps, conditions, layout = rows(adapter, args.size)
+    ways = {"dvllm": lambda: adapter.denoise(latents, timesteps, conditions, timesteps, layout),
+            "padded": lambda: adapter.padded_denoise(latents, timesteps, conditions, layout),
+            "grouped": lambda: grouped(adapter, latents, timesteps, conditions, layout)}
     times: dict[str, list[float]] = {name: [] for name in ways}
     with torch.inference_mode():
         reference = ways["grouped"]()
@@ -78,7 +79,7 @@ def main() -> None:
                 run()
                 times[name].append(time.perf_counter() - start)
     median = {name: statistics.median(t) for name, t in times.items()}
-    groups = len({tuple(g) for g in conditions["image_grids"].tolist()})
+    groups = len(set(layout.row_grids))
     print(f"{args.model}: {len(latents)} rows, {groups} input-shape sets, output {args.size}x{args.size}; "
           f"largest difference from grouped {same:.2e}; median of {args.rounds} interleaved rounds:")
     for name in ("dvllm", "padded"):

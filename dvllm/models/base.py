@@ -9,6 +9,8 @@ from typing import Any, Callable, ClassVar, ContextManager
 
 import torch
 
+from dvllm.host_copy import device_index
+from dvllm.models.layout import BatchLayout
 from dvllm.sampling_params import image_sizes
 from dvllm.step_cache import CacheLayout
 
@@ -170,8 +172,9 @@ class ModelAdapter(ABC):
         self.name = name
         self.device = device
         self.dtype = dtype
-        # index -> a context in which the forward runs on those of its rows (the worker's RowScope.narrow)
-        self.narrow_rows: Callable[[torch.Tensor], ContextManager[None]] = lambda index: nullcontext()
+        # (rows, their index on the device) -> a context in which the forward runs on those of its rows (the
+        # worker's RowScope.narrow)
+        self.narrow_rows: Callable[[list[int], torch.Tensor], ContextManager[None]] = lambda rows, index: nullcontext()
 
     @property
     @abstractmethod
@@ -192,8 +195,8 @@ class ModelAdapter(ABC):
         out = torch.empty_like(out_like)
         for key in dict.fromkeys(keys):
             rows = [i for i, k in enumerate(keys) if k == key]
-            index = torch.tensor(rows, device=out_like.device)
-            with self.narrow_rows(index):
+            index = device_index(rows, out_like.device)
+            with self.narrow_rows(rows, index):
                 out[index] = call(rows, index)
         return out
 
@@ -230,8 +233,18 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
-        """One batched forward; every tensor has one row per model row; one (height, width) for all."""
+                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """One batched forward; every tensor has one row per model row. What the rows are (their size, texts'
+        lengths, input images) the layout says, on the host: nothing here reads a tensor back to learn it."""
+
+    def step_conditions(self, layout: BatchLayout, dtype: torch.dtype) -> Conditions:
+        """Per-row inputs the forward takes beyond the stored conditions, built on the host from the layout
+        and the rows' guidance (the worker copies them to the device without a wait); none for most families."""
+        return {}
+
+    def graph_key(self, layout: BatchLayout) -> Any:
+        """What of the layout a forward's shapes and control flow depend on: a CUDA graph is captured per key."""
+        return layout.image_size
 
     def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Classifier-free guidance, as the diffusers pipelines write it; scale broadcasts per row."""

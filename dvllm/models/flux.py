@@ -12,6 +12,7 @@ import torch
 
 from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, ModelInfo, transformer_cache_spec
 from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len, linear_sigmas
+from dvllm.models.layout import BatchLayout
 
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's default T5 length
 
@@ -61,9 +62,9 @@ class FluxAdapter(ModelAdapter):
         return latents * init_noise_sigma
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         pipe = self.pipeline
-        height, width = (2 * (s // (pipe.vae_scale_factor * 2)) for s in image_size)
+        height, width = (2 * (s // (pipe.vae_scale_factor * 2)) for s in layout.image_size)
         img_ids = pipe._prepare_latent_image_ids(len(latents), height // 2, width // 2, self.device, latents.dtype)
         return self._forward(latents, img_ids, timesteps, conditions, guidance)
 

@@ -29,6 +29,7 @@ import torch
 
 from dvllm.models.base import Conditions, ModelInfo
 from dvllm.models.flux import FluxAdapter
+from dvllm.models.layout import BatchLayout
 
 DEFAULT_AREA = 1024 * 1024  # the pipeline's max_area: its default output is 1024x1024
 
@@ -104,13 +105,13 @@ class FluxKontextAdapter(FluxAdapter):
         return latents, image_latents.reshape(n, -1)
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """Rows of one input grid share a call; one call per distinct grid (see the module docstring)."""
-        grids = [tuple(g[:2]) for g in conditions["image_grids"].tolist()]
+        grids = [tuple(g[:2]) for g in layout.row_grids]
 
         def call(rows: list[int], index: Any) -> torch.Tensor:
             return self._call(latents[index], timesteps[index], {k: v[index] for k, v in conditions.items()},
-                              guidance[index], image_size, grids[rows[0]])
+                              guidance[index], layout.image_size, grids[rows[0]])
 
         return self.call_per_group(grids, latents, call)
 
@@ -128,6 +129,9 @@ class FluxKontextAdapter(FluxAdapter):
         hidden = torch.cat([latents, image_latents.to(latents.dtype)], dim=1)
         out = self._forward(hidden, torch.cat([ids, image_ids]), timesteps, conditions, guidance)
         return out[:, :tokens]
+
+    def graph_key(self, layout: BatchLayout) -> Any:
+        return layout.image_size, layout.row_grids
 
     def cache_spec(self) -> None:
         return None

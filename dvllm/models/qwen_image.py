@@ -18,6 +18,7 @@ import torch
 
 from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, ModelInfo, transformer_cache_spec
 from dvllm.models.flux import flux_timestep_kwargs
+from dvllm.models.layout import BatchLayout
 
 MAX_TEXT_TOKENS = 1024  # the pipeline's tokenizer_max_length and the most max_sequence_length it accepts
 DEFAULT_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s max_sequence_length
@@ -70,17 +71,22 @@ class QwenImageAdapter(ModelAdapter):
         return latents * init_noise_sigma
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         pipe = self.pipeline
-        mask = conditions["prompt_embeds_mask"] > 0.5
-        length = int(mask.sum(dim=1).max())  # the batch's longest prompt: the rest is padding
-        mask, embeds = mask[:, :length], conditions["prompt_embeds"][:, :length]
-        patches = (1, image_size[0] // pipe.vae_scale_factor // 2, image_size[1] // pipe.vae_scale_factor // 2)
+        lengths = layout.row_text_lengths
+        length = max(lengths)  # the batch's longest prompt: the rest is padding
+        mask, embeds = conditions["prompt_embeds_mask"][:, :length] > 0.5, conditions["prompt_embeds"][:, :length]
+        size = layout.image_size
+        patches = (1, size[0] // pipe.vae_scale_factor // 2, size[1] // pipe.vae_scale_factor // 2)
         return pipe.transformer(
             hidden_states=latents, timestep=timesteps.to(latents.dtype) / 1000, guidance=None,
-            encoder_hidden_states_mask=None if bool(mask.all()) else mask.long(), encoder_hidden_states=embeds,
+            encoder_hidden_states_mask=None if min(lengths) == length else mask.long(), encoder_hidden_states=embeds,
             img_shapes=[[patches]] * len(latents), return_dict=False,
         )[0]
+
+    def graph_key(self, layout: BatchLayout) -> Any:
+        lengths = layout.row_text_lengths  # the texts are cut to the longest, masked unless all are as long
+        return layout.image_size, max(lengths), min(lengths) == max(lengths)
 
     def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         # As QwenImagePipeline: CFG, then each token rescaled to the conditional prediction's norm.

@@ -27,9 +27,11 @@ from typing import Any
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from dvllm.host_copy import device_tensor
 from dvllm.models.base import Conditions, ModelInfo
 from dvllm.models.byte_tokenizer import allow_qwen_vl_processor_without_torchvision
 from dvllm.models.flux import flux_timestep_kwargs
+from dvllm.models.layout import BatchLayout
 from dvllm.models.qwen_image import MAX_TEXT_TOKENS, QwenImageAdapter
 from dvllm.models.qwen_rows import rows_of_own_shapes
 
@@ -161,24 +163,28 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return noise, torch.cat(packed, dim=1).expand(n, -1)
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """Rows with as many input images share one call, padded to the longest (see the module docstring)."""
-        grids = [tuple(g) for g in conditions["image_grids"].tolist()]
+        grids, lengths = layout.row_grids, layout.row_text_lengths
         # zero_cond_t modulates tokens by their image's place, which padding would shift: a call per shape set
         keys = grids if self.pipeline.transformer.zero_cond_t else [sum(1 for x in g[::2] if x) for g in grids]
 
         def call(rows: list[int], index: Any) -> torch.Tensor:
             return self._call(latents[index], timesteps[index], {k: v[index] for k, v in conditions.items()},
-                              [self._shapes(grids[i], image_size) for i in rows],
+                              [self._shapes(grids[i], layout.image_size) for i in rows], [lengths[i] for i in rows],
                               padded=len({grids[i] for i in rows}) > 1)
 
         return self.call_per_group(keys, latents, call)
 
     def padded_denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                       image_size: tuple[int, int]) -> torch.Tensor:
+                       layout: BatchLayout) -> torch.Tensor:
         """Every row in one call, whatever its image count (benchmarks/edit_padding.py measures it)."""
-        grids = [tuple(g) for g in conditions["image_grids"].tolist()]
-        return self._call(latents, timesteps, conditions, [self._shapes(g, image_size) for g in grids], padded=True)
+        return self._call(latents, timesteps, conditions, [self._shapes(g, layout.image_size) for g in layout.row_grids],
+                          list(layout.row_text_lengths), padded=True)
+
+    def graph_key(self, layout: BatchLayout) -> Any:
+        lengths = layout.row_text_lengths
+        return layout.image_size, layout.row_grids, max(lengths), min(lengths) == max(lengths)
 
     def _shapes(self, grids: tuple[int, ...], image_size: tuple[int, int]) -> list[tuple[int, int, int]]:
         """The transformer's img_shapes of one row: its output's token grid, then each input image's."""
@@ -187,21 +193,20 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return [(1, image_size[0] // scale // 2, image_size[1] // scale // 2), *images]
 
     def _call(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-              shapes: list[list[tuple[int, int, int]]], padded: bool = False) -> torch.Tensor:
+              shapes: list[list[tuple[int, int, int]]], lengths: list[int], padded: bool = False) -> torch.Tensor:
         pipe = self.pipeline
         tokens, features = latents.shape[1], latents.shape[2]
         # each row's image tokens, padded to the longest row's (all equal unless `padded`)
         image_tokens = [sum(r * c for _, r, c in row[1:]) for row in shapes]
         longest = max(image_tokens)
         image_latents = conditions["image_inputs"][:, :longest * features].view(len(latents), longest, features)
-        mask = conditions["prompt_embeds_mask"] > 0.5
-        length = int(mask.sum(dim=1).max())  # the batch's longest prompt: the rest is padding
-        mask, embeds = mask[:, :length], conditions["prompt_embeds"][:, :length]
-        text_mask = None if bool(mask.all()) else mask.long()
+        length = max(lengths)  # the call's longest prompt: the rest is padding
+        mask, embeds = conditions["prompt_embeds_mask"][:, :length] > 0.5, conditions["prompt_embeds"][:, :length]
+        text_mask = None if min(lengths) == length else mask.long()
         context = nullcontext({})
         if padded:
             real = torch.arange(tokens + longest, device=latents.device)[None] < \
-                torch.tensor([tokens + t for t in image_tokens], device=latents.device)[:, None]
+                device_tensor([tokens + t for t in image_tokens], latents.device)[:, None]
             context = rows_of_own_shapes(pipe.transformer, shapes, tokens + longest, real)
         with context as attention_kwargs:
             out = pipe.transformer(

@@ -15,6 +15,7 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img impo
 from diffusers.utils.torch_utils import randn_tensor
 
 from dvllm.models.base import Conditions, ModelAdapter, ModelInfo
+from dvllm.models.layout import BatchLayout
 
 
 class StableDiffusionAdapter(ModelAdapter):
@@ -147,22 +148,23 @@ class StableDiffusionAdapter(ModelAdapter):
         return torch.cat([latents, inputs.view(len(latents), -1, *latents.shape[2:]).to(latents.dtype)], dim=1)
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         return self.pipeline.unet(
             self.unet_input(latents, conditions),
             timesteps,
             encoder_hidden_states=conditions["prompt_embeds"],
-            timestep_cond=self._timestep_cond(guidance, latents.dtype),
+            timestep_cond=conditions.get("timestep_cond"),
             return_dict=False,
         )[0]
 
-    def _timestep_cond(self, guidance: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        """LCM-distilled UNets take (guidance - 1) per row as an embedding; others take nothing."""
+    def step_conditions(self, layout: BatchLayout, dtype: torch.dtype) -> Conditions:
+        """LCM-distilled UNets take (guidance - 1) per row as an embedding, which the pipeline computes on the
+        host; others take nothing."""
         dim = self.pipeline.unet.config.time_cond_proj_dim
         if dim is None:
-            return None
-        embedding = self.pipeline.get_guidance_scale_embedding(guidance.float().cpu() - 1, embedding_dim=dim)
-        return embedding.to(device=self.device, dtype=dtype)
+            return {}
+        w = torch.tensor([g - 1 for g in layout.per_row(layout.guidance)], dtype=torch.float32)
+        return {"timestep_cond": self.pipeline.get_guidance_scale_embedding(w, embedding_dim=dim).to(dtype)}
 
     def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         vae = self.pipeline.vae

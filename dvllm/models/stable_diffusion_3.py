@@ -9,6 +9,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, ModelInfo, transformer_cache_spec
 from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len
+from dvllm.models.layout import BatchLayout
 
 MAX_SEQUENCE_LENGTH = 256  # the pipeline's default T5 length
 
@@ -74,7 +75,7 @@ class StableDiffusion3Adapter(ModelAdapter):
         return randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype) * init_noise_sigma
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         return self.pipeline.transformer(
             hidden_states=latents, timestep=timesteps, encoder_hidden_states=conditions["prompt_embeds"],
             pooled_projections=conditions["pooled_prompt_embeds"], return_dict=False,

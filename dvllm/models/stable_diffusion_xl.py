@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from dvllm.models.base import Conditions
+from dvllm.models.layout import BatchLayout
 from dvllm.models.stable_diffusion import StableDiffusionAdapter
 
 
@@ -49,19 +50,23 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         return {k: torch.zeros((1, *shape), dtype=self.dtype, device=self.device) for k, shape in shapes.items()}
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         pipe = self.pipeline
-        size = image_size  # one forward, one size: one (original size, crop, target size) for every row
-        pooled = conditions["pooled_prompt_embeds"]
-        projection_dim = (pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None
-                          else pooled.shape[-1])
-        time_ids = _add_time_ids(pipe, size, projection_dim, conditions["prompt_embeds"].dtype)
         return pipe.unet(
             self.unet_input(latents, conditions), timesteps, encoder_hidden_states=conditions["prompt_embeds"],
-            timestep_cond=self._timestep_cond(guidance, latents.dtype),
-            added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids.to(self.device).repeat(len(latents), 1)},
+            timestep_cond=conditions.get("timestep_cond"),
+            added_cond_kwargs={"text_embeds": conditions["pooled_prompt_embeds"], "time_ids": conditions["time_ids"]},
             return_dict=False,
         )[0]
+
+    def step_conditions(self, layout: BatchLayout, dtype: torch.dtype) -> Conditions:
+        """The added time ids, made on the host as the pipeline makes them: one forward, one size, so one
+        (original size, crop, target size) for every row."""
+        pipe = self.pipeline
+        projection_dim = (pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None
+                          else self.info.condition_shapes["pooled_prompt_embeds"][-1])
+        time_ids = _add_time_ids(pipe, layout.image_size, projection_dim, dtype)
+        return {**super().step_conditions(layout, dtype), "time_ids": time_ids.repeat(layout.num_rows, 1)}
 
     def _scale_image_latents(self, latents: torch.Tensor) -> torch.Tensor:
         config = self.pipeline.vae.config

@@ -15,6 +15,7 @@ import torch
 
 from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, ModelInfo, transformer_cache_spec
 from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len
+from dvllm.models.layout import BatchLayout
 
 MAX_TEXT_TOKENS = 512  # the pipeline's max_sequence_length
 SEQ_MULTIPLE = 32  # the transformer pads image and caption tokens to multiples of this (SEQ_MULTI_OF)
@@ -31,6 +32,15 @@ class ZImageAdapter(ModelAdapter):
     pipeline_classes = ("ZImagePipeline",)
     load_kwargs: dict[str, Any] = {}
     half_dtype = torch.bfloat16  # its pipelines' documented dtype
+
+    def __init__(self, pipeline: Any, name: str, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(pipeline, name, device, dtype)
+        # The transformer builds its RoPE tables on the host on its first call and copies them over: made here,
+        # the forward needs no copy (a CUDA graph could not capture one) and traces whole under torch.compile.
+        rope = getattr(pipeline.transformer, "rope_embedder", None)
+        if rope is not None and getattr(rope, "freqs_cis", None) is None:
+            tables = rope.precompute_freqs_cis(rope.axes_dims, rope.axes_lens, theta=rope.theta)
+            rope.freqs_cis = [t.to(device) for t in tables]
 
     @cached_property
     def info(self) -> ModelInfo:
@@ -72,10 +82,9 @@ class ZImageAdapter(ModelAdapter):
         return (latents * init_noise_sigma).to(self.dtype)
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         transformer = self.pipeline.transformer
-        lengths = (conditions["prompt_embeds_mask"] > 0.5).sum(dim=1).tolist()
-        captions = [e[:int(n)] for e, n in zip(conditions["prompt_embeds"], lengths)]
+        captions = [e[:n] for e, n in zip(conditions["prompt_embeds"], layout.row_text_lengths)]
         frames = list(latents.to(transformer.dtype).unsqueeze(2).unbind(dim=0))
         out = transformer(frames, (1000 - timesteps) / 1000, captions, return_dict=False)[0]
         return -torch.stack([o.float() for o in out]).squeeze(2)
@@ -90,6 +99,9 @@ class ZImageAdapter(ModelAdapter):
             list(t.layers), [(layer.attention, ("unified",)) for layer in t.layers], inner_dim=t.dim,
             pixels_per_token=self.pipeline.vae_scale_factor * 2, dtype=self.dtype, text_tokens=None,
             hidden_kind="unified", token_multiple=SEQ_MULTIPLE, hidden_index=None, hidden_arg="x", mask_arg="attn_mask")
+
+    def graph_key(self, layout: BatchLayout) -> Any:
+        return layout.image_size, layout.row_text_lengths  # each caption goes in at its own length
 
     def combine_guidance(self, cond: torch.Tensor, uncond: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return cond + scale * (cond - uncond)  # Z-Image's form: g = 0 is no guidance

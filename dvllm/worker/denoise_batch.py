@@ -2,7 +2,8 @@
 guidance, and the fused sampler update that writes straight back into the pool.
 
 Rows are laid out request by request, requests with CFG first, so that the
-unconditional half of the forward is one contiguous block and no row is indexed.
+unconditional half of the forward is one contiguous block and no row is indexed
+(models/layout.py: BatchLayout says which row is whose).
 """
 from __future__ import annotations
 
@@ -11,17 +12,18 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 from dvllm import ops
+from dvllm.host_copy import device_index, to_device
 from dvllm.models.base import Conditions, ModelAdapter
+from dvllm.models.layout import BatchLayout
 from dvllm.ops import CLIP
 from dvllm.profiler import PhaseTimer
 from dvllm.samplers import StepRow
 from dvllm.worker.conditions import unflatten
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.lora_layers import LoraLayers
-from dvllm.worker.request_state import RequestState, row_bounds
+from dvllm.worker.request_state import RequestState
 from dvllm.worker.state_pool import StatePool
 from dvllm.worker.step_cache_hooks import CacheHooks, forward_cache
 
@@ -29,15 +31,25 @@ from dvllm.worker.step_cache_hooks import CacheHooks, forward_cache
 @dataclass
 class Batch:
     states: list[RequestState]  # CFG requests first
+    layout: BatchLayout         # who each forward row is
     rows: list[StepRow]         # each request's current step
-    bounds: list[tuple[int, int]]
     sample: torch.Tensor        # [R, *latent shape], gathered from the pool
     latent_table: torch.Tensor  # [R, blocks] where those latents live
     timesteps: torch.Tensor     # [R]
     c_in: torch.Tensor          # [R] input scale
     guidance: torch.Tensor      # [R]
     coeffs: torch.Tensor        # [R, NUM_COEFFS]
-    num_cfg: int                # the first num_cfg rows also run unconditionally
+    fused: list[bool]           # per request: its rows go through the fused update (else its own scheduler)
+    noise: torch.Tensor | None  # the fused rows' ancestral noise for this step, drawn before the forward
+
+    @property
+    def bounds(self) -> tuple[tuple[int, int], ...]:
+        return self.layout.bounds
+
+    @property
+    def num_cfg(self) -> int:
+        """The first num_cfg rows also run unconditionally."""
+        return self.layout.num_cfg
 
     @property
     def per_row(self) -> tuple[int, ...]:
@@ -52,28 +64,22 @@ def denoise_step(adapter: ModelAdapter, denoiser: Denoiser, pool: StatePool, sta
     """Advance every state by one step. The pool is written only after the forward succeeded.
     Requests due for a preview leave their x0 estimate in `previews`. With step caching (`hooks`),
     each caching request's outcome goes to `cached`: (step cached, rows skipped, rows computed).
-    Requests with LoRA adapters get them on all their rows, the unconditional ones too (`lora`)."""
+    Requests with LoRA adapters get them on all their rows, the unconditional ones too (`lora`).
+    Nothing here reads a device tensor back to the host (first_block caching's decision aside)."""
     with timer.phase("gather"):
         batch = gather(adapter, pool, sorted(states, key=lambda s: not s.data.cfg))
+        layout = batch.layout
         model_in, conditions = model_inputs(adapter, pool, batch)
-        timesteps, guidance = batch.timesteps, batch.guidance
-        if batch.num_cfg:
-            timesteps = torch.cat([timesteps, timesteps[:batch.num_cfg]])
-            guidance = torch.cat([guidance, guidance[:batch.num_cfg]])
-    size = (states[0].data.height, states[0].data.width)
+        timesteps, guidance = layout.expand(batch.timesteps), layout.expand(batch.guidance)
     caching = None
     if hooks is not None and any(s.cache is not None for s in batch.states):
-        mask = conditions.get("prompt_embeds_mask")
-        lengths = None if mask is None else (mask > 0.5).sum(dim=1).tolist()
-        caching = forward_cache(hooks.spec, pool.read, batch.states, batch.bounds, *size, text_lengths=lengths)
-    row_loras = [s.data.loras for s in batch.states for _ in range(s.n)]
-    row_loras += row_loras[:batch.num_cfg]  # CFG states come first: their rows' unconditional copies
+        caching = forward_cache(hooks.spec, pool.read, batch.states, layout)
     with timer.phase("forward"):
-        if caching is None and not any(row_loras):
-            out = denoiser(model_in, timesteps, conditions, guidance, size)
+        if caching is None and not layout.row_loras:
+            out = denoiser(model_in, timesteps, conditions, guidance, layout)
         else:  # eager: which rows run the blocks, and with which adapters, is decided inside the forward
-            with (hooks.running(caching) if caching is not None else nullcontext()), lora.running(row_loras):
-                out = adapter.denoise(model_in, timesteps, conditions, guidance, size)
+            with (hooks.running(caching) if caching is not None else nullcontext()), lora.running(layout.row_loras):
+                out = adapter.denoise(model_in, timesteps, conditions, guidance, layout)
     with timer.phase("update_scatter"):
         update(pool, batch, guide(adapter, batch, out), errors, previews)
         renoise_known_region(adapter, pool, batch.states, errors)
@@ -83,20 +89,40 @@ def denoise_step(adapter: ModelAdapter, denoiser: Denoiser, pool: StatePool, sta
                 cached[ids[id(state)]] = (computed == 0, skipped, computed)
 
 
+def batch_layout(adapter: ModelAdapter, states: list[RequestState]) -> BatchLayout:
+    """The forward's rows as the host knows them (states: CFG requests first)."""
+    info, first = adapter.info, states[0].data
+    return BatchLayout(
+        image_size=(first.height, first.width), counts=tuple(s.n for s in states),
+        num_cfg_requests=sum(1 for s in states if s.data.cfg),
+        guidance=tuple(s.data.guidance_scale for s in states),
+        text_lengths=tuple(s.text_lengths for s in states) if states[0].text_lengths is not None else None,
+        image_grids=tuple(tuple(x for grid in s.data.input_grids for x in grid) for s in states)
+        if info.edit_grids is not None else (),
+        loras=tuple(s.data.loras for s in states))
+
+
 def gather(adapter: ModelAdapter, pool: StatePool, states: list[RequestState]) -> Batch:
+    """The batch's latents out of the pool, its step table, and its noise: everything the host knows ahead is
+    built on the host and copied without a wait, before the forward is queued."""
     shape = adapter.info.latent_shape(states[0].data.height, states[0].data.width)
     rows = [s.plan.steps[s.step] for s in states]
-    table = _step_table(states, rows).to(pool.device)
+    table = to_device(_step_table(states, rows), pool.device)
     latent_table = pool.table([r for s in states for r in s.blocks.latents])
     sample = ops.gather_blocks(pool.data, latent_table, math.prod(shape)).view(-1, *shape)
-    return Batch(states=states, rows=rows, bounds=row_bounds(states), sample=sample, latent_table=latent_table,
-                 timesteps=table[:, 0], c_in=table[:, 1], guidance=table[:, 2], coeffs=table[:, 3:],
-                 num_cfg=sum(s.n for s in states if s.data.cfg))
+    fused = [s.fallback is None for s in states]
+    drawing = [(s, r) for s, r, f in zip(states, rows, fused) if f]
+    noise = None
+    if any(r.draws_noise for _, r in drawing):
+        noise = to_device(_noise(drawing, shape, sample.dtype), pool.device)
+    return Batch(states=states, layout=batch_layout(adapter, states), rows=rows, sample=sample,
+                 latent_table=latent_table, timesteps=table[:, 0], c_in=table[:, 1], guidance=table[:, 2],
+                 coeffs=table[:, 3:], fused=fused, noise=noise)
 
 
 def model_inputs(adapter: ModelAdapter, pool: StatePool, batch: Batch) -> tuple[torch.Tensor, Conditions]:
     """Scaled latents (the CFG rows appended) and the rows' conditions (negative prompts appended)."""
-    info, states = adapter.info, batch.states
+    info, states, layout = adapter.info, batch.states, batch.layout
     model_in = batch.sample * batch.c_in.to(batch.sample.dtype).view(batch.per_row)
     for s, (lo, hi) in zip(states, batch.bounds):
         if s.fallback is not None and hasattr(s.fallback, "scale_model_input"):  # flow schedulers have none
@@ -106,14 +132,10 @@ def model_inputs(adapter: ModelAdapter, pool: StatePool, batch: Batch) -> tuple[
     cond_rows += [s.blocks.uncond for s in cfg_states for _ in range(s.n)]
     conditions = unflatten(pool.read(cond_rows, info.condition_numel), info.condition_shapes)
     if info.denoiser_takes_inputs:
-        extra = {"image_inputs": image_inputs(pool, states)}
-        if info.edit_grids is not None:
-            extra["image_grids"] = image_grids(states, batch.sample.device)
-        for key, value in extra.items():
-            conditions[key] = torch.cat([value, value[:batch.num_cfg]]) if batch.num_cfg else value
-    if batch.num_cfg:
-        model_in = torch.cat([model_in, model_in[:batch.num_cfg]])
-    return model_in, conditions
+        conditions["image_inputs"] = layout.expand(image_inputs(pool, states))
+    for key, value in adapter.step_conditions(layout, batch.sample.dtype).items():
+        conditions[key] = to_device(value, pool.device)
+    return layout.expand(model_in), conditions
 
 
 def image_inputs(pool: StatePool, states: list[RequestState]) -> torch.Tensor:
@@ -124,14 +146,6 @@ def image_inputs(pool: StatePool, states: list[RequestState]) -> torch.Tensor:
     rows = [torch.nn.functional.pad(pool.read(s.blocks.inputs, s.input_numel), (0, longest - s.input_numel))
             for s in states]
     return torch.cat(rows)
-
-
-def image_grids(states: list[RequestState], device: torch.device) -> torch.Tensor:
-    """Each row's input images' token grids, flat and zero-padded: [rows, 2 * most images]."""
-    flat = [[x for grid in s.data.input_grids for x in grid] for s in states]
-    longest = max(len(f) for f in flat)
-    rows = [f + [0] * (longest - len(f)) for s, f in zip(states, flat) for _ in range(s.n)]
-    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def renoise_known_region(adapter: ModelAdapter, pool: StatePool, states: list[RequestState],
@@ -165,8 +179,7 @@ def guide(adapter: ModelAdapter, batch: Batch, out: torch.Tensor) -> torch.Tenso
 
 def update(pool: StatePool, batch: Batch, out: torch.Tensor, errors: dict[str, str],
            previews: dict[str, torch.Tensor]) -> None:
-    states, rows, sample, coeffs = batch.states, batch.rows, batch.sample, batch.coeffs
-    fused = [s.fallback is None for s in states]  # per-request samplers step their own rows below
+    states, rows, sample, coeffs, fused = batch.states, batch.rows, batch.sample, batch.coeffs, batch.fused
     clip = any(r.coeffs[CLIP] != float("inf") for r, f in zip(rows, fused) if f)
     for s, (lo, hi) in zip(states, batch.bounds):
         if s.fallback is None and s.step + 1 in s.data.preview_steps:
@@ -193,10 +206,10 @@ def _fused_update(pool: StatePool, batch: Batch, out: torch.Tensor, fused: list[
     latent_table, coeffs, out = batch.latent_table, batch.coeffs, out.reshape(len(sample), -1)
     if not all(fused):  # only the fused rows go through the op
         states, rows = [s for s, f in zip(states, fused) if f], [r for r, f in zip(rows, fused) if f]
-        keep = torch.tensor([i for (lo, hi), f in zip(batch.bounds, fused) if f for i in range(lo, hi)],
-                            device=sample.device)
+        keep = device_index([i for (lo, hi), f in zip(batch.bounds, fused) if f for i in range(lo, hi)],
+                            sample.device)
         sample, latent_table, coeffs, out = sample[keep], latent_table[keep], coeffs[keep], out[keep]
-    noise = _noise(states, rows, sample) if any(r.draws_noise for r in rows) else None
+    noise = batch.noise
     history_table = None
     if any(s.plan.uses_history for s in states):
         history_table = pool.table([r for s in states for r in s.history_rows(len(s.blocks.latents[0]))])
@@ -211,13 +224,13 @@ def _step_table(states: list[RequestState], rows: list[StepRow]) -> torch.Tensor
     return per_request.repeat_interleave(torch.tensor([s.n for s in states]), dim=0)
 
 
-def _noise(states: list[RequestState], rows: list[StepRow], sample: torch.Tensor) -> torch.Tensor:
-    # Each request draws from its own generator, exactly as its scheduler would in diffusers.
+def _noise(states: list[tuple[RequestState, StepRow]], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The rows' noise on the host. Each request draws from its own CPU generator, exactly as its scheduler
+    would in diffusers (randn_tensor with a CPU generator draws on the CPU, then copies)."""
     chunks = []
-    for s, row in zip(states, rows):
-        shape = (s.n, *sample.shape[1:])
+    for s, row in states:
         if row.draws_noise:
-            chunks.append(randn_tensor(shape, generator=s.generator, device=sample.device, dtype=sample.dtype))
+            chunks.append(torch.randn((s.n, *shape), generator=s.generator, dtype=dtype))
         else:
-            chunks.append(sample.new_zeros(shape))
+            chunks.append(torch.zeros((s.n, *shape), dtype=dtype))
     return torch.cat(chunks)

@@ -15,6 +15,7 @@ import torch
 
 from dvllm.config import EngineConfig
 from dvllm.models.base import Conditions, ModelAdapter
+from dvllm.models.layout import BatchLayout
 
 logger = logging.getLogger(__name__)
 
@@ -52,28 +53,30 @@ class Denoiser:
         return self.compiled or self.adapter.denoise  # looked up per call: the adapter's own, as it is now
 
     def __call__(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                 guidance: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+                 guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         if not self.pad:
-            return self.fn(latents, timesteps, conditions, guidance, image_size)
+            return self.fn(latents, timesteps, conditions, guidance, layout)
         rows = len(latents)
         bucket = next((b for b in self.buckets if b >= rows), rows)
         args = (_pad(latents, bucket), _pad(timesteps, bucket), {k: _pad(v, bucket) for k, v in conditions.items()},
                 _pad(guidance, bucket))
+        layout = layout.padded(bucket)
         if self.graphs is None:
-            return self.fn(*args, image_size)[:rows]
-        key = (bucket, tuple(latents.shape[1:]), image_size, tuple((k, v.shape[1:]) for k, v in conditions.items()))
+            return self.fn(*args, layout)[:rows]
+        key = (bucket, tuple(latents.shape[1:]), self.adapter.graph_key(layout),
+               tuple((k, v.shape[1:]) for k, v in conditions.items()))
         if key not in self.graphs:
             if len(self.graphs) >= self.max_graphs:
                 self.graphs.popitem(last=False)
             try:
-                self.graphs[key] = _Graph.capture(self.fn, args, image_size, self.graph_pool)
+                self.graphs[key] = _Graph.capture(self.fn, args, layout, self.graph_pool)
             except Exception:  # e.g. a host-to-device copy inside the forward: not capturable
                 logger.warning("cannot capture a CUDA graph for %s; running it eagerly", key, exc_info=True)
                 self.graphs[key] = None
         self.graphs.move_to_end(key)
         graph = self.graphs[key]
         if graph is None:
-            return self.fn(*args, image_size)[:rows]
+            return self.fn(*args, layout)[:rows]
         return graph.replay(args)[:rows]
 
 
@@ -90,7 +93,7 @@ class _Graph:
         self.graph, self.inputs, self.output = graph, inputs, output
 
     @classmethod
-    def capture(cls, fn: Any, args: tuple, image_size: tuple[int, int], pool: Any = None) -> "_Graph":
+    def capture(cls, fn: Any, args: tuple, layout: BatchLayout, pool: Any = None) -> "_Graph":
         latents, timesteps, conditions, guidance = (a.clone() if torch.is_tensor(a) else
                                                     {k: v.clone() for k, v in a.items()} for a in args)
         inputs = [latents, timesteps, guidance, *conditions.values()]
@@ -98,11 +101,11 @@ class _Graph:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up off the capture: allocator, cuBLAS handles, autotuning
             for _ in range(2):
-                fn(latents, timesteps, conditions, guidance, image_size)
+                fn(latents, timesteps, conditions, guidance, layout)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            output = fn(latents, timesteps, conditions, guidance, image_size)
+            output = fn(latents, timesteps, conditions, guidance, layout)
         logger.info("captured a CUDA graph for %d rows of %s", len(latents), tuple(latents.shape[1:]))
         return cls(graph, inputs, output)
 

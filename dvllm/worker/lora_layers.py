@@ -23,10 +23,10 @@ from typing import Any, Iterator
 
 import torch
 
+from dvllm.host_copy import device_index, device_tensor, to_device
 from dvllm.lora.weights import LoraWeights
+from dvllm.models.layout import RowAdapters
 from dvllm.worker.row_scope import RowScope
-
-RowAdapters = tuple[tuple[int, float], ...]  # one row's adapters: (adapter uid, weight)
 
 
 class _Table:
@@ -159,9 +159,9 @@ class _Plan:
         self.rank = max(layers.slot_rank[s] for s in self.slots)
         k = max(len(row) for row in rows)
         self.device = next(iter(layers.tables.values())).a.device
-        self.row_slots = torch.tensor([[s for s, _ in row] + [0] * (k - len(row)) for row in rows], device=self.device)
-        self.row_scale = torch.tensor([[w for _, w in row] + [0.0] * (k - len(row)) for row in rows],
-                                      dtype=torch.float32, device=self.device).repeat_interleave(self.rank, dim=1)
+        self.row_slots = device_tensor([[s for s, _ in row] + [0] * (k - len(row)) for row in rows], self.device)
+        scale = torch.tensor([[w for _, w in row] + [0.0] * (k - len(row)) for row in rows], dtype=torch.float32)
+        self.row_scale = to_device(scale.repeat_interleave(self.rank, dim=1), self.device)
         self.has = [bool(row) for row in rows]
         self.sets = rows
         self._views: dict[torch.dtype, tuple[Any, _View | None]] = {}
@@ -173,15 +173,15 @@ class _Plan:
         cached = self._views.get(dtype)
         if cached is not None and cached[0] is current:
             return cached[1]
-        rows = list(range(self.num_rows)) if current is None else current.tolist()
+        rows = list(range(self.num_rows)) if current is None else current
         if len(rows) != n:
             raise RuntimeError(f"a LoRA layer got {n} rows where the forward runs {len(rows)}")
         adapted = [i for i, r in enumerate(rows) if self.has[r]]
         view = None
         if adapted:
             chosen = [rows[i] for i in adapted]
-            index = torch.tensor(chosen, device=self.device)
-            view = _View(local=None if len(adapted) == n else torch.tensor(adapted, device=self.device),
+            index = device_index(chosen, self.device)
+            view = _View(local=None if len(adapted) == n else device_index(adapted, self.device),
                          slots=self.row_slots[index], scale=self.row_scale[index].to(dtype),
                          shared=len({self.sets[r] for r in chosen}) == 1)
         self._views[dtype] = (current, view)

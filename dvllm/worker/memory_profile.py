@@ -23,6 +23,7 @@ import torch
 from dvllm.config import EngineConfig
 from dvllm.lora.weights import servable
 from dvllm.models.base import ModelAdapter, ModelInfo
+from dvllm.models.layout import BatchLayout
 from dvllm.worker.denoiser import batch_buckets
 
 logger = logging.getLogger(__name__)
@@ -75,11 +76,18 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
         if info.denoiser_takes_inputs:  # the most input state a row can bring
             conditions["image_inputs"] = torch.zeros((rows, info.most_input_numel(height, width)), dtype=dtype,
                                                      device=device)
+        per_row = {"guidance": (info.default_guidance,) * rows}
+        if "prompt_embeds_mask" in info.condition_shapes:
+            longest = info.condition_shapes["prompt_embeds_mask"][0]
+            per_row["text_lengths"] = ((longest, longest),) * rows
         if info.edit_grids is not None:  # as many square images as it takes, at the pipeline's VAE area
             grids = info.edit_grids(((height, height),) * info.max_input_images)
-            conditions["image_grids"] = torch.tensor([[x for g in grids for x in g]] * rows, device=device)
+            per_row["image_grids"] = (tuple(x for g in grids for x in g),) * rows
+        layout = BatchLayout.single((height, width), rows, **per_row)
+        for key, value in adapter.step_conditions(layout, dtype).items():
+            conditions[key] = value.to(device)
         ones = torch.ones(rows, device=device)
-        adapter.denoise(latents, ones * 500, conditions, ones * info.default_guidance, (height, width))
+        adapter.denoise(latents, ones * 500, conditions, ones * info.default_guidance, layout)
 
     def decode() -> None:
         latents = torch.zeros((config.max_decode_batch, *info.latent_shape(height, width)), dtype=dtype,

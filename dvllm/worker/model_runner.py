@@ -16,7 +16,7 @@ from dvllm.core.scheduler_output import NewRequestData, ResumedRequestData, Runn
 from dvllm.models.base import ModelAdapter
 from dvllm.profiler import PhaseTimer
 from dvllm.sampling_params import as_images
-from dvllm.worker.conditions import flatten
+from dvllm.worker.conditions import flatten, unflatten
 from dvllm.worker.denoise_batch import denoise_step
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.lora_layers import LoraLayers
@@ -148,7 +148,20 @@ class ModelRunner:
 
         if ready:
             _per_request(ready, prepare, errors, "latent preparation", key=lambda d: d.request_id)
+            self._read_text_lengths([self.states[d.request_id] for d in ready if d.request_id in self.states])
         return failed
+
+    def _read_text_lengths(self, states: list[RequestState]) -> None:
+        """Each new request's real text lengths, read from its stored masks once (one read for all of them),
+        so that no step has to read them back from the device."""
+        info = self.adapter.info
+        if not states or "prompt_embeds_mask" not in info.condition_shapes:
+            return
+        blocks = [b for s in states for b in (s.blocks.cond, s.blocks.uncond if s.data.cfg else s.blocks.cond)]
+        mask = unflatten(self.pool.read(blocks, info.condition_numel), info.condition_shapes)["prompt_embeds_mask"]
+        lengths = (mask > 0.5).sum(dim=1).tolist()
+        for i, s in enumerate(states):
+            s.text_lengths = (lengths[2 * i], lengths[2 * i + 1])
 
     def _write_conditions(self, new: list[NewRequestData]) -> dict[tuple[int, ...], str]:
         """Encodes every text whose blocks must be filled (one call); returns failed blocks -> message."""

@@ -20,6 +20,8 @@ class RequestState:
     step: int = 0  # the step this iteration runs: set from the scheduler's output, never counted here
     host: dict[str, torch.Tensor] | None = None  # the pool contents while preempted
     cache: CacheState | None = None  # step caching: what its decisions carry between steps
+    # (prompt, negative prompt) real text tokens, read once at admission where the family masks its text
+    text_lengths: tuple[int, int] | None = None
 
     @property
     def request_id(self) -> str:

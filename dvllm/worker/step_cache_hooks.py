@@ -32,7 +32,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from dvllm.host_copy import device_index
 from dvllm.models.base import CacheSpec
+from dvllm.models.layout import BatchLayout
 from dvllm.worker.row_scope import RowScope
 from dvllm.worker.step_cache_state import CacheState, Group, factor_values, pool_values
 
@@ -42,8 +44,10 @@ UNBATCHED_ARGS = frozenset({"image_rotary_emb"})  # positions, shared by every r
 class ForwardCache:
     """The cache decisions and state of one batched forward."""
 
-    def __init__(self, spec: CacheSpec, groups: list[Group], num_rows: int, image_tokens: int) -> None:
+    def __init__(self, spec: CacheSpec, groups: list[Group], num_rows: int, image_tokens: int,
+                 row_tokens: list[int] | None = None) -> None:
         self.spec, self.groups, self.num_rows, self.image_tokens = spec, groups, num_rows, image_tokens
+        self.row_tokens = row_tokens  # each row's real tokens in the masked stream (spec.mask_arg), from the host
         self.fbc = [g for g in groups if g.state.config.method == "first_block"]
         self.taylor = [g for g in groups if g.state.config.method == "taylorseer"]
         self.mag = [g for g in groups if g.state.config.method == "mag"]
@@ -59,6 +63,7 @@ class ForwardCache:
                          for g in self.taylor if g.state.num_orders}
         self._new_factors = {id(g): self._taylor_views(g, g.new) for g in self.taylor if g.computes}
         self.active: torch.Tensor | None = None  # forward rows flowing through the blocks now (None: all)
+        self.active_rows: list[int] = list(range(num_rows))  # the same rows, on the host
         self.head_in: torch.Tensor | None = None  # the head block's hidden input, every row
         self.encoder_in: torch.Tensor | None = None
         self.head_out: Any = None  # the head block's output, on the rows that ran it (head_pos: row -> index)
@@ -69,13 +74,14 @@ class ForwardCache:
         arguments = call.arguments
         hidden_in = arguments[self.spec.hidden_arg]
         self.head_in, self.encoder_in = hidden_in, arguments.get("encoder_hidden_states")
+        device = hidden_in.device
         skipping = {r for g in self.mag if not g.computes for r in g.rows}  # these skip every block, the head too
         rows = [r for r in range(self.num_rows) if r not in skipping]
         if skipping:
-            self.active = torch.tensor(rows, dtype=torch.long, device=hidden_in.device)
+            self.active, self.active_rows = device_index(rows, device), rows
             if not rows:
                 return self._assemble(None)
-            out = call.on_rows(self.num_rows, self.active)
+            out = call.on_rows(self.num_rows, rows, self.active)
         else:
             out = call.run()
         self.head_out, self.head_pos = out, {row: i for i, row in enumerate(rows)}
@@ -84,32 +90,40 @@ class ForwardCache:
         if not skipping:
             return out
         compute = [r for r in rows if r not in skipping]
-        self.active = torch.tensor(compute, dtype=torch.long, device=hidden_in.device)
+        self.active, self.active_rows = device_index(compute, device), compute
         if not compute:  # every row skips: the kept residuals give the blocks' result now
             return self._assemble(None)
         if len(compute) == len(rows):
             return out
-        local = torch.tensor([self.head_pos[r] for r in compute], dtype=torch.long, device=hidden_in.device)
+        local = device_index([self.head_pos[r] for r in compute], device)
         if self.spec.hidden_index is None:
             return out[local]
         return tuple(o if o is None else o[local] for o in out)
 
     def _decide_first_block(self, arguments: dict, hidden_in: torch.Tensor, rows: list[int]) -> set[int]:
-        """diffusers' first-block decision for each group, on the head's output; returns the rows that skip."""
-        residual = self._hidden(self.head_out) - (hidden_in if len(rows) == self.num_rows else hidden_in[rows])
+        """diffusers' first-block decision for each group, on the head's output; returns the rows that skip.
+        Every group's measure is computed on the device, and all are read back at once: the step's one wait."""
+        device = hidden_in.device
+        residual = self._hidden(self.head_out) - (hidden_in if len(rows) == self.num_rows else hidden_in[self.active])
         lengths = None
-        if self.spec.mask_arg:  # rows of their own lengths: each row's real tokens (no mask: all are real)
-            mask = arguments.get(self.spec.mask_arg)
-            full = [residual.shape[1]] * self.num_rows if mask is None else mask.sum(dim=1).tolist()
-            lengths = [full[r] for r in rows]
+        if self.spec.mask_arg:  # rows of their own lengths (no mask: every token of every row is real)
+            masked = arguments.get(self.spec.mask_arg) is not None
+            lengths = [self.row_tokens[r] if masked else residual.shape[1] for r in rows]
+        measured = []
+        for g in self.fbc:
+            g.local = device_index([self.head_pos[r] for r in g.rows], device)
+            if g.state.primed:
+                local = [self.head_pos[r] for r in g.rows]
+                measured.append((g, _measure(residual, local, g.local, self._residual_view(g, g.data, 0), lengths)))
+        ratios = torch.stack([m for _, m in measured]).tolist() if measured else []
+        for g, ratio in zip((g for g, _ in measured), ratios):
+            g.computes = ratio > g.state.config.threshold
         skipping: set[int] = set()
         for g in self.fbc:
-            local = [self.head_pos[r] for r in g.rows]
-            previous = self._residual_view(g, g.data, 0)
-            g.computes = not g.state.primed or _moved(residual, local, previous, lengths, g.state.config.threshold)
-            if g.computes:
+            if g.computes:  # (a group not yet primed computes)
                 g.new = torch.empty_like(g.data)
-                self._residual_view(g, g.new, 0).copy_(_fit_tokens(residual[local], previous.shape[1]))
+                kept = self._residual_view(g, g.new, 0)
+                kept.copy_(_fit_tokens(residual[g.local], kept.shape[1]))
             else:
                 skipping.update(g.rows)
         return skipping
@@ -128,10 +142,10 @@ class ForwardCache:
             out[self.spec.hidden_index] = arguments[self.spec.hidden_arg]
             out[1 - self.spec.hidden_index] = arguments.get("encoder_hidden_states")
             return tuple(out)
-        out = call.on_rows(self.num_rows, self.active)
+        out = call.on_rows(self.num_rows, self.active_rows, self.active)
         if not is_tail:
             return out
-        self._keep_tail(out, self.active.tolist())
+        self._keep_tail(out, self.active_rows)
         return self._assemble(out)
 
     def _keep_tail(self, out: Any, rows: list[int]) -> None:
@@ -141,12 +155,11 @@ class ForwardCache:
         hidden = self._hidden(out)
         for g in self.fbc + self.mag:
             if g.computes:
-                local = [position[r] for r in g.rows]
+                local = device_index([position[r] for r in g.rows], hidden.device)
                 if g in self.fbc:
-                    kept, start = self._residual_view(g, g.new, 1), self._hidden(self.head_out)[
-                        [self.head_pos[r] for r in g.rows]]
+                    kept, start = self._residual_view(g, g.new, 1), self._hidden(self.head_out)[g.local]
                 else:
-                    kept, start = self._residual_view(g, g.new, 0), self.head_in[g.rows]
+                    kept, start = self._residual_view(g, g.new, 0), self.head_in[g.index]
                 kept.copy_(_fit_tokens(hidden[local] - start, kept.shape[1]))
 
     def _assemble(self, computed: Any) -> Any:
@@ -157,11 +170,11 @@ class ForwardCache:
         hidden = base.clone()
         for g in self.fbc:
             if not g.computes:
-                head = self._hidden(self.head_out)[[self.head_pos[r] for r in g.rows]]
-                hidden[g.rows] = _fit_tokens(self._residual_view(g, g.data, 1), hidden.shape[1]) + head
+                head = self._hidden(self.head_out)[g.local]
+                hidden[g.index] = _fit_tokens(self._residual_view(g, g.data, 1), hidden.shape[1]) + head
         for g in self.mag:
             if not g.computes:
-                hidden[g.rows] = base[g.rows] + _fit_tokens(self._residual_view(g, g.data, 0), hidden.shape[1])
+                hidden[g.index] = base[g.index] + _fit_tokens(self._residual_view(g, g.data, 0), hidden.shape[1])
         if computed is not None:
             hidden[self.active] = self._hidden(computed)
         if h is None:
@@ -175,7 +188,7 @@ class ForwardCache:
 
     # taylorseer
     def attention(self, module: int, call: Call) -> Any:
-        rows = list(range(self.num_rows)) if self.active is None else self.active.tolist()
+        rows = self.active_rows
         position = {row: i for i, row in enumerate(rows)}
         predicting = [g for g in self.taylor if not g.computes and g.rows[0] in position]
         if not predicting:
@@ -192,13 +205,13 @@ class ForwardCache:
         skip = {position[r] for g in predicting for r in g.rows}
         compute = [i for i in range(len(rows)) if i not in skip]
         if compute:
-            index = torch.tensor(compute, dtype=torch.long, device=hidden.device)
-            computed = call.on_rows(len(rows), index)
+            index = device_index(compute, hidden.device)
+            computed = call.on_rows(len(rows), compute, index)
             self._refresh(module, [rows[i] for i in compute], computed)
             for o, c in zip(outputs, _as_tuple(computed)):
                 o[index] = c
         for g in predicting:
-            local = [position[r] for r in g.rows]
+            local = device_index([position[r] for r in g.rows], hidden.device)
             for o, predicted in zip(outputs, self._predict(module, g, hidden.dtype)):
                 o[local] = _fit_tokens(predicted, o.shape[1])
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
@@ -209,9 +222,11 @@ class ForwardCache:
         for g in self.taylor:
             if not g.computes or g.rows[0] not in position:
                 continue
-            local = [position[r] for r in g.rows]
             old, new = self._factors.get(id(g)), self._new_factors[id(g)]
+            local = None
             for o, features in enumerate(_as_tuple(out)):
+                if local is None:
+                    local = device_index([position[r] for r in g.rows], features.device)
                 factors = [_fit_tokens(features[local], new[module][o][0].shape[1])]
                 if g.state.last_update_step is not None:
                     delta = g.step - g.state.last_update_step
@@ -260,10 +275,7 @@ class ForwardCache:
 
     def _tokens(self, kind: str, g: Group) -> int:
         """Tokens a row's state keeps for one stream (text: the group's own length; unified: padded parts)."""
-        if kind == "unified":
-            multiple = self.spec.layout.token_multiple
-            return -(-self.image_tokens // multiple) * multiple + -(-g.text_tokens // multiple) * multiple
-        return {"image": self.image_tokens, "text": g.text_tokens, "joint": g.text_tokens + self.image_tokens}[kind]
+        return stream_tokens(self.spec, kind, self.image_tokens, g.text_tokens)
 
     def _hidden(self, out: Any) -> torch.Tensor:
         return out if self.spec.hidden_index is None else out[self.spec.hidden_index]
@@ -324,17 +336,17 @@ class CacheHooks:
             self.current = None
 
 
-def _moved(residual: torch.Tensor, rows: list[int], previous: torch.Tensor, lengths: list[int] | None,
-           threshold: float) -> bool:
-    """diffusers' FBCHeadBlockHook._should_compute_remaining_blocks, on one group's rows (with `lengths`,
-    each row's own real tokens only)."""
+def _measure(residual: torch.Tensor, rows: list[int], index: torch.Tensor, previous: torch.Tensor,
+             lengths: list[int] | None) -> torch.Tensor:
+    """The measure of diffusers' FBCHeadBlockHook._should_compute_remaining_blocks on one group's rows (`rows`,
+    on the device `index`; with `lengths`, each row's own real tokens only), left on the device."""
     if lengths is None:
-        current = residual[rows]
+        current = residual[index]
     else:  # each row's own tokens, so the measure cannot depend on the batch's padding
         current = torch.cat([residual[r, :lengths[r]] for r in rows])
         previous = torch.cat([previous[i, :lengths[r]] for i, r in enumerate(rows)])
     absmean = (current - previous).abs().mean()
-    return (absmean / previous.abs().mean()).item() > threshold
+    return absmean / previous.abs().mean()
 
 
 @dataclass
@@ -354,8 +366,9 @@ class Call:
     def arguments(self) -> dict[str, Any]:
         return self.signature.bind(*self.args, **self.kwargs).arguments
 
-    def on_rows(self, rows: int, index: torch.Tensor) -> Any:
-        """The call on the rows in `index` only: every batched tensor (first dimension `rows`) is cut."""
+    def on_rows(self, rows: int, chosen: list[int], index: torch.Tensor) -> Any:
+        """The call on the rows `chosen` only (`index`: the same on the device): every batched tensor (first
+        dimension `rows`) is cut."""
         bound = self.signature.bind(*self.args, **self.kwargs)
 
         def cut(name: str, value: Any) -> Any:
@@ -369,7 +382,7 @@ class Call:
 
         for name, value in list(bound.arguments.items()):
             bound.arguments[name] = cut(name, value)
-        with self.rows.narrow(index):
+        with self.rows.narrow(chosen, index):
             return self.fn(*bound.args, **bound.kwargs)
 
 
@@ -394,19 +407,17 @@ def _fit_tokens(x: torch.Tensor, tokens: int) -> torch.Tensor:
 
 
 def forward_cache(spec: CacheSpec, read: Callable[[list[list[int]], int], torch.Tensor], states: list[Any],
-                  bounds: list[tuple[int, int]], height: int, width: int,
-                  text_lengths: list[int] | None = None) -> ForwardCache:
-    """The groups of one forward laid out as denoise_batch lays it out: every request's rows in order, then
-    the CFG requests' (which come first) unconditional rows in the same order. `text_lengths`: each row's
-    real text tokens, where the family masks its text (checked against what the state keeps)."""
-    num_cond = bounds[-1][1] if bounds else 0
+                  layout: BatchLayout) -> ForwardCache:
+    """The groups of one forward, its rows as the layout gives them (states in the layout's order). Where the
+    family masks its text, each row's real text tokens come from the layout (checked against what the state
+    keeps)."""
     groups = []
-    for s, (lo, hi) in zip(states, bounds):
+    text_lengths = layout.row_text_lengths
+    for i, s in enumerate(states):
         if s.cache is None:
             continue
         text_tokens = s.cache.text_tokens
-        cond = list(range(lo, hi))
-        uncond = [num_cond + r for r in cond] if s.data.cfg else []
+        cond, uncond = layout.request_rows(i)
         blocks = s.blocks.cache  # cond rows first, then uncond rows
         if spec.separate_cfg_branches and uncond:
             parts = [(cond, blocks[:s.n]), (uncond, blocks[s.n:])]
@@ -417,7 +428,19 @@ def forward_cache(spec: CacheSpec, read: Callable[[list[list[int]], int], torch.
             if spec.layout.text_bytes_extra is not None and longest > text_tokens:
                 raise ValueError(f"step cache: a text of this request has {longest} tokens, more than the "
                                  f"{text_tokens} its cache state was sized for")
+            data = read(row_blocks, s.cache.numel)
             groups.append(Group(state=s.cache, rows=rows, blocks=row_blocks, step=s.step, text_tokens=text_tokens,
-                                data=read(row_blocks, s.cache.numel)))
-    num_rows = num_cond + sum(s.n for s in states if s.data.cfg)
-    return ForwardCache(spec, groups, num_rows, spec.layout.image_tokens(height, width))
+                                data=data, index=device_index(rows, data.device)))
+    image_tokens = spec.layout.image_tokens(*layout.image_size)
+    row_tokens = None
+    if spec.mask_arg and text_lengths is not None:
+        row_tokens = [stream_tokens(spec, spec.layout.hidden_kind, image_tokens, t) for t in text_lengths]
+    return ForwardCache(spec, groups, layout.num_rows, image_tokens, row_tokens)
+
+
+def stream_tokens(spec: CacheSpec, kind: str, image_tokens: int, text_tokens: int) -> int:
+    """Tokens of one row's stream of a kind (unified: image and text, each padded to the token multiple)."""
+    if kind == "unified":
+        multiple = spec.layout.token_multiple
+        return -(-image_tokens // multiple) * multiple + -(-text_tokens // multiple) * multiple
+    return {"image": image_tokens, "text": text_tokens, "joint": text_tokens + image_tokens}[kind]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dvllm.step_cache import CacheConfig, CacheLayout
@@ -24,7 +25,7 @@ class CacheState:
     # mag: MagCacheState's counters, and the calibrated ratios as diffusers interpolates them
     step_index: int = 0
     accumulated: tuple = (1.0, 0, 0.0)   # ratio, steps, error
-    mag_ratios: torch.Tensor | None = None
+    mag_ratios: np.ndarray | None = None  # as numpy scalars: the same float32 arithmetic, on the host
 
     @classmethod
     def sized(cls, config: CacheConfig, layout: CacheLayout, data: Any) -> "CacheState":
@@ -35,7 +36,7 @@ class CacheState:
 
     def __post_init__(self) -> None:
         if self.config.method == "mag":
-            self.mag_ratios = self.config.diffusers_config().mag_ratios
+            self.mag_ratios = self.config.diffusers_config().mag_ratios.numpy()
 
     def mag_decision(self) -> tuple[bool, tuple]:
         """diffusers' MagCacheHeadHook decision (same arithmetic, float32 ratios included): whether this step
@@ -66,6 +67,7 @@ class Group:
 
     state: CacheState
     rows: list[int]           # row indices in the forward
+    index: torch.Tensor       # the same, on the device
     blocks: list[list[int]]   # each row's cache blocks in the pool
     step: int
     text_tokens: int          # text tokens its state keeps per text (or unified) stream
@@ -74,6 +76,7 @@ class Group:
     new: torch.Tensor | None = None  # what this forward writes back (computing groups)
     new_orders: int = 0              # taylorseer: factors the refresh produced
     mag_next: tuple = ()             # mag: the accumulated ratio, steps and error after this step
+    local: torch.Tensor | None = None  # first_block: its rows among those that ran the head block, on the device
 
 
 def factor_values(data: torch.Tensor, dtype_name: str) -> torch.Tensor:

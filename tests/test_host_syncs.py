@@ -1,0 +1,120 @@
+"""No step waits on the device: one engine step of every family, with and without LoRA and with each step
+cache method, reads nothing back from the device and copies nothing to it with a blocking copy
+(host_syncs.py says how that is seen on the CPU). first_block caching alone needs its decision on the host:
+one read per step, for all its requests together. And every family's batched denoiser call traces whole
+under torch.compile(fullgraph=True): a graph break is where a CUDA graph capture would fail.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+from host_syncs import HostSyncs
+from lora_utils import make_lora
+from PIL import Image
+
+from dvllm import DiffusionEngine, SamplingParams
+
+# family -> (fixture, edit model, UNet: has ancestral samplers on its own noise)
+FAMILIES = {
+    "sd": ("sd_eps_path", False, True),
+    "sd-lcm": ("sd_guidance_embed_path", False, True),
+    "sdxl": ("sdxl_path", False, True),
+    "sd3": ("sd3_path", False, False),
+    "flux": ("flux_path", False, False),
+    "flux-kontext": ("kontext_path", True, False),
+    "qwen-image": ("qwen_image_path", False, False),
+    "qwen-image-edit": ("qwen_image_edit_plus_path", True, False),
+    "z-image": ("z_image_path", False, False),
+}
+CACHING = ("sd3", "flux", "qwen-image", "z-image")
+MAG = {"method": "mag", "mag_ratios": [1.0] * 4, "num_inference_steps": 4, "threshold": 0.5}
+CACHES = {"first_block": {"method": "first_block", "threshold": 0.5}, "taylorseer": {"method": "taylorseer"},
+          "mag": MAG}
+# Inside diffusers, not dvllm's to remove: QwenImageTransformer2DModel makes a 0-d tensor from a Python int on
+# the device whenever a text mask is passed (texts of different lengths in one forward).
+DIFFUSERS_SITES = {("as_tensor(..., device=...) (a blocking copy)", "transformer_qwenimage.py")}
+
+CASES = [(f, False, None) for f in FAMILIES] + [(f, True, None) for f in FAMILIES]
+CASES += [(f, True, method) for f in CACHING for method in CACHES]
+
+
+@pytest.fixture(scope="module")
+def kontext_path(tmp_path_factory) -> str:
+    from test_flux_kontext import tiny_flux_kontext_pipeline
+
+    path = tmp_path_factory.mktemp("tiny-flux-kontext")
+    tiny_flux_kontext_pipeline().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def lora_folders(tmp_path_factory) -> dict[str, str]:
+    return {}
+
+
+def _lora(path: str, folders: dict[str, str], tmp_path_factory) -> str:
+    if path not in folders:
+        pipe = DiffusionPipeline.from_pretrained(path)
+        folders[path] = make_lora(pipe, str(tmp_path_factory.mktemp("lora")), seed=0)
+    return folders[path]
+
+
+def _requests(edit: bool, unet: bool, lora: bool, cache: dict | None, steps: int = 4
+              ) -> list[tuple[str, SamplingParams]]:
+    """Three requests of one size: with and without CFG, two images for one, other seeds and texts."""
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) if edit else None
+    common = dict(num_inference_steps=steps, height=32, width=32, image=image, cache=cache)
+    return [
+        ("a red cat on a mat", SamplingParams(guidance_scale=5.0, seed=1, negative_prompt="blurry", n=2,
+                                              sampler="euler_a" if unet else None,
+                                              loras={"l": 0.8} if lora else None, **common)),
+        ("x", SamplingParams(guidance_scale=1.0, seed=2, **common)),
+        ("dog", SamplingParams(guidance_scale=3.0, seed=3, negative_prompt="bad, ugly, low quality", **common)),
+    ]
+
+
+def _own_sites(syncs: HostSyncs) -> dict:
+    return {(what, where): n for (what, where), n in syncs.sites.items()
+            if not any(what == w and site in where for w, site in DIFFUSERS_SITES)}
+
+
+@pytest.mark.parametrize("family, lora, method", CASES,
+                         ids=[f"{f}{'-lora' if lora else ''}{'-' + m if m else ''}" for f, lora, m in CASES])
+def test_a_step_reads_nothing_back_from_the_device(family, lora, method, request, lora_folders, tmp_path_factory):
+    fixture, edit, unet = FAMILIES[family]
+    path = request.getfixturevalue(fixture)
+    engine = DiffusionEngine(model=path, device="cpu", dtype="float32", enable_lora=lora)
+    if lora:
+        engine.load_lora("l", _lora(path, lora_folders, tmp_path_factory))
+    for i, (prompt, params) in enumerate(_requests(edit, unet, lora, CACHES.get(method))):
+        engine.add_request(str(i), prompt, params)
+    engine.step()  # admission (encoding reads the texts' lengths once) and the first step
+    engine.step()  # a cache is primed by now
+    with HostSyncs() as syncs:
+        outputs = engine.step()
+    assert not [o.error for o in outputs if o.error], outputs
+    assert engine.has_unfinished_requests()  # a middle step: no request finished (a decode reads back)
+    own = _own_sites(syncs)
+    allowed = 1 if method == "first_block" else 0
+    report = "\n".join(f"  {n} x {what} at {where}" for (what, where), n in own.items())
+    assert sum(own.values()) <= allowed, f"{family}: host syncs in one step:\n{report}"
+    # first_block's one read is its decision, nothing else
+    assert all(where.startswith("dvllm/worker/step_cache_hooks.py:") for _, where in own), report
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_batched_forward_traces_whole(family, request, monkeypatch):
+    fixture, edit, unet = FAMILIES[family]
+    engine = DiffusionEngine(model=request.getfixturevalue(fixture), device="cpu", dtype="float32")
+    runner = engine.executor.worker.runner
+    torch._dynamo.reset()
+    # backend "eager": only dynamo's tracing, which is where a graph break shows (fullgraph makes it an error)
+    runner.denoiser.compiled = torch.compile(runner.adapter.denoise, fullgraph=True, backend="eager")
+    torch._dynamo.utils.counters.clear()
+    requests = _requests(edit, unet, False, None, steps=2)
+    outs = engine.generate([prompt for prompt, _ in requests], [p for _, p in requests], use_tqdm=False)
+    assert [o.error for o in outs] == [None] * len(outs)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it traced: the forward ran compiled
