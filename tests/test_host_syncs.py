@@ -6,6 +6,9 @@ under torch.compile(fullgraph=True): a graph break is where a CUDA graph capture
 """
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -81,18 +84,27 @@ def _own_sites(syncs: HostSyncs) -> dict:
             if not any(what == w and site in where for w, site in DIFFUSERS_SITES)}
 
 
-@pytest.mark.parametrize("family, lora, method", CASES,
-                         ids=[f"{f}{'-lora' if lora else ''}{'-' + m if m else ''}" for f, lora, m in CASES])
-def test_a_step_reads_nothing_back_from_the_device(family, lora, method, request, lora_folders, tmp_path_factory):
+IDS = [f"{f}{'-lora' if lora else ''}{'-' + m if m else ''}" for f, lora, m in CASES]
+
+
+def _engine_at_a_middle_step(family: str, lora: bool, method: str | None, device: str, request, lora_folders,
+                             tmp_path_factory) -> DiffusionEngine:
+    """An engine with three requests admitted and two steps run (a cache is primed by then)."""
     fixture, edit, unet = FAMILIES[family]
     path = request.getfixturevalue(fixture)
-    engine = DiffusionEngine(model=path, device="cpu", dtype="float32", enable_lora=lora)
+    engine = DiffusionEngine(model=path, device=device, dtype="float32", enable_lora=lora)
     if lora:
         engine.load_lora("l", _lora(path, lora_folders, tmp_path_factory))
     for i, (prompt, params) in enumerate(_requests(edit, unet, lora, CACHES.get(method))):
         engine.add_request(str(i), prompt, params)
     engine.step()  # admission (encoding reads the texts' lengths once) and the first step
-    engine.step()  # a cache is primed by now
+    engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("family, lora, method", CASES, ids=IDS)
+def test_a_step_reads_nothing_back_from_the_device(family, lora, method, request, lora_folders, tmp_path_factory):
+    engine = _engine_at_a_middle_step(family, lora, method, "cpu", request, lora_folders, tmp_path_factory)
     with HostSyncs() as syncs:
         outputs = engine.step()
     assert not [o.error for o in outputs if o.error], outputs
@@ -103,6 +115,26 @@ def test_a_step_reads_nothing_back_from_the_device(family, lora, method, request
     assert sum(own.values()) <= allowed, f"{family}: host syncs in one step:\n{report}"
     # first_block's one read is its decision, nothing else
     assert all(where.startswith("dvllm/worker/step_cache_hooks.py:") for _, where in own), report
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's own sync check needs a GPU")
+@pytest.mark.parametrize("family, lora, method", CASES, ids=IDS)
+def test_a_cuda_step_syncs_within_the_allowance(family, lora, method, request, lora_folders, tmp_path_factory):
+    """The same on a GPU, counted by CUDA itself (torch.cuda.set_sync_debug_mode warns at each sync)."""
+    engine = _engine_at_a_middle_step(family, lora, method, "cuda", request, lora_folders, tmp_path_factory)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            outputs = engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert not [o.error for o in outputs if o.error], outputs
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    # first_block's decision; diffusers' own copy in Qwen-Image's transformer (DIFFUSERS_SITES)
+    allowed = (method == "first_block") + family.startswith("qwen-image")
+    assert len(syncs) <= allowed, syncs
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -118,3 +150,21 @@ def test_every_family_batched_forward_traces_whole(family, request, monkeypatch)
     outs = engine.generate([prompt for prompt, _ in requests], [p for _, p in requests], use_tqdm=False)
     assert [o.error for o in outs] == [None] * len(outs)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it traced: the forward ran compiled
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_replays_a_cuda_graph_with_the_eager_images(family, request):
+    fixture, edit, unet = FAMILIES[family]
+    path = request.getfixturevalue(fixture)
+    requests = _requests(edit, unet, False, None, steps=3)
+    prompts, params = [prompt for prompt, _ in requests], [dataclasses.replace(p, output_type="np") for _, p in requests]
+    eager = DiffusionEngine(model=path, device="cuda", dtype="float32").generate(prompts, params, use_tqdm=False)
+    engine = DiffusionEngine(model=path, device="cuda", dtype="float32", cuda_graph=True)
+    graphs = engine.generate(prompts, params, use_tqdm=False)
+    captured = engine.executor.worker.runner.denoiser.graphs
+    assert captured and all(g is not None for g in captured.values()), f"{family}: fell back to eager"
+    for want, got in zip(eager, graphs):
+        assert got.error is None, got.error
+        for a, b in zip(got.images, want.images):
+            np.testing.assert_allclose(a, b, atol=1e-3, rtol=0)  # as test_compiled_denoiser's SD check

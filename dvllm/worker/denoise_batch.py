@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,15 +57,37 @@ class Batch:
         return (-1,) + (1,) * (self.sample.dim() - 1)
 
 
-def denoise_step(adapter: ModelAdapter, denoiser: Denoiser, pool: StatePool, states: list[RequestState],
-                 errors: dict[str, str], previews: dict[str, torch.Tensor], timer: PhaseTimer,
-                 hooks: CacheHooks | None = None, cached: dict[str, tuple[bool, int, int]] | None = None,
-                 lora: LoraLayers | None = None) -> None:
-    """Advance every state by one step. The pool is written only after the forward succeeded.
-    Requests due for a preview leave their x0 estimate in `previews`. With step caching (`hooks`),
-    each caching request's outcome goes to `cached`: (step cached, rows skipped, rows computed).
-    Requests with LoRA adapters get them on all their rows, the unconditional ones too (`lora`).
-    Nothing here reads a device tensor back to the host (first_block caching's decision aside)."""
+@dataclass
+class StepParts:
+    """What every step runs through: the worker's model, forward, pool and the layers hooked into the model."""
+
+    adapter: ModelAdapter
+    denoiser: Denoiser
+    pool: StatePool
+    timer: PhaseTimer
+    lora: LoraLayers
+    hooks: CacheHooks | None = None  # step caching (installed with the first caching request)
+
+
+@dataclass
+class StepResult:
+    errors: dict[str, str] = field(default_factory=dict)  # request -> why its own sampler failed
+    previews: dict[str, torch.Tensor] = field(default_factory=dict)  # x0 estimates of requests due for one
+    cached: dict[str, tuple[bool, int, int]] = field(default_factory=dict)  # caching requests: (step cached,
+    #                                                                          rows skipped, rows computed)
+
+    def merge(self, other: "StepResult") -> None:
+        for mine, theirs in ((self.errors, other.errors), (self.previews, other.previews),
+                             (self.cached, other.cached)):
+            mine.update(theirs)
+
+
+def denoise_step(parts: StepParts, states: list[RequestState]) -> StepResult:
+    """Advance every state by one step: schedule's batch -> one forward -> update. The pool is written only
+    after the forward succeeded. Requests with LoRA adapters get them on all their rows, the unconditional
+    ones too. Nothing here reads a device tensor back to the host (first_block caching's decision aside)."""
+    adapter, pool, timer, hooks, result = parts.adapter, parts.pool, parts.timer, parts.hooks, StepResult()
+    # 1. gather: the rows' latents, step table, noise and conditions, laid out as the BatchLayout says
     with timer.phase("gather"):
         batch = gather(adapter, pool, sorted(states, key=lambda s: not s.data.cfg))
         layout = batch.layout
@@ -74,19 +96,23 @@ def denoise_step(adapter: ModelAdapter, denoiser: Denoiser, pool: StatePool, sta
     caching = None
     if hooks is not None and any(s.cache is not None for s in batch.states):
         caching = forward_cache(hooks.spec, pool.read, batch.states, layout)
+    # 2. forward
     with timer.phase("forward"):
         if caching is None and not layout.row_loras:
-            out = denoiser(model_in, timesteps, conditions, guidance, layout)
+            out = parts.denoiser(model_in, timesteps, conditions, guidance, layout)
         else:  # eager: which rows run the blocks, and with which adapters, is decided inside the forward
-            with (hooks.running(caching) if caching is not None else nullcontext()), lora.running(layout.row_loras):
+            with (hooks.running(caching) if caching is not None else nullcontext()), \
+                    parts.lora.running(layout.row_loras):
                 out = adapter.denoise(model_in, timesteps, conditions, guidance, layout)
+    # 3. guidance, 4. the sampler update written back into the pool, 5. step caching's state
     with timer.phase("update_scatter"):
-        update(pool, batch, guide(adapter, batch, out), errors, previews)
-        renoise_known_region(adapter, pool, batch.states, errors)
+        update(pool, batch, guide(adapter, batch, out), result.errors, result.previews)
+        renoise_known_region(adapter, pool, batch.states, result.errors)
         if caching is not None:
             ids = {id(s.cache): s.request_id for s in batch.states if s.cache is not None}
             for state, skipped, computed in caching.commit(pool.write):
-                cached[ids[id(state)]] = (computed == 0, skipped, computed)
+                result.cached[ids[id(state)]] = (computed == 0, skipped, computed)
+    return result
 
 
 def batch_layout(adapter: ModelAdapter, states: list[RequestState]) -> BatchLayout:

@@ -17,7 +17,7 @@ from dvllm.models.base import ModelAdapter
 from dvllm.profiler import PhaseTimer
 from dvllm.sampling_params import as_images
 from dvllm.worker.conditions import flatten, unflatten
-from dvllm.worker.denoise_batch import denoise_step
+from dvllm.worker.denoise_batch import StepParts, StepResult, denoise_step
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.request_state import RequestState, row_bounds
@@ -74,13 +74,14 @@ class ModelRunner:
             if request_id in self.states and request_id not in errors:
                 self.states[request_id].step = step
                 batch.append(self.states[request_id])
-        x0: dict[str, torch.Tensor] = {}
-        cached: dict[str, tuple[bool, int, int]] = {}
+        step = StepResult()
         if batch:
-            hooks = self.cache_hooks if any(s.cache is not None for s in batch) else None
-            _per_request(batch, lambda group: denoise_step(self.adapter, self.denoiser, self.pool, group, errors, x0,
-                                                           self.timer, hooks, cached, self.lora),
-                         errors, "denoise", checkpoint=_rng_checkpoint)
+            parts = StepParts(self.adapter, self.denoiser, self.pool, self.timer, self.lora,
+                              self.cache_hooks if any(s.cache is not None for s in batch) else None)
+            _per_request(batch, lambda group: step.merge(denoise_step(parts, group)), errors, "denoise",
+                         checkpoint=_rng_checkpoint)
+            errors.update(step.errors)
+        x0, cached = step.previews, step.cached
         finishing = set(out.finishing_ids)
         finished = [s for s in batch if s.request_id in finishing and s.request_id not in errors]
         with self.timer.phase("decode"):
