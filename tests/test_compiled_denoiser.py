@@ -129,3 +129,25 @@ def test_compiled_denoiser_with_lora_layers_loaded_keeps_fidelity(sd_eps_path, t
     for want, got in zip(*results):
         assert got.error is None, got.error
         np.testing.assert_allclose(got.images[0], want.images[0], atol=1e-3, rtol=0)
+
+
+def test_graph_replay_copies_each_input_once_into_its_buffer_padded_with_the_last_row():
+    """A captured graph's replay, with a stand-in for the CUDA graph (the CPU has none): each input lands in its
+    static buffer, rows past it repeat its last row, and the output is the graph's own buffer."""
+    from dvllm.worker.denoiser import _Graph
+
+    adapter, bucket = RowWiseAdapter(), 8
+    buffers = [torch.zeros(bucket, 4, 2, 2), torch.zeros(bucket), torch.zeros(bucket), torch.zeros(bucket, 3, 5)]
+    output = torch.zeros(bucket, 4, 2, 2)
+
+    class StandIn:  # what the captured kernels do: the forward from the static buffers into the output buffer
+        def replay(self) -> None:
+            latents, timesteps, guidance, embeds = buffers
+            output.copy_(adapter.denoise(latents, timesteps, {"prompt_embeds": embeds}, guidance, None))
+
+    graph = _Graph(StandIn(), buffers, output)
+    args = (torch.randn(5, 4, 2, 2), torch.rand(5), {"prompt_embeds": torch.randn(5, 3, 5)}, torch.rand(5))
+    out = graph.replay(args)
+    assert out is output
+    torch.testing.assert_close(out[:5], adapter.denoise(*args, None))
+    torch.testing.assert_close(buffers[0][5:], args[0][-1:].expand(3, 4, 2, 2))  # padding: the last real row

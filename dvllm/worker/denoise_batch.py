@@ -100,6 +100,8 @@ def denoise_step(parts: StepParts, states: list[RequestState]) -> StepResult:
     with timer.phase("forward"):
         if caching is None and not layout.row_loras:
             out = parts.denoiser(model_in, timesteps, conditions, guidance, layout)
+            if parts.denoiser.graphs is not None and not all(batch.fused):
+                out = out.clone()  # a replay's output buffer, and a diffusers scheduler may keep what it steps on
         else:  # eager: which rows run the blocks, and with which adapters, is decided inside the forward
             with (hooks.running(caching) if caching is not None else nullcontext()), \
                     parts.lora.running(layout.row_loras):

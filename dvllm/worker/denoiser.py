@@ -58,26 +58,29 @@ class Denoiser:
             return self.fn(latents, timesteps, conditions, guidance, layout)
         rows = len(latents)
         bucket = next((b for b in self.buckets if b >= rows), rows)
-        args = (_pad(latents, bucket), _pad(timesteps, bucket), {k: _pad(v, bucket) for k, v in conditions.items()},
-                _pad(guidance, bucket))
         layout = layout.padded(bucket)
+
+        def padded() -> tuple:
+            return (_pad(latents, bucket), _pad(timesteps, bucket),
+                    {k: _pad(v, bucket) for k, v in conditions.items()}, _pad(guidance, bucket))
+
         if self.graphs is None:
-            return self.fn(*args, layout)[:rows]
+            return self.fn(*padded(), layout)[:rows]
         key = (bucket, tuple(latents.shape[1:]), self.adapter.graph_key(layout),
                tuple((k, v.shape[1:]) for k, v in conditions.items()))
         if key not in self.graphs:
             if len(self.graphs) >= self.max_graphs:
                 self.graphs.popitem(last=False)
             try:
-                self.graphs[key] = _Graph.capture(self.fn, args, layout, self.graph_pool)
+                self.graphs[key] = _Graph.capture(self.fn, padded(), layout, self.graph_pool)
             except Exception:  # e.g. a host-to-device copy inside the forward: not capturable
                 logger.warning("cannot capture a CUDA graph for %s; running it eagerly", key, exc_info=True)
                 self.graphs[key] = None
         self.graphs.move_to_end(key)
         graph = self.graphs[key]
         if graph is None:
-            return self.fn(*args, layout)[:rows]
-        return graph.replay(args)[:rows]
+            return self.fn(*padded(), layout)[:rows]
+        return graph.replay((latents, timesteps, conditions, guidance))[:rows]
 
 
 def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -110,8 +113,15 @@ class _Graph:
         return cls(graph, inputs, output)
 
     def replay(self, args: tuple) -> torch.Tensor:
+        """The forward on `args` (rows up to the bucket): each input is copied once, straight into its static
+        buffer, and the rows past it filled with its last row (no padded copy in between). Returns the
+        graph's own output buffer, without a copy: it holds until the next replay, and a step uses it before
+        then (denoise_batch copies it where a diffusers scheduler might keep it)."""
         latents, timesteps, conditions, guidance = args
         for buffer, value in zip(self.inputs, [latents, timesteps, guidance, *conditions.values()]):
-            buffer.copy_(value)
+            n = len(value)
+            buffer[:n].copy_(value)
+            if n < len(buffer):
+                buffer[n:].copy_(value[-1:].expand(len(buffer) - n, *value.shape[1:]))
         self.graph.replay()
-        return self.output.clone()  # the buffer is overwritten by the next replay
+        return self.output

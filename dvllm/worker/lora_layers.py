@@ -12,8 +12,8 @@ side; the second one accumulates into the output), so rows with different adapte
 and a row pays for its own adapters' ranks only. Rows without adapters pay nothing past the base layer.
 Where every adapted row has the same set, there is no per-row gather: two plain matmuls do it.
 
-Layers are wrapped (an instance `forward`) when an adapter first touches them, and pass every call
-through unless a forward runs under `LoraLayers.running(...)`.
+Layers get a hook in diffusers' hook registry (as its own caches do) when an adapter first touches them,
+and pass every call through unless a forward runs under `LoraLayers.running(...)`.
 """
 from __future__ import annotations
 
@@ -22,11 +22,14 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+from diffusers.hooks import HookRegistry, ModelHook
 
 from dvllm.host_copy import device_index, device_tensor, to_device
 from dvllm.lora.weights import LoraWeights
 from dvllm.models.layout import RowAdapters
 from dvllm.worker.row_scope import RowScope
+
+HOOK_NAME = "dvllm_lora"
 
 
 class _Table:
@@ -125,17 +128,23 @@ class LoraLayers:
         key = (component, name)
         if key not in self.tables:
             table = self.tables[key] = _Table(module, self.num_slots, self.max_rank)
-            original = module.forward
-
-            def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-                out = original(x, *args, **kwargs)
-                plan = self.plan
-                if plan is None or plan.slots.isdisjoint(table.filled):
-                    return out
-                return plan.apply(table, x, out)
-
-            module.forward = forward  # an instance attribute: nn.Module.__call__ finds it before the class's
+            HookRegistry.check_if_exists_or_initialize(module).register_hook(_LoraHook(self, table), HOOK_NAME)
         return self.tables[key]
+
+
+class _LoraHook(ModelHook):
+    """On one adapted layer (through diffusers' hook registry): the base layer, then the rows' updates."""
+
+    def __init__(self, layers: LoraLayers, table: _Table) -> None:
+        super().__init__()
+        self.layers, self.table = layers, table
+
+    def new_forward(self, module: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = self.fn_ref.original_forward(x, *args, **kwargs)
+        plan = self.layers.plan
+        if plan is None or plan.slots.isdisjoint(self.table.filled):
+            return out
+        return plan.apply(self.table, x, out)
 
 
 @dataclass

@@ -18,7 +18,8 @@ leave the forward, so the skipped blocks run on the other rows only.
   run and refresh their Taylor factors; on the others their outputs are predicted from the factors,
   and those rows leave the attention modules' batch.
 
-The hooks are installed once on the adapter's transformer (`CacheHooks`) and pass every call through
+The hooks are installed once on the adapter's transformer (`CacheHooks`, in diffusers' hook registry, as
+diffusers' own cache hooks are) and pass every call through
 unless a forward runs under `CacheHooks.running(forward)`: the runner's eager path, since a decision
 that depends on the data cannot be replayed from a CUDA graph.
 """
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+from diffusers.hooks import HookRegistry, ModelHook
 
 from dvllm.host_copy import device_index
 from dvllm.models.base import CacheSpec
@@ -39,6 +41,7 @@ from dvllm.worker.row_scope import RowScope
 from dvllm.worker.step_cache_state import CacheState, Group, factor_values, pool_values
 
 UNBATCHED_ARGS = frozenset({"image_rotary_emb"})  # positions, shared by every row
+HOOK_NAME = "dvllm_step_cache"
 
 
 class ForwardCache:
@@ -303,6 +306,26 @@ class ForwardCache:
         return outcome
 
 
+class _CacheHook(ModelHook):
+    """On one block or attention module (through diffusers' hook registry): the call as the running forward's
+    cache decides it, or as it is when no caching forward runs."""
+
+    def __init__(self, hooks: "CacheHooks", decide: Callable) -> None:
+        super().__init__()
+        self.hooks, self.decide = hooks, decide
+        self.signature: inspect.Signature | None = None
+
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.signature = inspect.signature(module.forward)  # read once: Call binds every call's arguments to it
+        return module
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        forward, original = self.hooks.current, self.fn_ref.original_forward
+        if forward is None:
+            return original(*args, **kwargs)
+        return self.decide(forward, Call(original, self.signature, args, kwargs, self.hooks.rows))
+
+
 class CacheHooks:
     """Wraps the spec's blocks and attention modules once; each call consults the running forward."""
 
@@ -316,16 +339,8 @@ class CacheHooks:
         for j, module in enumerate(spec.attention):
             self._wrap(module, lambda f, call, j=j: f.attention(j, call))
 
-    def _wrap(self, module: torch.nn.Module, hook: Callable) -> None:
-        original = module.forward
-        signature = inspect.signature(original)
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if self.current is None:
-                return original(*args, **kwargs)
-            return hook(self.current, Call(original, signature, args, kwargs, self.rows))
-
-        module.forward = forward  # an instance attribute: nn.Module.__call__ finds it before the class's
+    def _wrap(self, module: torch.nn.Module, decide: Callable) -> None:
+        HookRegistry.check_if_exists_or_initialize(module).register_hook(_CacheHook(self, decide), HOOK_NAME)
 
     @contextmanager
     def running(self, forward: ForwardCache) -> Iterator[None]:
