@@ -11,9 +11,11 @@ diffusers frame), so a failing test names the line.
 """
 from __future__ import annotations
 
+import os
 import traceback
 import weakref
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,10 +33,15 @@ MAKERS = {torch.tensor, torch.as_tensor, torch.from_numpy}
 MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_}
 
 
+REPO = str(Path(__file__).resolve().parents[1]) + os.sep
+
+
 def _where() -> str:
+    """The innermost dvllm or diffusers line on the stack, relative to the repository or site-packages."""
     for frame in reversed(traceback.extract_stack()[:-3]):
         if ("/dvllm/" in frame.filename or "/diffusers/" in frame.filename) and "host_syncs" not in frame.filename:
-            return f"{frame.filename.split('/site-packages/')[-1].split('/work/main/')[-1]}:{frame.lineno}"
+            name = frame.filename.split("/site-packages/")[-1]
+            return f"{name[len(REPO):] if name.startswith(REPO) else name}:{frame.lineno}"
     return "?"
 
 
