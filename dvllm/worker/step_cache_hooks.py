@@ -54,14 +54,17 @@ class ForwardCache:
         self.fbc = [g for g in groups if g.state.config.method == "first_block"]
         self.taylor = [g for g in groups if g.state.config.method == "taylorseer"]
         self.mag = [g for g in groups if g.state.config.method == "mag"]
+        # A computing group's new state is written over its own gathered copy (`data`, not the pool: a forward
+        # that fails leaves the pool as it was): every part of it is read before it is overwritten, and a
+        # skipping group never writes. So a step holds one copy of a caching row's state, not two.
         for g in self.mag:  # mag decides before the forward: its measure is the model's calibrated ratios
             g.computes, g.mag_next = g.state.mag_decision()
             if g.computes:
-                g.new = torch.empty_like(g.data)
+                g.new = g.data
         for g in self.taylor:
             g.computes = g.state.config.computes(g.step)
-            if g.computes:  # in the factors' own dtype; converted to the pool's at commit
-                g.new = torch.empty_like(factor_values(g.data, g.state.config.taylor_factors_dtype))
+            if g.computes:  # in the factors' own dtype (a view of the same numbers); the pool's at commit
+                g.new = factor_values(g.data, g.state.config.taylor_factors_dtype)
         self._factors = {id(g): self._taylor_views(g, factor_values(g.data, g.state.config.taylor_factors_dtype))
                          for g in self.taylor if g.state.num_orders}
         self._new_factors = {id(g): self._taylor_views(g, g.new) for g in self.taylor if g.computes}
@@ -124,7 +127,7 @@ class ForwardCache:
         skipping: set[int] = set()
         for g in self.fbc:
             if g.computes:  # (a group not yet primed computes)
-                g.new = torch.empty_like(g.data)
+                g.new = g.data  # its old head residual was read by the measure above
                 kept = self._residual_view(g, g.new, 0)
                 kept.copy_(_fit_tokens(residual[g.local], kept.shape[1]))
             else:
