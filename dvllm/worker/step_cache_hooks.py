@@ -28,7 +28,6 @@ from __future__ import annotations
 import inspect
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -37,10 +36,10 @@ from diffusers.hooks import HookRegistry, ModelHook
 from dvllm.host_copy import device_index
 from dvllm.models.base import CacheSpec
 from dvllm.models.layout import BatchLayout
+from dvllm.worker.hooked_call import Call
 from dvllm.worker.row_scope import RowScope
 from dvllm.worker.step_cache_state import CacheState, Group, factor_values, pool_values
 
-UNBATCHED_ARGS = frozenset({"image_rotary_emb"})  # positions, shared by every row
 HOOK_NAME = "dvllm_step_cache"
 
 
@@ -365,43 +364,6 @@ def _measure(residual: torch.Tensor, rows: list[int], index: torch.Tensor, previ
         previous = torch.cat([previous[i, :lengths[r]] for i, r in enumerate(rows)])
     absmean = (current - previous).abs().mean()
     return absmean / previous.abs().mean()
-
-
-@dataclass
-class Call:
-    """One call of a hooked module: the original forward, its signature (read once), the arguments."""
-
-    fn: Callable
-    signature: inspect.Signature
-    args: tuple
-    kwargs: dict
-    rows: RowScope
-
-    def run(self) -> Any:
-        return self.fn(*self.args, **self.kwargs)
-
-    @property
-    def arguments(self) -> dict[str, Any]:
-        return self.signature.bind(*self.args, **self.kwargs).arguments
-
-    def on_rows(self, rows: int, chosen: list[int], index: torch.Tensor) -> Any:
-        """The call on the rows `chosen` only (`index`: the same on the device): every batched tensor (first
-        dimension `rows`) is cut."""
-        bound = self.signature.bind(*self.args, **self.kwargs)
-
-        def cut(name: str, value: Any) -> Any:
-            if name in UNBATCHED_ARGS:
-                return value
-            if torch.is_tensor(value) and value.dim() and value.shape[0] == rows:
-                return value[index]
-            if isinstance(value, dict):
-                return {k: cut(k, v) for k, v in value.items()}
-            return value
-
-        for name, value in list(bound.arguments.items()):
-            bound.arguments[name] = cut(name, value)
-        with self.rows.narrow(chosen, index):
-            return self.fn(*bound.args, **bound.kwargs)
 
 
 def _put(full: torch.Tensor, part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
