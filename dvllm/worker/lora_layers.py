@@ -180,7 +180,7 @@ class _Plan:
         per row set and dtype, since every layer of the forward asks)."""
         current = self.scope.rows
         cached = self._views.get(dtype)
-        if cached is not None and cached[0] is current:
+        if cached is not None and cached[0] == current:  # (step caching narrows each module's call anew)
             return cached[1]
         rows = list(range(self.num_rows)) if current is None else current
         if len(rows) != n:

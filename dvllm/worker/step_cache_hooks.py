@@ -69,6 +69,7 @@ class ForwardCache:
         self._new_factors = {id(g): self._taylor_views(g, g.new) for g in self.taylor if g.computes}
         self.active: torch.Tensor | None = None  # forward rows flowing through the blocks now (None: all)
         self.active_rows: list[int] = list(range(num_rows))  # the same rows, on the host
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}
         self.head_in: torch.Tensor | None = None  # the head block's hidden input, every row
         self.encoder_in: torch.Tensor | None = None
         self.head_out: Any = None  # the head block's output, on the rows that ran it (head_pos: row -> index)
@@ -116,9 +117,9 @@ class ForwardCache:
             lengths = [self.row_tokens[r] if masked else residual.shape[1] for r in rows]
         measured = []
         for g in self.fbc:
-            g.local = device_index([self.head_pos[r] for r in g.rows], device)
+            local = [self.head_pos[r] for r in g.rows]
+            g.local = device_index(local, device)
             if g.state.primed:
-                local = [self.head_pos[r] for r in g.rows]
                 measured.append((g, _measure(residual, local, g.local, self._residual_view(g, g.data, 0), lengths)))
         ratios = torch.stack([m for _, m in measured]).tolist() if measured else []
         for g, ratio in zip((g for g, _ in measured), ratios):
@@ -210,13 +211,13 @@ class ForwardCache:
         skip = {position[r] for g in predicting for r in g.rows}
         compute = [i for i in range(len(rows)) if i not in skip]
         if compute:
-            index = device_index(compute, hidden.device)
+            index = self._index(compute, hidden.device)
             computed = call.on_rows(len(rows), compute, index)
             self._refresh(module, [rows[i] for i in compute], computed)
             for o, c in zip(outputs, _as_tuple(computed)):
                 o[index] = c
         for g in predicting:
-            local = device_index([position[r] for r in g.rows], hidden.device)
+            local = self._index([position[r] for r in g.rows], hidden.device)
             for o, predicted in zip(outputs, self._predict(module, g, hidden.dtype)):
                 o[local] = _fit_tokens(predicted, o.shape[1])
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
@@ -231,7 +232,7 @@ class ForwardCache:
             local = None
             for o, features in enumerate(_as_tuple(out)):
                 if local is None:
-                    local = device_index([position[r] for r in g.rows], features.device)
+                    local = self._index([position[r] for r in g.rows], features.device)
                 factors = [_fit_tokens(features[local], new[module][o][0].shape[1])]
                 if g.state.last_update_step is not None:
                     delta = g.step - g.state.last_update_step
@@ -277,6 +278,13 @@ class ForwardCache:
         tokens = self._tokens(self.spec.layout.hidden_kind, g)
         size = tokens * self.spec.layout.inner_dim
         return data[:, which * size:(which + 1) * size].view(len(data), tokens, -1)
+
+    def _index(self, rows: list[int], device: torch.device) -> torch.Tensor:
+        """`rows` on the device, copied once per forward: every attention module asks for the same few sets."""
+        key = tuple(rows)
+        if key not in self._indices:
+            self._indices[key] = device_index(rows, device)
+        return self._indices[key]
 
     def _tokens(self, kind: str, g: Group) -> int:
         """Tokens a row's state keeps for one stream (text: the group's own length; unified: padded parts)."""

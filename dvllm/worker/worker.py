@@ -15,6 +15,7 @@ from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.model_runner import ModelRunner
 from dvllm.worker.state_pool import create_state_pool
 
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
