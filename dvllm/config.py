@@ -138,7 +138,7 @@ class EngineConfig:
     compile: str = field(
         default="off",
         metadata={"help": "torch.compile the denoiser: off | dynamic (one graph for any batch) | bucketed "
-                          "(batches padded up to powers of two, one graph each)."},
+                          "(batches padded up to 1, 2, 4, 8, then multiples of 8 rows, one graph each)."},
     )
     cuda_graph: bool = field(
         default=False,

@@ -14,11 +14,9 @@ import torch
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device`, queued behind the stream's work rather than waiting for it."""
-    if t.device == device:
-        return t
-    if device.type == "cuda":
+    if device.type == "cuda" and t.device.type == "cpu":
         t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+    return t.to(device, non_blocking=True)  # (on its own device already: t itself)
 
 
 def device_tensor(data: Sequence[Any], device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -29,3 +27,10 @@ def device_tensor(data: Sequence[Any], device: torch.device, dtype: torch.dtype 
 def device_index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
     """Row numbers as a long index on `device`."""
     return device_tensor(list(rows), device, torch.long)
+
+
+def copy_to(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """A host tensor copied into `dst` (e.g. a CUDA graph's static input) without a wait; returns dst."""
+    if src.device != dst.device and dst.device.type == "cuda":
+        src = src.pin_memory()
+    return dst.copy_(src, non_blocking=True)

@@ -9,7 +9,9 @@ import torch
 
 from dvllm import DiffusionEngine, EngineConfig, SamplingParams
 from dvllm.models.layout import BatchLayout
-from dvllm.worker.denoiser import Denoiser, batch_buckets
+from dvllm.worker.denoiser import Denoiser, ForwardInputs, batch_buckets
+from dvllm.worker.lora_layers import LoraLayers
+from dvllm.worker.row_scope import RowScope
 
 
 class RowWiseAdapter:
@@ -26,7 +28,7 @@ class RowWiseAdapter:
         return latents * scale + conditions["prompt_embeds"].mean(dim=(1, 2))[:, None, None, None]
 
 
-def test_buckets_are_powers_of_two_covering_the_largest_batch():
+def test_buckets_are_powers_of_two_then_multiples_of_eight():
     assert batch_buckets(1) == [1]
     assert batch_buckets(12) == [1, 2, 4, 8, 16]
     assert batch_buckets(32) == [1, 2, 4, 8, 16, 24, 32]  # multiples of 8 past 8: 17 rows run as 24, not 32
@@ -39,10 +41,18 @@ def test_bucketed_padding_changes_no_row(rows):
     denoiser = Denoiser(adapter, EngineConfig(compile="bucketed", max_batch_size=4))
     args = (torch.randn(rows, 4, 2, 2), torch.rand(rows), {"prompt_embeds": torch.randn(rows, 3, 5)}, torch.rand(rows))
     layout = BatchLayout.single((16, 16), rows)
-    out = denoiser(*args, layout)
+    forward = denoiser.plan(layout, (), LoraLayers(None, 1, 4, RowScope()))
+    bucket = forward.layout.num_rows
+    latents, timesteps, conditions, guidance = (_pad(a, bucket) if torch.is_tensor(a) else
+                                                {k: _pad(v, bucket) for k, v in a.items()} for a in args)
+    out = denoiser(forward, ForwardInputs(latents, timesteps, guidance, conditions))
     expected = adapter.denoise(*args, layout)
     assert adapter.seen_rows[0] == next(b for b in batch_buckets(8) if b >= rows)  # ran padded up
     torch.testing.assert_close(out, expected)
+
+
+def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t[-1:].expand(rows - len(t), *t.shape[1:])])
 
 
 def test_cuda_graph_needs_cuda():
@@ -129,25 +139,3 @@ def test_compiled_denoiser_with_lora_layers_loaded_keeps_fidelity(sd_eps_path, t
     for want, got in zip(*results):
         assert got.error is None, got.error
         np.testing.assert_allclose(got.images[0], want.images[0], atol=1e-3, rtol=0)
-
-
-def test_graph_replay_copies_each_input_once_into_its_buffer_padded_with_the_last_row():
-    """A captured graph's replay, with a stand-in for the CUDA graph (the CPU has none): each input lands in its
-    static buffer, rows past it repeat its last row, and the output is the graph's own buffer."""
-    from dvllm.worker.denoiser import _Graph
-
-    adapter, bucket = RowWiseAdapter(), 8
-    buffers = [torch.zeros(bucket, 4, 2, 2), torch.zeros(bucket), torch.zeros(bucket), torch.zeros(bucket, 3, 5)]
-    output = torch.zeros(bucket, 4, 2, 2)
-
-    class StandIn:  # what the captured kernels do: the forward from the static buffers into the output buffer
-        def replay(self) -> None:
-            latents, timesteps, guidance, embeds = buffers
-            output.copy_(adapter.denoise(latents, timesteps, {"prompt_embeds": embeds}, guidance, None))
-
-    graph = _Graph(StandIn(), buffers, output)
-    args = (torch.randn(5, 4, 2, 2), torch.rand(5), {"prompt_embeds": torch.randn(5, 3, 5)}, torch.rand(5))
-    out = graph.replay(args)
-    assert out is output
-    torch.testing.assert_close(out[:5], adapter.denoise(*args, None))
-    torch.testing.assert_close(buffers[0][5:], args[0][-1:].expand(3, 4, 2, 2))  # padding: the last real row

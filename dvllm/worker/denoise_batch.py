@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 import torch
 
 from dvllm import ops
-from dvllm.host_copy import device_index, to_device
-from dvllm.models.base import Conditions, ModelAdapter
+from dvllm.host_copy import copy_to, device_index, to_device
+from dvllm.models.base import ModelAdapter
 from dvllm.models.layout import BatchLayout
 from dvllm.ops import CLIP
 from dvllm.profiler import PhaseTimer
 from dvllm.samplers import StepRow
 from dvllm.worker.conditions import unflatten
-from dvllm.worker.denoiser import Denoiser
+from dvllm.worker.denoiser import Denoiser, Forward, ForwardInputs
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.request_state import RequestState
 from dvllm.worker.state_pool import StatePool
@@ -87,25 +87,25 @@ def denoise_step(parts: StepParts, states: list[RequestState]) -> StepResult:
     after the forward succeeded. Requests with LoRA adapters get them on all their rows, the unconditional
     ones too. Nothing here reads a device tensor back to the host (first_block caching's decision aside)."""
     adapter, pool, timer, hooks, result = parts.adapter, parts.pool, parts.timer, parts.hooks, StepResult()
-    # 1. gather: the rows' latents, step table, noise and conditions, laid out as the BatchLayout says
+    # 1. gather: the rows' latents, step table, noise and conditions, laid out as the BatchLayout says, written
+    #    straight into the static inputs of the graph that will replay the forward, where there is one
     with timer.phase("gather"):
         batch = gather(adapter, pool, sorted(states, key=lambda s: not s.data.cfg))
-        layout = batch.layout
-        model_in, conditions = model_inputs(adapter, pool, batch)
-        timesteps, guidance = layout.expand(batch.timesteps), layout.expand(batch.guidance)
-    caching = None
-    if hooks is not None and any(s.cache is not None for s in batch.states):
-        caching = forward_cache(hooks.spec, pool.read, batch.states, layout)
+        caching = None
+        if hooks is not None and any(s.cache is not None for s in batch.states):
+            caching = forward_cache(hooks.spec, pool.read, batch.states, batch.layout)
+        # step caching decides which rows run each block inside the forward: eager, unpadded
+        forward = parts.denoiser.plan(batch.layout, input_shapes(batch), parts.lora, eager=caching is not None)
+        inputs = model_inputs(adapter, pool, batch, forward)
     # 2. forward
     with timer.phase("forward"):
-        if caching is None and not layout.row_loras:
-            out = parts.denoiser(model_in, timesteps, conditions, guidance, layout)
-            if parts.denoiser.graphs is not None and not all(batch.fused):
+        if caching is None:
+            out = parts.denoiser(forward, inputs)
+            if forward.key is not None and not all(batch.fused):
                 out = out.clone()  # a replay's output buffer, and a diffusers scheduler may keep what it steps on
-        else:  # eager: which rows run the blocks, and with which adapters, is decided inside the forward
-            with (hooks.running(caching) if caching is not None else nullcontext()), \
-                    parts.lora.running(layout.row_loras):
-                out = adapter.denoise(model_in, timesteps, conditions, guidance, layout)
+        else:
+            with hooks.running(caching), (forward.lora.running() if forward.lora is not None else nullcontext()):
+                out = adapter.denoise(*inputs.args(), forward.layout)
     # 3. guidance, 4. the sampler update written back into the pool, 5. step caching's state
     with timer.phase("update_scatter"):
         update(pool, batch, guide(adapter, batch, out), result.errors, result.previews)
@@ -148,32 +148,70 @@ def gather(adapter: ModelAdapter, pool: StatePool, states: list[RequestState]) -
                  coeffs=table[:, 3:], fused=fused, noise=noise)
 
 
-def model_inputs(adapter: ModelAdapter, pool: StatePool, batch: Batch) -> tuple[torch.Tensor, Conditions]:
-    """Scaled latents (the CFG rows appended) and the rows' conditions (negative prompts appended)."""
-    info, states, layout = adapter.info, batch.states, batch.layout
-    model_in = batch.sample * batch.c_in.to(batch.sample.dtype).view(batch.per_row)
+def input_shapes(batch: Batch) -> tuple:
+    """The forward's input shapes past the rows that vary between batches: the latents' (one image size per
+    forward), and an edit's input images' longest state."""
+    longest = max(s.input_numel for s in batch.states) if batch.states[0].input_numel else 0
+    return tuple(batch.sample.shape[1:]), longest
+
+
+def model_inputs(adapter: ModelAdapter, pool: StatePool, batch: Batch, forward: Forward) -> ForwardInputs:
+    """The forward's inputs in its row layout (the CFG rows appended, then the padding): scaled latents, step
+    table columns and the rows' conditions (negative prompts on the CFG rows). Written into the forward's
+    graph's buffers where it has them, else into tensors of their own."""
+    info, states, layout, dst = adapter.info, batch.states, forward.layout, forward.buffers
+    sample, rows = batch.sample, layout.num_rows
+    latents = dst.latents if dst else sample.new_empty((rows, *sample.shape[1:]))
+    torch.mul(sample, batch.c_in.to(sample.dtype).view(batch.per_row), out=latents[:len(sample)])
     for s, (lo, hi) in zip(states, batch.bounds):
         if s.fallback is not None and hasattr(s.fallback, "scale_model_input"):  # flow schedulers have none
-            model_in[lo:hi] = s.fallback.scale_model_input(batch.sample[lo:hi], s.fallback_timestep)
-    cfg_states = [s for s in states if s.data.cfg]
+            latents[lo:hi] = s.fallback.scale_model_input(sample[lo:hi], s.fallback_timestep)
+    timesteps = dst.timesteps if dst else batch.timesteps.new_empty(rows)
+    guidance = dst.guidance if dst else batch.guidance.new_empty(rows)
+    for target, values in ((latents, None), (timesteps, batch.timesteps), (guidance, batch.guidance)):
+        _lay_out_rows(target, values, layout)
+    # the pool's conditions: one gather, every forward row's own blocks (a negative prompt's on CFG rows)
     cond_rows = [s.blocks.cond for s in states for _ in range(s.n)]
-    cond_rows += [s.blocks.uncond for s in cfg_states for _ in range(s.n)]
-    conditions = unflatten(pool.read(cond_rows, info.condition_numel), info.condition_shapes)
+    cond_rows += [s.blocks.uncond for s in states if s.data.cfg for _ in range(s.n)]
+    cond_rows += cond_rows[-1:] * layout.pad
+    flat = ops.gather_blocks(pool.data, pool.table(cond_rows), info.condition_numel,
+                             out=dst.flat if dst else None)
+    conditions = dst.conditions if dst else unflatten(flat, info.condition_shapes)
     if info.denoiser_takes_inputs:
-        conditions["image_inputs"] = layout.expand(image_inputs(pool, states))
-    for key, value in adapter.step_conditions(layout, batch.sample.dtype).items():
-        conditions[key] = to_device(value, pool.device)
-    return layout.expand(model_in), conditions
+        if dst:
+            image_inputs(pool, states, out=dst.conditions["image_inputs"][:layout.num_cond])
+            conditions["image_inputs"] = _lay_out_rows(dst.conditions["image_inputs"], None, layout)
+        else:
+            conditions["image_inputs"] = _lay_out_rows(None, image_inputs(pool, states), layout)
+    for key, value in adapter.step_conditions(layout, sample.dtype).items():
+        conditions[key] = copy_to(dst.conditions[key], value) if dst else to_device(value, pool.device)
+    return dst or ForwardInputs(latents, timesteps, guidance, conditions, flat)
 
 
-def image_inputs(pool: StatePool, states: list[RequestState]) -> torch.Tensor:
-    """Each row's input state, [rows, numbers], zero-padded to the longest (edits of other image sizes)."""
+def _lay_out_rows(target: torch.Tensor | None, values: torch.Tensor | None, layout: BatchLayout) -> torch.Tensor:
+    """Per conditional row `values` ([num_cond, ...]; None: already in target's first rows) into target's
+    forward rows: the conditional rows, the CFG requests' again, then the padding (the last row's copies)."""
+    n, m = layout.num_cond, layout.num_cond + layout.num_cfg
+    if target is None:
+        target = values.new_empty((layout.num_rows, *values.shape[1:]))
+    if values is not None:
+        target[:n].copy_(values)
+    if m > n:
+        target[n:m].copy_(target[:m - n])
+    if layout.pad:
+        target[m:].copy_(target[m - 1:m].expand(layout.pad, *target.shape[1:]))
+    return target
+
+
+def image_inputs(pool: StatePool, states: list[RequestState], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's input state, [rows, numbers], zero-padded to the longest (edits of other image sizes);
+    gathered into `out`'s first rows where given."""
     longest = max(s.input_numel for s in states)
     if all(s.input_numel == longest for s in states):
-        return pool.read([r for s in states for r in s.blocks.inputs], longest)
-    rows = [torch.nn.functional.pad(pool.read(s.blocks.inputs, s.input_numel), (0, longest - s.input_numel))
-            for s in states]
-    return torch.cat(rows)
+        return pool.read([r for s in states for r in s.blocks.inputs], longest, out=out)
+    rows = torch.cat([torch.nn.functional.pad(pool.read(s.blocks.inputs, s.input_numel),
+                                              (0, longest - s.input_numel)) for s in states])
+    return rows if out is None else out.copy_(rows)
 
 
 def renoise_known_region(adapter: ModelAdapter, pool: StatePool, states: list[RequestState],

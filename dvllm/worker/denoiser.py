@@ -4,18 +4,27 @@ Bucketing pads a batch up to the next bucket (1, 2, 4, 8, then multiples of 8) b
 (real data, so no NaN or overflow can come from padding) and drops the extra rows after: each row's output
 depends on its own inputs only, so padding changes no result. Not powers of two all the way: a diffusion
 forward is compute-bound, and 17 rows padded to 32 would waste 47% of it (to 24: 29%).
+
+A forward runs in two moves: `plan` says, from the host's layout alone, how many rows it runs and which
+captured graph (if any) replays it; the gather then writes the inputs straight into that graph's static
+buffers (`Forward.buffers`), and `__call__` replays it. A forward with LoRA rows is captured too: which
+layers run and how is fixed by the rows' adapter structure (the graph's key), while the slots and weights
+are data in the plan's tables, copied into the captured plan's before a replay.
 """
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 import torch
 
 from dvllm.config import EngineConfig
 from dvllm.models.base import Conditions, ModelAdapter
 from dvllm.models.layout import BatchLayout
+from dvllm.worker.lora_layers import LoraLayers, LoraPlan
 
 logger = logging.getLogger(__name__)
 
@@ -32,19 +41,84 @@ def batch_buckets(max_rows: int) -> list[int]:
     return buckets
 
 
+@dataclass
+class ForwardInputs:
+    """One forward's inputs, each [rows, ...]. `flat` is the [rows, numel] tensor whose views the pool's
+    conditions are (one gather fills them all); the rest of `conditions` are tensors of their own."""
+
+    latents: torch.Tensor
+    timesteps: torch.Tensor
+    guidance: torch.Tensor
+    conditions: Conditions
+    flat: torch.Tensor | None = None
+
+    def args(self) -> tuple:
+        return self.latents, self.timesteps, self.conditions, self.guidance
+
+
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+# (run the forward once, the graphs' shared memory pool) -> (the captured graph, its output buffer)
+Capture = Callable[[Callable[[], torch.Tensor], Any], tuple[Replayable, torch.Tensor]]
+
+
+def cuda_capture(run: Callable[[], torch.Tensor], pool: Any) -> tuple[Replayable, torch.Tensor]:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up off the capture: allocator, cuBLAS handles, autotuning
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, output
+
+
+@dataclass
+class _Graph:
+    """One captured forward: its static inputs (the gather writes into them), the graph, its output buffer
+    and, for LoRA rows, the plan whose slot and weight tables the graph reads."""
+
+    graph: Replayable
+    inputs: ForwardInputs
+    output: torch.Tensor
+    lora: LoraPlan | None
+
+
+@dataclass
+class Forward:
+    """One forward as the denoiser will run it, planned on the host before its inputs are gathered."""
+
+    layout: BatchLayout            # padded to the bucket where the denoiser pads
+    rows: int                      # the real rows: the output's
+    lora: LoraPlan | None          # the rows' adapters (None: no row has any)
+    key: tuple | None = None       # its graph's key (None: not run from a graph)
+    graph: _Graph | None = None    # a captured graph for it
+
+    @property
+    def buffers(self) -> ForwardInputs | None:
+        """Where the gather writes this forward's inputs (None: into tensors of its own)."""
+        return None if self.graph is None else self.graph.inputs
+
+
 class Denoiser:
-    def __init__(self, adapter: ModelAdapter, config: EngineConfig) -> None:
+    def __init__(self, adapter: ModelAdapter, config: EngineConfig, capture: Capture | None = None) -> None:
+        """`capture`: how a forward is captured (CUDA's graphs with config.cuda_graph; tests pass a stand-in)."""
         self.adapter = adapter
         self.buckets = batch_buckets(2 * config.max_batch_size)
-        self.pad = config.compile == "bucketed" or config.cuda_graph
         self.compiled = None
         if config.compile != "off":
             self.compiled = torch.compile(adapter.denoise, dynamic=config.compile == "dynamic")
         if config.cuda_graph and adapter.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a CUDA device, but the model is on {adapter.device}")
+        self.capture = capture or (cuda_capture if config.cuda_graph else None)
+        self.pad = config.compile == "bucketed" or self.capture is not None
         # Captured graphs, least recently used first; all share one memory pool, so together they hold about
         # one forward's activations (memory_profile.py holds that back), and at most max_cuda_graphs are kept.
-        self.graphs: OrderedDict[tuple, _Graph | None] | None = OrderedDict() if config.cuda_graph else None
+        self.graphs: OrderedDict[tuple, _Graph | None] | None = OrderedDict() if self.capture else None
         self.max_graphs = config.max_cuda_graphs
         self.graph_pool = torch.cuda.graph_pool_handle() if config.cuda_graph else None
 
@@ -52,76 +126,63 @@ class Denoiser:
     def fn(self) -> Any:
         return self.compiled or self.adapter.denoise  # looked up per call: the adapter's own, as it is now
 
-    def __call__(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                 guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        if not self.pad:
-            return self.fn(latents, timesteps, conditions, guidance, layout)
-        rows = len(latents)
-        bucket = next((b for b in self.buckets if b >= rows), rows)
-        layout = layout.padded(bucket)
-
-        def padded() -> tuple:
-            return (_pad(latents, bucket), _pad(timesteps, bucket),
-                    {k: _pad(v, bucket) for k, v in conditions.items()}, _pad(guidance, bucket))
-
+    def plan(self, layout: BatchLayout, shapes: tuple, lora: LoraLayers, eager: bool = False) -> Forward:
+        """How `layout`'s forward runs. `shapes`: its inputs' shapes past the rows (part of a graph's key).
+        `eager`: the adapter's own forward, unpadded (step caching decides inside it)."""
+        rows = layout.num_rows
+        if eager or not self.pad:
+            return Forward(layout, rows, lora.plan(layout.row_loras))
+        padded = layout.padded(next((b for b in self.buckets if b >= rows), rows))
+        plan = lora.plan(padded.row_loras)
         if self.graphs is None:
-            return self.fn(*padded(), layout)[:rows]
-        key = (bucket, tuple(latents.shape[1:]), self.adapter.graph_key(layout),
-               tuple((k, v.shape[1:]) for k, v in conditions.items()))
-        if key not in self.graphs:
-            if len(self.graphs) >= self.max_graphs:
-                self.graphs.popitem(last=False)
-            try:
-                self.graphs[key] = _Graph.capture(self.fn, padded(), layout, self.graph_pool)
-            except Exception:  # e.g. a host-to-device copy inside the forward: not capturable
-                logger.warning("cannot capture a CUDA graph for %s; running it eagerly", key, exc_info=True)
-                self.graphs[key] = None
-        self.graphs.move_to_end(key)
-        graph = self.graphs[key]
-        if graph is None:
-            return self.fn(*padded(), layout)[:rows]
-        return graph.replay((latents, timesteps, conditions, guidance))[:rows]
+            return Forward(padded, rows, plan)
+        key = (padded.num_rows, shapes, self.adapter.graph_key(padded), None if plan is None else plan.graph_key)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+        return Forward(padded, rows, plan, key, graph)
+
+    def __call__(self, forward: Forward, inputs: ForwardInputs) -> torch.Tensor:
+        """The forward's output on its real rows. From a graph, that is a view of the graph's own output
+        buffer: it holds until the next replay (denoise_batch copies it where a diffusers scheduler might
+        keep it)."""
+        fn = self.fn if forward.lora is None else self.adapter.denoise  # LoRA layers run Python per call
+        if forward.key is None:
+            with _lora_running(forward):
+                return fn(*inputs.args(), forward.layout)[:forward.rows]
+        graph = forward.graph
+        if graph is None and forward.key not in self.graphs:
+            graph = self._capture(forward, inputs, fn)
+        if graph is None:  # its capture failed once: eager from now on
+            with _lora_running(forward):
+                return fn(*inputs.args(), forward.layout)[:forward.rows]
+        if inputs is not graph.inputs:  # (only the forward that captured it: the gather wrote its own tensors)
+            raise RuntimeError("a graph's inputs must be gathered into its buffers (Forward.buffers)")
+        if graph.lora is not None:
+            graph.lora.take_values(forward.lora)
+        graph.graph.replay()
+        return graph.output[:forward.rows]
+
+    def _capture(self, forward: Forward, inputs: ForwardInputs, fn: Any) -> _Graph | None:
+        """Captures the forward on `inputs`, which become the graph's static buffers (the gather made them
+        for this forward alone). None, remembered, where the forward cannot be captured."""
+        if len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)
+
+        def run() -> torch.Tensor:
+            with _lora_running(forward):
+                return fn(*inputs.args(), forward.layout)
+
+        try:
+            graph, output = self.capture(run, self.graph_pool)
+        except Exception:  # e.g. a host-to-device copy inside the forward: not capturable
+            logger.warning("cannot capture a CUDA graph for %s; running it eagerly", forward.key, exc_info=True)
+            self.graphs[forward.key] = None
+            return None
+        logger.info("captured a CUDA graph for %d rows of %s", forward.layout.num_rows, forward.key[1])
+        captured = self.graphs[forward.key] = _Graph(graph, inputs, output, forward.lora)
+        return captured
 
 
-def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if len(t) == rows:
-        return t
-    return torch.cat([t, t[-1:].expand(rows - len(t), *t.shape[1:])])
-
-
-class _Graph:
-    """One captured forward: static input buffers, the graph, its output buffer."""
-
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], output: torch.Tensor) -> None:
-        self.graph, self.inputs, self.output = graph, inputs, output
-
-    @classmethod
-    def capture(cls, fn: Any, args: tuple, layout: BatchLayout, pool: Any = None) -> "_Graph":
-        latents, timesteps, conditions, guidance = (a.clone() if torch.is_tensor(a) else
-                                                    {k: v.clone() for k, v in a.items()} for a in args)
-        inputs = [latents, timesteps, guidance, *conditions.values()]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up off the capture: allocator, cuBLAS handles, autotuning
-            for _ in range(2):
-                fn(latents, timesteps, conditions, guidance, layout)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            output = fn(latents, timesteps, conditions, guidance, layout)
-        logger.info("captured a CUDA graph for %d rows of %s", len(latents), tuple(latents.shape[1:]))
-        return cls(graph, inputs, output)
-
-    def replay(self, args: tuple) -> torch.Tensor:
-        """The forward on `args` (rows up to the bucket): each input is copied once, straight into its static
-        buffer, and the rows past it filled with its last row (no padded copy in between). Returns the
-        graph's own output buffer, without a copy: it holds until the next replay, and a step uses it before
-        then (denoise_batch copies it where a diffusers scheduler might keep it)."""
-        latents, timesteps, conditions, guidance = args
-        for buffer, value in zip(self.inputs, [latents, timesteps, guidance, *conditions.values()]):
-            n = len(value)
-            buffer[:n].copy_(value)
-            if n < len(buffer):
-                buffer[n:].copy_(value[-1:].expand(len(buffer) - n, *value.shape[1:]))
-        self.graph.replay()
-        return self.output
+def _lora_running(forward: Forward) -> Any:
+    return nullcontext() if forward.lora is None else forward.lora.running()

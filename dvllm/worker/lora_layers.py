@@ -13,11 +13,11 @@ and a row pays for its own adapters' ranks only. Rows without adapters pay nothi
 Where every adapted row has the same set, there is no per-row gather: two plain matmuls do it.
 
 Layers get a hook in diffusers' hook registry (as its own caches do) when an adapter first touches them,
-and pass every call through unless a forward runs under `LoraLayers.running(...)`.
+and pass every call through unless a forward runs under a `LoraPlan.running()`.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -65,7 +65,8 @@ class LoraLayers:
         self.slot_uid: list[int | None] = [None] * num_slots
         self.slot_rank = [0] * num_slots
         self.tables: dict[tuple[str, str], _Table] = {}
-        self.plan: _Plan | None = None
+        self.current: LoraPlan | None = None  # the forward running now
+        self._coverage_ids: dict[frozenset, int] = {}
         self._modules: dict[str, dict[str, torch.nn.Module]] = {}
 
     def load(self, slot: int, weights: LoraWeights) -> None:
@@ -104,17 +105,26 @@ class LoraLayers:
         except ValueError:
             raise RuntimeError(f"LoRA adapter #{uid} is not resident on this worker") from None
 
-    @contextmanager
-    def running(self, rows: list[RowAdapters]) -> Iterator[None]:
-        """A forward whose i-th row (of its first dimension) takes rows[i]'s adapters."""
+    def plan(self, rows: tuple[RowAdapters, ...] | list[RowAdapters]) -> "LoraPlan | None":
+        """A forward whose i-th row (of its first dimension) takes rows[i]'s adapters (None: no row has any)."""
         if not any(rows):
+            return None
+        return LoraPlan([tuple((self.slot_of(uid), w) for uid, w in row) for row in rows], self)
+
+    @contextmanager
+    def running(self, rows: tuple[RowAdapters, ...] | list[RowAdapters]) -> Iterator[None]:
+        plan = self.plan(rows)
+        with plan.running() if plan is not None else nullcontext():
             yield
-            return
-        self.plan = _Plan([tuple((self.slot_of(uid), w) for uid, w in row) for row in rows], self)
-        try:
-            yield
-        finally:
-            self.plan = None
+
+    def coverage(self, slots: set[int]) -> tuple[int, ...]:
+        """Which layers the adapters in `slots` change, as a short key: adapters made for one model mostly
+        change the same layers, so forwards with different adapters share a captured graph."""
+        ids = set()
+        for slot in slots:
+            layers = frozenset(key for key, table in self.tables.items() if slot in table.filled)
+            ids.add(self._coverage_ids.setdefault(layers, len(self._coverage_ids)))
+        return tuple(sorted(ids))
 
     def _named(self, component: str) -> dict[str, torch.nn.Module]:
         if component not in self._modules:
@@ -141,7 +151,7 @@ class _LoraHook(ModelHook):
 
     def new_forward(self, module: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = self.fn_ref.original_forward(x, *args, **kwargs)
-        plan = self.layers.plan
+        plan = self.layers.current
         if plan is None or plan.slots.isdisjoint(self.table.filled):
             return out
         return plan.apply(self.table, x, out)
@@ -157,13 +167,17 @@ class _View:
     shared: bool                # every adapted row has the same set: one A and B for all
 
 
-class _Plan:
+class LoraPlan:
     """One forward's rows and their adapters, as slot indices and weights. A layer adds, to the adapted
     rows of its output, (x @ A_rows^T * weights) @ B_rows: ranks of a row's adapters side by side, rows with
-    fewer adapters padded with slot 0 at weight 0 (exact zeros), ranks cut to the largest in the batch."""
+    fewer adapters padded with slot 0 at weight 0 (exact zeros), ranks cut to the largest in the batch.
+
+    What a layer does is fixed by `graph_key` (which rows are adapted, whether they share one set, the rank,
+    adapters per row, the layers changed); the slots and weights are data in two device tables, so a CUDA
+    graph captured with one plan replays another of the same key once `take_values` copied its tables."""
 
     def __init__(self, rows: list[tuple[tuple[int, float], ...]], layers: LoraLayers) -> None:
-        self.num_rows, self.scope = len(rows), layers.scope
+        self.num_rows, self.layers, self.scope = len(rows), layers, layers.scope
         self.slots = {s for row in rows for s, _ in row}
         self.rank = max(layers.slot_rank[s] for s in self.slots)
         k = max(len(row) for row in rows)
@@ -173,7 +187,29 @@ class _Plan:
         self.row_scale = to_device(scale.repeat_interleave(self.rank, dim=1), self.device)
         self.has = [bool(row) for row in rows]
         self.sets = rows
+        adapted = [r for r in range(self.num_rows) if self.has[r]]
+        # every row of the forward (no step caching narrowing it): its index made here, not inside the forward
+        index = device_index(adapted, self.device)  # (the adapted rows among all: both which and where)
+        self._all = (adapted, index, None if len(adapted) == self.num_rows else index)
+        shared = len({rows[r] for r in adapted}) == 1
+        self.graph_key = (tuple(self.has), shared, self.rank, k, layers.coverage(self.slots))
         self._views: dict[torch.dtype, tuple[Any, _View | None]] = {}
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """The adapted layers apply this plan to the forward run inside."""
+        self._views.clear()  # built anew from the tables in each forward (a captured graph records that too)
+        self.layers.current = self
+        try:
+            yield
+        finally:
+            self.layers.current = None
+
+    def take_values(self, other: "LoraPlan") -> None:
+        """Another plan's slots and weights into this one's tables (plans of one graph_key)."""
+        if other is not self:
+            self.row_slots.copy_(other.row_slots, non_blocking=True)
+            self.row_scale.copy_(other.row_scale, non_blocking=True)
 
     def _rows(self, n: int, dtype: torch.dtype) -> _View | None:
         """The call's adapted rows: the forward's rows, or those step caching is running now (computed once
@@ -185,14 +221,17 @@ class _Plan:
         rows = list(range(self.num_rows)) if current is None else current
         if len(rows) != n:
             raise RuntimeError(f"a LoRA layer got {n} rows where the forward runs {len(rows)}")
-        adapted = [i for i, r in enumerate(rows) if self.has[r]]
         view = None
-        if adapted:
+        if current is None:
+            adapted, index, local = self._all
+        else:
+            adapted = [i for i, r in enumerate(rows) if self.has[r]]
             chosen = [rows[i] for i in adapted]
-            index = device_index(chosen, self.device)
-            view = _View(local=None if len(adapted) == n else device_index(adapted, self.device),
-                         slots=self.row_slots[index], scale=self.row_scale[index].to(dtype),
-                         shared=len({self.sets[r] for r in chosen}) == 1)
+            index = device_index(chosen, self.device) if adapted else None
+            local = None if len(adapted) == n else device_index(adapted, self.device)
+        if adapted:
+            view = _View(local=local, slots=self.row_slots[index], scale=self.row_scale[index].to(dtype),
+                         shared=len({self.sets[rows[i]] for i in adapted}) == 1)
         self._views[dtype] = (current, view)
         return view
 

@@ -14,6 +14,7 @@ import torch
 
 from dvllm import ops
 from dvllm.config import CPU_STATE_POOL_MB, EngineConfig
+from dvllm.host_copy import device_tensor
 from dvllm.models.base import ModelAdapter, ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -42,10 +43,10 @@ class StatePool:
 
     def table(self, rows: list[list[int]]) -> torch.Tensor:
         """Block ids, one list per row -> the int32 table the ops take."""
-        return torch.tensor(rows, dtype=torch.int32).to(self.device, non_blocking=True)
+        return device_tensor(rows, self.device, torch.int32)
 
-    def read(self, rows: list[list[int]], numel: int) -> torch.Tensor:
-        return ops.gather_blocks(self.data, self.table(rows), numel)
+    def read(self, rows: list[list[int]], numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return ops.gather_blocks(self.data, self.table(rows), numel, out=out)
 
     def write(self, rows: list[list[int]], values: torch.Tensor) -> None:
         ops.scatter_blocks(values.reshape(len(rows), -1), self.data, self.table(rows))
