@@ -1,6 +1,8 @@
 """GPU pool sizing, on the CPU: the device memory queries are faked, the worst step is real."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -68,8 +70,26 @@ def test_cuda_graphs_and_padded_batches_are_counted(adapter, monkeypatch):
     config = EngineConfig(max_batch_size=5, max_image_pixels=32 * 32, cuda_graph=True)
     peaks = {"encode_prompt": 1 * GIB, "denoise": 4 * GIB, "decode": 2 * GIB}
     budget = gpu_pool_bytes(adapter, config, FakeMemory(recorded, peaks, free=70 * GIB, total=80 * GIB))
-    assert budget == int(80 * GIB * 0.9) - 10 * GIB - 4 * GIB - 4 * GIB  # the graphs' shared pool: one forward
+    info = adapter.info
+    # each of max_cuda_graphs graphs keeps its bucket's inputs: latents, text conditions, timestep and guidance
+    inputs = 8 * (4 * (math.prod(info.latent_shape(32, 32)) + sum(math.prod(s) for s in info.condition_shapes.values()))
+                  + 2 * 4)
+    assert budget == int(80 * GIB * 0.9) - 10 * GIB - 4 * GIB - 4 * GIB - 16 * inputs  # and the graphs' pool
     assert dict(recorded.calls)["denoise"][0] == 8  # 5 rows are padded to the bucket of 8
+
+
+def test_step_caching_forwards_are_counted_beyond_the_plain_one(flux_path, monkeypatch):
+    """A caching family's denoiser peak grows by what a caching forward holds beyond a plain one: two
+    hidden-stream tensors of every row (its kept state is updated in place in the pool, not copied)."""
+    adapter = DiffusionEngine(model=flux_path, device="cpu", dtype="float32").executor.worker.runner.adapter
+    recorded = Recorded(adapter, monkeypatch)
+    peaks = {"encode_prompt": 1 * GIB, "denoise": 4 * GIB, "decode": 2 * GIB}
+    config = EngineConfig(max_batch_size=3, max_image_pixels=32 * 32)
+    budget = gpu_pool_bytes(adapter, config, FakeMemory(recorded, peaks, free=70 * GIB, total=80 * GIB))
+    layout = adapter.info.cache_layout
+    assert layout.hidden_kind == "image"  # Flux's blocks' hidden stream: one token per latent patch
+    tokens = layout.image_tokens(32, 32)
+    assert budget == int(80 * GIB * 0.9) - 10 * GIB - 4 * GIB - 2 * 3 * tokens * layout.inner_dim * 4
 
 
 def test_lora_slot_tables_are_held_back_at_their_largest(adapter, monkeypatch):

@@ -5,12 +5,20 @@ entries keyed by what produced them (prompt text, positive or negative): request
 with the same key share one entry's blocks by ref count, and an entry whose last
 user left stays cached (least recently used first out) until its blocks are needed.
 Only the scheduler calls this.
+
+Private blocks are handed out lowest id first; a request's step-cache state takes one run of
+consecutive ids (`allocate_run`), the highest that fits, so that the worker updates it in place
+through one view of the pool. Lowest-first keeps the many small, short-lived allocations at the
+bottom of the pool and the runs at its top.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass(eq=False)
@@ -25,7 +33,9 @@ class CachedEntry:
 class BlockManager:
     num_blocks: int
     enable_cache: bool = True
-    free_blocks: deque[int] = field(init=False)
+    free_mask: np.ndarray = field(init=False)   # [num_blocks] bool: which blocks are free
+    _heap: list[int] = field(init=False)        # free ids to hand out, lowest first (may hold stale ids)
+    _num_free: int = field(init=False)
     index: dict[Hashable, CachedEntry] = field(init=False, default_factory=dict)
     evictable: OrderedDict[Hashable, CachedEntry] = field(init=False, default_factory=OrderedDict)
     num_cached_blocks: int = field(init=False, default=0)  # held only by the cache: reclaimable
@@ -33,38 +43,81 @@ class BlockManager:
     cache_hits: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        self.free_blocks = deque(range(self.num_blocks))
+        self.free_mask = np.ones(self.num_blocks, dtype=bool)
+        self._heap = list(range(self.num_blocks))  # sorted: already a heap
+        self._num_free = self.num_blocks
 
     # -- private blocks ------------------------------------------------------
     @property
     def num_used_blocks(self) -> int:
         """Blocks held by live requests."""
-        return self.num_blocks - len(self.free_blocks) - self.num_cached_blocks
+        return self.num_blocks - self._num_free - self.num_cached_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        return self._num_free
 
     @property
     def num_available(self) -> int:
         """Blocks an allocation may take: the free ones and those only the cache holds."""
-        return len(self.free_blocks) + self.num_cached_blocks
+        return self._num_free + self.num_cached_blocks
 
     def can_allocate(self, num: int) -> bool:
         return num <= self.num_available
 
     def allocate(self, num: int) -> list[int]:
         if not self.can_allocate(num):
-            raise RuntimeError(f"cannot allocate {num} blocks: {len(self.free_blocks)} free")  # scheduler bug
-        while len(self.free_blocks) < num:  # reclaim the least recently used cached conditions
-            key, entry = self.evictable.popitem(last=False)
-            del self.index[key]
-            self.num_cached_blocks -= len(entry.blocks)
-            self.free_blocks.extend(entry.blocks)
-        return [self.free_blocks.popleft() for _ in range(num)]
+            raise RuntimeError(f"cannot allocate {num} blocks: {self._num_free} free")  # scheduler bug
+        while self._num_free < num:  # reclaim the least recently used cached conditions
+            self._evict_one()
+        blocks = []
+        while len(blocks) < num:
+            block = heapq.heappop(self._heap)
+            if self.free_mask[block]:  # (an id a run took, or a second copy of a freed one: skipped)
+                self.free_mask[block] = False
+                blocks.append(block)
+        self._num_free -= num
+        return blocks
+
+    def can_allocate_run(self, num: int, others: int = 0) -> bool:
+        """Whether `num` consecutive blocks, and `others` more anywhere, can be had (reclaiming cached
+        conditions if need be)."""
+        if num + others > self.num_available:
+            return False
+        if num == 0:
+            return True
+        mask = self.free_mask.copy()
+        for entry in self.evictable.values():
+            mask[entry.blocks] = True
+        return _highest_run(mask, num) is not None
+
+    def allocate_run(self, num: int) -> list[int]:
+        """`num` consecutive blocks: the highest free run that holds them. Where none is free, cached
+        conditions are reclaimed, least recently used first, until one is."""
+        start = _highest_run(self.free_mask, num)
+        while start is None:
+            if not self.evictable:
+                raise RuntimeError(f"no run of {num} free blocks")  # scheduler bug: can_allocate_run said so
+            self._evict_one()
+            start = _highest_run(self.free_mask, num)
+        self.free_mask[start:start + num] = False
+        self._num_free -= num
+        return list(range(start, start + num))
 
     def free(self, blocks: list[int]) -> None:
-        self.free_blocks.extend(blocks)
+        self.free_mask[blocks] = True
+        self._num_free += len(blocks)
+        if len(self._heap) + len(blocks) > 2 * self.num_blocks:  # ids runs took pile up: start afresh
+            self._heap = np.flatnonzero(self.free_mask).tolist()
+            return
+        for block in blocks:
+            heapq.heappush(self._heap, block)
+
+    def _evict_one(self) -> None:
+        key, entry = self.evictable.popitem(last=False)
+        del self.index[key]
+        self.num_cached_blocks -= len(entry.blocks)
+        self.free(entry.blocks)
 
     # -- shared, cached conditions ----------------------------------------------
     def lookup(self, key: Hashable) -> CachedEntry | None:
@@ -126,3 +179,11 @@ class BlockManager:
             self.num_cached_blocks -= len(entry.blocks)
             self.free(entry.blocks)
         entry.valid = False
+
+
+def _highest_run(free: np.ndarray, num: int) -> int | None:
+    """The start of the highest `num` free blocks in a row (ending where their run ends), or None."""
+    edges = np.diff(np.concatenate(([0], free.astype(np.int8), [0])))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # runs [start, end)
+    fitting = np.flatnonzero(ends - starts >= num)
+    return None if not fitting.size else int(ends[fitting[-1]] - num)

@@ -73,7 +73,7 @@ class Scheduler:
         needing `extra_rows` of its shape and `extra_blocks` more were admitted."""
         rows = sum(r.rows for r in self.running if r.shape_key == request.shape_key) + extra_rows
         return (rows + request.rows <= self.max_batch_size
-                and self.blocks.can_allocate(self._blocks_needed(request) + extra_blocks)
+                and self._can_allocate(request, extra_blocks)
                 and self.lora_slots.can_place(request.lora_adapters))
 
     @property
@@ -168,7 +168,7 @@ class Scheduler:
                         # slot before it (it would never get one), requests without adapters go on.
                         lora_blocked = True
                         continue
-                    if not self.blocks.can_allocate(self._blocks_needed(request)):
+                    if not self._can_allocate(request):
                         break  # blocks are shared by all shapes: nobody may overtake the head
                     blocked.add(key)  # rows are per shape: later requests of this shape wait behind it
                     continue
@@ -189,8 +189,14 @@ class Scheduler:
 
     def _fits(self, request: Request, rows: dict) -> bool:
         return (rows[request.shape_key] + request.rows <= self.max_batch_size
-                and self.blocks.can_allocate(self._blocks_needed(request))
+                and self._can_allocate(request)
                 and self.lora_slots.can_place(request.lora_adapters))
+
+    def _can_allocate(self, request: Request, extra_blocks: int = 0) -> bool:
+        """Whether its blocks can be had: its step-cache state in one run (the worker updates it in place)."""
+        needed = self._blocks_needed(request) + extra_blocks
+        run = request.rows * request.cache_blocks
+        return self.blocks.can_allocate_run(run, needed - run) if run else self.blocks.can_allocate(needed)
 
     def _blocks_needed(self, request: Request) -> int:
         """Blocks admission takes out of the free and reclaimable ones: a prompt-cache miss needs new
@@ -255,11 +261,13 @@ class Scheduler:
             out.new_requests.append(_new_request_data(request, tables))
 
     def _allocate(self, request: Request) -> BlockTables:
-        n, nb = request.params.n, request.latent_blocks
+        n, nb, per_row = request.params.n, request.latent_blocks, request.cache_blocks
+        cache = None
+        if per_row:  # first, while the run admission found is still free: row r is the run's r-th part
+            run = self.blocks.allocate_run(request.rows * per_row)
+            cache = [run[r * per_row:(r + 1) * per_row] for r in range(request.rows)]
         latents = [self.blocks.allocate(nb) for _ in range(n)]
         history = [self.blocks.allocate(nb) for _ in range(n)] if request.uses_history else None
-        cache = [self.blocks.allocate(request.cache_blocks) for _ in range(request.rows)] \
-            if request.cache_blocks else None
         inputs = [self.blocks.allocate(request.input_blocks) for _ in range(n)] if request.input_blocks else None
         entries, writes = [], []
         for key in request.cond_keys:

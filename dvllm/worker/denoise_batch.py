@@ -93,7 +93,7 @@ def denoise_step(parts: StepParts, states: list[RequestState]) -> StepResult:
         batch = gather(adapter, pool, sorted(states, key=lambda s: not s.data.cfg))
         caching = None
         if hooks is not None and any(s.cache is not None for s in batch.states):
-            caching = forward_cache(hooks.spec, pool.read, batch.states, batch.layout)
+            caching = forward_cache(hooks.spec, pool, batch.states, batch.layout)
         # step caching decides which rows run each block inside the forward: eager, unpadded
         forward = parts.denoiser.plan(batch.layout, input_shapes(batch), parts.lora, eager=caching is not None)
         inputs = model_inputs(adapter, pool, batch, forward)

@@ -8,9 +8,15 @@ the largest size max_image_pixels allows, and the VAE on a decode chunk (max_dec
 that size; the runner never decodes more at once). Each is run once here on zeros and its peak taken;
 the pool gets what is left under the largest. CUDA graphs share one memory pool (worker/denoiser.py),
 whose size is at most one forward's activations: that much more is held back when they are on.
+Each captured graph also keeps its own static inputs (the latents and conditions of its bucket's rows):
+max_cuda_graphs sets of the worst forward's inputs are held back with them.
 With LoRA serving on, the slot tables (worker/lora_layers.py) are held back too, at their largest: every
-Linear layer an adapter could change, max_loras slots of max_lora_rank (they are allocated as adapters
-first touch each layer, so what they will grow to is counted before the pool takes the rest).
+Linear and Conv2d layer an adapter could change, max_loras slots of max_lora_rank (they are allocated as
+adapters first touch each layer, so what they will grow to is counted before the pool takes the rest).
+Step caching updates each request's kept state in place in the pool (worker/step_cache_hooks.py); what a
+caching forward holds beyond a plain one is two hidden-stream tensors of the batch (first_block's head
+residual, or TaylorSeer's predicted outputs, held across the blocks; and the batch put back together at
+the tail): counted on top of the denoiser's peak for the families that serve it.
 """
 from __future__ import annotations
 
@@ -109,6 +115,7 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
         adapter.prepare_edit(images, 1, height, width, torch.Generator("cpu").manual_seed(0))
 
     peaks = {}
+    forward_inputs = _forward_input_bytes(info, rows, height, width, dtype)
     with torch.inference_mode():
         for name, run in (("encode", encode), ("denoise", denoise), ("decode", decode)):
             try:
@@ -118,7 +125,29 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
                     f"the worst step this engine's limits allow does not fit the GPU: {name} ran out of memory "
                     f"({rows} rows at {width}x{height}, {config.max_decode_batch} images a decode); lower "
                     "max_batch_size, max_image_pixels or max_decode_batch") from None
+    peaks["denoise"] += step_cache_bytes(info, rows, height, width, dtype)
+    peaks["graph_inputs"] = forward_inputs * config.max_cuda_graphs if config.cuda_graph else 0
     return peaks
+
+
+def _forward_input_bytes(info: ModelInfo, rows: int, height: int, width: int, dtype: torch.dtype) -> int:
+    """A forward's inputs: what a captured graph keeps as its static buffers."""
+    numel = math.prod(info.latent_shape(height, width)) + sum(math.prod(s) for s in info.condition_shapes.values())
+    if info.denoiser_takes_inputs:
+        numel += info.most_input_numel(height, width)
+    return rows * (numel * torch.empty((), dtype=dtype).element_size() + 2 * 4)  # and the float32 step columns
+
+
+def step_cache_bytes(info: ModelInfo, rows: int, height: int, width: int, dtype: torch.dtype) -> int:
+    """What a caching forward holds beyond a plain one (0 where the family serves no step caching): two
+    hidden-stream tensors of every row, at the longest text the family keeps."""
+    layout = info.cache_layout
+    if layout is None:
+        return 0
+    shapes = info.condition_shapes
+    text = layout.text_tokens or (shapes["prompt_embeds"][0] if "prompt_embeds" in shapes else 0)
+    tokens = layout.tokens(layout.hidden_kind, height, width, text)
+    return 2 * rows * tokens * layout.inner_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def lora_table_bytes(adapter: ModelAdapter, config: EngineConfig) -> int:
@@ -147,7 +176,7 @@ def _table_numel_per_rank(module: torch.nn.Module) -> int:
 def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory) -> int:
     """What the state pool may take on this GPU; ValueError when the worst step leaves nothing."""
     peaks = step_peaks(adapter, config, memory)
-    graphs = peaks["denoise"] if config.cuda_graph else 0
+    graphs = peaks.pop("graph_inputs") + (peaks["denoise"] if config.cuda_graph else 0)
     loras = lora_table_bytes(adapter, config)
     free, total = memory.free_and_total()
     used = total - free  # the weights, the CUDA context, anything else on the device

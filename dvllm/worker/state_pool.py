@@ -48,6 +48,14 @@ class StatePool:
     def read(self, rows: list[list[int]], numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         return ops.gather_blocks(self.data, self.table(rows), numel, out=out)
 
+    def view(self, rows: list[list[int]], numel: int) -> torch.Tensor | None:
+        """[rows, numel] as a view of the pool, where the rows' blocks are one run, row after row (the
+        scheduler allocates a step cache so): what is written to it is written to the pool. None otherwise."""
+        per_row, first = len(rows[0]), rows[0][0] if rows[0] else 0
+        if any(row != list(range(first + i * per_row, first + (i + 1) * per_row)) for i, row in enumerate(rows)):
+            return None
+        return self.data[first:first + len(rows) * per_row].view(len(rows), -1)[:, :numel]
+
     def write(self, rows: list[list[int]], values: torch.Tensor) -> None:
         ops.scatter_blocks(values.reshape(len(rows), -1), self.data, self.table(rows))
 

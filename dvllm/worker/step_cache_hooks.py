@@ -26,6 +26,7 @@ that depends on the data cannot be replayed from a CUDA graph.
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -38,9 +39,11 @@ from dvllm.models.base import CacheSpec
 from dvllm.models.layout import BatchLayout
 from dvllm.worker.hooked_call import Call
 from dvllm.worker.row_scope import RowScope
+from dvllm.worker.state_pool import StatePool
 from dvllm.worker.step_cache_state import CacheState, Group, factor_values, pool_values
 
 HOOK_NAME = "dvllm_step_cache"
+logger = logging.getLogger(__name__)
 
 
 class ForwardCache:
@@ -53,16 +56,16 @@ class ForwardCache:
         self.fbc = [g for g in groups if g.state.config.method == "first_block"]
         self.taylor = [g for g in groups if g.state.config.method == "taylorseer"]
         self.mag = [g for g in groups if g.state.config.method == "mag"]
-        # A computing group's new state is written over its own gathered copy (`data`, not the pool: a forward
-        # that fails leaves the pool as it was): every part of it is read before it is overwritten, and a
-        # skipping group never writes. So a step holds one copy of a caching row's state, not two.
+        # A computing group's new state is written over its state (`data`: a view of the pool, see forward_cache):
+        # every part of it is read before it is overwritten, and a skipping group never writes. A forward that
+        # fails after a write leaves that state half new: it is marked so, and its next step starts it afresh.
         for g in self.mag:  # mag decides before the forward: its measure is the model's calibrated ratios
             g.computes, g.mag_next = g.state.mag_decision()
             if g.computes:
                 g.new = g.data
-        for g in self.taylor:
-            g.computes = g.state.config.computes(g.step)
-            if g.computes:  # in the factors' own dtype (a view of the same numbers); the pool's at commit
+        for g in self.taylor:  # (factors lost to a failed forward: this step refreshes them)
+            g.computes = g.state.config.computes(g.step) or not g.state.num_orders
+            if g.computes:  # in the factors' own dtype (a view of the same numbers)
                 g.new = factor_values(g.data, g.state.config.taylor_factors_dtype)
         self._factors = {id(g): self._taylor_views(g, factor_values(g.data, g.state.config.taylor_factors_dtype))
                          for g in self.taylor if g.state.num_orders}
@@ -128,8 +131,7 @@ class ForwardCache:
         for g in self.fbc:
             if g.computes:  # (a group not yet primed computes)
                 g.new = g.data  # its old head residual was read by the measure above
-                kept = self._residual_view(g, g.new, 0)
-                kept.copy_(_fit_tokens(residual[g.local], kept.shape[1]))
+                _write(g, self._residual_view(g, g.new, 0), residual[g.local])
             else:
                 skipping.update(g.rows)
         return skipping
@@ -166,7 +168,7 @@ class ForwardCache:
                     kept, start = self._residual_view(g, g.new, 1), self._hidden(self.head_out)[g.local]
                 else:
                     kept, start = self._residual_view(g, g.new, 0), self.head_in[g.index]
-                kept.copy_(_fit_tokens(hidden[local] - start, kept.shape[1]))
+                _write(g, kept, hidden[local] - start)
 
     def _assemble(self, computed: Any) -> Any:
         """The batch after the tail: first_block's skipping rows are the head's output plus their kept tail
@@ -239,7 +241,7 @@ class ForwardCache:
                     for j in range(min(g.state.config.max_order, g.state.num_orders)):
                         factors.append((factors[j] - old[module][o][j].to(features.dtype)) / delta)
                 for k, factor in enumerate(factors):  # kept in the factors' dtype, as diffusers keeps them
-                    new[module][o][k].copy_(factor.to(self._factor_dtype(g)))
+                    _write(g, new[module][o][k], factor.to(self._factor_dtype(g)))
                 g.new_orders = len(factors)
 
     def _predict(self, module: int, g: Group, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -300,7 +302,8 @@ class ForwardCache:
         by_request: dict[int, list[Group]] = {}
         for g in self.groups:
             by_request.setdefault(id(g.state), []).append(g)
-            if g.computes:
+            g.state.written = False  # the forward and the update succeeded: the new state is whole
+            if g.computes and not g.in_place:
                 write(g.blocks, pool_values(g.new, g.data.dtype))
         outcome = []
         for groups in by_request.values():
@@ -374,6 +377,12 @@ def _measure(residual: torch.Tensor, rows: list[int], index: torch.Tensor, previ
     return absmean / previous.abs().mean()
 
 
+def _write(g: Group, kept: torch.Tensor, value: torch.Tensor) -> None:
+    """Part of a computing group's new state (cut or padded to the tokens it keeps), over the old."""
+    g.state.written = g.state.written or g.in_place  # the pool holds part of a new state until commit
+    kept.copy_(_fit_tokens(value, kept.shape[1]))
+
+
 def _put(full: torch.Tensor, part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     full = full.clone()
     full[index] = part
@@ -394,12 +403,18 @@ def _fit_tokens(x: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, tokens - x.shape[1]))
 
 
-def forward_cache(spec: CacheSpec, read: Callable[[list[list[int]], int], torch.Tensor], states: list[Any],
-                  layout: BatchLayout) -> ForwardCache:
+def forward_cache(spec: CacheSpec, pool: StatePool, states: list[Any], layout: BatchLayout) -> ForwardCache:
     """The groups of one forward, its rows as the layout gives them (states in the layout's order). Where the
     family masks its text, each row's real text tokens come from the layout (checked against what the state
-    keeps)."""
+    keeps). A group's state is a view of the pool, updated in place (the scheduler gives a request's cache
+    state one run of blocks); only blocks that are not one run are read into a copy and written back at
+    commit."""
     groups = []
+    for s in states:
+        if s.cache is not None and s.cache.written:  # its last forward failed after writing part of its state
+            logger.warning("request %s: its step cache state was half written by a failed step; starting it "
+                           "afresh", s.request_id)
+            s.cache.restart()
     text_lengths = layout.row_text_lengths
     for i, s in enumerate(states):
         if s.cache is None:
@@ -416,9 +431,12 @@ def forward_cache(spec: CacheSpec, read: Callable[[list[list[int]], int], torch.
             if spec.layout.text_bytes_extra is not None and longest > text_tokens:
                 raise ValueError(f"step cache: a text of this request has {longest} tokens, more than the "
                                  f"{text_tokens} its cache state was sized for")
-            data = read(row_blocks, s.cache.numel)
+            data = pool.view(row_blocks, s.cache.numel)
+            in_place = data is not None
+            if not in_place:
+                data = pool.read(row_blocks, s.cache.numel)
             groups.append(Group(state=s.cache, rows=rows, blocks=row_blocks, step=s.step, text_tokens=text_tokens,
-                                data=data, index=device_index(rows, data.device)))
+                                data=data, index=device_index(rows, data.device), in_place=in_place))
     image_tokens = spec.layout.image_tokens(*layout.image_size)
     row_tokens = None
     if spec.mask_arg and text_lengths is not None:

@@ -26,6 +26,7 @@ class CacheState:
     step_index: int = 0
     accumulated: tuple = (1.0, 0, 0.0)   # ratio, steps, error
     mag_ratios: np.ndarray | None = None  # as numpy scalars: the same float32 arithmetic, on the host
+    written: bool = False                # a forward began writing its state in place and has not committed
 
     @classmethod
     def sized(cls, config: CacheConfig, layout: CacheLayout, data: Any) -> "CacheState":
@@ -37,6 +38,11 @@ class CacheState:
     def __post_init__(self) -> None:
         if self.config.method == "mag":
             self.mag_ratios = self.config.diffusers_config().mag_ratios.numpy()
+
+    def restart(self) -> None:
+        """Forget the kept state (a failed forward left it half written): the next step computes in full and
+        keeps a new one, as the request's first step did."""
+        self.primed, self.last_update_step, self.num_orders, self.written = False, None, 0, False
 
     def mag_decision(self) -> tuple[bool, tuple]:
         """diffusers' MagCacheHeadHook decision (same arithmetic, float32 ratios included): whether this step
@@ -71,7 +77,8 @@ class Group:
     blocks: list[list[int]]   # each row's cache blocks in the pool
     step: int
     text_tokens: int          # text tokens its state keeps per text (or unified) stream
-    data: torch.Tensor        # [rows, numel]: its state as read from the pool
+    data: torch.Tensor        # [rows, numel]: its state, a view of the pool (in_place) or a copy read from it
+    in_place: bool = True
     computes: bool = True
     new: torch.Tensor | None = None  # what this forward writes back (computing groups)
     new_orders: int = 0              # taylorseer: factors the refresh produced
