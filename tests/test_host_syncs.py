@@ -153,14 +153,22 @@ def test_every_family_batched_forward_traces_whole(family, request, monkeypatch)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_every_family_replays_a_cuda_graph_with_the_eager_images(family, request):
+def test_every_family_replays_a_cuda_graph_with_the_eager_images(family, lora, request, lora_folders,
+                                                                 tmp_path_factory):
+    """On a GPU, with CUDA's own graphs (test_graph_replay.py proves the same on the CPU with a stand-in)."""
     fixture, edit, unet = FAMILIES[family]
     path = request.getfixturevalue(fixture)
-    requests = _requests(edit, unet, False, None, steps=3)
+    requests = _requests(edit, unet, lora, None, steps=3)
     prompts, params = [prompt for prompt, _ in requests], [dataclasses.replace(p, output_type="np") for _, p in requests]
-    eager = DiffusionEngine(model=path, device="cuda", dtype="float32").generate(prompts, params, use_tqdm=False)
-    engine = DiffusionEngine(model=path, device="cuda", dtype="float32", cuda_graph=True)
+    engines = [DiffusionEngine(model=path, device="cuda", dtype="float32", cuda_graph=graphs, enable_lora=lora)
+               for graphs in (False, True)]
+    if lora:
+        for e in engines:
+            e.load_lora("l", _lora(path, lora_folders, tmp_path_factory))
+    eager = engines[0].generate(prompts, params, use_tqdm=False)
+    engine = engines[1]
     graphs = engine.generate(prompts, params, use_tqdm=False)
     captured = engine.executor.worker.runner.denoiser.graphs
     assert captured and all(g is not None for g in captured.values()), f"{family}: fell back to eager"
