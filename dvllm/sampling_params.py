@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,9 @@ OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 # As vLLM's output kinds: "progress" reports every step (and previews); "final" only the end, so a
 # client that does not stream costs no output per step (nothing crosses threads until it is done).
 OUTPUT_KINDS = ("progress", "final")
+# Documented short names of two fields, taken wherever requests are written (HTTP bodies, JSONL lines):
+# the long name is what every output (manifest, PNG metadata, /v1/models) says.
+PARAM_ALIASES = {"steps": "num_inference_steps", "guidance": "guidance_scale"}
 SEED_LIMIT = 2**63
 # Seeds drawn for requests that name none stay below 2**53, so that JavaScript (a browser client, the
 # playground), whose numbers are doubles, shows and sends back exactly the seed that made the image.
@@ -63,6 +67,11 @@ class SamplingParams:
     # LoRA adapters loaded into the engine, by name, with their weights: {"style": 0.8, "product": 1.0}
     # applies each as diffusers' set_adapters(names, adapter_weights) does. None or {}: none.
     loras: dict[str, float] | None = None
+    # SDXL models trained with an aesthetic score (the refiner; requires_aesthetics_score): the score the
+    # prompt's rows and the negative rows condition on, as the img2img and inpainting pipelines take them.
+    # None: their defaults (6.0 and 2.5). Other models take none.
+    aesthetic_score: float | None = None
+    negative_aesthetic_score: float | None = None
 
     def validate(self) -> None:
         """Checks that need no model; raises ValueError naming the field."""
@@ -102,6 +111,11 @@ class SamplingParams:
         if self.eta is not None and (isinstance(self.eta, bool) or not isinstance(self.eta, (int, float))
                                      or not 0 <= self.eta <= 1):
             raise ValueError(f"eta must be a number in [0, 1], got {self.eta!r}")
+        for name in ("aesthetic_score", "negative_aesthetic_score"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.strength is not None:
             if isinstance(self.strength, bool) or not isinstance(self.strength, (int, float)) \
                     or not 0 < self.strength <= 1:
@@ -125,6 +139,7 @@ class SamplingParams:
                              f"got {self.guidance_scale!r}")
         if self.eta is not None and info.default_eta is None:
             raise ValueError(f"eta: the {info.family} pipeline takes no eta")
+        _check_aesthetic_scores(self, info)
         _check_sequence_length(self.max_sequence_length, info)
         cache = parse_cache(config.default_cache if _is_default(self.cache) else self.cache)
         if cache is not None and info.cache_layout is None:
@@ -153,6 +168,8 @@ class SamplingParams:
             max_sequence_length=self.max_sequence_length or info.max_sequence_length,
             cache=cache,
             loras={name: float(w) for name, w in sorted(self.loras.items())} if self.loras else None,
+            aesthetic_score=_score(self.aesthetic_score, AESTHETIC_SCORE, info),
+            negative_aesthetic_score=_score(self.negative_aesthetic_score, NEGATIVE_AESTHETIC_SCORE, info),
         )
         if resolved.loras and not config.enable_lora:
             raise ValueError("loras: this engine serves no LoRA adapters (start it with enable_lora or lora_modules)")
@@ -179,6 +196,25 @@ class SamplingParams:
         if resolved.n > config.max_images_per_prompt:
             raise ValueError(f"n must be in [1, {config.max_images_per_prompt}], got {resolved.n}")
         return resolved
+
+
+AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE = 6.0, 2.5  # the SDXL img2img and inpainting pipelines' defaults
+
+
+def _check_aesthetic_scores(params: SamplingParams, info: "ModelInfo") -> None:
+    given = [n for n in ("aesthetic_score", "negative_aesthetic_score") if getattr(params, n) is not None]
+    if given and not info.aesthetic_scores:
+        raise ValueError(f"{given[0]}: this model takes no aesthetic score (SDXL models trained with one do: "
+                         "requires_aesthetics_score, e.g. the refiner)")
+    if info.aesthetic_scores and params.image is None:
+        raise ValueError("image: this model conditions on an aesthetic score (requires_aesthetics_score, e.g. the "
+                         "SDXL refiner): it refines or inpaints an image; send one")
+
+
+def _score(value: float | None, default: float, info: "ModelInfo") -> float | None:
+    if not info.aesthetic_scores:
+        return None
+    return default if value is None else float(value)
 
 
 def check_text(name: str, value: object, max_chars: int | None = None) -> None:

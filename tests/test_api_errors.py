@@ -79,3 +79,26 @@ def test_engine_faults_are_openai_errors(behaviour, status, code):
         assert headers["retry-after"] == "1"
     if status == 500:
         assert "request id img-" in body["error"]["message"]  # to find the logged traceback
+
+
+def test_short_field_names_are_documented_aliases_and_both_at_once_is_400():
+    """`dvllm generate`'s "steps" and "guidance" mean num_inference_steps and guidance_scale over HTTP too
+    (they were ignored as unknown fields: the request ran the model's default steps)."""
+    seen = []
+    engine = StubEngine(lambda rid: final(rid))
+    real = engine.generate
+
+    def recording(prompt, params=None, request_id=None):
+        seen.append(params)
+        return real(prompt, params, request_id)
+
+    engine.generate = recording
+    with TestClient(build_app(engine, argparse.Namespace()), raise_server_exceptions=False) as client:
+        ok = client.post("/v1/images/generations", json={"prompt": "x", "steps": 2, "guidance": 3.5,
+                                                         "aesthetic_score": 7, "negative_aesthetic_score": 1.5})
+        both = client.post("/v1/images/generations", json={"prompt": "x", "steps": 2, "num_inference_steps": 3})
+    assert ok.status_code == 200
+    assert (seen[0].num_inference_steps, seen[0].guidance_scale) == (2, 3.5)
+    assert (seen[0].aesthetic_score, seen[0].negative_aesthetic_score) == (7, 1.5)  # (the refiner's fields)
+    assert both.status_code == 400 and len(seen) == 1
+    assert "'steps' is short for 'num_inference_steps'" in both.json()["error"]["message"]

@@ -127,6 +127,21 @@ def test_models_health_version(client, http):
     assert http.get("/version").json()["version"]
 
 
+def test_models_lists_the_sizes_and_samplers_the_model_takes(http):
+    """The card's `dvllm` facts are what the playground's menus hold: each size it lists is served, the next
+    size past its limit is refused, and each sampler it lists runs."""
+    facts = http.get("/v1/models").json()["data"][0]["dvllm"]
+    assert facts["default_size"] in facts["sizes"] and len(facts["sizes"]) >= 2
+    assert facts["sampler"].endswith("Scheduler") and "ddim" in facts["samplers"]
+    body = {"prompt": "x", "num_inference_steps": 1}
+    for size in facts["sizes"]:
+        assert http.post("/v1/images/generations", json={**body, "size": size}).status_code == 200, size
+    side = facts["size_multiple"] * (int(facts["max_image_pixels"] ** 0.5) // facts["size_multiple"] + 1)
+    assert http.post("/v1/images/generations", json={**body, "size": f"{side}x{side}"}).status_code == 400
+    for sampler in [s for s in facts["samplers"] if not s.endswith("Scheduler")]:
+        assert http.post("/v1/images/generations", json={**body, "sampler": sampler}).status_code == 200, sampler
+
+
 def test_url_store_and_output_formats(http):
     r = http.post("/v1/images/generations", json={"prompt": "x", "response_format": "url", "seed": 1, **FAST})
     url = r.json()["data"][0]["url"]

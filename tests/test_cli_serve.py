@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import re
 import signal
 import socket
 import subprocess
@@ -191,6 +192,9 @@ def test_serve_start_up_is_quiet(https_server):
     log = https_server.log()  # the same server: one model load fewer
     assert "Application startup complete" in log and "state pool" in log  # dvllm's and uvicorn's lines stay
     assert_quiet(log)
+    # what a newcomer needs from start-up: the model, where it runs, its capacity, and where to reach it
+    assert re.search(r"serving \S+ \(stable-diffusion\) on cpu in float32: the state pool holds \d+ requests", log)
+    assert f"the OpenAI Images API at {https_server.url}/v1" in log and f"the playground at {https_server.url}/" in log
 
 
 # -- signals during the drain ---------------------------------------------------------------------

@@ -407,4 +407,5 @@ def _new_request_data(request: Request, tables: BlockTables) -> NewRequestData:
         input_grids=request.input_grids, image_key=request.image_key,
         max_sequence_length=p.max_sequence_length, cache=p.cache,
         loras=request.row_loras, text_loras=request.text_loras,
+        aesthetic_scores=None if p.aesthetic_score is None else (p.aesthetic_score, p.negative_aesthetic_score),
     )

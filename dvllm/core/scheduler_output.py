@@ -46,6 +46,7 @@ class NewRequestData:
     cache: Any = None  # its step cache (dvllm.step_cache.CacheConfig), or None
     loras: tuple[tuple[int, float], ...] = ()       # (adapter load id, weight): applied to all its rows
     text_loras: tuple[tuple[int, float], ...] = ()  # those that change the text encoders too
+    aesthetic_scores: tuple[float, float] | None = None  # (prompt's, negative's), for models that take them
 
 
 @dataclass

@@ -134,6 +134,10 @@ class AsyncDiffusionEngine:
         """Forgets an adapter; requests already accepted with it finish with it. ValueError if unknown."""
         await asyncio.to_thread(self.engine.unload_lora, name)
 
+    def valid_samplers(self) -> list[str]:
+        """The samplers this model runs (probed at start-up; read-only since)."""
+        return self.engine.valid_samplers()
+
     def list_loras(self) -> list[dict]:
         """The loaded adapters ({"name", "path", "in_host_cache"}); quick, safe on the event loop."""
         return self.engine.list_loras()

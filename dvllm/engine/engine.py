@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,8 @@ from dvllm.lora.registry import LoraRegistry
 from dvllm.outputs import RequestOutput
 from dvllm.profiler import PhaseTimer, breakdown
 from dvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,10 @@ class DiffusionEngine:
         """Forgets an adapter: later requests naming it are refused; those already accepted finish with it."""
         self._lora_registry().unload(name)
 
+    def valid_samplers(self) -> list[str]:
+        """Short names and diffusers scheduler classes that run this model's default schedule."""
+        return self.processor.valid_samplers()
+
     def list_loras(self) -> list[dict]:
         """The loaded adapters: name, path, and whether their weights are read in host memory."""
         return [] if self.loras is None else self.loras.list()
@@ -226,6 +233,9 @@ class DiffusionEngine:
         if need > total:
             raise ValueError(f"the state pool is too small for even one default request: it needs {need} "
                              f"blocks and the pool has {total}; raise state_pool_mb")
+        logger.info("serving %s (%s) on %s in %s: the state pool holds %d requests at the default %dx%d with CFG "
+                    "(more where prompts repeat), %d rows in one forward", info.name, info.family, info.device,
+                    info.dtype, total // need, info.default_width, info.default_height, self.config.max_batch_size)
 
 def _progress_bar(total: int, enabled: bool):
     if not enabled:

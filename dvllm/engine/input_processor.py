@@ -22,9 +22,9 @@ from dvllm.core.request import Request
 from dvllm.core.scheduler import check_fits
 from dvllm.lora.registry import LoraRegistry
 from dvllm.models.base import ModelInfo
+from dvllm.sampler_names import did_you_mean, scheduler_class
 from dvllm.samplers import SHORT_NAMES, PlanRefused, SamplerPlan, build_plan
 from dvllm.samplers.probe import probe_plan
-from dvllm.samplers.registry import scheduler_class
 from dvllm.sampling_params import SamplingParams, as_images, check_text
 
 
@@ -146,7 +146,14 @@ class InputProcessor:
                                   f"got {steps}")
             return ValueError(f"num_inference_steps={steps} does not work with sampler {name!r} on this model; "
                               f"it runs {default} steps")
-        return ValueError(f"sampler {name!r} cannot run on this model; valid samplers: {self.valid_samplers()}")
+        valid = self.valid_samplers()
+        short = [n for n in valid if n in SHORT_NAMES]
+        classes = [n for n in valid if n not in SHORT_NAMES]
+        # the short names always; the ~40 class names only to someone who gave a class name
+        listed = valid if str(name).endswith("Scheduler") else short
+        rest = "" if listed is valid else f", or the class name of one of {len(classes)} diffusers schedulers"
+        what = "cannot run on this model" if known else "is not a sampler dvllm knows"
+        return ValueError(f"sampler {name!r} {what}{did_you_mean(name, valid)}; valid samplers: {listed}{rest}")
 
     def _most_steps(self, sampler: str | None, good: int, bad: int, params: SamplingParams) -> int:
         """The largest step count in [good, bad) that runs, by bisection (schedules break past a point).

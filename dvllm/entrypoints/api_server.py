@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from importlib import resources
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -36,6 +37,7 @@ import dvllm
 from dvllm.engine.async_engine import AsyncDiffusionEngine
 from dvllm.entrypoints.image_store import ImageStore
 from dvllm.entrypoints.metrics import ServerMetrics
+from dvllm.entrypoints.model_facts import model_facts
 from dvllm.entrypoints.protocol import APIError, LoadLoraAdapterRequest, ModelCard, ModelList, UnloadLoraAdapterRequest
 from dvllm.entrypoints.request_body import BodyLimits, discard_unread_body, read_json_body
 from dvllm.entrypoints.serving_edits import create_edit
@@ -66,6 +68,7 @@ def build_app(engine: AsyncDiffusionEngine, args: argparse.Namespace) -> FastAPI
         body_limits=BodyLimits(max_bytes=int(getattr(args, "max_body_mb", 1.0) * (1 << 20)),
                                timeout=getattr(args, "body_timeout", 30.0),
                                max_receiving=getattr(args, "max_pending_bodies", 32)),
+        model_facts=_served_model_facts(engine),
     )
     grace = getattr(args, "shutdown_grace", 30.0)
     engine.step_listeners.append(ctx.metrics.on_step)
@@ -193,13 +196,23 @@ def _v1_routes(ctx: ServerContext, lora_updates: bool = False, show_lora_paths: 
     return router
 
 
+def _served_model_facts(engine: AsyncDiffusionEngine) -> dict[str, Any] | None:
+    """What /v1/models tells of the model (None for an engine that is no DiffusionEngine, e.g. a test's)."""
+    config = getattr(engine, "config", None)
+    if config is None:
+        return None
+    info = engine.model_info
+    return model_facts(info, config.image_pixel_limit(info.default_height, info.default_width),
+                       engine.valid_samplers())
+
+
 def _model_cards(ctx: ServerContext, show_lora_paths: bool) -> list[ModelCard]:
     """The served model, then each loaded LoRA adapter with the base model (vLLM's shape), and its path as `root`
     only where the operator chose to show the server's paths (--show-lora-paths)."""
     adapters = [ModelCard(id=lora["name"], created=ctx.created, root=lora["path"] if show_lora_paths else None,
                           parent=ctx.model_name)
                 for lora in ctx.engine.list_loras()]
-    return [ModelCard(id=ctx.model_name, created=ctx.created), *adapters]
+    return [ModelCard(id=ctx.model_name, created=ctx.created, dvllm=ctx.model_facts), *adapters]
 
 
 def _lora_routes(ctx: ServerContext, detailed_errors: bool) -> APIRouter:
@@ -346,18 +359,22 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 # -- running it ------------------------------------------------------------------------------
 
-def run_server(args: argparse.Namespace) -> None:
-    """Binds host:port (a taken port fails at once, not after the model loads), loads the model, serves
-    (https with ssl_keyfile/ssl_certfile) until SIGTERM/SIGINT, drains, returns (so the process exits 0)."""
+def run_server(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
+    """Binds host:port unless given the socket bound (a taken port fails at once, not after the model
+    loads), loads the model, serves (https with ssl_keyfile/ssl_certfile) until SIGTERM/SIGINT, drains,
+    returns (so the process exits 0)."""
     from dvllm.entrypoints.cli_args import engine_kwargs
     from dvllm.entrypoints.server_socket import bind_socket
 
     log_level = getattr(args, "log_level", "info")
     _log_to_stderr(log_level)
-    sock = bind_socket(args.host, args.port)
+    sock = sock or bind_socket(args.host, args.port)
     try:
         engine = AsyncDiffusionEngine(**engine_kwargs(args))
         app = build_app(engine, args)
+        url = public_url(argparse.Namespace(**{**vars(args), "port": sock.getsockname()[1]}))  # (port 0: the one bound)
+        logger.info("the OpenAI Images API at %s/v1 (model %r), the playground at %s/", url, app.state.ctx.model_name,
+                    url)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
                                 timeout_graceful_shutdown=10, lifespan="on",
                                 ssl_keyfile=getattr(args, "ssl_keyfile", None),

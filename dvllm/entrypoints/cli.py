@@ -1,6 +1,6 @@
 """The `dvllm` command: `dvllm generate` (offline batches), `dvllm serve` (the OpenAI-compatible server)
-and `dvllm bench` (benchmarks). Every argument is checked before the model loads: a typo costs
-a second, not a model load."""
+and `dvllm bench` (benchmarks). Every argument is checked before the model loads, and before torch and
+diffusers are imported: `--help`, `--version` or a typo answer in a fraction of a second."""
 from __future__ import annotations
 
 import argparse
@@ -20,9 +20,10 @@ from dvllm.entrypoints.cli_args import add_engine_args, engine_kwargs
 from dvllm.entrypoints.generate_jobs import Job, check_lora_names, process, read_jobs
 from dvllm.entrypoints.generate_output import MANIFEST, ImageWriter, image_paths
 from dvllm.entrypoints.generate_progress import StepProgress, run_requests, stop_on_sigint
-from dvllm.entrypoints.logging_setup import LOG_LEVELS, setup_logging
+from dvllm.entrypoints.logging_setup import LOG_LEVELS, set_third_party_verbosity, setup_logging
+from dvllm.entrypoints.server_socket import bind_socket
 from dvllm.outputs import RequestOutput
-from dvllm.samplers.registry import SHORT_NAMES
+from dvllm.sampler_names import SHORT_NAMES
 
 if TYPE_CHECKING:
     from dvllm.core.request import Request
@@ -39,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate_args(gen)
     serve = sub.add_parser("serve", help="Serve a model over the OpenAI Images API.")
     _add_serve_args(serve)
-    _add_bench_args(sub.add_parser("bench", help="Benchmark a server (serve) or the engine offline (throughput)."))
+    bench = sub.add_parser("bench", help="Benchmark a server (serve) or the engine offline (throughput).")
+    argv = sys.argv[1:] if argv is None else argv
+    if "bench" in argv:  # its flags come from the benchmark modules, which import torch: only when asked for
+        _add_bench_args(bench)
     args = parser.parse_args(argv)
     run = {"serve": run_serve, "generate": run_generate, "bench": run_bench}[args.command]
     try:
@@ -78,6 +82,11 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="Inpainting mask of the image's size, as OpenAI's edits take it: pixels with alpha < 128 "
                         "(transparent) are repainted, opaque ones kept; a mask without alpha is grey, white = "
                         "repaint (diffusers'). A JSONL line's \"mask\" replaces it.")
+    p.add_argument("--aesthetic-score", type=float,
+                   help="For SDXL models trained with one (the refiner): the score its prompt conditions on "
+                        "(default: the pipeline's 6.0).")
+    p.add_argument("--negative-aesthetic-score", type=float,
+                   help="The score the negative rows condition on (default: the pipeline's 2.5).")
     p.add_argument("--strength", type=float, help="How much of the schedule an image request runs, in (0, 1] "
                                                   "(default: the model's, for img2img or for inpainting).")
     p.add_argument("--no-progress", action="store_true", help="No progress bar.")
@@ -290,20 +299,26 @@ def _check_tls_args(args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)  # first: importing the model code already makes the libraries talk
+    setup_logging(args.log_level, libraries=False)  # the libraries' own logs: set once the flags are checked
     check_serve_args(args)
-    from dvllm.entrypoints.api_server import run_server  # fastapi and uvicorn only when serving
+    sock = bind_socket(args.host, args.port)  # a taken port fails now, before torch and the model load
+    try:
+        set_third_party_verbosity(verbose=args.log_level == "debug")  # before the model code makes them talk
+        from dvllm.entrypoints.api_server import run_server  # fastapi and uvicorn only when serving
 
-    run_server(args)
+        run_server(args, sock)
+    finally:
+        sock.close()
     return 0
 
 
 # -- generate: running ----------------------------------------------------------------------------
 
 def run_generate(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)  # first: importing the model code already makes the libraries talk
+    setup_logging(args.log_level, libraries=False)
     jobs = read_jobs(args)
     check_lora_names(args, jobs, check_engine_args(args).lora_modules)
+    set_third_party_verbosity(verbose=args.log_level == "debug")
     from dvllm.engine.engine import DiffusionEngine
 
     engine = DiffusionEngine(**engine_kwargs(args))
@@ -316,7 +331,9 @@ def run_generate(args: argparse.Namespace) -> int:
 def _generate(engine: DiffusionEngine, jobs: list[Job], requests: list[Request],
               args: argparse.Namespace) -> int:
     batch_mode = args.prompts_file is not None
-    writer = ImageWriter(args.output_dir, manifest=batch_mode, model=engine.model_info.name)
+    info = engine.model_info
+    writer = ImageWriter(args.output_dir, manifest=batch_mode, model=info.name,
+                         sampler=info.scheduler_config["_class_name"])
     index_of = {request.request_id: i for i, request in enumerate(requests)}
     progress = StepProgress(requests, enabled=not args.no_progress)
     failed = 0

@@ -4,7 +4,6 @@ processor before any is queued."""
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
 import re
@@ -14,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image, UnidentifiedImageError
 
 from dvllm.entrypoints.mask_upload import mask_from_upload
-from dvllm.samplers.registry import SHORT_NAMES, scheduler_class
-from dvllm.sampling_params import SEED_LIMIT, SamplingParams, lora_weight
+from dvllm.sampler_names import SHORT_NAMES, did_you_mean, scheduler_class
+from dvllm.sampling_params import PARAM_ALIASES, SEED_LIMIT, SamplingParams, lora_weight
 from dvllm.step_cache import parse_cache_flag
 
 if TYPE_CHECKING:
@@ -24,7 +23,8 @@ if TYPE_CHECKING:
 
 # JSONL keys accepted in --prompts-file, besides "prompt" and "output"
 _JSONL_KEYS = {"num_inference_steps", "steps", "guidance_scale", "guidance", "negative_prompt", "seed", "size",
-               "height", "width", "n", "sampler", "cache", "loras", "strength"}
+               "height", "width", "n", "sampler", "cache", "loras", "strength", "aesthetic_score",
+               "negative_aesthetic_score"}
 _INPUT_KEYS = ("image", "mask")  # input files: relative paths are under the prompts file's folder
 _NULLABLE_KEYS = {"cache", "loras"}  # a line's null means none: no step cache, no adapters (not the flag's)
 
@@ -34,10 +34,8 @@ def check_sampler(name: object) -> None:
     name that is neither can be refused now."""
     if isinstance(name, str) and (name in SHORT_NAMES or scheduler_class(name) is not None):
         return
-    close = difflib.get_close_matches(str(name), list(SHORT_NAMES), n=2, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     raise ValueError(f"sampler must be one of {sorted(SHORT_NAMES)} or the class name of a diffusers scheduler, "
-                     f"got {name!r}{hint}")
+                     f"got {name!r}{did_you_mean(name, SHORT_NAMES)}")
 
 
 
@@ -53,7 +51,7 @@ def parse_size(size: object) -> tuple[int, int]:
 
 
 # Short names (CLI flags, JSONL) -> SamplingParams fields
-_ALIASES = {"steps": "num_inference_steps", "guidance": "guidance_scale"}
+_ALIASES = PARAM_ALIASES
 
 
 def _long_names(fields: dict[str, Any]) -> dict[str, Any]:
@@ -63,6 +61,8 @@ def _long_names(fields: dict[str, Any]) -> dict[str, Any]:
             continue
         if key == "size":
             out["height"], out["width"] = parse_size(value)
+        elif key in _ALIASES and _ALIASES[key] in fields:
+            raise ValueError(f"{key!r} is short for {_ALIASES[key]!r}: give one of them")
         else:
             out[_ALIASES.get(key, key)] = value
     return out
@@ -222,7 +222,8 @@ def read_jobs(args: argparse.Namespace) -> list[Job]:
     check_generate_flags(args)
     defaults = {"steps": args.steps, "guidance": args.guidance, "negative_prompt": args.negative_prompt,
                 "seed": args.seed, "size": args.size, "sampler": args.sampler, "n": args.n,
-                "strength": args.strength}
+                "strength": args.strength, "aesthetic_score": args.aesthetic_score,
+                "negative_aesthetic_score": args.negative_aesthetic_score}
     defaults = {k: v for k, v in defaults.items() if v is not None}
     if args.cache is not None:
         defaults["cache"] = parse_cache_flag(args.cache)
@@ -237,7 +238,9 @@ def read_jobs(args: argparse.Namespace) -> list[Job]:
             fields = inputs.params(flag_paths)
         except ValueError as e:
             raise ValueError(f"--mask: {e}") from None
-        return [Job(args.prompt, _params({}, defaults, fields), args.output, "command line", flag_paths)]
+        jobs = [Job(args.prompt, _params({}, defaults, fields), args.output, "command line", flag_paths)]
+        _check_sizes(jobs, getattr(args, "max_image_pixels", None))
+        return jobs
     if args.prompt:
         raise ValueError("give either a prompt or --prompts-file, not both")
     plain: SamplingParams | None = None  # one object for every plain line: they all ask the same
@@ -253,7 +256,18 @@ def read_jobs(args: argparse.Namespace) -> list[Job]:
                 jobs.append(Job(line, plain, None, where, flag_paths))
     if not jobs:
         raise ValueError(f"{args.prompts_file} holds no prompts")
+    _check_sizes(jobs, getattr(args, "max_image_pixels", None))
     return jobs
+
+
+def _check_sizes(jobs: list[Job], max_image_pixels: int | None) -> None:
+    """A size past --max-image-pixels is refused now, not once the model has loaded (without the flag, the
+    limit depends on the model's native size: the engine checks it)."""
+    for job in jobs:
+        p = job.params
+        if max_image_pixels and p.height and p.width and p.height * p.width > max_image_pixels:
+            raise ValueError(f"{job.where}: size {p.width}x{p.height} is {p.width * p.height} pixels, more than "
+                             f"--max-image-pixels {max_image_pixels}")
 
 
 def _plain_params(defaults: dict[str, Any], flag_paths: dict[str, Any], where: str, inputs: _Inputs) -> SamplingParams:

@@ -31,28 +31,33 @@ def image_paths(index: int | None, seed: int, count: int, output: str | None, ou
     return [f"{root}-{k}{ext or '.png'}" for k in range(count)]
 
 
-def image_parameters(params: SamplingParams, model: str, inputs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What made an image, besides its prompt, seed and index: the resolved request parameters, and for an
-    image request its input files' paths (`inputs`: "image", "mask") and strength."""
-    return {"steps": params.num_inference_steps, "guidance": params.guidance_scale,
-            "size": f"{params.width}x{params.height}", "sampler": params.sampler,  # None: the model's own
+def image_parameters(params: SamplingParams, model: str, inputs: dict[str, Any] | None = None,
+                     sampler: str | None = None) -> dict[str, Any]:
+    """What made an image, besides its prompt, seed and index: the resolved request parameters (under the
+    names HTTP requests use; `sampler`: the one that ran when the request named none), and for an image
+    request its input files' paths (`inputs`: "image", "mask") and strength."""
+    return {"num_inference_steps": params.num_inference_steps, "guidance_scale": params.guidance_scale,
+            "size": f"{params.width}x{params.height}", "sampler": params.sampler or sampler,
             "negative_prompt": params.negative_prompt, "n": params.n, "model": model,
             **({"loras": params.loras} if params.loras else {}),
-            **(inputs or {}), **({"strength": params.strength} if params.strength is not None else {})}
+            **(inputs or {}), **({"strength": params.strength} if params.strength is not None else {}),
+            **({"aesthetic_score": params.aesthetic_score, "negative_aesthetic_score": params.negative_aesthetic_score}
+               if params.aesthetic_score is not None else {})}
 
 
 class ImageWriter:
     """Saves a finished request's images with their metadata; keeps the count of images written."""
 
-    def __init__(self, output_dir: str, manifest: bool, model: str) -> None:
+    def __init__(self, output_dir: str, manifest: bool, model: str, sampler: str | None = None) -> None:
+        """`sampler`: the one a request that names none runs (the model's)."""
         self.output_dir = output_dir
         self.manifest_path = os.path.join(output_dir, MANIFEST) if manifest else None
-        self.model = model
+        self.model, self.sampler = model, sampler
         self.written = 0
 
     def write(self, prompt: str, params: SamplingParams, seed: int, images: list[Image.Image],
               paths: list[str], inputs: dict[str, Any] | None = None) -> None:
-        parameters = image_parameters(params, self.model, inputs)
+        parameters = image_parameters(params, self.model, inputs, self.sampler)
         for k, (image, path) in enumerate(zip(images, paths)):
             record = {"prompt": prompt, "seed": seed, "index": k, **parameters}
             _save(image, path, record)

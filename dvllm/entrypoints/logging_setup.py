@@ -17,8 +17,9 @@ THIRD_PARTY_WARNING_MODULES = r"(diffusers|transformers|accelerate|torchvision|h
 _FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
 
 
-def setup_logging(level: str) -> None:
-    """dvllm's loggers at `level` on stderr; third-party logs, warnings and loading bars off unless debug."""
+def setup_logging(level: str, libraries: bool = True) -> None:
+    """dvllm's loggers at `level` on stderr; third-party logs, warnings and loading bars off unless debug.
+    libraries=False leaves the libraries for later (set_third_party_verbosity imports them: seconds)."""
     if level not in LOG_LEVELS:
         raise ValueError(f"log level must be one of {list(LOG_LEVELS)}, got {level!r}")
     root = logging.getLogger("dvllm")
@@ -27,7 +28,8 @@ def setup_logging(level: str) -> None:
         handler.setFormatter(logging.Formatter(_FORMAT))
         root.addHandler(handler)
     root.setLevel(level.upper())
-    set_third_party_verbosity(verbose=level == "debug")
+    if libraries:
+        set_third_party_verbosity(verbose=level == "debug")
 
 
 def set_third_party_verbosity(verbose: bool) -> None:

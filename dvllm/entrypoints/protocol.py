@@ -8,9 +8,9 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dvllm.sampling_params import PRIORITY_LIMIT, SEED_LIMIT, SamplingParams
+from dvllm.sampling_params import PARAM_ALIASES, PRIORITY_LIMIT, SEED_LIMIT, SamplingParams
 from dvllm.step_cache import USE_DEFAULT
 
 MAX_PARTIAL_IMAGES = 3
@@ -85,11 +85,28 @@ class ImageGenerationRequest(BaseModel):
     # LoRA adapters loaded on the server, by name, with their weights: {"style": 0.8}. The weights are checked
     # by the engine, so its messages are the same whatever the entrypoint.
     loras: dict[str, Any] | None = None
+    # SDXL models trained with an aesthetic score (the refiner): the prompt's and the negative rows' scores
+    aesthetic_score: float | None = Field(None, allow_inf_nan=False)
+    negative_aesthetic_score: float | None = Field(None, allow_inf_nan=False)
 
     @field_validator("*")
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
         return valid_unicode(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_names(cls, body: Any) -> Any:
+        """"steps" and "guidance" (dvllm generate's names) mean num_inference_steps and guidance_scale."""
+        if not isinstance(body, dict) or not any(short in body for short in PARAM_ALIASES):
+            return body
+        body = dict(body)
+        for short, name in PARAM_ALIASES.items():
+            if short in body:
+                if name in body:
+                    raise ValueError(f"{short!r} is short for {name!r}: give one of them")
+                body[name] = body.pop(short)
+        return body
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> "ImageGenerationRequest":
@@ -121,7 +138,8 @@ class ImageGenerationRequest(BaseModel):
             output_kind="progress" if self.stream else "final",  # a plain request waits for its end only
             max_sequence_length=self.max_sequence_length,
             cache=self.cache if "cache" in self.model_fields_set else USE_DEFAULT,
-            loras=self.loras,
+            loras=self.loras, aesthetic_score=self.aesthetic_score,
+            negative_aesthetic_score=self.negative_aesthetic_score,
         )
 
 
@@ -149,7 +167,8 @@ _ENGINE_FIELDS = {"height": "size", "width": "size", "height*width": "size", "nu
                   "seed": "seed", "sampler": "sampler", "negative_prompt": "negative_prompt", "prompt": "prompt",
                   "priority": "priority", "image": "image", "strength": "strength", "eta": "eta",
                   "max_sequence_length": "max_sequence_length", "cache": "cache", "loras": "loras",
-                  "mask_image": "mask"}  # the edits form's field
+                  "mask_image": "mask", "aesthetic_score": "aesthetic_score",
+                  "negative_aesthetic_score": "negative_aesthetic_score"}  # mask: the edits form's field
 
 
 def engine_value_error(error: ValueError) -> APIError:
@@ -233,6 +252,7 @@ class ModelCard(BaseModel):
     owned_by: str = "dvllm"
     root: str | None = None
     parent: str | None = None
+    dvllm: dict[str, Any] | None = None  # the served model's defaults, sizes and samplers (model_facts.py)
 
 
 class ModelList(BaseModel):

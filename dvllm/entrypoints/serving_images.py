@@ -56,6 +56,7 @@ class ServerContext:
     draining: bool = False
     in_flight: int = 0
     logged_fields: set[str] = field(default_factory=set)  # unknown field names already logged (bounded)
+    model_facts: dict[str, Any] | None = None  # what /v1/models tells of the served model (model_facts.py)
 
 
 class Slot:

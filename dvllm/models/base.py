@@ -83,6 +83,11 @@ class ModelInfo:
     sequence_length_range: tuple[int, int] | None = None
     # Step caching (SamplingParams.cache): how big a row's cache state is; None: the family serves none.
     cache_layout: CacheLayout | None = None
+    # SDXL UNets trained with an aesthetic score in their time ids (the refiner; requires_aesthetics_score):
+    # image requests only, each with a score for its prompt rows and one for its negative rows.
+    aesthetic_scores: bool = False
+    device: str = ""  # where the worker holds it, and in which dtype ("auto" resolved): set by the worker
+    dtype: str = ""
 
     def uses_cfg(self, guidance_scale: float, negative_prompt: str | None = None) -> bool:
         """As diffusers: guidance above 1 adds unconditional rows (with some models, only for a negative prompt)."""

@@ -27,6 +27,7 @@ class BatchLayout:
     text_lengths: tuple[tuple[int, int], ...] | None = None  # per request: (prompt, negative) real text tokens
     image_grids: tuple[Grids, ...] = ()                # per request (edits only)
     loras: tuple[RowAdapters, ...] = ()                # per request (empty: no request has adapters)
+    aesthetic_scores: tuple[tuple[float, float], ...] = ()  # per request: (prompt's, negative's) (SDXL refiner)
     pad: int = 0                                       # rows appended as copies of the last (bucketing)
 
     # derived in __post_init__ (plain attributes, not cached properties: torch.compile traces reads of them)

@@ -1,15 +1,21 @@
 """SDXL: two CLIP text encoders, pooled embeddings, and the added time ids (size, crop) per request."""
 from __future__ import annotations
 
+import dataclasses
+from functools import cached_property
+
 import torch
 
-from dvllm.models.base import Conditions
+from dvllm.models.base import Conditions, ModelInfo
 from dvllm.models.layout import BatchLayout
 from dvllm.models.stable_diffusion import StableDiffusionAdapter
+from dvllm.sampling_params import AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE
 
 
 class StableDiffusionXLAdapter(StableDiffusionAdapter):
-    pipeline_classes = ("StableDiffusionXLPipeline", "StableDiffusionXLInpaintPipeline")
+    # (the img2img class is what the refiner's folder names: served for image requests like any SDXL)
+    pipeline_classes = ("StableDiffusionXLPipeline", "StableDiffusionXLInpaintPipeline",
+                        "StableDiffusionXLImg2ImgPipeline")
     load_kwargs = {"add_watermarker": False}  # dvllm returns the model's own pixels
     family = "stable-diffusion-xl"
     default_guidance = 5.0
@@ -17,15 +23,18 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
     default_inpaint_strength = 0.9999  # StableDiffusionXLInpaintPipeline's: it skips the first step
 
     def __init__(self, pipeline, name: str, device: torch.device, dtype: torch.dtype) -> None:
-        if pipeline.config.get("requires_aesthetics_score", False):
-            raise ValueError(f"{name}: SDXL models that take an aesthetic score (requires_aesthetics_score, the "
-                             "refiner) are not supported")
         super().__init__(pipeline, name, device, dtype)
         vae = pipeline.vae
         # The pipeline decodes in float32 when a float16 VAE would overflow; keep that copy resident
         # instead of casting the VAE back and forth at every decode.
         if vae.dtype == torch.float16 and vae.config.force_upcast:
             vae.to(torch.float32)
+
+    @cached_property
+    def info(self) -> ModelInfo:
+        # A UNet trained with an aesthetic score takes it in its time ids instead of the target size
+        return dataclasses.replace(super().info,
+                                   aesthetic_scores=bool(self.pipeline.config.get("requires_aesthetics_score")))
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],
                       max_sequence_length: int | None = None) -> list[Conditions]:
@@ -61,12 +70,19 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
 
     def step_conditions(self, layout: BatchLayout, dtype: torch.dtype) -> Conditions:
         """The added time ids, made on the host as the pipeline makes them: one forward, one size, so one
-        (original size, crop, target size) for every row."""
+        (original size, crop, target size) for every row; for a model trained with an aesthetic score,
+        (original size, crop, score) with each request's score on its prompt rows and its negative score on
+        its negative rows."""
         pipe = self.pipeline
         projection_dim = (pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None
                           else self.info.condition_shapes["pooled_prompt_embeds"][-1])
-        time_ids = _add_time_ids(pipe, layout.image_size, projection_dim, dtype)
-        return {**super().step_conditions(layout, dtype), "time_ids": time_ids.repeat(layout.num_rows, 1)}
+        size = list(layout.image_size)
+        if self.info.aesthetic_scores:  # (a layout that names no scores, the memory profile's: the defaults)
+            scores = layout.aesthetic_scores or ((AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE),) * len(layout.counts)
+            rows = [[*size, 0, 0, scores[r][negative]] for r, negative in zip(layout.row_request, layout.row_negative)]
+        else:
+            rows = [[*size, 0, 0, *size]] * layout.num_rows
+        return {**super().step_conditions(layout, dtype), "time_ids": _time_ids(pipe, rows, projection_dim, dtype)}
 
     def _scale_image_latents(self, latents: torch.Tensor) -> torch.Tensor:
         config = self.pipeline.vae.config
@@ -90,13 +106,13 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         return self.pipeline.image_processor.postprocess(image, output_type="pt")
 
 
-def _add_time_ids(pipe, size: tuple[int, int], projection_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """(original size, crop (0, 0), target size), as the text-to-image and inpainting pipelines both make them
-    (their _get_add_time_ids differ in signature, not in these ids without an aesthetic score)."""
-    ids = [*size, 0, 0, *size]
+def _time_ids(pipe, rows: list[list[float]], projection_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's added time ids, as the pipelines' _get_add_time_ids make them, checked against the UNet."""
     unet = pipe.unet
-    passed = unet.config.addition_time_embed_dim * len(ids) + projection_dim
+    passed = unet.config.addition_time_embed_dim * len(rows[0]) + projection_dim
     expected = unet.add_embedding.linear_1.in_features
     if expected != passed:
-        raise ValueError(f"the UNet expects {expected} added-condition features, the time ids make {passed}")
-    return torch.tensor([ids], dtype=dtype)
+        raise ValueError(f"the UNet expects {expected} added-condition features, the time ids make {passed} (an "
+                         "aesthetic-score UNet needs requires_aesthetics_score in its model_index.json, and one "
+                         "without it must not have it)")
+    return torch.tensor(rows, dtype=dtype)

@@ -3,31 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import diffusers
 from diffusers import SchedulerMixin
 
-# A short name means exactly `Class.from_config(model_scheduler_config, **overrides)`.
-SHORT_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
-    "ddim": ("DDIMScheduler", {}),
-    "euler": ("EulerDiscreteScheduler", {}),
-    "euler_a": ("EulerAncestralDiscreteScheduler", {}),
-    "dpmpp_2m": ("DPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_order": 2}),
-    "dpmpp_2m_karras": (
-        "DPMSolverMultistepScheduler",
-        {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True},
-    ),
-    "lcm": ("LCMScheduler", {}),
-    "flow_euler": ("FlowMatchEulerDiscreteScheduler", {}),
-}
+from dvllm.sampler_names import SHORT_NAMES, scheduler_class
 
-
-def scheduler_class(name: str) -> type[SchedulerMixin] | None:
-    if not name.endswith("Scheduler"):  # diffusers' lazy module would import whatever name it is asked for
-        return None
-    cls = getattr(diffusers, name, None)
-    if isinstance(cls, type) and issubclass(cls, SchedulerMixin):
-        return cls
-    return None
+__all__ = ["SHORT_NAMES", "make_scheduler", "scheduler_class"]
 
 
 def make_scheduler(model_scheduler_config: dict[str, Any], sampler: str | None) -> SchedulerMixin:

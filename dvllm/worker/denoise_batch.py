@@ -127,7 +127,8 @@ def batch_layout(adapter: ModelAdapter, states: list[RequestState]) -> BatchLayo
         text_lengths=tuple(s.text_lengths for s in states) if states[0].text_lengths is not None else None,
         image_grids=tuple(tuple(x for grid in s.data.input_grids for x in grid) for s in states)
         if info.edit_grids is not None else (),
-        loras=tuple(s.data.loras for s in states))
+        loras=tuple(s.data.loras for s in states),
+        aesthetic_scores=tuple(s.data.aesthetic_scores for s in states) if info.aesthetic_scores else ())
 
 
 def gather(adapter: ModelAdapter, pool: StatePool, states: list[RequestState]) -> Batch:

@@ -62,13 +62,20 @@ def largest_size(info: ModelInfo, max_pixels: int) -> tuple[int, int]:
     return side, side
 
 
-def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory) -> dict[str, int]:
-    """Peak transient bytes of each kind of work in the worst step."""
+def worst_forward(adapter: ModelAdapter, config: EngineConfig) -> tuple[int, int, int]:
+    """(rows, height, width) of the largest forward the engine's limits allow."""
     info = adapter.info
     height, width = largest_size(info, config.image_pixel_limit(info.default_height, info.default_width))
     rows = config.max_batch_size
     if config.compile == "bucketed" or config.cuda_graph:  # batches are padded up to their bucket
         rows = next(b for b in batch_buckets(2 * rows) if b >= rows)
+    return rows, height, width
+
+
+def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory) -> dict[str, int]:
+    """Peak transient bytes of each kind of work in the worst step."""
+    info = adapter.info
+    rows, height, width = worst_forward(adapter, config)
     texts = [(_PROBE_TEXT[:config.max_prompt_chars], negative) for _ in range(config.max_batch_size)
              for negative in (False, True)]
     device, dtype = adapter.device, adapter.dtype
@@ -115,7 +122,6 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
         adapter.prepare_edit(images, 1, height, width, torch.Generator("cpu").manual_seed(0))
 
     peaks = {}
-    forward_inputs = _forward_input_bytes(info, rows, height, width, dtype)
     with torch.inference_mode():
         for name, run in (("encode", encode), ("denoise", denoise), ("decode", decode)):
             try:
@@ -126,7 +132,6 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
                     f"({rows} rows at {width}x{height}, {config.max_decode_batch} images a decode); lower "
                     "max_batch_size, max_image_pixels or max_decode_batch") from None
     peaks["denoise"] += step_cache_bytes(info, rows, height, width, dtype)
-    peaks["graph_inputs"] = forward_inputs * config.max_cuda_graphs if config.cuda_graph else 0
     return peaks
 
 
@@ -176,7 +181,11 @@ def _table_numel_per_rank(module: torch.nn.Module) -> int:
 def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory) -> int:
     """What the state pool may take on this GPU; ValueError when the worst step leaves nothing."""
     peaks = step_peaks(adapter, config, memory)
-    graphs = peaks.pop("graph_inputs") + (peaks["denoise"] if config.cuda_graph else 0)
+    graphs = 0
+    if config.cuda_graph:  # their shared pool (one forward's activations) and each one's static inputs
+        rows, height, width = worst_forward(adapter, config)
+        inputs = _forward_input_bytes(adapter.info, rows, height, width, adapter.dtype)
+        graphs = peaks["denoise"] + config.max_cuda_graphs * inputs
     loras = lora_table_bytes(adapter, config)
     free, total = memory.free_and_total()
     used = total - free  # the weights, the CUDA context, anything else on the device

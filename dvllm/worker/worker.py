@@ -1,6 +1,7 @@
 """The worker owns the device, the model and every request's state."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -37,7 +38,8 @@ class Worker:
                                   config.max_loras, config.max_lora_rank)
 
     def model_info(self) -> ModelInfo:
-        return self.runner.adapter.info
+        return dataclasses.replace(self.runner.adapter.info, device=str(self.device),
+                                   dtype=str(self.dtype).removeprefix("torch."))
 
     def phase_seconds(self) -> dict[str, float]:
         """Seconds spent per step phase on this worker (with profile_steps)."""
