@@ -76,6 +76,13 @@ class EngineConfig:
                           "taylorseer:cache_interval=4 or mag:mag_ratios=flux (fields of diffusers' "
                           "FirstBlockCacheConfig / TaylorSeerCacheConfig / MagCacheConfig); none by default."},
     )
+    default_params: Any = field(
+        default=None,
+        metadata={"help": "Request defaults over the model's, as JSON: num_inference_steps, guidance_scale, "
+                          "height, width, sampler, max_sequence_length, e.g. '{\"num_inference_steps\": 8, "
+                          "\"guidance_scale\": 0}' (default: the model's: its pipeline's, known Turbo-kind "
+                          "models' from their cards, its folder's dvllm_defaults.json)."},
+    )
     enable_lora: bool = field(
         default=False,
         metadata={"help": "Serve LoRA adapters (SamplingParams.loras, load_lora); on whenever lora_modules is "
@@ -198,6 +205,10 @@ class EngineConfig:
         if isinstance(self.default_cache, str):
             self.default_cache = parse_cache_flag(self.default_cache)
         self.default_cache = parse_cache(self.default_cache)
+        if self.default_params is not None:  # a flag's JSON text or a dict: kept as a checked dict
+            from dvllm.models.model_defaults import parse_defaults
+
+            self.default_params = parse_defaults(self.default_params, "default_params")
         self.lora_modules = _parse_lora_modules(self.lora_modules)
         if self.lora_modules:
             self.enable_lora = True

@@ -160,6 +160,7 @@ class SamplingParams:
             height=self.height or image_h,
             width=self.width or image_w,
             seed=secrets.randbelow(RANDOM_SEED_LIMIT) if self.seed is None else self.seed,
+            sampler=self.sampler or info.default_sampler,
             image=image,
             mask_image=mask,
             strength=None if image is None or not info.image_sets_start else

@@ -86,6 +86,7 @@ class ModelInfo:
     # SDXL UNets trained with an aesthetic score in their time ids (the refiner; requires_aesthetics_score):
     # image requests only, each with a score for its prompt rows and one for its negative rows.
     aesthetic_scores: bool = False
+    default_sampler: str | None = None  # None: the model's own scheduler (model_defaults.py may name another)
     device: str = ""  # where the worker holds it, and in which dtype ("auto" resolved): set by the worker
     dtype: str = ""
 

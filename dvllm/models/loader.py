@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from dvllm.models.base import ModelAdapter
+from dvllm.models.model_defaults import INFO_FIELDS, known_defaults, parse_defaults
 from dvllm.models.byte_tokenizer import (allow_qwen_vl_processor_without_torchvision, byte_clip_tokenizer,
                                          byte_qwen_tokenizer, byte_qwen_vl_processor, byte_t5_tokenizer)
 from dvllm.models.registry import adapter_for
@@ -123,8 +124,9 @@ def resolve_dtype(name: str, device: torch.device, adapter_cls: type[ModelAdapte
 
 
 def load_adapter(model: str | None, load_format: str, device: torch.device, dtype: torch.dtype | str,
-                 seed: int = 0) -> ModelAdapter:
-    """The model's adapter on `device`, in `dtype` (a torch dtype or a name: "auto" resolved for its family)."""
+                 seed: int = 0, default_params: Any = None) -> ModelAdapter:
+    """The model's adapter on `device`, in `dtype` (a torch dtype or a name: "auto" resolved for its family),
+    with its request defaults (model_defaults.py; `default_params`: the engine's, over the model's)."""
     source = resolve_model(model)
     adapter_cls = adapter_for(source.pipeline_class)
     if isinstance(dtype, str):
@@ -144,8 +146,7 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     pipeline.to(device=device, **({"dtype": dtype} if pipeline.dtype != dtype else {}))
     pipeline.set_progress_bar_config(disable=True)
     adapter = adapter_cls(pipeline, source.name, device, dtype)
-    if source.folder and os.path.isfile(os.path.join(source.folder, DEFAULTS_FILE)):
-        _apply_defaults(adapter, os.path.join(source.folder, DEFAULTS_FILE))
+    _apply_defaults(adapter, source, default_params)
     return adapter
 
 
@@ -158,28 +159,36 @@ def _absent_components(source: ModelSource, pipeline_cls: type) -> dict[str, Non
             if not name.startswith("_") and spec in ([None, None], (None, None)) and name not in optional}
 
 
-def _apply_defaults(adapter: ModelAdapter, path: str) -> None:
-    """A folder's dvllm_defaults.json (num_inference_steps, guidance_scale, height, width) replaces the
-    pipeline's generic defaults: a model trained for 25 steps at 64x64 should get them when none are asked.
-    "max_sequence_length" sets the text length of a model whose pipeline pads its text to that length with
-    zeros (stable-diffusion-3 without T5): it changes the model's conditions, so it is applied first, before
-    the adapter's info (which reads it) is computed."""
-    with open(path) as f:
-        defaults = json.load(f)
-    if not isinstance(defaults, dict):
-        raise ValueError(f"{path}: expected a JSON object of defaults, got {type(defaults).__name__}")
-    names = {"num_inference_steps": "default_steps", "guidance_scale": "default_guidance",
-             "height": "default_height", "width": "default_width"}
-    unknown = sorted(set(defaults) - set(names) - {"max_sequence_length"})
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown}; allowed {sorted([*names, 'max_sequence_length'])}")
+def _apply_defaults(adapter: ModelAdapter, source: ModelSource, default_params: Any) -> None:
+    """The model's request defaults over its pipeline's (model_defaults.py): the known table's, its folder's
+    dvllm_defaults.json, then the engine's default_params. "max_sequence_length" sets the text length of a
+    model whose pipeline pads its text to that length with zeros (stable-diffusion-3 without T5): it changes
+    the model's conditions, so it is applied first, before the adapter's info (which reads it) is computed."""
+    layers = [(known_defaults(source.hub_id or source.name), f"dvllm's defaults for {source.name}")]
+    path = os.path.join(source.folder, DEFAULTS_FILE) if source.folder else None
+    if path and os.path.isfile(path):
+        with open(path) as f:
+            text = f.read()
+        layers.append((parse_defaults(text, path), path))
+    if default_params is not None:
+        layers.append((parse_defaults(default_params, "default_params"), "default_params"))
+    defaults: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    for layer, origin in layers:
+        defaults.update(layer)
+        where.update(dict.fromkeys(layer, origin))
     if "max_sequence_length" in defaults:
         setter = getattr(adapter, "set_max_sequence_length", None)
         if setter is None:
-            raise ValueError(f"{path}: max_sequence_length: the {adapter.info.family} family takes no "
-                             f"per-model text length (only stable-diffusion-3 models without a T5 encoder do)")
-        setter(defaults["max_sequence_length"], source=f"{path}: max_sequence_length")
-    adapter.info = dataclasses.replace(adapter.info, **{names[k]: v for k, v in defaults.items() if k in names})
+            raise ValueError(f"{where['max_sequence_length']}: max_sequence_length: the {adapter.info.family} "
+                             "family takes no per-model text length (only stable-diffusion-3 models without a T5 "
+                             "encoder do)")
+        setter(defaults["max_sequence_length"], source=f"{where['max_sequence_length']}: max_sequence_length")
+    if defaults:
+        adapter.info = dataclasses.replace(adapter.info, **{INFO_FIELDS[k]: v for k, v in defaults.items()
+                                                           if k in INFO_FIELDS})
+        logger.info("request defaults for %s: %s", source.name,
+                    ", ".join(f"{k}={v} ({where[k]})" for k, v in sorted(defaults.items())))
 
 
 def dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed: int,

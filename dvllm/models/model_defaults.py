@@ -1,0 +1,69 @@
+"""A model's request defaults, when its pipeline's `__call__` defaults are not what it was made for.
+
+Z-Image-Turbo served with its pipeline's defaults runs 50 steps with CFG, about 12x the compute it was
+distilled for. Defaults come, each layer over the one before: the pipeline's; `KNOWN_DEFAULTS` below (facts
+from the models' cards, by Hub id, and for the presets of those architectures); the model folder's (or Hub
+repo's) `dvllm_defaults.json`; the engine's `default_params`. What is in force is in ModelInfo, and so in
+/v1/models.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# request field -> the ModelInfo field it sets
+INFO_FIELDS = {"num_inference_steps": "default_steps", "guidance_scale": "default_guidance",
+               "height": "default_height", "width": "default_width", "sampler": "default_sampler"}
+# max_sequence_length changes the model's conditions: the adapter takes it (set_max_sequence_length)
+KEYS = (*INFO_FIELDS, "max_sequence_length")
+
+_TURBO_512 = {"num_inference_steps": 1, "guidance_scale": 0.0, "height": 512, "width": 512}
+# By Hub id, lower case. Each from the model card's own example call.
+KNOWN_DEFAULTS: dict[str, dict[str, Any]] = {
+    "tongyi-mai/z-image-turbo": {"num_inference_steps": 9, "guidance_scale": 0.0},  # 9 steps: 8 DiT forwards
+    "black-forest-labs/flux.1-schnell": {"num_inference_steps": 4, "guidance_scale": 0.0},
+    "stabilityai/sdxl-turbo": _TURBO_512,
+    "stabilityai/sd-turbo": _TURBO_512,
+    "stabilityai/stable-diffusion-3.5-large-turbo": {"num_inference_steps": 4, "guidance_scale": 0.0},
+}
+# dvllm's presets of those architectures (random weights, for timing) time what the model would run
+PRESET_HUB_IDS = {"z-image-turbo": "tongyi-mai/z-image-turbo", "sd-turbo": "stabilityai/sd-turbo"}
+
+
+def known_defaults(name: str) -> dict[str, Any]:
+    """The table's defaults for a Hub id or preset name ({} for any other model)."""
+    key = name.lower()
+    return dict(KNOWN_DEFAULTS.get(PRESET_HUB_IDS.get(key, key), {}))
+
+
+def parse_defaults(value: Any, where: str) -> dict[str, Any]:
+    """A dict of defaults (or its JSON text), its keys and values checked; ValueError naming `where`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a JSON object of defaults, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed {sorted(KEYS)}")
+    for key, v in value.items():
+        if key == "guidance_scale":
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf")
+        elif key == "sampler":
+            ok = isinstance(v, str) and bool(v)
+        else:
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        if not ok:
+            raise ValueError(f"{where}: {key} must be {_EXPECTED.get(key, 'an integer >= 1')}, got {v!r}")
+    if "sampler" in value:
+        from dvllm.sampler_names import SHORT_NAMES, did_you_mean, scheduler_class
+
+        name = value["sampler"]
+        if name not in SHORT_NAMES and scheduler_class(name) is None:
+            raise ValueError(f"{where}: sampler {name!r} is not a sampler{did_you_mean(name, SHORT_NAMES)}")
+    return value
+
+
+_EXPECTED = {"guidance_scale": "a finite number >= 0", "sampler": "a sampler name"}

@@ -1,0 +1,67 @@
+"""A model's request defaults (models/model_defaults.py): the pipeline's, then the known table's (Turbo-kind
+models, by Hub id), the folder's dvllm_defaults.json, then the engine's default_params, each over the one before;
+what is in force is what requests get and what /v1/models says."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from dvllm import DiffusionEngine, EngineConfig, SamplingParams
+from dvllm.entrypoints.model_facts import model_facts
+from dvllm.models import model_defaults
+from dvllm.models.model_defaults import known_defaults
+
+
+def test_turbo_kind_models_get_their_cards_defaults_not_their_pipelines():
+    """Z-Image-Turbo's pipeline defaults are 50 steps with CFG (guidance 5.0): ~12x what it was distilled for."""
+    assert known_defaults("Tongyi-MAI/Z-Image-Turbo") == {"num_inference_steps": 9, "guidance_scale": 0.0}
+    assert known_defaults("z-image-turbo") == known_defaults("Tongyi-MAI/Z-Image-Turbo")  # the preset times it
+    assert known_defaults("stabilityai/sdxl-turbo")["num_inference_steps"] == 1
+    assert known_defaults("black-forest-labs/FLUX.1-dev") == {}  # its pipeline's defaults are its own
+
+
+def test_each_layer_of_defaults_over_the_one_before(sd_eps_path, tmp_path, monkeypatch):
+    folder = tmp_path / "a-turbo"
+    shutil.copytree(sd_eps_path, folder)
+    # as if the folder were a Hub model the table knows
+    monkeypatch.setitem(model_defaults.KNOWN_DEFAULTS, str(folder).lower(),
+                        {"num_inference_steps": 2, "guidance_scale": 0.0, "height": 24})
+    info = DiffusionEngine(model=str(folder), device="cpu", dtype="float32").model_info
+    assert (info.default_steps, info.default_guidance, info.default_height) == (2, 0.0, 24)
+    (folder / "dvllm_defaults.json").write_text(json.dumps({"num_inference_steps": 3, "sampler": "euler"}))
+    info = DiffusionEngine(model=str(folder), device="cpu", dtype="float32").model_info
+    assert (info.default_steps, info.default_guidance, info.default_sampler) == (3, 0.0, "euler")
+    engine = DiffusionEngine(model=str(folder), device="cpu", dtype="float32",
+                             default_params='{"num_inference_steps": 4, "sampler": "euler_a"}')  # as the flag
+    info = engine.model_info
+    assert (info.default_steps, info.default_height, info.default_sampler) == (4, 24, "euler_a")
+    facts = model_facts(info, 4096, engine.valid_samplers())  # what /v1/models says
+    assert (facts["num_inference_steps"], facts["guidance_scale"], facts["sampler"]) == (4, 0.0, "euler_a")
+    assert facts["default_size"] == f"{info.default_width}x24"
+
+
+def test_a_default_sampler_runs_as_if_the_request_named_it(sd_eps_path):
+    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", default_params={"sampler": "euler_a"})
+    plain = SamplingParams(seed=4, num_inference_steps=3, output_type="np")
+    named = SamplingParams(seed=4, num_inference_steps=3, output_type="np", sampler="euler_a")
+    first, second = engine.generate(["a red circle"] * 2, [plain, named], use_tqdm=False)
+    np.testing.assert_array_equal(first.images[0], second.images[0])
+    other = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")  # its own scheduler: another image
+    assert not np.array_equal(other.generate(["a red circle"], [plain], use_tqdm=False)[0].images[0],
+                              first.images[0])
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"steps": 8}', "unknown keys \\['steps'\\]"),
+    ("{not json", "not valid JSON"),
+    ('{"num_inference_steps": 0}', "num_inference_steps must be an integer >= 1"),
+    ('{"guidance_scale": -1}', "guidance_scale must be a finite number >= 0"),
+    ('{"sampler": "eulr"}', "did you mean 'euler'"),
+    ("[1, 2]", "expected a JSON object"),
+])
+def test_bad_default_params_are_refused_before_the_model_loads(value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(default_params=value)
