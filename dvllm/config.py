@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dvllm.lora.files import LoraFilePolicy
+    from dvllm.models.load_config import LoadConfig
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -36,6 +37,16 @@ class EngineConfig:
                 "(bfloat16 for the DiT families: Flux, SD3, Qwen-Image, Z-Image and the edit models; float16 for "
                 "SD and SDXL), logged at start."})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N."})
+    revision: str | None = field(
+        default=None, metadata={"help": "The model's Hub branch, tag or commit (default: main)."})
+    variant: str | None = field(
+        default=None,
+        metadata={"help": "Load this variant's weight files only, e.g. fp16 (*.fp16.safetensors): the other "
+                          "weights are never fetched."})
+    download_dir: str | None = field(
+        default=None, metadata={"help": "Hub cache to read and fill (default: huggingface_hub's, $HF_HOME)."})
+    local_files_only: bool = field(
+        default=False, metadata={"help": "Never reach the Hub: load what the cache or folder holds, or fail."})
     dummy_weight_seed: int = field(
         default=0, metadata={"help": "Seed of load_format='dummy' weights (images use each request's seed)."}
     )
@@ -257,6 +268,13 @@ class EngineConfig:
             raise ValueError(f"max_worker_restarts must be an integer >= 0, got {self.max_worker_restarts!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+    @property
+    def load_config(self) -> "LoadConfig":
+        from dvllm.models.load_config import LoadConfig
+
+        return LoadConfig(revision=self.revision, variant=self.variant, download_dir=self.download_dir,
+                          local_files_only=self.local_files_only)
 
     @property
     def cpu_lora_cache_size(self) -> int:

@@ -46,7 +46,8 @@ class DiffusionEngine:
         self.loras = None
         if self.config.enable_lora:
             self.loras = LoraRegistry(self.config.model, self.model_info.name, self.config.max_lora_rank,
-                                      self.config.cpu_lora_cache_size, self.config.lora_file_policy)
+                                      self.config.cpu_lora_cache_size, self.config.lora_file_policy,
+                                      self.config.load_config)
         self.processor = InputProcessor(self.config, self.model_info, self.block_numel, pool_blocks, self.loras)
         self._generate_ids = itertools.count()
         # The one path for outputs not produced by a step: aborts, requests failed while no worker could

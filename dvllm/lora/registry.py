@@ -27,8 +27,9 @@ class _Entry:
 
 class LoraRegistry:
     def __init__(self, model: str | None, served_name: str, max_rank: int, max_cpu_loras: int,
-                 policy: LoraFilePolicy) -> None:
-        self.model, self.served_name = model, served_name
+                 policy: LoraFilePolicy, load: Any = None) -> None:
+        """`load`: the model's LoadConfig (its configs are found as the worker found them)."""
+        self.model, self.served_name, self.load_config = model, served_name, load
         self.max_rank, self.max_cpu_loras, self.policy = max_rank, max_cpu_loras, policy
         self._entries: dict[str, _Entry] = {}
         self._cache: OrderedDict[int, LoraWeights] = OrderedDict()  # uid -> weights, least recently used first
@@ -111,4 +112,4 @@ class LoraRegistry:
                 return self._idle_skeletons.pop()
         from dvllm.lora.skeleton import skeleton_pipeline
 
-        return skeleton_pipeline(self.model)
+        return skeleton_pipeline(self.model, self.load_config)

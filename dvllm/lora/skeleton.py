@@ -18,8 +18,8 @@ from dvllm.models.loader import dummy_components, resolve_model
 from dvllm.models.registry import adapter_for
 
 
-def skeleton_pipeline(model: str | None) -> Any:
-    source = resolve_model(model)
+def skeleton_pipeline(model: str | None, load: Any = None) -> Any:
+    source = resolve_model(model, load)
     adapter_cls = adapter_for(source.pipeline_class)
     pipeline_cls = getattr(importlib.import_module("diffusers"), source.pipeline_class)
     components = dummy_components(source, adapter_cls, seed=0, meta=True)

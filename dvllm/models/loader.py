@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from dvllm.models.base import ModelAdapter
+from dvllm.models.load_config import LoadConfig
 from dvllm.models.model_defaults import INFO_FIELDS, known_defaults, parse_defaults
 from dvllm.models.byte_tokenizer import (allow_qwen_vl_processor_without_torchvision, byte_clip_tokenizer,
                                          byte_qwen_tokenizer, byte_qwen_vl_processor, byte_t5_tokenizer)
@@ -62,8 +63,9 @@ class ModelSource:
         return self.model_index["_class_name"]
 
 
-def resolve_model(model: str | None) -> ModelSource:
-    """A preset, a local folder with model_index.json, or a Hub id; ValueError naming the path otherwise."""
+def resolve_model(model: str | None, load: LoadConfig | None = None) -> ModelSource:
+    """A preset, a local folder with model_index.json, or a Hub id (its configs fetched as `load` says);
+    ValueError naming the path otherwise."""
     model = model or DEFAULT_MODEL
     builtin = builtin_folder(model)
     if builtin is not None:
@@ -88,18 +90,18 @@ def resolve_model(model: str | None) -> ModelSource:
         return ModelSource(name=model.rstrip("/"), model_index=model_index, folder=path)
     if os.path.exists(path) or _looks_like_path(model):
         raise ValueError(f"model path {path!r} does not exist or is not a diffusers folder")
-    return _from_hub(model)
+    return _from_hub(model, load or LoadConfig())
 
 
 def _looks_like_path(model: str) -> bool:
     return model.startswith((".", "/", "~")) or model.count("/") != 1
 
 
-def _from_hub(repo_id: str) -> ModelSource:
+def _from_hub(repo_id: str, load: LoadConfig) -> ModelSource:
     from huggingface_hub import snapshot_download
 
-    try:
-        folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.txt", "*.model"])
+    try:  # the configs and tokenizers only: the weights come with from_pretrained, of the variant asked for
+        folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.txt", "*.model"], **load.hub_kwargs())
     except Exception as e:  # no network, unknown repo, gated repo...
         raise ValueError(
             f"model {repo_id!r} is not a preset ({preset_names()}), not a local folder, and could not be "
@@ -124,10 +126,12 @@ def resolve_dtype(name: str, device: torch.device, adapter_cls: type[ModelAdapte
 
 
 def load_adapter(model: str | None, load_format: str, device: torch.device, dtype: torch.dtype | str,
-                 seed: int = 0, default_params: Any = None) -> ModelAdapter:
+                 seed: int = 0, default_params: Any = None, load: LoadConfig | None = None) -> ModelAdapter:
     """The model's adapter on `device`, in `dtype` (a torch dtype or a name: "auto" resolved for its family),
-    with its request defaults (model_defaults.py; `default_params`: the engine's, over the model's)."""
-    source = resolve_model(model)
+    with its request defaults (model_defaults.py; `default_params`: the engine's, over the model's), its files
+    found as `load` says (revision, variant, cache, offline)."""
+    load = load or LoadConfig()
+    source = resolve_model(model, load)
     adapter_cls = adapter_for(source.pipeline_class)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, device, adapter_cls)
@@ -138,10 +142,16 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     if load_format == "dummy" or source.preset is not None:
         pipeline = pipeline_cls(**dummy_components(source, adapter_cls, seed))
     else:
-        pipeline = pipeline_cls.from_pretrained(
-            source.hub_id or source.folder, dtype=dtype,
-            **(_absent_components(source, pipeline_cls) | adapter_cls.load_kwargs)
-        )
+        hub = load.hub_kwargs() if source.hub_id else {}
+        try:
+            pipeline = pipeline_cls.from_pretrained(
+                source.hub_id or source.folder, dtype=dtype, variant=load.variant, **hub,
+                **(_absent_components(source, pipeline_cls) | adapter_cls.load_kwargs)
+            )
+        except OSError as e:  # a weight file missing: offline, or another variant than the files'
+            which = f"variant {load.variant!r}" if load.variant else "no variant (a repo of fp16 files only needs "\
+                "variant 'fp16')"
+            raise ValueError(f"cannot load the weights of {source.name} with {which}: {e}") from None
     # Dummy components are built in float32; cast only when asked for another dtype.
     pipeline.to(device=device, **({"dtype": dtype} if pipeline.dtype != dtype else {}))
     pipeline.set_progress_bar_config(disable=True)

@@ -30,7 +30,8 @@ class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
         adapter = load_adapter(config.model, config.load_format, self.device, config.dtype,
-                               seed=config.dummy_weight_seed, default_params=config.default_params)
+                               seed=config.dummy_weight_seed, default_params=config.default_params,
+                               load=config.load_config)
         self.dtype = adapter.dtype  # "auto" resolved for the model's family
         self.pool = create_state_pool(config, adapter)
         custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step

@@ -1,0 +1,18 @@
+"""How a model's files are found and read: the loading knobs of EngineConfig, in one object the loader takes
+(models/loader.py owns what they mean)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    revision: str | None = None      # a Hub branch, tag or commit
+    variant: str | None = None       # weight files of a variant ("fp16": *.fp16.safetensors), and no others
+    download_dir: str | None = None  # the Hub cache to read and fill (None: huggingface_hub's default)
+    local_files_only: bool = False   # never reach the Hub: what the cache (or folder) holds, or an error
+
+    def hub_kwargs(self) -> dict[str, Any]:
+        """What huggingface_hub's snapshot_download and diffusers' from_pretrained both take."""
+        return {"revision": self.revision, "cache_dir": self.download_dir, "local_files_only": self.local_files_only}
