@@ -47,6 +47,11 @@ class EngineConfig:
         default=None, metadata={"help": "Hub cache to read and fill (default: huggingface_hub's, $HF_HOME)."})
     local_files_only: bool = field(
         default=False, metadata={"help": "Never reach the Hub: load what the cache or folder holds, or fail."})
+    attention_backend: str | None = field(
+        default=None,
+        metadata={"help": "diffusers' attention backend for the denoiser: native, flash, _flash_3, sage, xformers, "
+                          "_native_cudnn, ... (refused at start when not installed; UNets take native or "
+                          "xformers; default: the model's own, torch SDPA)."})
     dummy_weight_seed: int = field(
         default=0, metadata={"help": "Seed of load_format='dummy' weights (images use each request's seed)."}
     )
@@ -274,7 +279,7 @@ class EngineConfig:
         from dvllm.models.load_config import LoadConfig
 
         return LoadConfig(revision=self.revision, variant=self.variant, download_dir=self.download_dir,
-                          local_files_only=self.local_files_only)
+                          local_files_only=self.local_files_only, attention_backend=self.attention_backend)
 
     @property
     def cpu_lora_cache_size(self) -> int:

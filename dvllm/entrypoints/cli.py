@@ -201,6 +201,10 @@ def check_engine_args(args: argparse.Namespace) -> EngineConfig:
     """The engine flags, as EngineConfig checks them, and the model name: before the model loads."""
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
     check_model_name(args.model)
+    if config.attention_backend is not None:  # (diffusers knows the names: imported for this flag only)
+        from dvllm.models.attention_backend import check_backend_name
+
+        check_backend_name(config.attention_backend)
     config.check_lora_modules()
     return config
 

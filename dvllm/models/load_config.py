@@ -12,6 +12,7 @@ class LoadConfig:
     variant: str | None = None       # weight files of a variant ("fp16": *.fp16.safetensors), and no others
     download_dir: str | None = None  # the Hub cache to read and fill (None: huggingface_hub's default)
     local_files_only: bool = False   # never reach the Hub: what the cache (or folder) holds, or an error
+    attention_backend: str | None = None  # diffusers' attention backend for the denoiser (None: its own)
 
     def hub_kwargs(self) -> dict[str, Any]:
         """What huggingface_hub's snapshot_download and diffusers' from_pretrained both take."""

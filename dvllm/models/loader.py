@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from dvllm.models.base import ModelAdapter
+from dvllm.models.attention_backend import set_attention_backend
 from dvllm.models.load_config import LoadConfig
 from dvllm.models.model_defaults import INFO_FIELDS, known_defaults, parse_defaults
 from dvllm.models.byte_tokenizer import (allow_qwen_vl_processor_without_torchvision, byte_clip_tokenizer,
@@ -155,6 +156,7 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     # Dummy components are built in float32; cast only when asked for another dtype.
     pipeline.to(device=device, **({"dtype": dtype} if pipeline.dtype != dtype else {}))
     pipeline.set_progress_bar_config(disable=True)
+    set_attention_backend(pipeline, load.attention_backend)
     adapter = adapter_cls(pipeline, source.name, device, dtype)
     _apply_defaults(adapter, source, default_params)
     return adapter

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 
 class _RowPositions(torch.nn.Module):
@@ -66,8 +66,9 @@ class RowAttentionProcessor:
         if encoder_hidden_states_mask is None:
             encoder_hidden_states_mask = torch.ones(rows, text_len, dtype=torch.bool, device=hidden_states.device)
         mask = torch.cat([encoder_hidden_states_mask.bool(), image_mask], dim=1)[:, None, None, :]
-        query, key, value = (torch.cat([t, i], dim=1).transpose(1, 2) for t, i in zip(text, image))
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask).transpose(1, 2).flatten(2, 3)
+        query, key, value = (torch.cat([t, i], dim=1) for t, i in zip(text, image))  # [rows, tokens, heads, d]
+        # diffusers' dispatch, as its own processor calls it: the engine's attention backend (attention_backend.py)
+        out = dispatch_attention_fn(query, key, value, attn_mask=mask).flatten(2, 3)
         out = out.to(query.dtype)
         image_out = attn.to_out[0](out[:, text_len:].contiguous())
         if len(attn.to_out) > 1:
