@@ -52,6 +52,11 @@ class EngineConfig:
         metadata={"help": "diffusers' attention backend for the denoiser: native, flash, _flash_3, sage, xformers, "
                           "_native_cudnn, ... (refused at start when not installed; UNets take native or "
                           "xformers; default: the model's own, torch SDPA)."})
+    vae_tiling: bool = field(
+        default=False,
+        metadata={"help": "Decode (and encode) images in overlapping tiles, as diffusers' enable_vae_tiling: large "
+                          "sizes on small GPUs, at a small cost in seams and time; the memory profile measures the "
+                          "decode so."})
     dummy_weight_seed: int = field(
         default=0, metadata={"help": "Seed of load_format='dummy' weights (images use each request's seed)."}
     )
@@ -279,7 +284,8 @@ class EngineConfig:
         from dvllm.models.load_config import LoadConfig
 
         return LoadConfig(revision=self.revision, variant=self.variant, download_dir=self.download_dir,
-                          local_files_only=self.local_files_only, attention_backend=self.attention_backend)
+                          local_files_only=self.local_files_only, attention_backend=self.attention_backend,
+                          vae_tiling=self.vae_tiling)
 
     @property
     def cpu_lora_cache_size(self) -> int:

@@ -9,6 +9,16 @@ from dvllm import DiffusionEngine, SamplingParams
 from dvllm.models.attention_backend import installed_backends
 
 
+@pytest.fixture(autouse=True)
+def _restore_active_backend():
+    """diffusers keeps the last backend set as its process-wide active one: put it back for the other tests."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry._active_backend
+    yield
+    _AttentionBackendRegistry.set_active_backend(active)
+
+
 def _images(path: str, **engine_args) -> list[np.ndarray]:
     engine = DiffusionEngine(model=path, device="cpu", dtype="float32", **engine_args)
     params = [SamplingParams(num_inference_steps=3, seed=s, guidance_scale=g, height=32, width=32, output_type="np")

@@ -4,7 +4,8 @@ flash 3, sage, xformers, cuDNN, ...), chosen once at load and refused at start w
 The transformer families' attention processors dispatch through diffusers' `dispatch_attention_fn`, and so do
 dvllm's own (Qwen edits' padded rows, models/qwen_rows.py). The UNet families' processors call torch's SDPA
 directly: for them "xformers" is diffusers' `enable_xformers_memory_efficient_attention`, "native" is the
-default, and any other backend is refused.
+default, and any other backend is refused. diffusers also keeps the backend set as its process-wide active one
+(what a processor that names none uses): one engine per process, as `dvllm serve` and Ray workers run.
 """
 from __future__ import annotations
 

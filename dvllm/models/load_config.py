@@ -13,6 +13,7 @@ class LoadConfig:
     download_dir: str | None = None  # the Hub cache to read and fill (None: huggingface_hub's default)
     local_files_only: bool = False   # never reach the Hub: what the cache (or folder) holds, or an error
     attention_backend: str | None = None  # diffusers' attention backend for the denoiser (None: its own)
+    vae_tiling: bool = False              # the VAE decodes and encodes in tiles (diffusers' enable_tiling)
 
     def hub_kwargs(self) -> dict[str, Any]:
         """What huggingface_hub's snapshot_download and diffusers' from_pretrained both take."""

@@ -157,6 +157,8 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     pipeline.to(device=device, **({"dtype": dtype} if pipeline.dtype != dtype else {}))
     pipeline.set_progress_bar_config(disable=True)
     set_attention_backend(pipeline, load.attention_backend)
+    if load.vae_tiling:
+        pipeline.vae.enable_tiling()
     adapter = adapter_cls(pipeline, source.name, device, dtype)
     _apply_defaults(adapter, source, default_params)
     return adapter
