@@ -99,10 +99,10 @@ class EngineConfig:
     )
     default_params: Any = field(
         default=None,
-        metadata={"help": "Request defaults over the model's, as JSON: num_inference_steps, guidance_scale, "
-                          "height, width, sampler, max_sequence_length, e.g. '{\"num_inference_steps\": 8, "
-                          "\"guidance_scale\": 0}' (default: the model's: its pipeline's, known Turbo-kind "
-                          "models' from their cards, its folder's dvllm_defaults.json)."},
+        metadata={"help": "What requests that set none get, over the model's own, as JSON: num_inference_steps, "
+                          "guidance_scale, height, width, sampler, max_sequence_length, e.g. "
+                          "'{\"num_inference_steps\": 8, \"guidance_scale\": 0}' (default: the model's: its "
+                          "pipeline's, a known Turbo-kind model's card's, its folder's JSON file)."},
     )
     enable_lora: bool = field(
         default=False,
