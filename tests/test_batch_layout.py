@@ -24,7 +24,9 @@ def test_rows_are_each_requests_images_then_the_cfg_requests_again():
     assert lay.row_text_lengths == (3, 3, 5, 7, 4, 4, 6)  # the negative prompt's length on its rows
     assert lay.per_row(lay.guidance) == [5.0, 5.0, 3.0, 1.0, 5.0, 5.0, 3.0]
     x = torch.arange(4)
-    assert lay.expand(x).tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert lay.lay_out(None, x).tolist() == [0, 1, 2, 3, 0, 1, 2]
+    buffer = torch.full((9,), -1)  # a graph's static input: written in place, padding rows copy the last row
+    assert lay.padded(9).lay_out(buffer, x) is buffer and buffer.tolist() == [0, 1, 2, 3, 0, 1, 2, 2, 2]
 
 
 def test_padding_repeats_the_last_row():

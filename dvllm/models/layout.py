@@ -75,9 +75,20 @@ class BatchLayout:
         """One value per request -> one per forward row."""
         return [values[r] for r in self.row_request]
 
-    def expand(self, t: torch.Tensor) -> torch.Tensor:
-        """[num_cond, ...] -> [num_cond + num_cfg, ...]: the CFG requests' rows again, for their other branch."""
-        return torch.cat([t, t[:self.num_cfg]]) if self.num_cfg else t
+    def lay_out(self, target: torch.Tensor | None, values: torch.Tensor | None = None) -> torch.Tensor:
+        """Per conditional row `values` ([num_cond, ...]; None: already in target's first rows) written into
+        target's forward rows ([num_rows, ...]; None: a new tensor): the conditional rows, the CFG requests'
+        again for their other branch, then the padding, copies of the last row. Returns target."""
+        n, m = self.num_cond, self.num_cond + self.num_cfg
+        if target is None:
+            target = values.new_empty((self.num_rows, *values.shape[1:]))
+        if values is not None:
+            target[:n].copy_(values)
+        if m > n:
+            target[n:m].copy_(target[:m - n])
+        if self.pad:
+            target[m:].copy_(target[m - 1:m].expand(self.pad, *target.shape[1:]))
+        return target
 
     def padded(self, rows: int) -> "BatchLayout":
         """This layout with rows appended, each a copy of the last, up to `rows` in all."""

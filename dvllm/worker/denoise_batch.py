@@ -170,7 +170,7 @@ def model_inputs(adapter: ModelAdapter, pool: StatePool, batch: Batch, forward: 
     timesteps = dst.timesteps if dst else batch.timesteps.new_empty(rows)
     guidance = dst.guidance if dst else batch.guidance.new_empty(rows)
     for target, values in ((latents, None), (timesteps, batch.timesteps), (guidance, batch.guidance)):
-        _lay_out_rows(target, values, layout)
+        layout.lay_out(target, values)
     # the pool's conditions: one gather, every forward row's own blocks (a negative prompt's on CFG rows)
     cond_rows = [s.blocks.cond for s in states for _ in range(s.n)]
     cond_rows += [s.blocks.uncond for s in states if s.data.cfg for _ in range(s.n)]
@@ -181,27 +181,12 @@ def model_inputs(adapter: ModelAdapter, pool: StatePool, batch: Batch, forward: 
     if info.denoiser_takes_inputs:
         if dst:
             image_inputs(pool, states, out=dst.conditions["image_inputs"][:layout.num_cond])
-            conditions["image_inputs"] = _lay_out_rows(dst.conditions["image_inputs"], None, layout)
+            conditions["image_inputs"] = layout.lay_out(dst.conditions["image_inputs"])
         else:
-            conditions["image_inputs"] = _lay_out_rows(None, image_inputs(pool, states), layout)
+            conditions["image_inputs"] = layout.lay_out(None, image_inputs(pool, states))
     for key, value in adapter.step_conditions(layout, sample.dtype).items():
         conditions[key] = copy_to(dst.conditions[key], value) if dst else to_device(value, pool.device)
     return dst or ForwardInputs(latents, timesteps, guidance, conditions, flat)
-
-
-def _lay_out_rows(target: torch.Tensor | None, values: torch.Tensor | None, layout: BatchLayout) -> torch.Tensor:
-    """Per conditional row `values` ([num_cond, ...]; None: already in target's first rows) into target's
-    forward rows: the conditional rows, the CFG requests' again, then the padding (the last row's copies)."""
-    n, m = layout.num_cond, layout.num_cond + layout.num_cfg
-    if target is None:
-        target = values.new_empty((layout.num_rows, *values.shape[1:]))
-    if values is not None:
-        target[:n].copy_(values)
-    if m > n:
-        target[n:m].copy_(target[:m - n])
-    if layout.pad:
-        target[m:].copy_(target[m - 1:m].expand(layout.pad, *target.shape[1:]))
-    return target
 
 
 def image_inputs(pool: StatePool, states: list[RequestState], out: torch.Tensor | None = None) -> torch.Tensor:
