@@ -125,7 +125,7 @@ def test_bad_loras_are_400s_naming_the_field(server, fields, status, param, word
 def test_models_lists_each_adapter_with_its_parent(server, adapters):
     models = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
     base = models[0]["id"]
-    assert set(models[0]) == {"id", "object", "created", "owned_by"}  # the base model's card as before
+    assert set(models[0]) == {"id", "object", "created", "owned_by", "dvllm"}  # the base model's, with its facts
     card = {"id": "style", "object": "model", "owned_by": "dvllm", "parent": base}
     assert [{k: m[k] for k in card} for m in models[1:]] == [card]
     assert "root" not in models[1]  # the server's paths are not shown without --show-lora-paths

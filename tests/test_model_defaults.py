@@ -57,7 +57,7 @@ def test_a_default_sampler_runs_as_if_the_request_named_it(sd_eps_path):
 @pytest.mark.parametrize("value, message", [
     ('{"steps": 8}', "unknown keys \\['steps'\\]"),
     ("{not json", "not valid JSON"),
-    ('{"num_inference_steps": 0}', "num_inference_steps must be an integer >= 1"),
+    ('{"num_inference_steps": 0}', "num_inference_steps must be a positive integer"),
     ('{"guidance_scale": -1}', "guidance_scale must be a finite number >= 0"),
     ('{"sampler": "eulr"}', "did you mean 'euler'"),
     ("[1, 2]", "expected a JSON object"),

@@ -56,7 +56,7 @@ def parse_defaults(value: Any, where: str) -> dict[str, Any]:
         else:
             ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
         if not ok:
-            raise ValueError(f"{where}: {key} must be {_EXPECTED.get(key, 'an integer >= 1')}, got {v!r}")
+            raise ValueError(f"{where}: {key} must be {_EXPECTED.get(key, 'a positive integer')}, got {v!r}")
     if "sampler" in value:
         from dvllm.sampler_names import SHORT_NAMES, did_you_mean, scheduler_class
 
