@@ -2,12 +2,22 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from pathlib import Path
 
 import pytest
 
 from dvllm.entrypoints.cli import _add_serve_args, check_serve_args, main
+
+FAST = ["--device", "cpu", "--dtype", "float32", "--no-progress", "--steps", "3", "--size", "16x16"]
+
+
+def write_lines(path: Path, lines: list[str | dict]) -> Path:
+    """A prompts file: plain lines as they are, dicts as JSON lines."""
+    path.write_text("".join((json.dumps(x) if isinstance(x, dict) else x) + "\n" for x in lines))
+    return path
 
 
 def expect_usage_error(capsys, *argv: str) -> str:

@@ -16,7 +16,7 @@ leave the forward, so the skipped blocks run on the other rows only.
   from their last computing step.
 - taylorseer (TaylorSeerCacheConfig): on the steps its schedule computes, a row's attention modules
   run and refresh their Taylor factors; on the others their outputs are predicted from the factors,
-  and those rows leave the attention modules' batch.
+  and those rows leave the attention modules' batch (taylorseer_rows.py).
 
 The hooks are installed once on the adapter's transformer (`CacheHooks`, in diffusers' hook registry, as
 diffusers' own cache hooks are) and pass every call through
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -40,7 +39,16 @@ from dvllm.models.layout import BatchLayout
 from dvllm.worker.hooked_call import Call
 from dvllm.worker.row_scope import RowScope
 from dvllm.worker.state_pool import StatePool
-from dvllm.worker.step_cache_state import CacheState, Group, factor_values, pool_values
+from dvllm.worker.step_cache_state import (
+    CacheState,
+    Group,
+    factor_values,
+    fit_tokens,
+    pool_values,
+    stream_tokens,
+    write_state,
+)
+from dvllm.worker.taylorseer_rows import TaylorSeerRows
 
 HOOK_NAME = "dvllm_step_cache"
 logger = logging.getLogger(__name__)
@@ -67,12 +75,9 @@ class ForwardCache:
             g.computes = g.state.config.computes(g.step) or not g.state.num_orders
             if g.computes:  # in the factors' own dtype (a view of the same numbers)
                 g.new = factor_values(g.data, g.state.config.taylor_factors_dtype)
-        self._factors = {id(g): self._taylor_views(g, factor_values(g.data, g.state.config.taylor_factors_dtype))
-                         for g in self.taylor if g.state.num_orders}
-        self._new_factors = {id(g): self._taylor_views(g, g.new) for g in self.taylor if g.computes}
+        self.taylorseer = TaylorSeerRows(spec, self.taylor, image_tokens)
         self.active: torch.Tensor | None = None  # forward rows flowing through the blocks now (None: all)
         self.active_rows: list[int] = list(range(num_rows))  # the same rows, on the host
-        self._indices: dict[tuple[int, ...], torch.Tensor] = {}
         self.head_in: torch.Tensor | None = None  # the head block's hidden input, every row
         self.encoder_in: torch.Tensor | None = None
         self.head_out: Any = None  # the head block's output, on the rows that ran it (head_pos: row -> index)
@@ -131,7 +136,7 @@ class ForwardCache:
         for g in self.fbc:
             if g.computes:  # (a group not yet primed computes)
                 g.new = g.data  # its old head residual was read by the measure above
-                _write(g, self._residual_view(g, g.new, 0), residual[g.local])
+                write_state(g, self._residual_view(g, g.new, 0), residual[g.local])
             else:
                 skipping.update(g.rows)
         return skipping
@@ -168,7 +173,7 @@ class ForwardCache:
                     kept, start = self._residual_view(g, g.new, 1), self._hidden(self.head_out)[g.local]
                 else:
                     kept, start = self._residual_view(g, g.new, 0), self.head_in[g.index]
-                _write(g, kept, hidden[local] - start)
+                write_state(g, kept, hidden[local] - start)
 
     def _assemble(self, computed: Any) -> Any:
         """The batch after the tail: first_block's skipping rows are the head's output plus their kept tail
@@ -179,10 +184,10 @@ class ForwardCache:
         for g in self.fbc:
             if not g.computes:
                 head = self._hidden(self.head_out)[g.local]
-                hidden[g.index] = _fit_tokens(self._residual_view(g, g.data, 1), hidden.shape[1]) + head
+                hidden[g.index] = fit_tokens(self._residual_view(g, g.data, 1), hidden.shape[1]) + head
         for g in self.mag:
             if not g.computes:
-                hidden[g.index] = base[g.index] + _fit_tokens(self._residual_view(g, g.data, 0), hidden.shape[1])
+                hidden[g.index] = base[g.index] + fit_tokens(self._residual_view(g, g.data, 0), hidden.shape[1])
         if computed is not None:
             hidden[self.active] = self._hidden(computed)
         if h is None:
@@ -196,83 +201,7 @@ class ForwardCache:
 
     # taylorseer
     def attention(self, module: int, call: Call) -> Any:
-        rows = self.active_rows
-        position = {row: i for i, row in enumerate(rows)}
-        predicting = [g for g in self.taylor if not g.computes and g.rows[0] in position]
-        if not predicting:
-            out = call.run()
-            self._refresh(module, rows, out)
-            return out
-        arguments = call.arguments
-        hidden = arguments["hidden_states"]
-        kinds = self.spec.attention_kinds[module]
-        tokens = {"image": hidden.shape[1], "joint": hidden.shape[1], "unified": hidden.shape[1]}
-        if "text" in kinds:
-            tokens["text"] = arguments["encoder_hidden_states"].shape[1]
-        outputs = [hidden.new_empty((len(rows), tokens[k], hidden.shape[2])) for k in kinds]
-        skip = {position[r] for g in predicting for r in g.rows}
-        compute = [i for i in range(len(rows)) if i not in skip]
-        if compute:
-            index = self._index(compute, hidden.device)
-            computed = call.on_rows(len(rows), compute, index)
-            self._refresh(module, [rows[i] for i in compute], computed)
-            for o, c in zip(outputs, _as_tuple(computed)):
-                o[index] = c
-        for g in predicting:
-            local = self._index([position[r] for r in g.rows], hidden.device)
-            for o, predicted in zip(outputs, self._predict(module, g, hidden.dtype)):
-                o[local] = _fit_tokens(predicted, o.shape[1])
-        return outputs[0] if len(outputs) == 1 else tuple(outputs)
-
-    def _refresh(self, module: int, rows: list[int], out: Any) -> None:
-        """diffusers' TaylorSeerState.update, for each group computing this step, on its rows of `out`."""
-        position = {row: i for i, row in enumerate(rows)}
-        for g in self.taylor:
-            if not g.computes or g.rows[0] not in position:
-                continue
-            old, new = self._factors.get(id(g)), self._new_factors[id(g)]
-            local = None
-            for o, features in enumerate(_as_tuple(out)):
-                if local is None:
-                    local = self._index([position[r] for r in g.rows], features.device)
-                factors = [_fit_tokens(features[local], new[module][o][0].shape[1])]
-                if g.state.last_update_step is not None:
-                    delta = g.step - g.state.last_update_step
-                    for j in range(min(g.state.config.max_order, g.state.num_orders)):
-                        factors.append((factors[j] - old[module][o][j].to(features.dtype)) / delta)
-                for k, factor in enumerate(factors):  # kept in the factors' dtype, as diffusers keeps them
-                    _write(g, new[module][o][k], factor.to(self._factor_dtype(g)))
-                g.new_orders = len(factors)
-
-    def _predict(self, module: int, g: Group, dtype: torch.dtype) -> list[torch.Tensor]:
-        """diffusers' TaylorSeerState.predict: the series at this step's offset from the last refresh."""
-        offset = g.step - g.state.last_update_step
-        outputs = []
-        for factors in self._factors[id(g)][module]:
-            result = factors[0].to(dtype)  # diffusers starts from zeros and adds the order-0 factor times 1.0
-            for order in range(1, g.state.num_orders):
-                result = result + factors[order].to(dtype) * ((offset ** order) / math.factorial(order))
-            outputs.append(result)
-        return outputs
-
-    @staticmethod
-    def _factor_dtype(g: Group) -> torch.dtype:
-        return getattr(torch, g.state.config.taylor_factors_dtype)
-
-    def _taylor_views(self, g: Group, values: torch.Tensor) -> list[list[list[torch.Tensor]]]:
-        """[module][output][order] -> [rows, tokens, dim] views of a group's factors (in their own dtype)."""
-        dim, orders = self.spec.layout.inner_dim, g.state.config.max_order + 1
-        views, start = [], 0
-        for kinds in self.spec.attention_kinds:
-            module = []
-            for kind in kinds:
-                tokens = self._tokens(kind, g)
-                size = tokens * dim
-                module.append([values[:, start + k * size:start + (k + 1) * size].view(len(g.rows), tokens, dim)
-                               for k in range(orders)])
-                start += orders * size
-            views.append(module)
-        return views
+        return self.taylorseer.attention(module, call, self.active_rows)
 
     def _residual_view(self, g: Group, data: torch.Tensor, which: int) -> torch.Tensor:
         """A residual in a group's state, as [rows, tokens, dim]: first_block's 0 is the head's, 1 the
@@ -280,13 +209,6 @@ class ForwardCache:
         tokens = self._tokens(self.spec.layout.hidden_kind, g)
         size = tokens * self.spec.layout.inner_dim
         return data[:, which * size:(which + 1) * size].view(len(data), tokens, -1)
-
-    def _index(self, rows: list[int], device: torch.device) -> torch.Tensor:
-        """`rows` on the device, copied once per forward: every attention module asks for the same few sets."""
-        key = tuple(rows)
-        if key not in self._indices:
-            self._indices[key] = device_index(rows, device)
-        return self._indices[key]
 
     def _tokens(self, kind: str, g: Group) -> int:
         """Tokens a row's state keeps for one stream (text: the group's own length; unified: padded parts)."""
@@ -377,30 +299,10 @@ def _measure(residual: torch.Tensor, rows: list[int], index: torch.Tensor, previ
     return absmean / previous.abs().mean()
 
 
-def _write(g: Group, kept: torch.Tensor, value: torch.Tensor) -> None:
-    """Part of a computing group's new state (cut or padded to the tokens it keeps), over the old."""
-    g.state.written = g.state.written or g.in_place  # the pool holds part of a new state until commit
-    kept.copy_(_fit_tokens(value, kept.shape[1]))
-
-
 def _put(full: torch.Tensor, part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     full = full.clone()
     full[index] = part
     return full
-
-
-def _as_tuple(out: Any) -> tuple:
-    return (out,) if torch.is_tensor(out) else tuple(out)
-
-
-def _fit_tokens(x: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Cut or zero-pad dimension 1 to `tokens`: text past a row's own prompt is masked out of attention,
-    so what it holds never reaches the image."""
-    if x.shape[1] == tokens:
-        return x
-    if x.shape[1] > tokens:
-        return x[:, :tokens]
-    return torch.nn.functional.pad(x, (0, 0, 0, tokens - x.shape[1]))
 
 
 def forward_cache(spec: CacheSpec, pool: StatePool, states: list[Any], layout: BatchLayout) -> ForwardCache:
@@ -442,11 +344,3 @@ def forward_cache(spec: CacheSpec, pool: StatePool, states: list[Any], layout: B
     if spec.mask_arg and text_lengths is not None:
         row_tokens = [stream_tokens(spec, spec.layout.hidden_kind, image_tokens, t) for t in text_lengths]
     return ForwardCache(spec, groups, layout.num_rows, image_tokens, row_tokens)
-
-
-def stream_tokens(spec: CacheSpec, kind: str, image_tokens: int, text_tokens: int) -> int:
-    """Tokens of one row's stream of a kind (unified: image and text, each padded to the token multiple)."""
-    if kind == "unified":
-        multiple = spec.layout.token_multiple
-        return -(-image_tokens // multiple) * multiple + -(-text_tokens // multiple) * multiple
-    return {"image": image_tokens, "text": text_tokens, "joint": text_tokens + image_tokens}[kind]

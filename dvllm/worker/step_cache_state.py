@@ -1,6 +1,6 @@
 """What step caching keeps per request on the worker between steps (`CacheState`), what one decision
 covers in a forward (`Group`), and how Taylor factors sit in the state pool. The forward itself is in
-step_cache_hooks.py."""
+step_cache_hooks.py (TaylorSeer's attention part in taylorseer_rows.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -97,3 +97,28 @@ def factor_values(data: torch.Tensor, dtype_name: str) -> torch.Tensor:
 
 def pool_values(values: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
     return values if values.dtype == pool_dtype else values.view(pool_dtype)
+
+
+def write_state(g: Group, kept: torch.Tensor, value: torch.Tensor) -> None:
+    """Part of a computing group's new state (cut or padded to the tokens it keeps), over the old."""
+    g.state.written = g.state.written or g.in_place  # the pool holds part of a new state until commit
+    kept.copy_(fit_tokens(value, kept.shape[1]))
+
+
+def fit_tokens(x: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Cut or zero-pad dimension 1 to `tokens`: text past a row's own prompt is masked out of attention,
+    so what it holds never reaches the image."""
+    if x.shape[1] == tokens:
+        return x
+    if x.shape[1] > tokens:
+        return x[:, :tokens]
+    return torch.nn.functional.pad(x, (0, 0, 0, tokens - x.shape[1]))
+
+
+def stream_tokens(spec: Any, kind: str, image_tokens: int, text_tokens: int) -> int:
+    """Tokens of one row's stream of a kind (unified: image and text, each padded to the token multiple);
+    `spec` is the family's CacheSpec."""
+    if kind == "unified":
+        multiple = spec.layout.token_multiple
+        return -(-image_tokens // multiple) * multiple + -(-text_tokens // multiple) * multiple
+    return {"image": image_tokens, "text": text_tokens, "joint": text_tokens + image_tokens}[kind]
