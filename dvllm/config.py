@@ -37,6 +37,15 @@ class EngineConfig:
                 "(bfloat16 for the DiT families: Flux, SD3, Qwen-Image, Z-Image and the edit models; float16 for "
                 "SD and SDXL), logged at start."})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N."})
+    base_model: str | None = field(
+        default=None,
+        metadata={"help": "For a single-file --model (.safetensors or .gguf): the diffusers folder or Hub id whose "
+                          "pipeline it belongs to (configs, tokenizers and the weights the file lacks). A whole SD "
+                          "1.x/2.x/SDXL checkpoint needs none: its kind's diffusers repo supplies the configs."})
+    vae: str | None = field(
+        default=None,
+        metadata={"help": "A VAE in place of the model's own: a .safetensors file, a diffusers folder or a Hub id "
+                          "(e.g. madebyollin/sdxl-vae-fp16-fix)."})
     revision: str | None = field(
         default=None, metadata={"help": "The model's Hub branch, tag or commit (default: main)."})
     variant: str | None = field(
@@ -285,7 +294,7 @@ class EngineConfig:
 
         return LoadConfig(revision=self.revision, variant=self.variant, download_dir=self.download_dir,
                           local_files_only=self.local_files_only, attention_backend=self.attention_backend,
-                          vae_tiling=self.vae_tiling)
+                          vae_tiling=self.vae_tiling, base_model=self.base_model, vae=self.vae)
 
     @property
     def cpu_lora_cache_size(self) -> int:

@@ -27,6 +27,8 @@ from dvllm.models.model_defaults import INFO_FIELDS, known_defaults, parse_defau
 from dvllm.models.byte_tokenizer import (allow_qwen_vl_processor_without_torchvision, byte_clip_tokenizer,
                                          byte_qwen_tokenizer, byte_qwen_vl_processor, byte_t5_tokenizer)
 from dvllm.models.registry import adapter_for
+from dvllm.models.single_file import (check_single_file, header_shapes, inferred_config_repo, is_single_file,
+                                      is_whole_checkpoint, load_single_file, load_vae)
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "tiny-shapes"  # trained in the repo (scripts/train_tiny_shapes.py), shipped in the package
@@ -58,6 +60,7 @@ class ModelSource:
     folder: str | None = None  # a local diffusers folder (for a Hub id: its configs, fetched)
     hub_id: str | None = None
     preset: dict[str, Any] | None = None
+    single_file: str | None = None  # its weights' one file (single_file.py); its configs are folder's
 
     @property
     def pipeline_class(self) -> str:
@@ -77,6 +80,11 @@ def resolve_model(model: str | None, load: LoadConfig | None = None) -> ModelSou
         preset = load_preset(model)
         return ModelSource(name=model, model_index=preset["model_index"], preset=preset)
     path = os.path.expanduser(model)
+    if is_single_file(path):
+        return _single_file_source(model, load or LoadConfig())
+    if load is not None and load.base_model:
+        raise ValueError(f"base_model names the pipeline of a single-file checkpoint; {model!r} is not one "
+                         f"(a .safetensors or .gguf file)")
     if os.path.isdir(path):
         index = os.path.join(path, "model_index.json")
         if not os.path.isfile(index):
@@ -92,6 +100,25 @@ def resolve_model(model: str | None, load: LoadConfig | None = None) -> ModelSou
     if os.path.exists(path) or _looks_like_path(model):
         raise ValueError(f"model path {path!r} does not exist or is not a diffusers folder")
     return _from_hub(model, load or LoadConfig())
+
+
+def _single_file_source(model: str, load: LoadConfig) -> ModelSource:
+    """A single file's source: the configs of `load.base_model`, or for a whole Stable Diffusion checkpoint
+    without one, those of the diffusers repo of its kind."""
+    path = os.path.expanduser(model)
+    check_single_file(path)
+    shapes = header_shapes(path)
+    if load.base_model:
+        base = resolve_model(load.base_model, dataclasses.replace(load, base_model=None))
+        if base.preset is not None:
+            raise ValueError(f"base_model {load.base_model!r} is a preset (configs without weights): name a "
+                             "diffusers folder or Hub id")
+    elif is_whole_checkpoint(shapes):
+        base = _from_hub(inferred_config_repo(path, shapes), load)
+    else:
+        raise ValueError(f"{path} holds one model's weights (a transformer or UNet), not a whole pipeline: name "
+                         "the pipeline it belongs to with base_model (--base-model: a diffusers folder or Hub id)")
+    return dataclasses.replace(base, name=model, single_file=path)
 
 
 def _looks_like_path(model: str) -> bool:
@@ -143,16 +170,7 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     if load_format == "dummy" or source.preset is not None:
         pipeline = pipeline_cls(**dummy_components(source, adapter_cls, seed))
     else:
-        hub = load.hub_kwargs() if source.hub_id else {}
-        try:
-            pipeline = pipeline_cls.from_pretrained(
-                source.hub_id or source.folder, dtype=dtype, variant=load.variant, **hub,
-                **(_absent_components(source, pipeline_cls) | adapter_cls.load_kwargs)
-            )
-        except OSError as e:  # a weight file missing: offline, or another variant than the files'
-            which = f"variant {load.variant!r}" if load.variant else "no variant (a repo of fp16 files only needs "\
-                "variant 'fp16')"
-            raise ValueError(f"cannot load the weights of {source.name} with {which}: {e}") from None
+        pipeline = _load_weights(source, pipeline_cls, adapter_cls, dtype, load)
     # Dummy components are built in float32; cast only when asked for another dtype.
     pipeline.to(device=device, **({"dtype": dtype} if pipeline.dtype != dtype else {}))
     pipeline.set_progress_bar_config(disable=True)
@@ -162,6 +180,30 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     adapter = adapter_cls(pipeline, source.name, device, dtype)
     _apply_defaults(adapter, source, default_params)
     return adapter
+
+
+def _load_weights(source: ModelSource, pipeline_cls: type, adapter_cls: type[ModelAdapter], dtype: torch.dtype,
+                  load: LoadConfig) -> Any:
+    """The pipeline with its real weights: a diffusers folder or Hub id, or a single file with its base model's
+    configs (single_file.py); `load.vae` in place of the model's own VAE."""
+    hub = load.hub_kwargs() if source.hub_id else {}
+    components = _absent_components(source, pipeline_cls) | adapter_cls.load_kwargs
+    if load.vae:
+        components["vae"] = load_vae(load.vae, source.model_index, source.folder, dtype, load.hub_kwargs())
+
+    def from_pretrained(**passed: Any) -> Any:
+        return pipeline_cls.from_pretrained(source.hub_id or source.folder, dtype=dtype, variant=load.variant,
+                                            **hub, **(components | passed))
+
+    try:
+        if source.single_file:
+            return load_single_file(source.single_file, source.folder, source.model_index, pipeline_cls, dtype,
+                                    components, from_pretrained)
+        return from_pretrained()
+    except OSError as e:  # a weight file missing: offline, or another variant than the files'
+        which = f"variant {load.variant!r}" if load.variant else "no variant (a repo of fp16 files only needs "\
+            "variant 'fp16')"
+        raise ValueError(f"cannot load the weights of {source.name} with {which}: {e}") from None
 
 
 def _absent_components(source: ModelSource, pipeline_cls: type) -> dict[str, None]:
