@@ -37,6 +37,11 @@ class EngineConfig:
                 "(bfloat16 for the DiT families: Flux, SD3, Qwen-Image, Z-Image and the edit models; float16 for "
                 "SD and SDXL), logged at start."})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N."})
+    encoder_device: str | None = field(
+        default=None,
+        metadata={"help": "Run the text encoders on another device: cpu | cuda | cuda:N (their weights and "
+                          "activations leave the denoiser's GPU: the memory profile gives that room to the pool; "
+                          "none: the worker's device)."})
     base_model: str | None = field(
         default=None,
         metadata={"help": "For a single-file --model (.safetensors or .gguf): the diffusers folder or Hub id whose "
@@ -66,6 +71,14 @@ class EngineConfig:
         metadata={"help": "Decode (and encode) images in overlapping tiles, as diffusers' enable_vae_tiling: large "
                           "sizes on small GPUs, at a small cost in seams and time; the memory profile measures the "
                           "decode so."})
+    quantization: Any = field(
+        default=None,
+        metadata={"help": "Quantize weights as they load, through diffusers' PipelineQuantizationConfig: "
+                          "BACKEND[:OPTION] for the denoiser: torchao:int8wo, torchao:int8dq, torchao:float8wo (FP8 "
+                          "weights), torchao:float8dq (FP8 dynamic, CUDA 8.9+), torchao:int4wo (CUDA), "
+                          "bitsandbytes:4bit|nf4|8bit, quanto:int8|float8|int4|int2; or JSON {\"backend\": ..., "
+                          "\"options\": {...}, \"components\": [...]} for the backend's own options and other "
+                          "components. LoRA serving takes torchao only; load_format dummy and presets, torchao only."})
     dummy_weight_seed: int = field(
         default=0, metadata={"help": "Seed of load_format='dummy' weights (images use each request's seed)."}
     )
@@ -242,6 +255,10 @@ class EngineConfig:
         self.lora_modules = _parse_lora_modules(self.lora_modules)
         if self.lora_modules:
             self.enable_lora = True
+        if self.quantization is not None:  # a flag's text, JSON or a dict: kept as a checked QuantizationSpec
+            from dvllm.models.quantization import parse_quantization
+
+            self.quantization = parse_quantization(self.quantization)
         self.validate()
 
     def validate(self) -> None:
@@ -287,6 +304,24 @@ class EngineConfig:
             raise ValueError(f"max_worker_restarts must be an integer >= 0, got {self.max_worker_restarts!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        self._check_encoder_device()
+        if self.quantization is not None or str(self.model).lower().endswith(".gguf"):
+            from dvllm.models.quantization import check_use
+
+            check_use(self.quantization, self.model, self.load_format, self.enable_lora)
+
+    def _check_encoder_device(self) -> None:
+        device = self.encoder_device
+        if device is None:
+            return
+        if not (device in ("cpu", "cuda") or _is_cuda_index(device)):
+            raise ValueError(f"encoder_device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        if self.enable_lora:
+            raise ValueError("encoder_device cannot be combined with LoRA serving: an adapter's text-encoder "
+                             "layers read their weights from slot tables on the worker's device")
+        if device != "cpu" and self.num_workers > 1:
+            raise ValueError(f"encoder_device {device!r} with {self.num_workers} workers would put every worker's "
+                             "text encoders on one GPU: use 'cpu', or one worker per engine")
 
     @property
     def load_config(self) -> "LoadConfig":
@@ -294,7 +329,8 @@ class EngineConfig:
 
         return LoadConfig(revision=self.revision, variant=self.variant, download_dir=self.download_dir,
                           local_files_only=self.local_files_only, attention_backend=self.attention_backend,
-                          vae_tiling=self.vae_tiling, base_model=self.base_model, vae=self.vae)
+                          vae_tiling=self.vae_tiling, base_model=self.base_model, vae=self.vae,
+                          encoder_device=self.encoder_device, quantization=self.quantization)
 
     @property
     def cpu_lora_cache_size(self) -> int:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import tiny_flux_pipeline, tiny_sd_pipeline
 from safetensors.torch import save_file
+from single_file_layout import save_single_file, tiny_sdxl_two_widths
 
 from dvllm import DiffusionEngine, SamplingParams
 
@@ -73,6 +74,40 @@ def test_pickles_and_unreadable_files_are_refused(tmp_path, sd_eps_path):
         DiffusionEngine(model=str(broken), base_model=sd_eps_path, device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="base_model names the pipeline of a single-file checkpoint"):
         DiffusionEngine(model=sd_eps_path, base_model=sd_eps_path, device="cpu", dtype="float32")
+
+
+def with_other_weights(pipe):
+    """The same pipeline with every model's weights drawn anew: a base whose weights must not be the ones used."""
+    for name, component in pipe.components.items():
+        if isinstance(component, torch.nn.Module):
+            torch.manual_seed(len(name))
+            other = type(component).from_config(component.config) if hasattr(component, "from_config") \
+                else type(component)(component.config)
+            setattr(pipe, name, other.eval())
+    return pipe
+
+
+@pytest.mark.parametrize("build", [tiny_sd_pipeline, tiny_sdxl_two_widths], ids=["sd", "sdxl"])
+def test_a_whole_checkpoint_in_the_original_layout_gives_the_folders_image(build, tmp_path):
+    """A civitai-style file (UNet, VAE and text encoders in the original key layout, written by the inverse of
+    diffusers' conversion) with --base-model naming a folder of the same configs and other weights."""
+    pipe = build()
+    pipe.save_pretrained(tmp_path / "same-weights")
+    file = save_single_file(pipe, str(tmp_path / "checkpoint.safetensors"))
+    with_other_weights(build()).save_pretrained(tmp_path / "base")
+    got = image(model=file, base_model=str(tmp_path / "base"))
+    # Identical weights, read from two files: CPU kernels pick their paths by each tensor's alignment in its
+    # memory map, which moves results by ~1e-6 (tests/single_file_layout.py's round trip shows it bit-exact)
+    np.testing.assert_allclose(got, image(model=str(tmp_path / "same-weights")), atol=1e-5, rtol=0)
+    assert np.abs(got - image(model=str(tmp_path / "base"))).max() > 1e-2
+
+
+def test_a_whole_checkpoint_without_a_base_model_asks_for_its_kinds_configs(tmp_path):
+    file = save_single_file(tiny_sd_pipeline(), str(tmp_path / "checkpoint.safetensors"))
+    (tmp_path / "empty-cache").mkdir()
+    with pytest.raises(ValueError, match="stable-diffusion-v1-5/stable-diffusion-v1-5.*could not be fetched"):
+        DiffusionEngine(model=file, local_files_only=True, download_dir=str(tmp_path / "empty-cache"),
+                        device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,8 @@ else
   PYTHON=$python tests/gpu/run.sh 2>&1 | tail -15
   echo "== per family: syncs in one step (torch.cuda.set_sync_debug_mode), CUDA graph replay against eager"
   $python -m pytest -q -rfEs -p no:cacheprovider tests/test_host_syncs.py -k "cuda" 2>&1 | tail -15
+  echo "== text encoders on the CPU, denoiser on CUDA (--encoder-device): the images of encoders on the GPU"
+  $python -m pytest -q -rfEs -p no:cacheprovider tests/test_encoder_device.py -k "gpu" 2>&1 | tail -5
   echo "== timing"
   $python -m dvllm.benchmarks.gpu_suite --output-json "$out/gpu_suite.json" 2>&1 | tee "$out/gpu_suite.txt"
   echo "== batching in half precision (alone vs a mixed batch of 8), and 60 s at the largest size and batch"

@@ -178,6 +178,7 @@ class ModelAdapter(ABC):
         self.name = name
         self.device = device
         self.dtype = dtype
+        self.encoder_device = device  # where encode_prompt runs the text encoders (place_text_encoders)
         # (rows, their index on the device) -> a context in which the forward runs on those of its rows (the
         # worker's RowScope.narrow)
         self.narrow_rows: Callable[[list[int], torch.Tensor], ContextManager[None]] = lambda rows, index: nullcontext()
@@ -185,6 +186,20 @@ class ModelAdapter(ABC):
     @property
     @abstractmethod
     def info(self) -> ModelInfo: ...
+
+    def place_text_encoders(self, device: torch.device) -> None:
+        """The text encoders on `device` (EngineConfig.encoder_device): encode_prompt runs them there, and
+        `on_device` brings their conditions to the denoiser's device."""
+        for name, component in self.pipeline.components.items():
+            if name.startswith("text_encoder") and isinstance(component, torch.nn.Module):
+                component.to(device)
+        self.encoder_device = device
+
+    def on_device(self, conditions: list[Conditions]) -> list[Conditions]:
+        """Conditions encoded on the encoders' device, on the denoiser's."""
+        if self.encoder_device == self.device:
+            return conditions
+        return [{key: value.to(self.device) for key, value in c.items()} for c in conditions]
 
     @classmethod
     def before_loading(cls) -> None:

@@ -51,7 +51,7 @@ class FluxAdapter(ModelAdapter):
                       max_sequence_length: int | None = None) -> list[Conditions]:
         prompts = [text or "" for text, _ in texts]
         embeds, pooled, _ = self.pipeline.encode_prompt(
-            prompts, None, device=self.device, num_images_per_prompt=1, max_sequence_length=MAX_SEQUENCE_LENGTH,
+            prompts, None, device=self.encoder_device, num_images_per_prompt=1, max_sequence_length=MAX_SEQUENCE_LENGTH,
         )
         return [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds.split(1), pooled.split(1))]
 

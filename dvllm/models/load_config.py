@@ -16,6 +16,8 @@ class LoadConfig:
     vae_tiling: bool = False              # the VAE decodes and encodes in tiles (diffusers' enable_tiling)
     base_model: str | None = None  # a single-file model's pipeline: the folder or Hub id of its configs and the rest
     vae: str | None = None         # a VAE over the model's own (a file, folder or Hub id)
+    encoder_device: str | None = None  # where the text encoders run (None: with the denoiser)
+    quantization: Any = None  # a QuantizationSpec (models/quantization.py): what is quantized, and how
 
     def hub_kwargs(self) -> dict[str, Any]:
         """What huggingface_hub's snapshot_download and diffusers' from_pretrained both take."""

@@ -24,6 +24,7 @@ from dvllm.models.base import ModelAdapter
 from dvllm.models.attention_backend import set_attention_backend
 from dvllm.models.load_config import LoadConfig
 from dvllm.models.model_defaults import INFO_FIELDS, known_defaults, parse_defaults
+from dvllm.models.quantization import finish_quantization, pipeline_config
 from dvllm.models.byte_tokenizer import (allow_qwen_vl_processor_without_torchvision, byte_clip_tokenizer,
                                          byte_qwen_tokenizer, byte_qwen_vl_processor, byte_t5_tokenizer)
 from dvllm.models.registry import adapter_for
@@ -173,11 +174,15 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
         pipeline = _load_weights(source, pipeline_cls, adapter_cls, dtype, load)
     # Dummy components are built in float32; cast only when asked for another dtype.
     pipeline.to(device=device, **({"dtype": dtype} if pipeline.dtype != dtype else {}))
+    if load.quantization is not None:  # built (dummy) or passed-in components quantized now, and all checked
+        finish_quantization(pipeline, load.quantization, source.model_index)
     pipeline.set_progress_bar_config(disable=True)
     set_attention_backend(pipeline, load.attention_backend)
     if load.vae_tiling:
         pipeline.vae.enable_tiling()
     adapter = adapter_cls(pipeline, source.name, device, dtype)
+    if load.encoder_device and torch.device(load.encoder_device) != device:
+        adapter.place_text_encoders(torch.device(load.encoder_device))
     _apply_defaults(adapter, source, default_params)
     return adapter
 
@@ -192,8 +197,10 @@ def _load_weights(source: ModelSource, pipeline_cls: type, adapter_cls: type[Mod
         components["vae"] = load_vae(load.vae, source.model_index, source.folder, dtype, load.hub_kwargs())
 
     def from_pretrained(**passed: Any) -> Any:
+        quantized = {"quantization_config": pipeline_config(load.quantization, source.model_index)} \
+            if load.quantization is not None else {}
         return pipeline_cls.from_pretrained(source.hub_id or source.folder, dtype=dtype, variant=load.variant,
-                                            **hub, **(components | passed))
+                                            **hub, **quantized, **(components | passed))
 
     try:
         if source.single_file:

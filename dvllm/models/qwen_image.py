@@ -55,10 +55,10 @@ class QwenImageAdapter(ModelAdapter):
     def encode_prompt(self, texts: list[tuple[str | None, bool]],
                       max_sequence_length: int | None = None) -> list[Conditions]:
         length = max_sequence_length or DEFAULT_SEQUENCE_LENGTH
-        embeds, mask = self.pipeline.encode_prompt([text or "" for text, _ in texts], device=self.device,
+        embeds, mask = self.pipeline.encode_prompt([text or "" for text, _ in texts], device=self.encoder_device,
                                                    num_images_per_prompt=1, max_sequence_length=length)
         if mask is None:
-            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
         pad = MAX_TEXT_TOKENS - embeds.shape[1]
         embeds = torch.nn.functional.pad(embeds, (0, 0, 0, pad))
         mask = torch.nn.functional.pad(mask, (0, pad)).to(embeds.dtype)

@@ -122,12 +122,12 @@ class QwenImageEditAdapter(QwenImageAdapter):
         length = self.max_text_tokens
         out = []
         for text, _ in texts:
-            embeds, mask = self.pipeline.encode_prompt(prompt=[text or ""], image=vl_images, device=self.device)
+            embeds, mask = self.pipeline.encode_prompt(prompt=[text or ""], image=vl_images, device=self.encoder_device)
             if embeds.shape[1] > length:
                 raise ValueError(f"the prompt with its images is {embeds.shape[1]} tokens; this model holds at most "
                                  f"{length} (shorten the prompt)")
             if mask is None:
-                mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
+                mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
             pad = length - embeds.shape[1]
             out.append({"prompt_embeds": torch.nn.functional.pad(embeds, (0, 0, 0, pad)),
                         "prompt_embeds_mask": torch.nn.functional.pad(mask, (0, pad)).to(embeds.dtype)})

@@ -59,7 +59,7 @@ class StableDiffusionAdapter(ModelAdapter):
         # padded to the tokenizer's max length, so one batched pass equals separate ones.
         prompts = [text or "" for text, _ in texts]
         embeds, _ = self.pipeline.encode_prompt(
-            prompts, self.device, num_images_per_prompt=1, do_classifier_free_guidance=False
+            prompts, self.encoder_device, num_images_per_prompt=1, do_classifier_free_guidance=False
         )
         return [{"prompt_embeds": e} for e in embeds.split(1)]
 

@@ -64,7 +64,7 @@ class StableDiffusion3Adapter(ModelAdapter):
         # A missing negative prompt is "", encoded like any prompt (as the pipeline does).
         prompts = [text or "" for text, _ in texts]
         embeds, _, pooled, _ = self.pipeline.encode_prompt(
-            prompts, None, None, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=False,
+            prompts, None, None, device=self.encoder_device, num_images_per_prompt=1, do_classifier_free_guidance=False,
             max_sequence_length=self.max_sequence_length,
         )
         return [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds.split(1), pooled.split(1))]

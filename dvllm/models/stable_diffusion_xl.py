@@ -45,7 +45,7 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         encoded: list[Conditions] = []
         if prompts:
             embeds, _, pooled, _ = self.pipeline.encode_prompt(
-                prompts, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=False
+                prompts, device=self.encoder_device, num_images_per_prompt=1, do_classifier_free_guidance=False
             )
             encoded = [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds.split(1), pooled.split(1))]
         out, it = [], iter(encoded)

@@ -62,7 +62,7 @@ class ZImageAdapter(ModelAdapter):
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],
                       max_sequence_length: int | None = None) -> list[Conditions]:
-        embeds, _ = self.pipeline.encode_prompt([text or "" for text, _ in texts], device=self.device,
+        embeds, _ = self.pipeline.encode_prompt([text or "" for text, _ in texts], device=self.encoder_device,
                                                 do_classifier_free_guidance=False,
                                                 max_sequence_length=max_sequence_length or MAX_TEXT_TOKENS)
         out = []

@@ -2,7 +2,8 @@
 in and the worst step the engine's limits allow has shown its peak.
 
 A step runs three kinds of work, one after another, each with its own transient memory: the text
-encoders on a full admission batch (every new request with a prompt and a negative prompt), the
+encoders on a full admission batch (every new request with a prompt and a negative prompt; nothing on this
+device when encoder_device puts them elsewhere, and their weights are then not here either), the
 denoiser on a full forward (max_batch_size rows, padded up to its bucket when batches are padded) at
 the largest size max_image_pixels allows, and the VAE on a decode chunk (max_decode_batch images at
 that size; the runner never decodes more at once). Each is run once here on zeros and its peak taken;

@@ -191,7 +191,7 @@ class ModelRunner:
                 if images is not None:
                     kwargs["images"] = images.images
                 with self.lora.running([loras] * len(items)):  # every text of the call takes these adapters
-                    conditions = self.adapter.encode_prompt(items, **kwargs)
+                    conditions = self.adapter.on_device(self.adapter.encode_prompt(items, **kwargs))
                 encoded.update(zip(group, conditions))
             blocks = [b for b, text in targets.items() if text in encoded]
             self.pool.write([list(b) for b in blocks], torch.cat([flatten(encoded[targets[b]], shapes) for b in blocks]))
