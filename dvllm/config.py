@@ -36,6 +36,10 @@ class EngineConfig:
         "help": "auto | float32 | float16 | bfloat16. auto: float32 on the CPU; on a GPU the family's half precision "
                 "(bfloat16 for the DiT families: Flux, SD3, Qwen-Image, Z-Image and the edit models; float16 for "
                 "SD and SDXL), logged at start."})
+    vae_dtype: str = field(default="auto", metadata={
+        "help": "The VAE's own dtype: auto | float32 | float16 | bfloat16. auto: dtype's, except a VAE whose config "
+                "asks for float32 decoding (force_upcast, SDXL's) runs in float32 under float16; float32 avoids a "
+                "half-precision VAE's overflow whatever its config says."})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N."})
     encoder_device: str | None = field(
         default=None,
@@ -76,9 +80,9 @@ class EngineConfig:
         metadata={"help": "Quantize weights as they load, through diffusers' PipelineQuantizationConfig: "
                           "BACKEND[:OPTION] for the denoiser: torchao:int8wo, torchao:int8dq, torchao:float8wo (FP8 "
                           "weights), torchao:float8dq (FP8 dynamic, CUDA 8.9+), torchao:int4wo (CUDA), "
-                          "bitsandbytes:4bit|nf4|8bit, quanto:int8|float8|int4|int2; or JSON {\"backend\": ..., "
-                          "\"options\": {...}, \"components\": [...]} for the backend's own options and other "
-                          "components. LoRA serving takes torchao only; load_format dummy and presets, torchao only."})
+                          "bitsandbytes:4bit|nf4|8bit (CUDA), quanto:int8|float8|int4|int2; or JSON {\"backend\": "
+                          "..., \"options\": {...}, \"components\": [...]} for the backend's own options and other "
+                          "components. LoRA serving takes torchao and quanto; load_format dummy and presets, torchao."})
     dummy_weight_seed: int = field(
         default=0, metadata={"help": "Seed of load_format='dummy' weights (images use each request's seed)."}
     )
@@ -264,6 +268,7 @@ class EngineConfig:
     def validate(self) -> None:
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("dtype", self.dtype, DTYPES)
+        _choice("vae_dtype", self.vae_dtype, DTYPES)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _choice("compile", self.compile, COMPILE_MODES)
         _choice("executor", self.executor, EXECUTORS)
@@ -330,7 +335,7 @@ class EngineConfig:
         return LoadConfig(revision=self.revision, variant=self.variant, download_dir=self.download_dir,
                           local_files_only=self.local_files_only, attention_backend=self.attention_backend,
                           vae_tiling=self.vae_tiling, base_model=self.base_model, vae=self.vae,
-                          encoder_device=self.encoder_device, quantization=self.quantization)
+                          encoder_device=self.encoder_device, vae_dtype=self.vae_dtype, quantization=self.quantization)
 
     @property
     def cpu_lora_cache_size(self) -> int:

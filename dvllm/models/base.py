@@ -172,6 +172,9 @@ class ModelAdapter(ABC):
     # dtype="auto" on a GPU: the half precision the family's pipelines document (the UNets run in float16;
     # the DiTs in bfloat16, Flux overflowing in float16)
     half_dtype: ClassVar[torch.dtype] = torch.float16
+    # The pipeline's own code runs the VAE in the denoiser's dtype (FluxKontextPipeline.prepare_latents): no
+    # vae_dtype of its own
+    vae_follows_dtype: ClassVar[bool] = False
 
     def __init__(self, pipeline: Any, name: str, device: torch.device, dtype: torch.dtype) -> None:
         self.pipeline = pipeline
@@ -194,6 +197,14 @@ class ModelAdapter(ABC):
             if name.startswith("text_encoder") and isinstance(component, torch.nn.Module):
                 component.to(device)
         self.encoder_device = device
+
+    def place_vae(self, dtype: torch.dtype) -> None:
+        """The VAE in its own dtype (EngineConfig.vae_dtype): encode and decode cast to it and back."""
+        if self.vae_follows_dtype and dtype != self.dtype:
+            raise ValueError(f"vae_dtype: the {self.info.family} pipeline encodes its input images in the "
+                             f"denoiser's dtype ({str(self.dtype).removeprefix('torch.')}); its VAE cannot run in "
+                             "another")
+        self.pipeline.vae.to(dtype)
 
     def on_device(self, conditions: list[Conditions]) -> list[Conditions]:
         """Conditions encoded on the encoders' device, on the denoiser's."""

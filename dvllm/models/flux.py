@@ -102,5 +102,6 @@ class FluxAdapter(ModelAdapter):
         pipe = self.pipeline
         latents = pipe._unpack_latents(latents, image_size[0], image_size[1], pipe.vae_scale_factor)
         config = pipe.vae.config
+        latents = latents.to(pipe.vae.dtype)
         image = pipe.vae.decode(latents / config.scaling_factor + config.shift_factor, return_dict=False)[0]
         return pipe.image_processor.postprocess(image, output_type="pt")

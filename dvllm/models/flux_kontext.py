@@ -75,6 +75,7 @@ def edit_numel(multiple: int, features: int, height: int, width: int,
 
 
 class FluxKontextAdapter(FluxAdapter):
+    vae_follows_dtype = True
     pipeline_classes = ("FluxKontextPipeline",)
 
     @cached_property

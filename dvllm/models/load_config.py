@@ -17,6 +17,7 @@ class LoadConfig:
     base_model: str | None = None  # a single-file model's pipeline: the folder or Hub id of its configs and the rest
     vae: str | None = None         # a VAE over the model's own (a file, folder or Hub id)
     encoder_device: str | None = None  # where the text encoders run (None: with the denoiser)
+    vae_dtype: str = "auto"            # the VAE's dtype ("auto": the model's, or float32 where its config asks)
     quantization: Any = None  # a QuantizationSpec (models/quantization.py): what is quantized, and how
 
     def hub_kwargs(self) -> dict[str, Any]:

@@ -181,6 +181,8 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     if load.vae_tiling:
         pipeline.vae.enable_tiling()
     adapter = adapter_cls(pipeline, source.name, device, dtype)
+    if load.vae_dtype != "auto":  # over the adapter's own choice (SDXL's force_upcast)
+        adapter.place_vae(DTYPES[load.vae_dtype])
     if load.encoder_device and torch.device(load.encoder_device) != device:
         adapter.place_text_encoders(torch.device(load.encoder_device))
     _apply_defaults(adapter, source, default_params)

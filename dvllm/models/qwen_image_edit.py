@@ -154,8 +154,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
             w, h = target_size(VAE_AREA, image.width, image.height)
             if not self.plus:  # Edit resizes first and preprocesses the resized image
                 image = pipe.image_processor.resize(image, h, w)
-            pixels = pipe.image_processor.preprocess(image, h, w).unsqueeze(2).to(self.device, self.dtype)
-            latents = pipe._encode_vae_image(image=pixels, generator=generator)
+            pixels = pipe.image_processor.preprocess(image, h, w).unsqueeze(2).to(self.device, pipe.vae.dtype)
+            latents = pipe._encode_vae_image(image=pixels, generator=generator).to(self.dtype)
             packed.append(pipe._pack_latents(latents, 1, channels, *latents.shape[3:]).reshape(1, -1))
         h, w = 2 * (height // (scale * 2)), 2 * (width // (scale * 2))
         noise = randn_tensor((n, 1, channels, h, w), generator=generator, device=self.device, dtype=self.dtype)

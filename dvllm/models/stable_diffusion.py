@@ -168,5 +168,5 @@ class StableDiffusionAdapter(ModelAdapter):
 
     def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         vae = self.pipeline.vae
-        image = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
+        image = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
         return self.pipeline.image_processor.postprocess(image, output_type="pt")

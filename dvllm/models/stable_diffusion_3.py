@@ -96,5 +96,6 @@ class StableDiffusion3Adapter(ModelAdapter):
 
     def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         config = self.pipeline.vae.config
+        latents = latents.to(self.pipeline.vae.dtype)
         image = self.pipeline.vae.decode(latents / config.scaling_factor + config.shift_factor, return_dict=False)[0]
         return self.pipeline.image_processor.postprocess(image, output_type="pt")
