@@ -4,9 +4,10 @@ diffusers' loader takes anything: a file that is no safetensors falls back to a 
 whole file as text, and a path that is no local file is looked up on the Hub. So dvllm resolves a path itself:
 a local `.safetensors` file (or `.bin`, only if the operator allows pickles), or a folder holding exactly one
 (or diffusers' `pytorch_lora_weights.safetensors`); bounded in size, its header read and checked; a Hub id only
-if the operator allows them. diffusers is then handed that one absolute file path, and only the safetensors
-reader. The file's identity (device, inode, size, mtime) is kept, so that a re-read after the host cache
-evicted the adapter reads the file that was loaded, or fails naming why.
+if the operator allows them; the bare name of an adapter shipped in the package (dvllm/models/builtin/loras,
+e.g. tiny-shapes-blue) is that adapter's folder. diffusers is then handed that one absolute file path, and only
+the safetensors reader. The file's identity (device, inode, size, mtime) is kept, so that a re-read after the
+host cache evicted the adapter reads the file that was loaded, or fails naming why.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import re
 import stat
 import struct
 from dataclasses import dataclass
+from importlib import resources
 
 SAFETENSORS, PICKLE = ".safetensors", ".bin"
 DIFFUSERS_WEIGHT_NAMES = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights.bin")
@@ -97,6 +99,9 @@ def locate_lora(path: str, policy: LoraFilePolicy) -> LoraFile:
     """The weights file `path` names, checked; LoraPathError saying why it cannot be loaded."""
     if not isinstance(path, str) or not path:
         raise ValueError(f"LoRA path must be a non-empty string, got {path!r}")
+    shipped = builtin_lora_folder(path)
+    if shipped is not None:  # as a built-in model's name: the same adapter whatever the working directory
+        return locate_lora(shipped, policy)
     local = os.path.expanduser(path)
     try:
         st = os.stat(local)
@@ -118,6 +123,14 @@ def locate_lora(path: str, policy: LoraFilePolicy) -> LoraFile:
             " (.bin files are pickles, loaded only if the server allows them: --allow-lora-bin)"
         raise LoraPathError(path, f"is not a {allowed} file{also}")
     return _check_file(path, os.path.abspath(local), policy)
+
+
+def builtin_lora_folder(name: str) -> str | None:
+    """The folder of an adapter shipped in the package, named by its bare name, or None."""
+    loras = resources.files("dvllm.models") / "builtin" / "loras"
+    if not loras.is_dir() or name not in {p.name for p in loras.iterdir()}:  # a bare name, never a path
+        return None
+    return str(loras / name)
 
 
 def _weights_in_folder(path: str, folder: str, policy: LoraFilePolicy) -> str:
