@@ -30,5 +30,7 @@ setup(
         "bench": ["httpx>=0.27", "matplotlib>=3.8"],
         "ray": ["ray>=2.40"],
         "xformers": ["xformers>=0.0.28"],
+        # --quantization (diffusers wants torchao >= 0.15); bitsandbytes (CUDA only) is installed on its own
+        "quantization": ["torchao>=0.15.0", "optimum-quanto>=0.2.7", "gguf>=0.10.0"],
     },
 )
