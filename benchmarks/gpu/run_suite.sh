@@ -5,7 +5,8 @@
 # then step caching on flux-dev (dvllm.benchmarks.cached, through throughput --cache), then multi-LoRA
 # on sdxl: 8 adapters mixed in one batch and the step cost they add (dvllm.benchmarks.lora, throughput --loras),
 # then image editing on qwen-image-edit: dvllm, serial and static on the same edit requests at 3x what serial
-# sustains (dvllm.benchmarks.edit_sweep, one server at a time: three copies of the 20B model do not fit).
+# sustains (dvllm.benchmarks.edit_sweep, one server at a time: three copies of the 20B model do not fit),
+# then each family's preset loaded as served, bf16/fp16 and quantized (dvllm.benchmarks.preset_load).
 #
 #   benchmarks/gpu/run_suite.sh [--dry-run] [--out DIR]
 #
@@ -46,6 +47,7 @@ if [ $dry = 1 ]; then
   $python -m dvllm.benchmarks.edit_sweep --model qwen-image-edit-cpu --device cpu --dtype float32 --size 32x32 \
     --edit-images 1,2 --steps 2 --num-requests 2 --calibration-requests 1 --sequential \
     --output-dir "$out/edit_dry"
+  $python -m dvllm.benchmarks.preset_load --dry-run --only tiny-sd --repeats 1 --output-json "$out/preset_load_dry.json"
 else
   echo "== CUDA kernels: build and test"
   PYTHON=$python tests/gpu/run.sh 2>&1 | tail -15
@@ -73,4 +75,7 @@ else
   $python -m dvllm.benchmarks.edit_sweep --model qwen-image-edit --device cuda --dtype bfloat16 --size 512x512 \
     --edit-image-sizes 384x384,512x384,384x512 --edit-images 1 --steps 8,16 --guidance 1.0,4.0 \
     --num-requests 12 --calibration-requests 4 --sequential --output-dir "$out/edit" 2>&1 | tee "$out/edit.txt"
+  echo "== each family's preset as served (family dtype; flux-dev int8 and fp8 with T5 on the CPU): weights, pool, step"
+  timeout 420 $python -m dvllm.benchmarks.preset_load --output-json "$out/preset_load.json" 2>&1 \
+    | tee "$out/preset_load.txt" || echo "preset_load stopped early (its JSON keeps what was measured)"
 fi

@@ -115,7 +115,8 @@ def _single_file_source(model: str, load: LoadConfig) -> ModelSource:
             raise ValueError(f"base_model {load.base_model!r} is a preset (configs without weights): name a "
                              "diffusers folder or Hub id")
     elif is_whole_checkpoint(shapes):
-        base = _from_hub(inferred_config_repo(path, shapes), load)
+        # (the configs at the repo's main: a revision or variant names the file's own, which has none)
+        base = _from_hub(inferred_config_repo(path, shapes), dataclasses.replace(load, revision=None, variant=None))
     else:
         raise ValueError(f"{path} holds one model's weights (a transformer or UNet), not a whole pipeline: name "
                          "the pipeline it belongs to with base_model (--base-model: a diffusers folder or Hub id)")
