@@ -1,0 +1,276 @@
+"""GPU memory a model needs under dvllm, computed without a GPU: weights, a step's activations, the state pool.
+
+The model is built on the meta device (no weights) and its parts counted at the dtype dvllm loads them in
+(a quantized denoiser's Linear weights at the backend's layout, quant_bytes.py). Then the worker's own memory
+profile (worker/memory_profile.py: text encoders on a full admission batch, the denoiser on max_batch_size
+rows, the VAE on max_decode_batch images) runs on fake tensors (fake_memory.py) instead of on a GPU: each
+figure is the peak of a fake run's live tensors, an estimate, not a measurement. The pool is then sized as
+the engine sizes it: gpu_memory_utilization of the card, less the weights, an assumed CUDA context and the
+worst step the engine's limits allow (max_batch_size rows at the largest size max_image_pixels allows).
+
+    python -m dvllm.benchmarks.memory_estimate --model black-forest-labs/FLUX.1-dev
+    python -m dvllm.benchmarks.memory_estimate --model flux-dev --quantization torchao:int8wo \\
+        --encoder-device cpu --max-image-pixels 1048576 --output-json flux.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+from typing import Any
+
+import torch
+
+from dvllm.benchmarks.fake_memory import (
+    PeakTracker,
+    TrackedMemory,
+    fake_session,
+    quiet_libraries,
+    tensor_bytes,
+    to_fake,
+)
+from dvllm.benchmarks.quant_bytes import parse_spec, quantized_bytes
+from dvllm.config import EngineConfig
+from dvllm.engine.input_processor import InputProcessor
+from dvllm.models.base import ModelAdapter
+from dvllm.models.loader import DTYPES, _apply_defaults, dummy_components, resolve_dtype, resolve_model
+from dvllm.models.quantization import components_of
+from dvllm.models.registry import adapter_for
+from dvllm.sampling_params import SamplingParams
+from dvllm.worker.memory_profile import largest_size, step_cache_bytes, step_peaks
+from dvllm.worker.state_pool import choose_block_numel
+
+GIB = 2**30
+CARDS_GIB = (80, 24)  # an H100 80GB; a 24 GB card (RTX 4090, L4, A10)
+CUDA_CONTEXT_GIB = 0.5  # assumed: the CUDA context and library handles, which memory_profile sees as used memory
+DEFAULTS = EngineConfig()
+# Hub ids whose architecture a preset builds (their configs, here without a download; the Hub's gated repos too)
+HUB_PRESETS = {"stabilityai/stable-diffusion-xl-base-1.0": "sdxl", "black-forest-labs/flux.1-dev": "flux-dev",
+               "qwen/qwen-image": "qwen-image", "tongyi-mai/z-image-turbo": "z-image-turbo"}
+
+
+@dataclasses.dataclass
+class Estimate:
+    model: str
+    family: str
+    dtype: str
+    quantization: str | None
+    encoder_device: str
+    weights: dict[str, int]       # component -> bytes on the GPU
+    host_weights: dict[str, int]  # text encoders on the CPU (encoder_device)
+    size: tuple[int, int]         # (height, width) of `step` and `request_bytes`: the model's default size
+    rows: int                     # max_batch_size
+    decode_batch: int             # max_decode_batch
+    step: dict[str, int]          # encode, denoise (the forward alone), decode peaks at `size`
+    worst_size: tuple[int, int]
+    worst: dict[str, int]         # the worst step the engine reserves (denoise with the step cache's extra)
+    attention: dict[str, dict[str, int]]  # per kind of work, the attention kernels the fake runs took
+    request_bytes: int            # the pool a default request at `size` takes, no prompt shared
+    request_rows: int
+    context: int
+    utilization: float
+    vae_tiling: bool
+    cards: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def gpu_weights(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def needed(self) -> int:
+        """What start-up takes before the pool gets a byte: weights, context and the worst step."""
+        return self.gpu_weights + self.context + max(self.worst.values())
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    height, sep, width = text.partition("x")
+    if not (sep and height.isdigit() and width.isdigit() and int(height) > 0 and int(width) > 0):
+        raise ValueError(f"size must be HEIGHTxWIDTH in pixels, e.g. 1024x1024, got {text!r}")
+    return int(height), int(width)
+
+
+def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None, quantization: str | None = None,
+             max_batch_size: int = DEFAULTS.max_batch_size, size: tuple[int, int] | None = None,
+             max_image_pixels: int | None = None, max_decode_batch: int = DEFAULTS.max_decode_batch,
+             gpu_memory_utilization: float = DEFAULTS.gpu_memory_utilization, vae_dtype: str = "auto",
+             vae_tiling: bool = False, cards_gib: tuple[float, ...] = CARDS_GIB,
+             context_gib: float = CUDA_CONTEXT_GIB) -> Estimate:
+    """The estimate for `model` served on one GPU with these engine settings; ValueError for bad ones."""
+    if dtype not in ("auto", *DTYPES) or vae_dtype not in ("auto", *DTYPES):
+        raise ValueError(f"dtype and vae_dtype must be auto or one of {list(DTYPES)}, got {dtype!r}, {vae_dtype!r}")
+    if encoder_device not in (None, "cpu"):
+        raise ValueError(f"encoder_device must be cpu or None (the GPU), got {encoder_device!r}")
+    if size is not None and not (len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size)):
+        raise ValueError(f"size must be (height, width) in pixels, got {size!r}")
+    if not cards_gib or not all(c > 0 for c in cards_gib) or context_gib < 0:
+        raise ValueError(f"cards must be positive GiB and the context >= 0, got {cards_gib!r}, {context_gib!r}")
+    engine = {"max_batch_size": max_batch_size, "max_decode_batch": max_decode_batch,
+              "gpu_memory_utilization": gpu_memory_utilization, "max_image_pixels": max_image_pixels}
+    EngineConfig(**engine)  # the engine's own checks of these values
+    spec = parse_spec(quantization) if quantization else None
+    with quiet_libraries():
+        adapter, source, modules = _build(model, dtype, vae_dtype, vae_tiling)
+        quantized = components_of(spec, source.model_index) if spec else {}
+        weights, host = {}, {}
+        for name, module in modules.items():
+            nbytes = quantized_bytes(module, spec) if name in quantized else tensor_bytes(module)
+            (host if encoder_device and name.startswith("text_encoder") else weights)[name] = nbytes
+        with fake_session() as mode:
+            for module in modules.values():
+                to_fake(module)
+            with PeakTracker(mode):  # the model's info encodes the empty prompt once
+                _apply_defaults(adapter, source, None)
+            info = adapter.info
+            size = size or (info.default_height, info.default_width)
+            memory = TrackedMemory(mode)
+            step, worst_size, worst = _steps(adapter, engine, size, memory)
+        if encoder_device:  # the encoders run on the CPU: nothing of theirs on the GPU
+            step["encode"] = worst["encode"] = 0
+        request, block_bytes = _request(EngineConfig(**engine), adapter, *size)
+    result = Estimate(
+        model=model, family=info.family, dtype=str(adapter.dtype).removeprefix("torch."),
+        quantization=str(spec) if spec else None, encoder_device=encoder_device or "gpu", weights=weights,
+        host_weights=host, size=size, rows=max_batch_size, decode_batch=max_decode_batch, step=step,
+        worst_size=worst_size, worst=worst, attention={k: dict(v) for k, v in memory.attention.items() if v},
+        request_bytes=request.max_blocks * block_bytes, request_rows=request.rows, context=int(context_gib * GIB),
+        utilization=gpu_memory_utilization, vae_tiling=vae_tiling)
+    for card in cards_gib:  # as memory_profile.gpu_pool_bytes: the share of the card, less all that is used
+        pool = int(card * GIB * gpu_memory_utilization) - result.needed
+        result.cards[f"{card:g}"] = {"pool_bytes": max(pool, 0), "short_bytes": max(-pool, 0),
+                                     "requests": max(pool, 0) // block_bytes // request.max_blocks}
+    return result
+
+
+def _steps(adapter: ModelAdapter, engine: dict[str, Any], size: tuple[int, int],
+           memory: TrackedMemory) -> tuple[dict[str, int], tuple[int, int], dict[str, int]]:
+    """memory_profile's step peaks at the request size (the largest square of its area, as memory_profile runs
+    them; the denoiser's forward alone), and the worst step the engine's limits allow (with what a step cache
+    holds more, as start-up reserves it)."""
+    info, height, width = adapter.info, *size
+    step_size = largest_size(info, height * width)
+    step = step_peaks(adapter, EngineConfig(**(engine | {"max_image_pixels": height * width})), memory)
+    config = EngineConfig(**engine)
+    worst_size = largest_size(info, config.image_pixel_limit(info.default_height, info.default_width))
+    worst = dict(step) if worst_size == step_size else step_peaks(adapter, config, memory)
+    step["denoise"] -= step_cache_bytes(info, engine["max_batch_size"], *step_size, adapter.dtype)
+    return step, worst_size, worst
+
+
+def _build(model: str, dtype: str, vae_dtype: str, vae_tiling: bool) -> tuple[ModelAdapter, Any, dict[str, Any]]:
+    """The model's adapter around meta-device components, cast as load_adapter casts them (dtype "auto" as on a
+    GPU), with the adapter's own choices (SDXL's float32 VAE), vae_dtype and vae_tiling applied; its source and
+    modules."""
+    source = resolve_model(HUB_PRESETS.get(model.lower(), model))
+    source.name = model  # a Hub id's known defaults (model_defaults.py) are found by its name
+    adapter_cls = adapter_for(source.pipeline_class)
+    torch_dtype = resolve_dtype(dtype, torch.device("cuda"), adapter_cls)
+    adapter_cls.before_loading()
+    components = dummy_components(source, adapter_cls, 0, meta=True)
+    for value in components.values():
+        if isinstance(value, torch.nn.Module):
+            value.to(torch_dtype)
+    pipeline = getattr(importlib.import_module("diffusers"), source.pipeline_class)(**components)
+    if vae_tiling:
+        pipeline.vae.enable_tiling()
+    adapter = adapter_cls(pipeline, model, torch.device("cpu"), torch_dtype)
+    if vae_dtype != "auto":
+        adapter.place_vae(DTYPES[vae_dtype])
+    modules = {k: v for k, v in pipeline.components.items() if isinstance(v, torch.nn.Module)}
+    return adapter, source, modules
+
+
+class _Admission(InputProcessor):
+    """The engine's input processor without its start-up survey of every diffusers sampler (3 s; it serves only
+    the messages that refuse a sampler)."""
+
+    def _probe_samplers(self) -> list[str]:
+        return []
+
+
+def _request(config: EngineConfig, adapter: ModelAdapter, height: int, width: int) -> tuple[Any, int]:
+    """A default request at this size as the engine admits it (its blocks), and the pool's bytes per block."""
+    info = adapter.info
+    block_numel = choose_block_numel(info)
+    processor = _Admission(config, info, block_numel, pool_blocks=2**62)
+    request = processor.process("estimate", "a prompt", SamplingParams(height=height, width=width))
+    return request, block_numel * torch.empty((), dtype=adapter.dtype).element_size()
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f}"
+
+
+def _parts(parts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {_gib(v)}" for k, v in parts.items())
+
+
+def render(e: Estimate) -> str:
+    """A short table for people."""
+    (h, w), (wh, ww) = e.size, e.worst_size
+    quantized = f", denoiser quantized {e.quantization}" if e.quantization else ""
+    rows = [("weights on the GPU", e.gpu_weights, _parts(e.weights))]
+    if e.host_weights:
+        rows.append(("weights on the CPU (not counted)", sum(e.host_weights.values()), _parts(e.host_weights)))
+    rows += [(f"step at {w}x{h}, {e.rows} rows", max(e.step.values()),
+              f"{_parts(e.step)} ({e.decode_batch} images a decode)"),
+             (f"worst step reserved ({ww}x{wh})", max(e.worst.values()), _parts(e.worst)),
+             ("needed: weights, context, worst step", e.needed, f"CUDA context assumed {_gib(e.context)}")]
+    lines = [f"{e.model} ({e.family}) in {e.dtype}{quantized}, text encoders on the {e.encoder_device}"
+             + (", VAE tiling" if e.vae_tiling else "")]
+    lines += [f"{label:<40} {_gib(n):>7} GiB  {note}" for label, n, note in rows]
+    lines.append(f"{f'state pool a request takes ({e.request_rows} row)':<40} {e.request_bytes / 2**20:>7.2f} MiB")
+    for card, c in e.cards.items():
+        room = f"{_gib(c['pool_bytes'])} GiB pool: {c['requests']} requests" if c["pool_bytes"] else \
+            f"does not fit: {_gib(c['short_bytes'])} GiB short"
+        lines.append(f"{f'{card} GiB card, utilization {e.utilization:g}':<40} {room}")
+    for phase, kernels in e.attention.items():
+        lines.append(f"attention ({phase}): " + ", ".join(f"{k} x{n}" for k, n in kernels.items()))
+    lines.append("Estimated on fake tensors (the peak of live tensors in a fake run), not measured on a GPU: fused "
+                 "attention holds its output and logsumexp, as GPU flash and memory-efficient kernels do; the math "
+                 "path holds every score.")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the engine flags that change memory, as dvllm serve spells them, and the cards."""
+    parser = argparse.ArgumentParser(prog="python -m dvllm.benchmarks.memory_estimate",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help=f"a preset, diffusers folder or Hub id ({', '.join(HUB_PRESETS)}"
+                                                       " need no download)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="auto: the family's, as on a GPU")
+    parser.add_argument("--vae-dtype", default="auto", choices=("auto", *DTYPES))
+    parser.add_argument("--vae-tiling", action="store_true")
+    parser.add_argument("--encoder-device", default=None, choices=("cpu",))
+    parser.add_argument("--quantization", default=None, help="as dvllm serve's (BACKEND[:OPTION] or JSON)")
+    parser.add_argument("--max-batch-size", type=int, default=DEFAULTS.max_batch_size)
+    parser.add_argument("--max-image-pixels", type=int, default=None)
+    parser.add_argument("--max-decode-batch", type=int, default=DEFAULTS.max_decode_batch)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULTS.gpu_memory_utilization)
+    parser.add_argument("--size", default=None, help="HEIGHTxWIDTH of the typical step (default: the model's)")
+    parser.add_argument("--cards", default=",".join(map(str, CARDS_GIB)), help="card sizes in GiB, comma-separated")
+    parser.add_argument("--context-gib", type=float, default=CUDA_CONTEXT_GIB)
+    parser.add_argument("--output-json", default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cards = tuple(float(c) for c in args.cards.split(","))
+        size = parse_size(args.size) if args.size else None
+        result = estimate(args.model, args.dtype, args.encoder_device, args.quantization, args.max_batch_size, size,
+                          args.max_image_pixels, args.max_decode_batch, args.gpu_memory_utilization, args.vae_dtype,
+                          args.vae_tiling, cards, args.context_gib)
+    except ValueError as e:
+        parser.error(str(e))
+    print(render(result))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(dataclasses.asdict(result) | {"gpu_weights": result.gpu_weights, "needed": result.needed}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
