@@ -18,7 +18,7 @@ from lora_utils import make_lora
 from openai import OpenAI
 from PIL import Image
 from utils_cli import expect_usage_error, no_model_load, restore_logging  # noqa: F401 (fixtures)
-from utils_server import BASE_ARGS, RemoteServer, assert_error, png_pixels
+from utils_server import BASE_ARGS, RemoteServer, assert_error, assert_pixels_of, png_pixels
 
 from dvllm import DiffusionEngine, SamplingParams
 from dvllm.engine.async_engine import AsyncDiffusionEngine
@@ -43,13 +43,14 @@ def adapters(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def reference(sd_eps_path, adapters):
-    """The in-process engine's image (uint8 pixels) for a request: what every entrypoint must give."""
+    """The in-process engine's image (float, [0, 1]) for a request: what every entrypoint must give, rounded
+    (assert_pixels_of)."""
     engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", lora_modules=adapters, max_loras=2,
                              max_lora_rank=8)
 
     def image(prompt: str = "a red circle", loras: dict | None = None, **params) -> np.ndarray:
-        p = SamplingParams(**{"height": 16, "width": 16, **REQUEST, **params}, loras=loras, output_type="pil")
-        return np.asarray(engine.generate(prompt, p, use_tqdm=False)[0].images[0].convert("RGB"))
+        p = SamplingParams(**{"height": 16, "width": 16, **REQUEST, **params}, loras=loras, output_type="np")
+        return engine.generate(prompt, p, use_tqdm=False)[0].images[0]
 
     yield image
     engine.shutdown()
@@ -84,9 +85,9 @@ def test_openai_client_loras_equal_the_engine(server, reference):
     served = client.images.generate(prompt="a red circle", size="16x16", response_format="b64_json",
                                     extra_body={**REQUEST, "loras": {"style": 0.8}})
     with_lora = png_pixels(served.data[0].b64_json)
-    np.testing.assert_array_equal(with_lora, reference(loras={"style": 0.8}))
+    assert_pixels_of(with_lora, reference(loras={"style": 0.8}))
     without = pixels(generate(server))
-    np.testing.assert_array_equal(without, reference())
+    assert_pixels_of(without, reference())
     assert np.abs(with_lora.astype(int) - without).max() > 8  # the adapter changes the image
 
 
@@ -94,11 +95,11 @@ def test_openai_client_loras_equal_the_engine(server, reference):
 def test_model_naming_an_adapter_uses_it_at_weight_one(server, reference):
     by_model = pixels(generate(server, model="style"))
     np.testing.assert_array_equal(by_model, pixels(generate(server, loras={"style": 1.0})))
-    np.testing.assert_array_equal(by_model, reference(loras={"style": 1.0}))
+    assert_pixels_of(by_model, reference(loras={"style": 1.0}))
     # an explicit weight for the same adapter wins; the base model's name means no adapter
-    np.testing.assert_array_equal(pixels(generate(server, model="style", loras={"style": 0.3})),
+    assert_pixels_of(pixels(generate(server, model="style", loras={"style": 0.3})),
                                   reference(loras={"style": 0.3}))
-    np.testing.assert_array_equal(pixels(generate(server, model=base_model(server))), reference())
+    assert_pixels_of(pixels(generate(server, model=base_model(server))), reference())
 
 
 @pytest.mark.slow
@@ -141,9 +142,9 @@ def test_runtime_load_generate_unload(server, adapters, reference):
     try:
         assert [m["id"] for m in httpx.get(server.url + "/v1/models", timeout=30).json()["data"][1:]] == \
             ["style", "product"]
-        np.testing.assert_array_equal(pixels(generate(server, loras={"product": 0.7, "style": 0.5})),
+        assert_pixels_of(pixels(generate(server, loras={"product": 0.7, "style": 0.5})),
                                       reference(loras={"product": 0.7, "style": 0.5}))
-        np.testing.assert_array_equal(pixels(generate(server, model="product")), reference(loras={"product": 1.0}))
+        assert_pixels_of(pixels(generate(server, model="product")), reference(loras={"product": 1.0}))
         again = httpx.post(load, json={"lora_name": "product", "lora_path": adapters["product"]}, timeout=30)
         assert "already loaded" in assert_error(again, 400, "lora_name")["message"]
     finally:
@@ -189,8 +190,8 @@ def test_edits_take_loras_as_a_json_form_field(server, reference):
 
     start = Image.open(io.BytesIO(png_bytes()))
     with_lora = pixels(edit(loras='{"style": 0.8}'))
-    np.testing.assert_array_equal(with_lora, reference(loras={"style": 0.8}, image=start, strength=0.75))
-    np.testing.assert_array_equal(pixels(edit(model="style")), reference(loras={"style": 1.0}, image=start,
+    assert_pixels_of(with_lora, reference(loras={"style": 0.8}, image=start, strength=0.75))
+    assert_pixels_of(pixels(edit(model="style")), reference(loras={"style": 1.0}, image=start,
                                                                          strength=0.75))
     assert not np.array_equal(with_lora, pixels(edit()))
     assert "expected a JSON object" in assert_error(edit(loras="{style"), 400, "loras")["message"]
@@ -269,7 +270,7 @@ def test_generate_lora_flag_and_jsonl_loras(sd_eps_path, adapters, reference, tm
     one = tmp_path / "one.png"
     assert main(["generate", "a red circle", "-o", str(one), "--model", sd_eps_path, *CLI, *modules,
                  "--lora", "style=0.5"]) == 0
-    np.testing.assert_array_equal(_cli_image(one), reference(loras={"style": 0.5}))
+    assert_pixels_of(_cli_image(one), reference(loras={"style": 0.5}))
     lines = tmp_path / "p.jsonl"
     lines.write_text("\n".join([
         json.dumps({"prompt": "a red circle", "loras": {"product": 0.7, "style": 1.0}, "output": "both.png"}),
@@ -278,9 +279,9 @@ def test_generate_lora_flag_and_jsonl_loras(sd_eps_path, adapters, reference, tm
     ]) + "\n")
     assert main(["generate", "--prompts-file", str(lines), "--output-dir", str(tmp_path), "--model", sd_eps_path,
                  *CLI, *modules, "--lora", "style=0.5", "--lora", "product"]) == 0
-    np.testing.assert_array_equal(_cli_image(tmp_path / "both.png"), reference(loras={"product": 0.7, "style": 1.0}))
-    np.testing.assert_array_equal(_cli_image(tmp_path / "none.png"), reference())
-    np.testing.assert_array_equal(_cli_image(tmp_path / "flags.png"), reference(loras={"style": 0.5, "product": 1.0}))
+    assert_pixels_of(_cli_image(tmp_path / "both.png"), reference(loras={"product": 0.7, "style": 1.0}))
+    assert_pixels_of(_cli_image(tmp_path / "none.png"), reference())
+    assert_pixels_of(_cli_image(tmp_path / "flags.png"), reference(loras={"style": 0.5, "product": 1.0}))
 
 
 @pytest.mark.parametrize("flags, expected", [

@@ -111,6 +111,18 @@ def png_pixels(b64: str) -> np.ndarray:
         return np.asarray(image.convert("RGB"))
 
 
+def assert_pixels_of(got: np.ndarray, image: np.ndarray) -> None:
+    """uint8 pixels from another process are the float image rounded as diffusers' numpy_to_pil rounds it, but
+    where a value sits within 1e-3 of a level's half: there the two processes' float noise (CPU kernels pick
+    their paths by a tensor's alignment in memory, ~1e-7) may round it either way, by one level."""
+    scaled = image * 255
+    want = scaled.round().astype(np.uint8)
+    tie = np.abs(scaled - np.floor(scaled) - 0.5) < 1e-3
+    differ = got != want
+    assert not (differ & ~tie).any() and (np.abs(got.astype(int) - want) <= 1).all(), \
+        f"{int((differ & ~tie).sum())} pixels differ away from a rounding tie"
+
+
 def metrics(url: str) -> dict[str, float]:
     """Every sample, keyed by name and labels: {'dvllm_requests_total{outcome="success"}': 3.0, ...}."""
     text = httpx.get(url + "/metrics", timeout=WAIT).text
