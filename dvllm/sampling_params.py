@@ -130,14 +130,14 @@ class SamplingParams:
     def resolve(self, info: "ModelInfo", config: "EngineConfig") -> "SamplingParams":
         """A copy with every default filled from the model, checked against the engine's limits."""
         self.validate()
-        max_pixels = config.image_pixel_limit(info.default_height, info.default_width)
+        max_pixels = config.image_pixel_limit(info.defaults.height, info.defaults.width)
         if self.negative_prompt is not None and len(self.negative_prompt) > config.max_prompt_chars:
             raise ValueError(f"negative_prompt must be at most {config.max_prompt_chars} characters, "
                              f"got {len(self.negative_prompt)}")
         if self.guidance_scale is not None and self.guidance_scale > config.max_guidance_scale:
             raise ValueError(f"guidance_scale must be at most {config.max_guidance_scale} (max_guidance_scale), "
                              f"got {self.guidance_scale!r}")
-        if self.eta is not None and info.default_eta is None:
+        if self.eta is not None and info.schedule.eta is None:
             raise ValueError(f"eta: the {info.family} pipeline takes no eta")
         _check_aesthetic_scores(self, info)
         _check_sequence_length(self.max_sequence_length, info)
@@ -145,28 +145,28 @@ class SamplingParams:
         if cache is not None and info.cache_layout is None:
             raise ValueError(f"cache: the {info.family} family serves no step caching (it is served for the "
                              f"transformer families: flux, qwen-image, stable-diffusion-3, z-image)")
-        if self.strength is not None and not info.image_sets_start:
+        if self.strength is not None and not info.images.sets_start:
             raise ValueError(f"strength: {info.pipeline_class} conditions on its images; it takes no strength")
         image = _load_images(self.image, info, max_pixels)
         mask = None if self.mask_image is None else _load_mask(self.mask_image, image, info, max_pixels)
-        if info.requires_mask and mask is None:
+        if info.images.requires_mask and mask is None:
             raise ValueError(f"mask_image: this model ({info.pipeline_class}) only inpaints: send an image and a mask")
         image_h, image_w = default_size(info, image, mask is not None)
-        default_strength = info.default_inpaint_strength if mask is not None else info.default_strength
+        default_strength = info.defaults.inpaint_strength if mask is not None else info.defaults.strength
         resolved = dataclasses.replace(
             self,
-            num_inference_steps=self.num_inference_steps or info.default_steps,
-            guidance_scale=info.default_guidance if self.guidance_scale is None else float(self.guidance_scale),
+            num_inference_steps=self.num_inference_steps or info.defaults.steps,
+            guidance_scale=info.defaults.guidance if self.guidance_scale is None else float(self.guidance_scale),
             height=self.height or image_h,
             width=self.width or image_w,
             seed=secrets.randbelow(RANDOM_SEED_LIMIT) if self.seed is None else self.seed,
-            sampler=self.sampler or info.default_sampler,
+            sampler=self.sampler or info.defaults.sampler,
             image=image,
             mask_image=mask,
-            strength=None if image is None or not info.image_sets_start else
+            strength=None if image is None or not info.images.sets_start else
             (default_strength if self.strength is None else self.strength),
-            eta=info.default_eta if self.eta is None else float(self.eta),
-            max_sequence_length=self.max_sequence_length or info.max_sequence_length,
+            eta=info.schedule.eta if self.eta is None else float(self.eta),
+            max_sequence_length=self.max_sequence_length or info.text.max_sequence_length,
             cache=cache,
             loras={name: float(w) for name, w in sorted(self.loras.items())} if self.loras else None,
             aesthetic_score=_score(self.aesthetic_score, AESTHETIC_SCORE, info),
@@ -183,8 +183,8 @@ class SamplingParams:
             )
         # img2img sizes are multiples of the VAE's scale factor (its image processor rounds to them); others of
         # the size factor the pipeline checks
-        factor = info.latent_scale if image is not None and mask is None and info.image_sets_start else \
-            info.size_factor
+        factor = info.latents.scale if image is not None and mask is None and info.images.sets_start else \
+            info.latents.size_factor
         for name in ("height", "width"):
             value = getattr(resolved, name)
             if value % factor:
@@ -204,16 +204,16 @@ AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE = 6.0, 2.5  # the SDXL img2img and inp
 
 def _check_aesthetic_scores(params: SamplingParams, info: "ModelInfo") -> None:
     given = [n for n in ("aesthetic_score", "negative_aesthetic_score") if getattr(params, n) is not None]
-    if given and not info.aesthetic_scores:
+    if given and not info.images.aesthetic_scores:
         raise ValueError(f"{given[0]}: this model takes no aesthetic score (SDXL models trained with one do: "
                          "requires_aesthetics_score, e.g. the refiner)")
-    if info.aesthetic_scores and params.image is None:
+    if info.images.aesthetic_scores and params.image is None:
         raise ValueError("image: this model conditions on an aesthetic score (requires_aesthetics_score, e.g. the "
                          "SDXL refiner): it refines or inpaints an image; send one")
 
 
 def _score(value: float | None, default: float, info: "ModelInfo") -> float | None:
-    if not info.aesthetic_scores:
+    if not info.images.aesthetic_scores:
         return None
     return default if value is None else float(value)
 
@@ -233,9 +233,9 @@ def check_text(name: str, value: object, max_chars: int | None = None) -> None:
 def _check_sequence_length(length: int | None, info: "ModelInfo") -> None:
     if length is None:
         return
-    if info.sequence_length_range is None:
+    if info.text.sequence_length_range is None:
         raise ValueError(f"max_sequence_length: the {info.family} pipeline takes none")
-    low, high = info.sequence_length_range
+    low, high = info.text.sequence_length_range
     if low == high and length != low:
         raise ValueError(f"max_sequence_length: the {info.family} family serves its pipeline's default, {low}, "
                          f"only (its text has no mask, so other lengths could not share a forward); got {length}")
@@ -296,11 +296,11 @@ def default_size(info: "ModelInfo", image: Any, inpaint: bool) -> tuple[int, int
     inpainting pipelines resize the image to it). Image-to-image: the image's size, rounded down to the VAE's
     scale factor as the img2img pipelines' image processor rounds it. Edit models: their own rule."""
     if image is None or inpaint:
-        return info.default_height, info.default_width
+        return info.defaults.height, info.defaults.width
     sizes = image_sizes(image)
-    if info.edit_size is not None:
-        return info.edit_size(sizes)
-    factor = info.latent_scale
+    if info.images.edit_size is not None:
+        return info.images.edit_size(sizes)
+    factor = info.latents.scale
     (w, h), = sizes
     return h // factor * factor, w // factor * factor
 
@@ -308,21 +308,21 @@ def default_size(info: "ModelInfo", image: Any, inpaint: bool) -> tuple[int, int
 def _load_images(image: Any, info: "ModelInfo", max_pixels: int) -> Any:
     """One RGB PIL image, or a tuple of them for models that take several; None for none."""
     if image is None:
-        if info.requires_image:
+        if info.images.required:
             raise ValueError(f"image: this model ({info.pipeline_class}) edits images: send an image")
         return None
     if not isinstance(image, (list, tuple)):
         return _load_image(image, info, max_pixels)
-    if len(image) > info.max_input_images:
-        raise ValueError(f"image: {len(image)} images, but this model takes at most {info.max_input_images}")
-    if info.max_input_images == 1:
+    if len(image) > info.images.max_images:
+        raise ValueError(f"image: {len(image)} images, but this model takes at most {info.images.max_images}")
+    if info.images.max_images == 1:
         return _load_image(image[0], info, max_pixels)
     return tuple(_load_image(i, info, max_pixels, f"image[{k}]") for k, i in enumerate(image))
 
 
 def _load_mask(mask: Any, image: Any, info: "ModelInfo", max_pixels: int) -> Any:
     """The mask as a PIL image of the image's size (kept as given: the pipeline's mask processor makes it grey)."""
-    if not info.inpaint_channels:
+    if not info.images.inpaint_channels:
         raise ValueError(f"mask_image: inpainting is not supported for the {info.family} family")
     if isinstance(image, tuple):
         raise ValueError("mask_image: inpainting takes one image, got several")
@@ -338,7 +338,7 @@ def _load_image(image: Any, info: "ModelInfo", max_pixels: int, name: str = "ima
     import numpy as np
     from PIL import Image, UnidentifiedImageError
 
-    if not info.supports_img2img:
+    if not info.images.img2img:
         raise ValueError(f"{name}: image-to-image is not supported for the {info.family} family")
     try:
         if isinstance(image, str):
@@ -365,5 +365,5 @@ def _load_image(image: Any, info: "ModelInfo", max_pixels: int, name: str = "ima
 def _check_image_size(image: Any, info: "ModelInfo", max_pixels: int) -> None:
     if image.width * image.height > max_pixels:
         raise ValueError(f"{image.width}x{image.height} is over max_image_pixels={max_pixels}")
-    if min(image.width, image.height) < info.size_factor:
-        raise ValueError(f"{image.width}x{image.height} is smaller than {info.size_factor} px on a side")
+    if min(image.width, image.height) < info.latents.size_factor:
+        raise ValueError(f"{image.width}x{image.height} is smaller than {info.latents.size_factor} px on a side")

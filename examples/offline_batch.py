@@ -91,8 +91,8 @@ def main() -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     prompts = read_prompts(args.prompts_file)
     engine = DiffusionEngine(model=args.model, device=args.device, max_batch_size=16)
-    print(f"model {engine.model_info.name}: default {engine.model_info.default_width}x"
-          f"{engine.model_info.default_height}, {engine.model_info.default_steps} steps")
+    print(f"model {engine.model_info.name}: default {engine.model_info.defaults.width}x"
+          f"{engine.model_info.defaults.height}, {engine.model_info.defaults.steps} steps")
     run_batch(engine, prompts, args.output_dir)
     run_step_loop(engine, prompts[:3], args.output_dir)
     print(f"images are in {args.output_dir}")

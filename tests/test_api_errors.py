@@ -23,7 +23,7 @@ class StubEngine:
 
     def __init__(self, behaviour) -> None:
         self.behaviour = behaviour
-        self.model_info = SimpleNamespace(name="stub", default_height=16, default_width=16, size_factor=8)
+        self.loaded_model = SimpleNamespace(name="stub")
         self.step_listeners = []
         self.is_running = True
         self.aborted: list[str] = []

@@ -133,6 +133,9 @@ def test_models_lists_the_sizes_and_samplers_the_model_takes(http):
     facts = http.get("/v1/models").json()["data"][0]["dvllm"]
     assert facts["default_size"] in facts["sizes"] and len(facts["sizes"]) >= 2
     assert facts["sampler"].endswith("Scheduler") and "ddim" in facts["samplers"]
+    # how the workers hold it: the loading layer's facts, beside the family's
+    assert (facts["device"], facts["dtype"], facts["vae_dtype"], facts["quantization"]) == ("cpu", "float32",
+                                                                                            "float32", None)
     body = {"prompt": "x", "num_inference_steps": 1}
     for size in facts["sizes"]:
         assert http.post("/v1/images/generations", json={**body, "size": size}).status_code == 200, size

@@ -45,7 +45,7 @@ def test_single_prompt_writes_png_and_summary(sd_eps_path, tmp_path, capsys):
     # under the names HTTP takes, and the sampler that ran (the model's own: none was asked for)
     assert {k: parameters[k] for k in ("prompt", "seed", "index", "num_inference_steps", "size", "n", "sampler")} == \
         {"prompt": "a red circle", "seed": 1, "index": 0, "num_inference_steps": 3, "size": "16x16", "n": 1,
-         "sampler": DiffusionEngine(model=sd_eps_path).model_info.scheduler_config["_class_name"]}
+         "sampler": DiffusionEngine(model=sd_eps_path).model_info.schedule.config["_class_name"]}
     assert not (tmp_path / "manifest.jsonl").exists()
 
 

@@ -279,7 +279,9 @@ def test_several_images_reach_the_engine_as_a_list_in_the_order_sent(sd_engine, 
         sent.append(params.image)
         return real(prompt, params, request_id)
 
-    monkeypatch.setattr(sd_engine, "model_info", dataclasses.replace(sd_engine.model_info, max_input_images=2))
+    info = sd_engine.model_info
+    monkeypatch.setattr(sd_engine, "model_info",
+                        dataclasses.replace(info, images=dataclasses.replace(info.images, max_images=2)))
     monkeypatch.setattr(sd_engine, "generate", spy)
     first, second = png(picture(1, (16, 16))), png(picture(2, (24, 16)))
     with _app_client(sd_engine) as client:

@@ -194,7 +194,7 @@ def dataclass_np(p: SamplingParams) -> SamplingParams:
 def test_guidance_embedding_unet_matches_pipeline(sd_guidance_embed_path):
     """LCM-distilled UNets take the guidance scale as an embedding per row instead of CFG rows."""
     engine = engine_for(sd_guidance_embed_path)
-    assert not engine.model_info.supports_cfg
+    assert not engine.model_info.guidance.supported
     pipe = StableDiffusionPipeline.from_pretrained(sd_guidance_embed_path)
     pipe.set_progress_bar_config(disable=True)
     batch = [("fast one", SamplingParams(num_inference_steps=4, guidance_scale=8.0, seed=1, sampler="lcm",

@@ -36,7 +36,7 @@ def test_a_revision_and_variant_load_from_the_cache_alone(hub_cache):
                              device="cpu", dtype="float32")
     params = SamplingParams(num_inference_steps=3, seed=2, height=16, width=16, output_type="np")
     got = engine.generate(["a red circle"], [params], use_tqdm=False)[0]
-    assert got.error is None and engine.model_info.name == REPO
+    assert got.error is None and engine.loaded_model.name == REPO
     snapshot = f"{hub_cache}/models--dvllm-tests--tiny-sd/snapshots/{COMMIT}"
     pipe = StableDiffusionPipeline.from_pretrained(snapshot, variant="fp16", safety_checker=None,
                                                    requires_safety_checker=False)

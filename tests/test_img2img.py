@@ -25,7 +25,7 @@ def start_image(seed: int, size: tuple[int, int] = (32, 24)) -> Image.Image:
 def reference(pipe, engine, prompt: str, p: SamplingParams) -> np.ndarray:
     base = pipe.scheduler
     if p.sampler:
-        pipe.scheduler = make_scheduler(engine.model_info.scheduler_config, p.sampler)
+        pipe.scheduler = make_scheduler(engine.model_info.schedule.config, p.sampler)
     try:
         return pipe(prompt, image=p.image, strength=p.strength, num_inference_steps=p.num_inference_steps,
                     guidance_scale=p.guidance_scale, negative_prompt=p.negative_prompt, num_images_per_prompt=p.n,

@@ -64,7 +64,7 @@ def mask(size: tuple[int, int] = (32, 24), box: tuple[int, int, int, int] = (6, 
 def reference(pipe, engine: DiffusionEngine, prompt: str, p: SamplingParams) -> np.ndarray:
     base = pipe.scheduler
     if p.sampler:
-        pipe.scheduler = make_scheduler(engine.model_info.scheduler_config, p.sampler)
+        pipe.scheduler = make_scheduler(engine.model_info.schedule.config, p.sampler)
     extra = {k: getattr(p, k) for k in ("strength", "height", "width", "mask_image") if getattr(p, k) is not None}
     try:
         return pipe(prompt, image=p.image, num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
@@ -98,7 +98,7 @@ def test_inpainting_in_a_mixed_batch_matches_the_inpainting_pipeline(fixture, re
                            num_inference_steps=7, guidance_scale=4.0, sampler="dpmpp_2m", height=24, width=32)),
     ]
     if not nine_channels:  # a regular UNet also serves image-to-image and text-to-image in the same forwards
-        default = engine.model_info.default_height, engine.model_info.default_width
+        default = engine.model_info.defaults.height, engine.model_info.defaults.width
         jobs += [("img2img", P(image=picture(4, default[::-1]), strength=0.6, num_inference_steps=6, seed=4,
                                guidance_scale=3.0)),
                  ("text to image", P(num_inference_steps=5, seed=5, guidance_scale=5.0))]
@@ -116,7 +116,7 @@ def test_inpainting_in_a_mixed_batch_matches_the_inpainting_pipeline(fixture, re
             assert float(np.abs(got - want).max()) <= 1e-3
     # the default size is the model's, not the image's (the pipeline resizes the image to it)
     info = engine.model_info
-    assert outs[0].images[0].shape == (info.default_height, info.default_width, 3)
+    assert outs[0].images[0].shape == (info.defaults.height, info.defaults.width, 3)
     assert outs[2].images[0].shape == (24, 32, 3)
     # inpainting changes the image: outside the mask a regular UNet keeps it (close: decoded latents)
     if not nine_channels:

@@ -139,11 +139,12 @@ def test_preset_configs_parse_and_fit_together(name):
 def test_engine_without_model_loads_the_trained_tiny_shapes():
     engine = DiffusionEngine(device="cpu")
     assert engine.config.model is None
-    info = engine.model_info
-    assert info.name == "tiny-shapes"
+    info, loaded = engine.model_info, engine.loaded_model
+    assert (loaded.name, loaded.device, loaded.dtype, loaded.vae_dtype) == ("tiny-shapes", "cpu", "float32", "float32")
+    assert loaded.quantization is None
     assert info.pipeline_class == "StableDiffusionPipeline"
     # its dvllm_defaults.json: what it was trained for, not the pipeline's generic 50 steps at 512 px
-    assert (info.default_height, info.default_width, info.default_steps, info.default_guidance) == (64, 64, 25, 1.5)
+    assert (info.defaults.height, info.defaults.width, info.defaults.steps, info.defaults.guidance) == (64, 64, 25, 1.5)
 
 
 def test_a_folders_dvllm_defaults_must_be_known_keys(sd_eps_path, tmp_path):
@@ -153,7 +154,7 @@ def test_a_folders_dvllm_defaults_must_be_known_keys(sd_eps_path, tmp_path):
     shutil.copytree(sd_eps_path, folder)
     (folder / "dvllm_defaults.json").write_text(json.dumps({"num_inference_steps": 7, "height": 24}))
     info = DiffusionEngine(model=str(folder), device="cpu", dtype="float32").model_info
-    assert (info.default_steps, info.default_height) == (7, 24)
+    assert (info.defaults.steps, info.defaults.height) == (7, 24)
     (folder / "dvllm_defaults.json").write_text(json.dumps({"steps": 7}))
     with pytest.raises(ValueError, match="unknown keys"):
         DiffusionEngine(model=str(folder), device="cpu", dtype="float32")

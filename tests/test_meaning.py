@@ -27,7 +27,7 @@ BOUNDS = {
 @pytest.mark.parametrize("model", sorted(BOUNDS))
 def test_builtin_model_draws_what_it_is_asked(model, capsys):
     engine = DiffusionEngine(model=model, max_batch_size=64)
-    assert engine.model_info.name == model
+    assert engine.loaded_model.name == model
     scores, images = evaluate(engine, cases())
     with capsys.disabled():
         print(f"\n{model} on {len(images)} held-out prompts: " + ", ".join(f"{k} {v:.0%}" for k, v in scores.items()))

@@ -60,8 +60,8 @@ def test_the_pool_gets_what_the_worst_of_encode_denoise_and_decode_leaves(adapte
     info = adapter.info
     assert largest_size(info, 48 * 48) == (48, 48)
     calls = dict(recorded.calls)
-    assert calls["denoise"] == (6, *info.latent_shape(48, 48))  # a full forward at the largest size
-    assert calls["decode"] == (3, *info.latent_shape(48, 48))   # one decode chunk at the largest size
+    assert calls["denoise"] == (6, *info.latents.shape(48, 48))  # a full forward at the largest size
+    assert calls["decode"] == (3, *info.latents.shape(48, 48))   # one decode chunk at the largest size
     assert calls["encode_prompt"] == 12  # a full admission: a prompt and a negative per row
 
 
@@ -72,7 +72,7 @@ def test_cuda_graphs_and_padded_batches_are_counted(adapter, monkeypatch):
     budget = gpu_pool_bytes(adapter, config, FakeMemory(recorded, peaks, free=70 * GIB, total=80 * GIB))
     info = adapter.info
     # each of max_cuda_graphs graphs keeps its bucket's inputs: latents, text conditions, timestep and guidance
-    inputs = 8 * (4 * (math.prod(info.latent_shape(32, 32)) + sum(math.prod(s) for s in info.condition_shapes.values()))
+    inputs = 8 * (4 * (math.prod(info.latents.shape(32, 32)) + sum(math.prod(s) for s in info.text.condition_shapes.values()))
                   + 2 * 4)
     assert budget == int(80 * GIB * 0.9) - 10 * GIB - 4 * GIB - 4 * GIB - 16 * inputs  # and the graphs' pool
     assert dict(recorded.calls)["denoise"][0] == 8  # 5 rows are padded to the bucket of 8

@@ -30,17 +30,17 @@ def test_each_layer_of_defaults_over_the_one_before(sd_eps_path, tmp_path, monke
     monkeypatch.setitem(model_defaults.KNOWN_DEFAULTS, str(folder).lower(),
                         {"num_inference_steps": 2, "guidance_scale": 0.0, "height": 24})
     info = DiffusionEngine(model=str(folder), device="cpu", dtype="float32").model_info
-    assert (info.default_steps, info.default_guidance, info.default_height) == (2, 0.0, 24)
+    assert (info.defaults.steps, info.defaults.guidance, info.defaults.height) == (2, 0.0, 24)
     (folder / "dvllm_defaults.json").write_text(json.dumps({"num_inference_steps": 3, "sampler": "euler"}))
     info = DiffusionEngine(model=str(folder), device="cpu", dtype="float32").model_info
-    assert (info.default_steps, info.default_guidance, info.default_sampler) == (3, 0.0, "euler")
+    assert (info.defaults.steps, info.defaults.guidance, info.defaults.sampler) == (3, 0.0, "euler")
     engine = DiffusionEngine(model=str(folder), device="cpu", dtype="float32",
                              default_params='{"num_inference_steps": 4, "sampler": "euler_a"}')  # as the flag
     info = engine.model_info
-    assert (info.default_steps, info.default_height, info.default_sampler) == (4, 24, "euler_a")
+    assert (info.defaults.steps, info.defaults.height, info.defaults.sampler) == (4, 24, "euler_a")
     facts = model_facts(info, 4096, engine.valid_samplers())  # what /v1/models says
     assert (facts["num_inference_steps"], facts["guidance_scale"], facts["sampler"]) == (4, 0.0, "euler_a")
-    assert facts["default_size"] == f"{info.default_width}x24"
+    assert facts["default_size"] == f"{info.defaults.width}x24"
 
 
 def test_a_default_sampler_runs_as_if_the_request_named_it(sd_eps_path):

@@ -150,7 +150,7 @@ def test_previews_of_packed_latents(fixture, request):
     path = request.getfixturevalue(fixture)
     engine = DiffusionEngine(model=path, device="cpu", dtype="float32")
     params = SamplingParams(num_inference_steps=3, num_previews=1, height=32, width=32, seed=1)
-    if engine.model_info.requires_image:
+    if engine.model_info.images.required:
         params.image = picture(1, (40, 40))
     engine.add_request("r", "x", params)
     previews = []

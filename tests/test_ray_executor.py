@@ -237,7 +237,7 @@ class _DegradedEngine:
     """What the server reads of an engine whose worker 1 of 2 is dead."""
 
     is_running = True
-    model_info = type("Info", (), {"name": "tiny"})()
+    loaded_model = type("Loaded", (), {"name": "tiny"})()
     step_listeners: list = []
 
     def __init__(self, alive: int) -> None:

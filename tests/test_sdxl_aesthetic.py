@@ -45,7 +45,7 @@ def aesthetic_inpaint_path(tmp_path_factory) -> str:
 def _reference(pipe, engine: DiffusionEngine, prompt: str, p: SamplingParams) -> np.ndarray:
     base = pipe.scheduler
     if p.sampler:
-        pipe.scheduler = make_scheduler(engine.model_info.scheduler_config, p.sampler)
+        pipe.scheduler = make_scheduler(engine.model_info.schedule.config, p.sampler)
     extra = {} if p.mask_image is None else {"mask_image": p.mask_image, "height": 24, "width": 32}
     scores = {k: v for k, v in (("aesthetic_score", p.aesthetic_score),
                                 ("negative_aesthetic_score", p.negative_aesthetic_score)) if v is not None}
@@ -67,7 +67,7 @@ def test_each_request_scores_its_rows_as_the_pipeline_does(fixture, pipeline_cla
     pipe = pipeline_class.from_pretrained(path)
     pipe.set_progress_bar_config(disable=True)
     engine = DiffusionEngine(model=path, device="cpu", dtype="float32")
-    assert engine.model_info.aesthetic_scores
+    assert engine.model_info.images.aesthetic_scores
     P = SamplingParams
     m = mask() if inpaint else None
     size = {"height": 24, "width": 32} if inpaint else {}  # (inpainting's default size is the model's)

@@ -219,12 +219,12 @@ def test_random_seeds_stay_exact_in_javascript(app_engine):
 
 def test_max_image_pixels_defaults_to_four_times_the_models_area(app_engine):
     info = app_engine.model_info
-    limit = 4 * info.default_height * info.default_width
-    side = info.default_height * 2
+    limit = 4 * info.defaults.height * info.defaults.width
+    side = info.defaults.height * 2
     assert side * side == limit  # the largest square allowed
     SamplingParams(height=side, width=side).resolve(info, app_engine.config)
     with pytest.raises(ValueError, match=f"at most {limit} pixels"):
-        SamplingParams(height=side + info.size_factor, width=side).resolve(info, app_engine.config)
+        SamplingParams(height=side + info.latents.size_factor, width=side).resolve(info, app_engine.config)
 
 
 # -- the step loop is never where a request waits to be refused ------------------------------------

@@ -37,12 +37,12 @@ def engine() -> DiffusionEngine:
 
 def test_loads_by_name_with_its_defaults(engine, length):
     info = engine.model_info
-    assert (info.name, info.family, info.pipeline_class) == (NAME, "stable-diffusion-3", "StableDiffusion3Pipeline")
-    assert (info.default_steps, info.default_height, info.default_width) == (28, 64, 64)
+    assert (engine.loaded_model.name, info.family, info.pipeline_class) == (NAME, "stable-diffusion-3", "StableDiffusion3Pipeline")
+    assert (info.defaults.steps, info.defaults.height, info.defaults.width) == (28, 64, 64)
     assert length < 256  # far fewer zero tokens than the pipeline's default
-    assert info.max_sequence_length == length and info.sequence_length_range == (length, length)
+    assert info.text.max_sequence_length == length and info.text.sequence_length_range == (length, length)
     # CLIP's tokens, then the zero tokens; the step cache sizes its text state from the same shape
-    assert info.condition_shapes["prompt_embeds"][0] == 16 + length
+    assert info.text.condition_shapes["prompt_embeds"][0] == 16 + length
     assert info.cache_layout.text_tokens == 16 + length
 
 
@@ -104,8 +104,8 @@ def test_other_lengths_of_a_t5less_sd3_are_served_as_its_pipeline_pads_them(fold
 
     path = _with_defaults(folder, tmp_path / "dit4", {"max_sequence_length": 4, "num_inference_steps": 3})
     engine = DiffusionEngine(model=path, device="cpu", dtype="float32")
-    assert engine.model_info.max_sequence_length == 4
-    assert engine.model_info.condition_shapes["prompt_embeds"][0] == 20
+    assert engine.model_info.text.max_sequence_length == 4
+    assert engine.model_info.text.condition_shapes["prompt_embeds"][0] == 20
     out = engine.generate(["a green square"], SamplingParams(seed=3, guidance_scale=2.0, output_type="np"),
                           use_tqdm=False)[0]
     pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=torch.float32, text_encoder_3=None, tokenizer_3=None)

@@ -46,7 +46,7 @@ def stress(model: str, device: str, dtype: str, seconds: float, max_batch_size: 
     engine = DiffusionEngine(model=model, load_format="dummy", device=device, dtype=dtype,
                              max_batch_size=max_batch_size)
     info = engine.model_info
-    side, _ = largest_size(info, engine.config.image_pixel_limit(info.default_height, info.default_width))
+    side, _ = largest_size(info, engine.config.image_pixel_limit(info.defaults.height, info.defaults.width))
     params = SamplingParams(num_inference_steps=4, guidance_scale=5.0, height=side, width=side, output_type="latent")
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -61,7 +61,7 @@ def stress(model: str, device: str, dtype: str, seconds: float, max_batch_size: 
                 done += 1
                 if out.error:
                     errors.append(out.error)
-    result = {"size": f"{side}x{side}", "native": f"{info.default_width}x{info.default_height}",
+    result = {"size": f"{side}x{side}", "native": f"{info.defaults.width}x{info.defaults.height}",
               "seconds": time.perf_counter() - start, "images": done, "errors": errors[:5], "ok": not errors}
     if device.startswith("cuda"):
         free, total = torch.cuda.mem_get_info()

@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> dict:
     unsupported = diffusers_cache_unsupported(pipe.transformer, config)
     guidance_name = "true_cfg_scale" if type(pipe).__name__ == "QwenImagePipeline" else "guidance_scale"
     extra: dict[str, Any] = {}
-    if engine.model_info.max_sequence_length is not None:  # a model's own text length (tiny-shapes-dit: 1)
-        extra["max_sequence_length"] = engine.model_info.max_sequence_length
+    if engine.model_info.text.max_sequence_length is not None:  # a model's own text length (tiny-shapes-dit: 1)
+        extra["max_sequence_length"] = engine.model_info.text.max_sequence_length
     baseline = "pipeline" if unsupported else "pipeline+cache"
 
     def pipeline(batch: list[Job]) -> None:

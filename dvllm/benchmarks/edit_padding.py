@@ -29,17 +29,17 @@ def rows(adapter, size: int) -> tuple:
     """Latents, timesteps and conditions of one row per request in INPUTS (zero text: the cost is the same)."""
     info = adapter.info
     generator = torch.Generator("cpu").manual_seed(0)
-    count = len(INPUTS) if info.max_input_images > 1 else sum(len(i) == 1 for i in INPUTS)
-    inputs = [i for i in INPUTS if info.max_input_images > 1 or len(i) == 1][:count]
+    count = len(INPUTS) if info.images.max_images > 1 else sum(len(i) == 1 for i in INPUTS)
+    inputs = [i for i in INPUTS if info.images.max_images > 1 or len(i) == 1][:count]
     latents, image_inputs, grids = [], [], []
     for sizes in inputs:
         images = tuple(Image.new("RGB", wh, (100, 150, 200)) for wh in sizes)
         noise, packed = adapter.prepare_edit(images, 1, size, size, generator)
         latents.append(noise)
         image_inputs.append(packed[0])
-        grids.append(tuple(x for grid in info.edit_grids(sizes) for x in grid))
+        grids.append(tuple(x for grid in info.images.edit_grids(sizes) for x in grid))
     longest = max(len(x) for x in image_inputs)
-    conditions = {k: torch.zeros((len(inputs), *shape)) for k, shape in info.condition_shapes.items()}
+    conditions = {k: torch.zeros((len(inputs), *shape)) for k, shape in info.text.condition_shapes.items()}
     conditions["prompt_embeds_mask"][:, :32] = 1  # a 32-token prompt
     conditions["image_inputs"] = torch.stack([torch.nn.functional.pad(x, (0, longest - len(x))) for x in image_inputs])
     layout = BatchLayout.single((size, size), len(inputs), image_grids=tuple(grids),

@@ -122,7 +122,7 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
             with PeakTracker(mode):  # the model's info encodes the empty prompt once
                 _apply_defaults(adapter, source, None)
             info = adapter.info
-            size = size or (info.default_height, info.default_width)
+            size = size or (info.defaults.height, info.defaults.width)
             memory = TrackedMemory(mode)
             step, worst_size, worst = _steps(adapter, engine, size, memory)
         if encoder_device:  # the encoders run on the CPU: nothing of theirs on the GPU
@@ -151,7 +151,7 @@ def _steps(adapter: ModelAdapter, engine: dict[str, Any], size: tuple[int, int],
     step_size = largest_size(info, height * width)
     step = step_peaks(adapter, EngineConfig(**(engine | {"max_image_pixels": height * width})), memory)
     config = EngineConfig(**engine)
-    worst_size = largest_size(info, config.image_pixel_limit(info.default_height, info.default_width))
+    worst_size = largest_size(info, config.image_pixel_limit(info.defaults.height, info.defaults.width))
     worst = dict(step) if worst_size == step_size else step_peaks(adapter, config, memory)
     step["denoise"] -= step_cache_bytes(info, engine["max_batch_size"], *step_size, adapter.dtype)
     return step, worst_size, worst

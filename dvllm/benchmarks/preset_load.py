@@ -86,7 +86,7 @@ def measure(case: Case, device: str, repeats: int, size: tuple[int, int] | None 
                              quantization=case.quantization, encoder_device=case.encoder_device)
     load_s = time.perf_counter() - start
     info = engine.model_info
-    height, width = size or (info.default_height, info.default_width)
+    height, width = size or (info.defaults.height, info.defaults.width)
     blocks, _ = engine.executor.pool_info(0)
     result = {
         "case": case.label, "model": case.model, "dtype": case.dtype, "quantization": case.quantization,

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace, engine: DiffusionEngine | None = None) -> dict
     pipe, device = adapter.pipeline, adapter.device
     if args.sampler:  # the diffusers baselines run the scheduler dvllm's sampler name means
         from dvllm.samplers import make_scheduler
-        pipe.scheduler = make_scheduler(engine.model_info.scheduler_config, args.sampler)
+        pipe.scheduler = make_scheduler(engine.model_info.schedule.config, args.sampler)
 
     def pipeline(batch: list[Job]) -> None:
         j = batch[0]

@@ -53,6 +53,7 @@ class AsyncDiffusionEngine:
         if self.dead is not None:
             raise self.dead
         self.model_info = self.engine.model_info
+        self.loaded_model = self.engine.loaded_model
         self.config = self.engine.config
 
     # -- lifecycle ---------------------------------------------------------------

@@ -37,6 +37,7 @@ class DiffusionEngine:
         self.executor = create_executor(self.config)
         try:
             self.model_info = self.executor.model_info()
+            self.loaded_model = self.executor.loaded_model()
             self.lanes = Lanes(self.config, self.executor)
         except BaseException:
             self.executor.shutdown()
@@ -45,7 +46,7 @@ class DiffusionEngine:
         pool_blocks = min(self.executor.pool_info(i)[0] for i in range(self.executor.num_workers))
         self.loras = None
         if self.config.enable_lora:
-            self.loras = LoraRegistry(self.config.model, self.model_info.name, self.config.max_lora_rank,
+            self.loras = LoraRegistry(self.config.model, self.loaded_model.name, self.config.max_lora_rank,
                                       self.config.cpu_lora_cache_size, self.config.lora_file_policy,
                                       self.config.load_config)
         self.processor = InputProcessor(self.config, self.model_info, self.block_numel, pool_blocks, self.loras)
@@ -228,15 +229,15 @@ class DiffusionEngine:
     # -- helpers ---------------------------------------------------------------
     def _check_pool_holds_a_default_request(self) -> None:
         """One image at the default size, with history (multistep samplers) and both prompts (CFG)."""
-        info, total = self.model_info, self.lanes.num_blocks
-        blocks = self.processor.blocks
-        need = 2 * blocks(info.latent_numel(info.default_height, info.default_width)) + 2 * blocks(info.condition_numel)
+        info, loaded, total = self.model_info, self.loaded_model, self.lanes.num_blocks
+        blocks, (height, width) = self.processor.blocks, (info.defaults.height, info.defaults.width)
+        need = 2 * blocks(info.latents.numel(height, width)) + 2 * blocks(info.text.condition_numel)
         if need > total:
             raise ValueError(f"the state pool is too small for even one default request: it needs {need} "
                              f"blocks and the pool has {total}; raise state_pool_mb")
         logger.info("serving %s (%s) on %s in %s: the state pool holds %d requests at the default %dx%d with CFG "
-                    "(more where prompts repeat), %d rows in one forward", info.name, info.family, info.device,
-                    info.dtype, total // need, info.default_width, info.default_height, self.config.max_batch_size)
+                    "(more where prompts repeat), %d rows in one forward", loaded.name, info.family, loaded.device,
+                    loaded.dtype, total // need, width, height, self.config.max_batch_size)
 
 def _progress_bar(total: int, enabled: bool):
     if not enabled:

@@ -58,13 +58,13 @@ class InputProcessor:
         request = Request(
             loras=self._loras(resolved.loras),
             request_id=request_id, prompt=prompt, params=resolved, num_steps=plan.num_steps,
-            cfg=info.uses_cfg(resolved.guidance_scale, resolved.negative_prompt), plan=plan,
+            cfg=info.guidance.uses_cfg(resolved.guidance_scale, resolved.negative_prompt), plan=plan,
             arrival_time=time.time() if arrival_time is None else arrival_time, arrival_seq=next(self._arrivals),
-            latent_blocks=self.blocks(info.latent_numel(resolved.height, resolved.width)),
-            cond_blocks=self.blocks(info.condition_numel), uses_history=plan.uses_history,
+            latent_blocks=self.blocks(info.latents.numel(resolved.height, resolved.width)),
+            cond_blocks=self.blocks(info.text.condition_numel), uses_history=plan.uses_history,
             input_blocks=self.blocks(input_numel), input_numel=input_numel,
             input_grids=info.input_grids(resolved.image),
-            image_key=image_digest(resolved.image) if info.prompt_reads_images else None,
+            image_key=image_digest(resolved.image) if info.text.reads_images else None,
             cache_blocks=0 if resolved.cache is None else self.blocks(info.cache_layout.request_row(
                 resolved.cache, resolved.height, resolved.width, resolved.max_sequence_length,
                 (prompt, resolved.negative_prompt))[1]),
@@ -117,11 +117,11 @@ class InputProcessor:
 
     def _timestep_kwargs(self, height: int, width: int, steps: int) -> dict[str, Any]:
         info = self.info
-        return info.timestep_kwargs(height, width, steps, info.scheduler_config) if info.timestep_kwargs else {}
+        return info.schedule.timestep_kwargs(height, width, steps, info.schedule.config) if info.schedule.timestep_kwargs else {}
 
     def _build(self, sampler: str | None, steps: int, params: SamplingParams) -> SamplerPlan:
-        plan = build_plan(self.info.scheduler_config, sampler, steps, params.strength, params.eta,
-                          self.info.step_kwargs, renoise=params.mask_image is not None,
+        plan = build_plan(self.info.schedule.config, sampler, steps, params.strength, params.eta,
+                          self.info.schedule.step_kwargs, renoise=params.mask_image is not None,
                           **self._timestep_kwargs(params.height, params.width, steps))
         probe_plan(plan, self._probe_shape())
         return plan
@@ -136,9 +136,9 @@ class InputProcessor:
     def _refusal(self, params: SamplingParams) -> ValueError:
         """Why this plan cannot run, in the user's terms (never diffusers' or torch's message)."""
         sampler, steps = params.sampler, params.num_inference_steps
-        name = sampler or self.info.scheduler_config["_class_name"]
+        name = sampler or self.info.schedule.config["_class_name"]
         known = sampler is None or sampler in SHORT_NAMES or scheduler_class(sampler) is not None
-        default = self.info.default_steps
+        default = self.info.defaults.steps
         if known and self._runs(sampler, default, params):
             if steps > default:
                 most = self._most_steps(sampler, default, steps, params)
@@ -176,8 +176,8 @@ class InputProcessor:
 
     def _probe_shape(self) -> tuple[int, ...]:
         # The smallest latent the model takes: the scheduler sees the model's channels and layout.
-        size = self.info.size_factor
-        return self.info.latent_shape(size, size)
+        size = self.info.latents.size_factor
+        return self.info.latents.shape(size, size)
 
     def valid_samplers(self) -> list[str]:
         """Short names and diffusers scheduler classes that run this model's default schedule (probed once,
@@ -185,8 +185,8 @@ class InputProcessor:
         return self._valid_samplers
 
     def _probe_samplers(self) -> list[str]:
-        info, steps = self.info, self.info.default_steps
-        params = SamplingParams(num_inference_steps=steps, height=info.default_height, width=info.default_width)
+        info, steps = self.info, self.info.defaults.steps
+        params = SamplingParams(num_inference_steps=steps, height=info.defaults.height, width=info.defaults.width)
         candidates = list(SHORT_NAMES) + sorted(n for n in dir(diffusers) if scheduler_class(n) is not None)
         return [n for n in candidates if self._runs(n, steps, params)]
 

@@ -56,7 +56,7 @@ def build_app(engine: AsyncDiffusionEngine, args: argparse.Namespace) -> FastAPI
     check_cors(getattr(args, "allowed_origins", None), getattr(args, "allow_credentials", False))
     ctx = ServerContext(
         engine=engine,
-        model_name=getattr(args, "served_model_name", None) or engine.model_info.name,
+        model_name=getattr(args, "served_model_name", None) or engine.loaded_model.name,
         metrics=ServerMetrics(engine.stats, lambda: ctx.in_flight),  # called on the loop thread
         images=ImageStore(getattr(args, "image_store_size", 64),
                           int(getattr(args, "image_store_mb", 256.0) * (1 << 20))),
@@ -202,8 +202,8 @@ def _served_model_facts(engine: AsyncDiffusionEngine) -> dict[str, Any] | None:
     if config is None:
         return None
     info = engine.model_info
-    return model_facts(info, config.image_pixel_limit(info.default_height, info.default_width),
-                       engine.valid_samplers())
+    return model_facts(info, config.image_pixel_limit(info.defaults.height, info.defaults.width),
+                       engine.valid_samplers(), engine.loaded_model)
 
 
 def _model_cards(ctx: ServerContext, show_lora_paths: bool) -> list[ModelCard]:

@@ -336,8 +336,8 @@ def _generate(engine: DiffusionEngine, jobs: list[Job], requests: list[Request],
               args: argparse.Namespace) -> int:
     batch_mode = args.prompts_file is not None
     info = engine.model_info
-    writer = ImageWriter(args.output_dir, manifest=batch_mode, model=info.name,
-                         sampler=info.default_sampler or info.scheduler_config["_class_name"])
+    writer = ImageWriter(args.output_dir, manifest=batch_mode, model=engine.loaded_model.name,
+                         sampler=info.defaults.sampler or info.schedule.config["_class_name"])
     index_of = {request.request_id: i for i, request in enumerate(requests)}
     progress = StepProgress(requests, enabled=not args.no_progress)
     failed = 0

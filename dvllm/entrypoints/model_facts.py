@@ -3,31 +3,42 @@ and samplers it takes. /v1/models carries it (as `dvllm`, beside vLLM's fields);
 menus from it, so it never offers a size the model refuses."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dvllm.models.load_config import LoadedModel
+    from dvllm.models.model_info import ModelInfo
 
 # Sides offered besides the default, as multiples of the default's (each rounded to the model's size step)
 _SIDE_FACTORS = (0.5, 0.75, 1.0, 1.5, 2.0)
 
 
-def model_facts(info: Any, max_image_pixels: int, samplers: list[str]) -> dict[str, Any]:
-    """info: the served ModelInfo; max_image_pixels: the engine's limit in force; samplers: those that run."""
-    step = info.size_factor
-    default = (info.default_width, info.default_height)
+def model_facts(info: ModelInfo, max_image_pixels: int, samplers: list[str],
+                loaded: LoadedModel | None = None) -> dict[str, Any]:
+    """info: the served ModelInfo; max_image_pixels: the engine's limit in force; samplers: those that run;
+    loaded: where and how the workers hold it (its device, dtypes and quantization)."""
+    step = info.latents.size_factor
+    default = (info.defaults.width, info.defaults.height)
     sizes = []
     for factor in _SIDE_FACTORS:
         width, height = (max(step, round(side * factor / step) * step) for side in default)
         size = f"{width}x{height}"
         if width * height <= max_image_pixels and size not in sizes:
             sizes.append(size)
+    served = {}
+    if loaded is not None:
+        served = {"device": loaded.device, "dtype": loaded.dtype, "vae_dtype": loaded.vae_dtype,
+                  "encoder_device": loaded.encoder_device, "quantization": loaded.quantization}
     return {
         "family": info.family,
         "default_size": f"{default[0]}x{default[1]}",
-        "num_inference_steps": info.default_steps,
-        "guidance_scale": info.default_guidance,
-        "sampler": info.default_sampler or info.scheduler_config["_class_name"],
-        "max_sequence_length": info.max_sequence_length,
+        "num_inference_steps": info.defaults.steps,
+        "guidance_scale": info.defaults.guidance,
+        "sampler": info.defaults.sampler or info.schedule.config["_class_name"],
+        "max_sequence_length": info.text.max_sequence_length,
         "size_multiple": step,
         "max_image_pixels": max_image_pixels,
         "sizes": sizes,
         "samplers": samplers,
+        **served,
     }

@@ -2,7 +2,7 @@
 
 The form's fields are the generation request's (strings, converted by their declared types;
 the objects `cache` and `loras` as JSON text) plus the files: one image, or several (`image[]`, in the
-order sent) for models that take several (`model_info.max_input_images`), and an optional `mask`.
+order sent) for models that take several (`model_info.images.max_images`), and an optional `mask`.
 
 The mask follows OpenAI: a PNG of the image's size whose transparent pixels mark where to edit. With an
 alpha channel (RGBA, LA, or a palette or grey PNG with transparency info) the grey mask diffusers gets is
@@ -50,7 +50,7 @@ async def create_edit(request: Request, ctx: ServerContext) -> Response:
         request._body = await read_body(request, ctx.body_limits)  # bounded, then parsed from memory
         info = ctx.engine.model_info
         try:  # room for the images the model takes, a mask, and one file more, which _check_files names
-            form = await request.form(max_files=min(info.max_input_images + 2, _MAX_FILES), max_fields=64)
+            form = await request.form(max_files=min(info.images.max_images + 2, _MAX_FILES), max_fields=64)
         except Exception as e:  # a malformed multipart body, or too many files
             if "Too many files" in str(getattr(e, "detail", e)):
                 raise _too_many_images(info, "too many files;") from None
@@ -60,7 +60,7 @@ async def create_edit(request: Request, ctx: ServerContext) -> Response:
         _check_files(images, masks, info)
         fields = {k: v for k, v in form.multi_items() if k not in _FILE_FIELDS}
         req = ImageEditRequest.parse(_typed(fields))
-        max_pixels = ctx.engine.config.image_pixel_limit(info.default_height, info.default_width)
+        max_pixels = ctx.engine.config.image_pixel_limit(info.defaults.height, info.defaults.width)
         opened = [_open(await image.read(), max_pixels) for image in images]
         req.image = opened[0] if len(opened) == 1 else opened
         if masks:
@@ -73,22 +73,22 @@ async def create_edit(request: Request, ctx: ServerContext) -> Response:
 def _check_files(images: list[Any], masks: list[Any], info: ModelInfo) -> None:
     """The file parts, counted and typed before any is read."""
     if not images or not all(isinstance(image, UploadFile) for image in images):
-        takes = "an image file" if info.max_input_images == 1 else f"1 to {info.max_input_images} image files"
+        takes = "an image file" if info.images.max_images == 1 else f"1 to {info.images.max_images} image files"
         raise APIError(400, f"Send {takes} as 'image' (several as 'image[]').", param="image", code="invalid_value")
-    if len(images) > info.max_input_images:
+    if len(images) > info.images.max_images:
         raise _too_many_images(info, f"{len(images)} images, but")
     if not masks:
         return
     if len(masks) > 1 or not isinstance(masks[0], UploadFile):
         raise APIError(400, "Invalid value for 'mask': send one image file.", param="mask", code="invalid_value")
-    if not info.inpaint_channels:  # said before the engine's image-to-image refusal, which would name 'image'
+    if not info.images.inpaint_channels:  # said before the engine's image-to-image refusal, which would name 'image'
         raise APIError(400, f"Invalid value for 'mask': inpainting is not supported for the {info.family} family; "
                             "send the image without a mask.", param="mask", code="unsupported_value")
 
 
 def _too_many_images(info: ModelInfo, what: str) -> APIError:
-    plural = "image" if info.max_input_images == 1 else "images"
-    return APIError(400, f"Invalid value for 'image': {what} this model takes at most {info.max_input_images} "
+    plural = "image" if info.images.max_images == 1 else "images"
+    return APIError(400, f"Invalid value for 'image': {what} this model takes at most {info.images.max_images} "
                          f"{plural} (and one mask).", param="image", code="invalid_value")
 
 

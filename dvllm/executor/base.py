@@ -14,6 +14,7 @@ from typing import Any
 from dvllm.config import EngineConfig
 from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
 from dvllm.models.base import ModelInfo
+from dvllm.models.load_config import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class Executor(ABC):
 
     def model_info(self) -> ModelInfo:
         return self.call(self.live_workers()[0], "model_info")
+
+    def loaded_model(self) -> LoadedModel:
+        return self.call(self.live_workers()[0], "loaded_model")
 
     def pool_info(self, worker: int) -> tuple[int, int]:
         """(blocks, elements per block) of one worker's state pool."""

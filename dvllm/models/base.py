@@ -1,7 +1,6 @@
 """The model adapter interface: the scheduler and runner know families only through this."""
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -11,125 +10,11 @@ import torch
 
 from dvllm.host_copy import device_index
 from dvllm.models.layout import BatchLayout
-from dvllm.sampling_params import image_sizes
+from dvllm.models.model_info import ModelInfo
 from dvllm.step_cache import CacheLayout
 
 # One text's conditioning, e.g. {"prompt_embeds": [1, L, D]}; the runner stacks them per key.
 Conditions = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the driver needs to know of the model: small, picklable, no tensors."""
-
-    name: str
-    family: str
-    pipeline_class: str
-    scheduler_config: dict[str, Any]
-    default_steps: int
-    default_guidance: float
-    default_height: int
-    default_width: int
-    size_factor: int  # height and width must be multiples of this
-    latent_channels: int
-    latent_scale: int  # pixels per latent pixel along each side
-    # One text's Conditions: key -> shape (no batch dimension); the pool stores them flat, in this order.
-    condition_shapes: dict[str, tuple[int, ...]]
-    supports_cfg: bool = True
-    cfg_needs_negative_prompt: bool = False  # Qwen-Image's "true CFG" runs only with a negative prompt
-    cfg_threshold: float = 1.0  # CFG for guidance above this (Z-Image: above 0)
-    supports_img2img: bool = False
-    default_strength: float = 0.8  # the img2img pipeline's default
-    # Inpainting (SamplingParams.mask_image): the per-image state it keeps at latent resolution, in channels
-    # (StableDiffusionAdapter.prepare_inpaint says which); 0: the family does not inpaint.
-    inpaint_channels: int = 0
-    default_inpaint_strength: float = 1.0  # the inpainting pipeline's default
-    requires_mask: bool = False   # an inpainting UNet (9 input channels): every image request brings a mask
-    # The denoiser reads each row's input state (the 9-channel UNet's mask and masked-image latents, an edit
-    # model's image latents) as conditions["image_inputs"]: [rows, numbers], zero-padded to the batch's longest.
-    denoiser_takes_inputs: bool = False
-    # Edit models (Qwen-Image-Edit): every request brings its images, which condition the prompt and the
-    # denoiser instead of setting the start (no strength); at most max_input_images of them.
-    requires_image: bool = False
-    image_sets_start: bool = True
-    max_input_images: int = 1
-    # (input images' (width, height)s) -> the (height, width) of a request that names none; None: img2img's
-    # rule (the image's size). A module-level function: picklable.
-    edit_size: Callable[[tuple[tuple[int, int], ...]], tuple[int, int]] | None = None
-    # (height, width, input images' (width, height)s) -> numbers per image of the request's private input
-    # state (Qwen-Image-Edit's image latents; sizes None: the most); None: none beyond inpainting's.
-    edit_numel: Callable[[int, int, tuple[tuple[int, int], ...] | None], int] | None = None
-    # (input images' (width, height)s) -> each image's token grid (rows, columns), which the denoiser gets
-    # per row as conditions["image_grids"].
-    edit_grids: Callable[[tuple[tuple[int, int], ...]], tuple[tuple[int, int], ...]] | None = None
-    # An edit model's text encoder reads the prompt with the images (Qwen-Image-Edit): encode_prompt gets them
-    # and the prompt cache keys the images' digest too. False (FLUX.1 Kontext): the prompt alone.
-    prompt_reads_images: bool = False
-    # Packed latents (Flux, Qwen-Image): patches of latent_patch x latent_patch latent pixels become
-    # one token of channels * latent_patch**2 features. 0: unpacked [C, h, w] latents.
-    latent_patch: int = 0
-    # (height, width, num_steps, scheduler config) -> extra set_timesteps arguments, for schedules that
-    # depend on the image (flow matching's resolution-dependent shift). A module-level function: picklable.
-    timestep_kwargs: Callable[[int, int, int, dict[str, Any]], dict[str, Any]] | None = None
-    # What the pipeline's denoising loop passes to scheduler.step besides (output, t, sample), each only
-    # when that step() takes it: SD and SDXL's prepare_extra_step_kwargs pass eta and generator; the DiT
-    # pipelines pass nothing. default_eta is the pipeline's eta default (None: it takes no eta).
-    step_kwargs: tuple[str, ...] = ()
-    default_eta: float | None = None
-    # The text encoder's length, as the pipeline's __call__ takes it (None: it takes none): its default
-    # and the range a request may ask for. Masked text (Qwen-Image, Z-Image) lets any length in the range
-    # share a forward; unmasked T5 text (Flux, SD3) would not, so those serve their default only.
-    max_sequence_length: int | None = None
-    sequence_length_range: tuple[int, int] | None = None
-    # Step caching (SamplingParams.cache): how big a row's cache state is; None: the family serves none.
-    cache_layout: CacheLayout | None = None
-    # SDXL UNets trained with an aesthetic score in their time ids (the refiner; requires_aesthetics_score):
-    # image requests only, each with a score for its prompt rows and one for its negative rows.
-    aesthetic_scores: bool = False
-    default_sampler: str | None = None  # None: the model's own scheduler (model_defaults.py may name another)
-    device: str = ""  # where the worker holds it, and in which dtype ("auto" resolved): set by the worker
-    dtype: str = ""
-
-    def uses_cfg(self, guidance_scale: float, negative_prompt: str | None = None) -> bool:
-        """As diffusers: guidance above 1 adds unconditional rows (with some models, only for a negative prompt)."""
-        if self.cfg_needs_negative_prompt and negative_prompt is None:
-            return False
-        return self.supports_cfg and guidance_scale > self.cfg_threshold
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        """One image's latents as the denoiser takes them (no batch dimension)."""
-        c, h, w = self.latent_channels, height // self.latent_scale, width // self.latent_scale
-        if self.latent_patch:
-            p = self.latent_patch
-            return ((h // p) * (w // p), c * p * p)
-        return (c, h, w)
-
-    def latent_numel(self, height: int, width: int) -> int:
-        return math.prod(self.latent_shape(height, width))
-
-    def input_numel(self, height: int, width: int, image: Any, inpaint: bool) -> int:
-        """Numbers per image of what a request's input image(s) leave in its private state: inpainting's
-        mask and latents, an edit model's image latents (0: nothing, text-to-image and img2img)."""
-        if inpaint:
-            return self.inpaint_channels * (height // self.latent_scale) * (width // self.latent_scale)
-        if image is None or self.edit_numel is None:
-            return 0
-        return self.edit_numel(height, width, image_sizes(image))
-
-    def input_grids(self, image: Any) -> tuple[tuple[int, int], ...]:
-        """An edit request's input images' token grids; () for other requests."""
-        if image is None or self.edit_grids is None:
-            return ()
-        return self.edit_grids(image_sizes(image))
-
-    def most_input_numel(self, height: int, width: int) -> int:
-        """The most numbers per image a request of this size can bring as input state."""
-        inpaint = self.input_numel(height, width, None, True)
-        return max(inpaint, self.edit_numel(height, width, None) if self.edit_numel is not None else 0)
-
-    @property
-    def condition_numel(self) -> int:
-        return sum(math.prod(shape) for shape in self.condition_shapes.values())
 
 
 @dataclass
@@ -251,7 +136,7 @@ class ModelAdapter(ABC):
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """Shape of one image's latents, without the batch dimension."""
-        return self.info.latent_shape(height, width)
+        return self.info.latents.shape(height, width)
 
     @abstractmethod
     def prepare_latents(self, n: int, height: int, width: int, generator: torch.Generator,

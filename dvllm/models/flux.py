@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
-from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, ModelInfo, transformer_cache_spec
+from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, transformer_cache_spec
 from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len, linear_sigmas
 from dvllm.models.layout import BatchLayout
+from dvllm.models.model_info import Defaults, Guidance, Latents, ModelInfo, Schedule, Text
 
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's default T5 length
 
@@ -35,15 +36,17 @@ class FluxAdapter(ModelAdapter):
     def info(self) -> ModelInfo:
         pipe = self.pipeline
         factor = pipe.vae_scale_factor
+        side = pipe.default_sample_size * factor
         return ModelInfo(
-            name=self.name, family="flux", pipeline_class=type(pipe).__name__, scheduler_config=self.scheduler_config(),
-            default_steps=28, default_guidance=3.5,
-            default_height=pipe.default_sample_size * factor, default_width=pipe.default_sample_size * factor,
-            size_factor=factor * 2,  # latents are packed in 2x2 patches
-            latent_channels=pipe.transformer.config.in_channels // 4, latent_scale=factor, latent_patch=2,
-            condition_shapes=self.probe_condition_shapes(),
-            supports_cfg=False, timestep_kwargs=partial(flux_timestep_kwargs, factor),
-            max_sequence_length=MAX_SEQUENCE_LENGTH, sequence_length_range=(MAX_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH),
+            family="flux", pipeline_class=type(pipe).__name__,
+            defaults=Defaults(steps=28, guidance=3.5, height=side, width=side),
+            schedule=Schedule(self.scheduler_config(), timestep_kwargs=partial(flux_timestep_kwargs, factor)),
+            # latents are packed in 2x2 patches
+            latents=Latents(channels=pipe.transformer.config.in_channels // 4, scale=factor, size_factor=factor * 2,
+                            patch=2),
+            text=Text(self.probe_condition_shapes(), max_sequence_length=MAX_SEQUENCE_LENGTH,
+                      sequence_length_range=(MAX_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH)),
+            guidance=Guidance(supported=False),  # the guidance scale is embedded
             cache_layout=self.cache_layout(),
         )
 

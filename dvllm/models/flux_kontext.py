@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-from dvllm.models.base import Conditions, ModelInfo
+from dvllm.models.base import Conditions
 from dvllm.models.flux import FluxAdapter
 from dvllm.models.layout import BatchLayout
+from dvllm.models.model_info import ImageInputs, ModelInfo
 
 DEFAULT_AREA = 1024 * 1024  # the pipeline's max_area: its default output is 1024x1024
 
@@ -83,12 +84,14 @@ class FluxKontextAdapter(FluxAdapter):
         pipe = self.pipeline
         multiple = pipe.vae_scale_factor * 2
         side = edit_size(multiple, ())[0]
+        flux = FluxAdapter.info.func(self)
         return dataclasses.replace(
-            FluxAdapter.info.func(self), family="flux-kontext", default_height=side, default_width=side,
-            supports_img2img=True, requires_image=True, image_sets_start=False, max_input_images=1,
-            edit_size=partial(edit_size, multiple), edit_grids=partial(edit_grids, multiple),
-            edit_numel=partial(edit_numel, multiple, pipe.transformer.config.in_channels),
-            denoiser_takes_inputs=True, prompt_reads_images=False, cache_layout=None,
+            flux, family="flux-kontext", defaults=dataclasses.replace(flux.defaults, height=side, width=side),
+            images=ImageInputs(img2img=True, required=True, sets_start=False, max_images=1,
+                               edit_size=partial(edit_size, multiple), edit_grids=partial(edit_grids, multiple),
+                               edit_numel=partial(edit_numel, multiple, pipe.transformer.config.in_channels),
+                               denoiser_takes_inputs=True),
+            cache_layout=None,  # no step caching for the edit rows
         )
 
     def prepare_edit(self, images: tuple[Any, ...], n: int, height: int, width: int,

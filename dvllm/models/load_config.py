@@ -23,3 +23,15 @@ class LoadConfig:
     def hub_kwargs(self) -> dict[str, Any]:
         """What huggingface_hub's snapshot_download and diffusers' from_pretrained both take."""
         return {"revision": self.revision, "cache_dir": self.download_dir, "local_files_only": self.local_files_only}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What a worker loaded, and where it holds it (its family's capabilities are the adapter's ModelInfo)."""
+
+    name: str    # as the engine was given it (a folder, file, Hub id or preset)
+    device: str  # e.g. "cuda:0", "cpu"
+    dtype: str   # the denoiser's, "auto" resolved: e.g. "bfloat16"
+    vae_dtype: str  # the VAE's (float32 where its config asks, or --vae-dtype)
+    encoder_device: str  # where the text encoders run
+    quantization: str | None = None  # the backend quantizing it (None: full weights)

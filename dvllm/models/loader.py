@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from dvllm.models.base import ModelAdapter
 from dvllm.models.attention_backend import set_attention_backend
 from dvllm.models.load_config import LoadConfig
-from dvllm.models.model_defaults import INFO_FIELDS, known_defaults, parse_defaults
+from dvllm.models.model_defaults import DEFAULTS_FIELDS, known_defaults, parse_defaults
 from dvllm.models.quantization import finish_quantization, pipeline_config
 from dvllm.models.byte_tokenizer import (allow_qwen_vl_processor_without_torchvision, byte_clip_tokenizer,
                                          byte_qwen_tokenizer, byte_qwen_vl_processor, byte_t5_tokenizer)
@@ -251,8 +251,9 @@ def _apply_defaults(adapter: ModelAdapter, source: ModelSource, default_params: 
                              "encoder do)")
         setter(defaults["max_sequence_length"], source=f"{where['max_sequence_length']}: max_sequence_length")
     if defaults:
-        adapter.info = dataclasses.replace(adapter.info, **{INFO_FIELDS[k]: v for k, v in defaults.items()
-                                                           if k in INFO_FIELDS})
+        info = adapter.info
+        chosen = {DEFAULTS_FIELDS[k]: v for k, v in defaults.items() if k in DEFAULTS_FIELDS}
+        adapter.info = dataclasses.replace(info, defaults=dataclasses.replace(info.defaults, **chosen))
         logger.info("request defaults for %s: %s", source.name,
                     ", ".join(f"{k}={v} ({where[k]})" for k, v in sorted(defaults.items())))
 

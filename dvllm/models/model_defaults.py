@@ -3,7 +3,7 @@
 Z-Image-Turbo served with its pipeline's defaults runs 50 steps with CFG, about 12x the compute it was
 distilled for. Defaults come, each layer over the one before: the pipeline's; `KNOWN_DEFAULTS` below (facts
 from the models' cards, by Hub id, and for the presets of those architectures); the model folder's (or Hub
-repo's) `dvllm_defaults.json`; the engine's `default_params`. What is in force is in ModelInfo, and so in
+repo's) `dvllm_defaults.json`; the engine's `default_params`. What is in force is in ModelInfo.defaults, and so in
 /v1/models.
 """
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-# request field -> the ModelInfo field it sets
-INFO_FIELDS = {"num_inference_steps": "default_steps", "guidance_scale": "default_guidance",
-               "height": "default_height", "width": "default_width", "sampler": "default_sampler"}
+# request field -> the ModelInfo.defaults (model_info.Defaults) field it sets
+DEFAULTS_FIELDS = {"num_inference_steps": "steps", "guidance_scale": "guidance", "height": "height",
+                   "width": "width", "sampler": "sampler"}
 # max_sequence_length changes the model's conditions: the adapter takes it (set_max_sequence_length)
-KEYS = (*INFO_FIELDS, "max_sequence_length")
+KEYS = (*DEFAULTS_FIELDS, "max_sequence_length")
 
 _TURBO_512 = {"num_inference_steps": 1, "guidance_scale": 0.0, "height": 512, "width": 512}
 # By Hub id, lower case. Each from the model card's own example call.

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, ModelInfo, transformer_cache_spec
+from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, transformer_cache_spec
 from dvllm.models.flux import flux_timestep_kwargs
 from dvllm.models.layout import BatchLayout
+from dvllm.models.model_info import Defaults, Guidance, Latents, ModelInfo, Schedule, Text
 
 MAX_TEXT_TOKENS = 1024  # the pipeline's tokenizer_max_length and the most max_sequence_length it accepts
 DEFAULT_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s max_sequence_length
@@ -39,16 +40,17 @@ class QwenImageAdapter(ModelAdapter):
         pipe = self.pipeline
         factor = pipe.vae_scale_factor
         hidden = pipe.text_encoder.config.text_config.hidden_size
+        side = pipe.default_sample_size * factor
         return ModelInfo(
-            name=self.name, family="qwen-image", pipeline_class=type(pipe).__name__,
-            scheduler_config=self.scheduler_config(),
-            default_steps=50, default_guidance=4.0,  # the pipeline's num_inference_steps and true_cfg_scale
-            default_height=pipe.default_sample_size * factor, default_width=pipe.default_sample_size * factor,
-            size_factor=factor * 2, latent_channels=pipe.transformer.config.in_channels // 4, latent_scale=factor,
-            latent_patch=2,
-            condition_shapes={"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
-            cfg_needs_negative_prompt=True, timestep_kwargs=partial(flux_timestep_kwargs, factor),
-            max_sequence_length=DEFAULT_SEQUENCE_LENGTH, sequence_length_range=(1, MAX_TEXT_TOKENS),
+            family="qwen-image", pipeline_class=type(pipe).__name__,
+            # the pipeline's num_inference_steps and true_cfg_scale
+            defaults=Defaults(steps=50, guidance=4.0, height=side, width=side),
+            schedule=Schedule(self.scheduler_config(), timestep_kwargs=partial(flux_timestep_kwargs, factor)),
+            latents=Latents(channels=pipe.transformer.config.in_channels // 4, scale=factor, size_factor=factor * 2,
+                            patch=2),
+            text=Text({"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
+                      max_sequence_length=DEFAULT_SEQUENCE_LENGTH, sequence_length_range=(1, MAX_TEXT_TOKENS)),
+            guidance=Guidance(needs_negative_prompt=True),  # "true CFG"
             cache_layout=self.cache_layout(),
         )
 

@@ -28,10 +28,11 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from dvllm.host_copy import device_tensor
-from dvllm.models.base import Conditions, ModelInfo
+from dvllm.models.base import Conditions
 from dvllm.models.byte_tokenizer import allow_qwen_vl_processor_without_torchvision
 from dvllm.models.flux import flux_timestep_kwargs
 from dvllm.models.layout import BatchLayout
+from dvllm.models.model_info import Defaults, Guidance, ImageInputs, Latents, ModelInfo, Schedule, Text
 from dvllm.models.qwen_image import MAX_TEXT_TOKENS, QwenImageAdapter
 from dvllm.models.qwen_rows import rows_of_own_shapes
 
@@ -91,18 +92,18 @@ class QwenImageEditAdapter(QwenImageAdapter):
         length = self.max_text_tokens
         features = pipe.transformer.config.in_channels
         return ModelInfo(
-            name=self.name, family="qwen-image-edit", pipeline_class=type(pipe).__name__,
-            scheduler_config=self.scheduler_config(),
-            default_steps=50, default_guidance=4.0,  # num_inference_steps and true_cfg_scale
-            default_height=1024, default_width=1024,  # never used: every request brings an image
-            size_factor=factor * 2, latent_channels=pipe.transformer.config.in_channels // 4, latent_scale=factor,
-            latent_patch=2,
-            condition_shapes={"prompt_embeds": (length, hidden), "prompt_embeds_mask": (length,)},
-            cfg_needs_negative_prompt=True, timestep_kwargs=partial(flux_timestep_kwargs, factor),
-            supports_img2img=True, requires_image=True, image_sets_start=False, max_input_images=images,
-            edit_size=partial(edit_size, self.plus, factor * 2), edit_grids=partial(edit_grids, factor),
-            edit_numel=partial(edit_numel, factor, features, images), denoiser_takes_inputs=True,
-            prompt_reads_images=True,
+            family="qwen-image-edit", pipeline_class=type(pipe).__name__,
+            # num_inference_steps and true_cfg_scale; the size is never used: every request brings an image
+            defaults=Defaults(steps=50, guidance=4.0, height=1024, width=1024),
+            schedule=Schedule(self.scheduler_config(), timestep_kwargs=partial(flux_timestep_kwargs, factor)),
+            latents=Latents(channels=pipe.transformer.config.in_channels // 4, scale=factor, size_factor=factor * 2,
+                            patch=2),
+            text=Text({"prompt_embeds": (length, hidden), "prompt_embeds_mask": (length,)}, reads_images=True),
+            guidance=Guidance(needs_negative_prompt=True),
+            images=ImageInputs(img2img=True, required=True, sets_start=False, max_images=images,
+                               edit_size=partial(edit_size, self.plus, factor * 2),
+                               edit_grids=partial(edit_grids, factor),
+                               edit_numel=partial(edit_numel, factor, features, images), denoiser_takes_inputs=True),
         )
 
     @property

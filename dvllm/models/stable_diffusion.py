@@ -14,8 +14,9 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 
-from dvllm.models.base import Conditions, ModelAdapter, ModelInfo
+from dvllm.models.base import Conditions, ModelAdapter
 from dvllm.models.layout import BatchLayout
+from dvllm.models.model_info import Defaults, Guidance, ImageInputs, Latents, ModelInfo, Schedule, Text
 
 
 class StableDiffusionAdapter(ModelAdapter):
@@ -32,25 +33,18 @@ class StableDiffusionAdapter(ModelAdapter):
         factor = pipe.vae_scale_factor
         default_size = pipe.unet.config.sample_size * factor
         return ModelInfo(
-            name=self.name,
-            family=self.family,
-            pipeline_class=type(pipe).__name__,
-            scheduler_config=self.scheduler_config(),
-            default_steps=50,
-            default_guidance=self.default_guidance,
-            default_height=default_size,
-            default_width=default_size,
-            size_factor=max(8, factor),  # the pipeline's check_inputs wants multiples of 8
-            latent_channels=pipe.vae.config.latent_channels,
-            latent_scale=factor,
-            condition_shapes=self.probe_condition_shapes(),
+            family=self.family, pipeline_class=type(pipe).__name__,
+            defaults=Defaults(steps=50, guidance=self.default_guidance, height=default_size, width=default_size,
+                              strength=self.default_strength, inpaint_strength=self.default_inpaint_strength),
+            # prepare_extra_step_kwargs passes eta and generator; __call__'s eta is 0.0
+            schedule=Schedule(self.scheduler_config(), step_kwargs=("eta", "generator"), eta=0.0),
+            # the pipeline's check_inputs wants multiples of 8
+            latents=Latents(channels=pipe.vae.config.latent_channels, scale=factor, size_factor=max(8, factor)),
+            text=Text(self.probe_condition_shapes()),
             # LCM-distilled UNets embed the guidance scale instead of running CFG rows.
-            supports_cfg=pipe.unet.config.time_cond_proj_dim is None,
-            supports_img2img=True, default_strength=self.default_strength,
-            inpaint_channels=self._inpaint_channels, requires_mask=self.inpainting_unet,
-            denoiser_takes_inputs=self.inpainting_unet,
-            default_inpaint_strength=self.default_inpaint_strength,
-            step_kwargs=("eta", "generator"), default_eta=0.0,  # prepare_extra_step_kwargs, __call__'s eta=0.0
+            guidance=Guidance(supported=pipe.unet.config.time_cond_proj_dim is None),
+            images=ImageInputs(img2img=True, inpaint_channels=self._inpaint_channels,
+                               requires_mask=self.inpainting_unet, denoiser_takes_inputs=self.inpainting_unet),
         )
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],
@@ -103,7 +97,7 @@ class StableDiffusionAdapter(ModelAdapter):
         """(start latents, per-image inpainting state [n, inpaint_channels, h, w]), with every random draw where
         the inpainting pipeline makes it: the image's VAE sample (when it is needed), the noise, then the
         masked image's VAE sample (drawn even where a regular UNet never reads it)."""
-        pipe, scale = self.pipeline, self.info.latent_scale
+        pipe, scale = self.pipeline, self.info.latents.scale
         pixels = pipe.image_processor.preprocess(image, height=height, width=width).to(torch.float32)
         mask_pixels = self._mask_processor.preprocess(mask, height=height, width=width)
         full_noise = strength == 1.0  # the pipelines start from pure noise only at exactly 1.0
@@ -144,7 +138,7 @@ class StableDiffusionAdapter(ModelAdapter):
         """The UNet's input: an inpainting UNet's takes each row's mask and masked-image latents after its latents."""
         if not self.inpainting_unet:
             return latents
-        inputs = conditions["image_inputs"][:, :self.info.inpaint_channels * latents[0, 0].numel()]
+        inputs = conditions["image_inputs"][:, :self.info.images.inpaint_channels * latents[0, 0].numel()]
         return torch.cat([latents, inputs.view(len(latents), -1, *latents.shape[2:]).to(latents.dtype)], dim=1)
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,

@@ -7,9 +7,10 @@ from typing import Any
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, ModelInfo, transformer_cache_spec
+from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, transformer_cache_spec
 from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len
 from dvllm.models.layout import BatchLayout
+from dvllm.models.model_info import Defaults, Latents, ModelInfo, Schedule, Text
 
 MAX_SEQUENCE_LENGTH = 256  # the pipeline's default T5 length
 
@@ -48,14 +49,14 @@ class StableDiffusion3Adapter(ModelAdapter):
         pipe = self.pipeline
         factor, patch = pipe.vae_scale_factor, pipe.patch_size
         shapes = self.probe_condition_shapes()
+        side = pipe.default_sample_size * factor
         return ModelInfo(
-            name=self.name, family="stable-diffusion-3", pipeline_class=type(pipe).__name__,
-            scheduler_config=self.scheduler_config(), default_steps=28, default_guidance=7.0,
-            default_height=pipe.default_sample_size * factor, default_width=pipe.default_sample_size * factor,
-            size_factor=factor * patch, latent_channels=pipe.transformer.config.in_channels, latent_scale=factor,
-            condition_shapes=shapes, timestep_kwargs=partial(sd3_timestep_kwargs, factor, patch),
-            max_sequence_length=self.max_sequence_length,
-            sequence_length_range=(self.max_sequence_length, self.max_sequence_length),
+            family="stable-diffusion-3", pipeline_class=type(pipe).__name__,
+            defaults=Defaults(steps=28, guidance=7.0, height=side, width=side),
+            schedule=Schedule(self.scheduler_config(), timestep_kwargs=partial(sd3_timestep_kwargs, factor, patch)),
+            latents=Latents(channels=pipe.transformer.config.in_channels, scale=factor, size_factor=factor * patch),
+            text=Text(shapes, max_sequence_length=self.max_sequence_length,
+                      sequence_length_range=(self.max_sequence_length, self.max_sequence_length)),
             cache_layout=self.cache_layout(self._cache_spec(shapes["prompt_embeds"][0])),
         )
 
@@ -82,7 +83,7 @@ class StableDiffusion3Adapter(ModelAdapter):
         )[0]
 
     def cache_spec(self) -> CacheSpec:
-        return self._cache_spec(self.info.condition_shapes["prompt_embeds"][0])
+        return self._cache_spec(self.info.text.condition_shapes["prompt_embeds"][0])
 
     def _cache_spec(self, text_tokens: int) -> CacheSpec:
         # diffusers has no enable_cache for SD3: dvllm applies the same rules to its joint blocks. The

@@ -6,8 +6,9 @@ from functools import cached_property
 
 import torch
 
-from dvllm.models.base import Conditions, ModelInfo
+from dvllm.models.base import Conditions
 from dvllm.models.layout import BatchLayout
+from dvllm.models.model_info import ModelInfo
 from dvllm.models.stable_diffusion import StableDiffusionAdapter
 from dvllm.sampling_params import AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE
 
@@ -33,8 +34,9 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
     @cached_property
     def info(self) -> ModelInfo:
         # A UNet trained with an aesthetic score takes it in its time ids instead of the target size
-        return dataclasses.replace(super().info,
-                                   aesthetic_scores=bool(self.pipeline.config.get("requires_aesthetics_score")))
+        info = super().info
+        scores = bool(self.pipeline.config.get("requires_aesthetics_score"))
+        return dataclasses.replace(info, images=dataclasses.replace(info.images, aesthetic_scores=scores))
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],
                       max_sequence_length: int | None = None) -> list[Conditions]:
@@ -55,7 +57,7 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
 
     def _zeros(self) -> Conditions:
         # (info probes with a positive prompt, so this never runs before info exists)
-        shapes = self.info.condition_shapes
+        shapes = self.info.text.condition_shapes
         return {k: torch.zeros((1, *shape), dtype=self.dtype, device=self.device) for k, shape in shapes.items()}
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
@@ -75,9 +77,9 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         its negative rows."""
         pipe = self.pipeline
         projection_dim = (pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None
-                          else self.info.condition_shapes["pooled_prompt_embeds"][-1])
+                          else self.info.text.condition_shapes["pooled_prompt_embeds"][-1])
         size = list(layout.image_size)
-        if self.info.aesthetic_scores:  # (a layout that names no scores, the memory profile's: the defaults)
+        if self.info.images.aesthetic_scores:  # (a layout that names no scores, the memory profile's: the defaults)
             scores = layout.aesthetic_scores or ((AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE),) * len(layout.counts)
             rows = [[*size, 0, 0, scores[r][negative]] for r, negative in zip(layout.row_request, layout.row_negative)]
         else:

@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
-from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, ModelInfo, transformer_cache_spec
+from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, transformer_cache_spec
 from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len
 from dvllm.models.layout import BatchLayout
+from dvllm.models.model_info import Defaults, Guidance, Latents, ModelInfo, Schedule, Text
 
 MAX_TEXT_TOKENS = 512  # the pipeline's max_sequence_length
 SEQ_MULTIPLE = 32  # the transformer pads image and caption tokens to multiples of this (SEQ_MULTI_OF)
@@ -50,13 +51,13 @@ class ZImageAdapter(ModelAdapter):
         factor = pipe.vae_scale_factor
         hidden = pipe.text_encoder.config.hidden_size
         return ModelInfo(
-            name=self.name, family="z-image", pipeline_class=type(pipe).__name__,
-            scheduler_config=self.scheduler_config(),
-            default_steps=50, default_guidance=5.0, default_height=1024, default_width=1024,  # the pipeline's defaults
-            size_factor=factor * 2, latent_channels=pipe.transformer.in_channels, latent_scale=factor,
-            condition_shapes={"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
-            cfg_threshold=0.0, timestep_kwargs=partial(z_image_timestep_kwargs, factor),
-            max_sequence_length=MAX_TEXT_TOKENS, sequence_length_range=(1, MAX_TEXT_TOKENS),
+            family="z-image", pipeline_class=type(pipe).__name__,
+            defaults=Defaults(steps=50, guidance=5.0, height=1024, width=1024),  # the pipeline's defaults
+            schedule=Schedule(self.scheduler_config(), timestep_kwargs=partial(z_image_timestep_kwargs, factor)),
+            latents=Latents(channels=pipe.transformer.in_channels, scale=factor, size_factor=factor * 2),
+            text=Text({"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
+                      max_sequence_length=MAX_TEXT_TOKENS, sequence_length_range=(1, MAX_TEXT_TOKENS)),
+            guidance=Guidance(threshold=0.0),
             cache_layout=self.cache_layout(),
         )
 

@@ -83,7 +83,7 @@ def evaluate(engine: Any, asked: Sequence[Case], cache: dict[str, Any] | None = 
     images = [o.images[0] for o in outs]
     scores = score(asked, [read_scene(i) for i in images])
     if cache is not None:
-        steps = params.get("num_inference_steps") or engine.model_info.default_steps
+        steps = params.get("num_inference_steps") or engine.model_info.defaults.steps
         scores["skipped"] = sum(o.metrics.cached_steps for o in outs) / (steps * len(outs))
     return scores, images
 

@@ -126,15 +126,15 @@ def batch_layout(adapter: ModelAdapter, states: list[RequestState]) -> BatchLayo
         guidance=tuple(s.data.guidance_scale for s in states),
         text_lengths=tuple(s.text_lengths for s in states) if states[0].text_lengths is not None else None,
         image_grids=tuple(tuple(x for grid in s.data.input_grids for x in grid) for s in states)
-        if info.edit_grids is not None else (),
+        if info.images.edit_grids is not None else (),
         loras=tuple(s.data.loras for s in states),
-        aesthetic_scores=tuple(s.data.aesthetic_scores for s in states) if info.aesthetic_scores else ())
+        aesthetic_scores=tuple(s.data.aesthetic_scores for s in states) if info.images.aesthetic_scores else ())
 
 
 def gather(adapter: ModelAdapter, pool: StatePool, states: list[RequestState]) -> Batch:
     """The batch's latents out of the pool, its step table, and its noise: everything the host knows ahead is
     built on the host and copied without a wait, before the forward is queued."""
-    shape = adapter.info.latent_shape(states[0].data.height, states[0].data.width)
+    shape = adapter.info.latents.shape(states[0].data.height, states[0].data.width)
     rows = [s.plan.steps[s.step] for s in states]
     table = to_device(_step_table(states, rows), pool.device)
     latent_table = pool.table([r for s in states for r in s.blocks.latents])
@@ -175,10 +175,10 @@ def model_inputs(adapter: ModelAdapter, pool: StatePool, batch: Batch, forward: 
     cond_rows = [s.blocks.cond for s in states for _ in range(s.n)]
     cond_rows += [s.blocks.uncond for s in states if s.data.cfg for _ in range(s.n)]
     cond_rows += cond_rows[-1:] * layout.pad
-    flat = ops.gather_blocks(pool.data, pool.table(cond_rows), info.condition_numel,
+    flat = ops.gather_blocks(pool.data, pool.table(cond_rows), info.text.condition_numel,
                              out=dst.flat if dst else None)
-    conditions = dst.conditions if dst else unflatten(flat, info.condition_shapes)
-    if info.denoiser_takes_inputs:
+    conditions = dst.conditions if dst else unflatten(flat, info.text.condition_shapes)
+    if info.images.denoiser_takes_inputs:
         if dst:
             image_inputs(pool, states, out=dst.conditions["image_inputs"][:layout.num_cond])
             conditions["image_inputs"] = layout.lay_out(dst.conditions["image_inputs"])
@@ -207,9 +207,9 @@ def renoise_known_region(adapter: ModelAdapter, pool: StatePool, states: list[Re
     loop writes (1 - mask) * known + mask * latents."""
     info = adapter.info
     for s in states:
-        if s.data.mask is None or info.denoiser_takes_inputs or s.request_id in errors:
+        if s.data.mask is None or info.images.denoiser_takes_inputs or s.request_id in errors:
             continue
-        shape = info.latent_shape(s.data.height, s.data.width)
+        shape = info.latents.shape(s.data.height, s.data.width)
         c = shape[0]
         latents = pool.read(s.blocks.latents, math.prod(shape)).view(s.n, *shape)
         inputs = pool.read(s.blocks.inputs, s.input_numel).view(s.n, 1 + 2 * c, *shape[1:])

@@ -59,14 +59,14 @@ class DeviceMemory:
 
 def largest_size(info: ModelInfo, max_pixels: int) -> tuple[int, int]:
     """The largest square (height, width) in multiples of the size factor that max_pixels allows."""
-    side = max(info.size_factor, math.isqrt(max_pixels) // info.size_factor * info.size_factor)
+    side = max(info.latents.size_factor, math.isqrt(max_pixels) // info.latents.size_factor * info.latents.size_factor)
     return side, side
 
 
 def worst_forward(adapter: ModelAdapter, config: EngineConfig) -> tuple[int, int, int]:
     """(rows, height, width) of the largest forward the engine's limits allow."""
     info = adapter.info
-    height, width = largest_size(info, config.image_pixel_limit(info.default_height, info.default_width))
+    height, width = largest_size(info, config.image_pixel_limit(info.defaults.height, info.defaults.width))
     rows = config.max_batch_size
     if config.compile == "bucketed" or config.cuda_graph:  # batches are padded up to their bucket
         rows = next(b for b in batch_buckets(2 * rows) if b >= rows)
@@ -82,41 +82,41 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
     device, dtype = adapter.device, adapter.dtype
 
     def denoise() -> None:
-        latents = torch.zeros((rows, *info.latent_shape(height, width)), dtype=dtype, device=device)
+        latents = torch.zeros((rows, *info.latents.shape(height, width)), dtype=dtype, device=device)
         # masks all ones: every text at its longest, the worst case (zeros would cut the text to nothing)
         conditions = {k: (torch.ones if k.endswith("_mask") else torch.zeros)((rows, *shape), dtype=dtype,
                                                                                device=device)
-                      for k, shape in info.condition_shapes.items()}
-        if info.denoiser_takes_inputs:  # the most input state a row can bring
+                      for k, shape in info.text.condition_shapes.items()}
+        if info.images.denoiser_takes_inputs:  # the most input state a row can bring
             conditions["image_inputs"] = torch.zeros((rows, info.most_input_numel(height, width)), dtype=dtype,
                                                      device=device)
-        per_row = {"guidance": (info.default_guidance,) * rows}
-        if "prompt_embeds_mask" in info.condition_shapes:
-            longest = info.condition_shapes["prompt_embeds_mask"][0]
+        per_row = {"guidance": (info.defaults.guidance,) * rows}
+        if "prompt_embeds_mask" in info.text.condition_shapes:
+            longest = info.text.condition_shapes["prompt_embeds_mask"][0]
             per_row["text_lengths"] = ((longest, longest),) * rows
-        if info.edit_grids is not None:  # as many square images as it takes, at the pipeline's VAE area
-            grids = info.edit_grids(((height, height),) * info.max_input_images)
+        if info.images.edit_grids is not None:  # as many square images as it takes, at the pipeline's VAE area
+            grids = info.images.edit_grids(((height, height),) * info.images.max_images)
             per_row["image_grids"] = (tuple(x for g in grids for x in g),) * rows
         layout = BatchLayout.single((height, width), rows, **per_row)
         for key, value in adapter.step_conditions(layout, dtype).items():
             conditions[key] = value.to(device)
         ones = torch.ones(rows, device=device)
-        adapter.denoise(latents, ones * 500, conditions, ones * info.default_guidance, layout)
+        adapter.denoise(latents, ones * 500, conditions, ones * info.defaults.guidance, layout)
 
     def decode() -> None:
-        latents = torch.zeros((config.max_decode_batch, *info.latent_shape(height, width)), dtype=dtype,
+        latents = torch.zeros((config.max_decode_batch, *info.latents.shape(height, width)), dtype=dtype,
                               device=device)
         adapter.decode(latents, (height, width))
 
     def encode() -> None:
-        if info.edit_grids is None:
+        if info.images.edit_grids is None:
             adapter.encode_prompt(texts)
             return
         # an edit model encodes its images at admission too, and may read each prompt with them
         from PIL import Image
 
-        images = tuple(Image.new("RGB", (height, height)) for _ in range(info.max_input_images))
-        if info.prompt_reads_images:
+        images = tuple(Image.new("RGB", (height, height)) for _ in range(info.images.max_images))
+        if info.text.reads_images:
             adapter.encode_prompt([("x", False)], images=images)
         else:
             adapter.encode_prompt(texts)
@@ -138,8 +138,8 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
 
 def _forward_input_bytes(info: ModelInfo, rows: int, height: int, width: int, dtype: torch.dtype) -> int:
     """A forward's inputs: what a captured graph keeps as its static buffers."""
-    numel = math.prod(info.latent_shape(height, width)) + sum(math.prod(s) for s in info.condition_shapes.values())
-    if info.denoiser_takes_inputs:
+    numel = math.prod(info.latents.shape(height, width)) + sum(math.prod(s) for s in info.text.condition_shapes.values())
+    if info.images.denoiser_takes_inputs:
         numel += info.most_input_numel(height, width)
     return rows * (numel * torch.empty((), dtype=dtype).element_size() + 2 * 4)  # and the float32 step columns
 
@@ -150,7 +150,7 @@ def step_cache_bytes(info: ModelInfo, rows: int, height: int, width: int, dtype:
     layout = info.cache_layout
     if layout is None:
         return 0
-    shapes = info.condition_shapes
+    shapes = info.text.condition_shapes
     text = layout.text_tokens or (shapes["prompt_embeds"][0] if "prompt_embeds" in shapes else 0)
     tokens = layout.tokens(layout.hidden_kind, height, width, text)
     return 2 * rows * tokens * layout.inner_dim * torch.empty((), dtype=dtype).element_size()

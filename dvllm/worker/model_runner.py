@@ -156,10 +156,10 @@ class ModelRunner:
         """Each new request's real text lengths, read from its stored masks once (one read for all of them),
         so that no step has to read them back from the device."""
         info = self.adapter.info
-        if not states or "prompt_embeds_mask" not in info.condition_shapes:
+        if not states or "prompt_embeds_mask" not in info.text.condition_shapes:
             return
         blocks = [b for s in states for b in (s.blocks.cond, s.blocks.uncond if s.data.cfg else s.blocks.cond)]
-        mask = unflatten(self.pool.read(blocks, info.condition_numel), info.condition_shapes)["prompt_embeds_mask"]
+        mask = unflatten(self.pool.read(blocks, info.text.condition_numel), info.text.condition_shapes)["prompt_embeds_mask"]
         lengths = (mask > 0.5).sum(dim=1).tolist()
         for i, s in enumerate(states):
             s.text_lengths = (lengths[2 * i], lengths[2 * i + 1])
@@ -169,7 +169,7 @@ class ModelRunner:
         # (text, negative, length, text adapters, images an edit model reads the text with), by the blocks to fill
         targets: dict[tuple[int, ...], tuple[str | None, bool, int | None, tuple, Any]] = {}
         for d in new:
-            images = _ImageKey(d) if d.input_grids and self.adapter.info.prompt_reads_images else None
+            images = _ImageKey(d) if d.input_grids and self.adapter.info.text.reads_images else None
             if d.blocks.write_cond:
                 targets[tuple(d.blocks.cond)] = (d.prompt, False, d.max_sequence_length, d.text_loras, images)
             if d.cfg and d.blocks.write_uncond:
@@ -177,7 +177,7 @@ class ModelRunner:
                                                    images)
         if not targets:
             return {}
-        shapes = self.adapter.info.condition_shapes
+        shapes = self.adapter.info.text.condition_shapes
         failed: dict[tuple[int, ...], str] = {}
 
         def encode(texts: list[tuple[str | None, bool, int | None, tuple, Any]]) -> None:
@@ -207,7 +207,7 @@ class ModelRunner:
     # preemption: the request's pool contents go to host memory and come back unchanged
     def _swap_out(self, state: RequestState) -> None:
         blocks, pool = state.blocks, self.pool
-        numel = self.adapter.info.latent_numel(state.data.height, state.data.width)
+        numel = self.adapter.info.latents.numel(state.data.height, state.data.width)
         host = {"latents": pool.read(blocks.latents, numel)}
         if blocks.history is not None:
             host["history"] = pool.read(blocks.history, numel)
@@ -215,9 +215,9 @@ class ModelRunner:
             host["cache"] = pool.read(blocks.cache, state.cache.numel)
         if blocks.inputs is not None:
             host["inputs"] = pool.read(blocks.inputs, state.input_numel)
-        host["cond"] = pool.read([blocks.cond], self.adapter.info.condition_numel)
+        host["cond"] = pool.read([blocks.cond], self.adapter.info.text.condition_numel)
         if blocks.uncond is not None:
-            host["uncond"] = pool.read([blocks.uncond], self.adapter.info.condition_numel)
+            host["uncond"] = pool.read([blocks.uncond], self.adapter.info.text.condition_numel)
         state.host = {k: v.to("cpu") for k, v in host.items()}
         state.blocks = None
 
@@ -261,7 +261,7 @@ class ModelRunner:
         if not finished:
             return images
         info = self.adapter.info
-        shape = info.latent_shape(finished[0].data.height, finished[0].data.width)
+        shape = info.latents.shape(finished[0].data.height, finished[0].data.width)
 
         def decode(group: list[RequestState]) -> None:
             latents = self.pool.read([r for s in group for r in s.blocks.latents], math.prod(shape))

@@ -1,7 +1,6 @@
 """The worker owns the device, the model and every request's state."""
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -10,6 +9,7 @@ from dvllm._extension import custom_ops_available
 from dvllm.config import EngineConfig
 from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
 from dvllm.models.base import ModelInfo
+from dvllm.models.load_config import LoadedModel
 from dvllm.models.loader import load_adapter
 from dvllm.profiler import PhaseTimer
 from dvllm.worker.denoiser import Denoiser
@@ -26,6 +26,10 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
@@ -33,6 +37,7 @@ class Worker:
                                seed=config.dummy_weight_seed, default_params=config.default_params,
                                load=config.load_config)
         self.dtype = adapter.dtype  # "auto" resolved for the model's family
+        self.quantization = config.load_config.quantization
         self.pool = create_state_pool(config, adapter)
         custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step
         self.timer = PhaseTimer(config.profile_steps, self.device)
@@ -40,8 +45,14 @@ class Worker:
                                   config.max_loras, config.max_lora_rank)
 
     def model_info(self) -> ModelInfo:
-        return dataclasses.replace(self.runner.adapter.info, device=str(self.device),
-                                   dtype=str(self.dtype).removeprefix("torch."))
+        return self.runner.adapter.info
+
+    def loaded_model(self) -> LoadedModel:
+        adapter = self.runner.adapter
+        return LoadedModel(name=adapter.name, device=str(self.device), dtype=_dtype_name(self.dtype),
+                           vae_dtype=_dtype_name(adapter.pipeline.vae.dtype),
+                           encoder_device=str(adapter.encoder_device),
+                           quantization=None if self.quantization is None else str(self.quantization))
 
     def phase_seconds(self) -> dict[str, float]:
         """Seconds spent per step phase on this worker (with profile_steps)."""

@@ -60,6 +60,7 @@ class PipelineRunner:
         torch_device = resolve_device(device)
         adapter = load_adapter(model, load_format, torch_device, dtype, seed=dummy_weight_seed)
         self.pipeline = adapter.pipeline
+        self.name = adapter.name
         self.info = adapter.info
         self._checked: set[tuple] = set()  # (sampler, steps, height, width) whose schedule builds
         self._solo = 0  # edit calls that can hold one request only, numbered
@@ -71,9 +72,9 @@ class PipelineRunner:
         info, steps = self.info, resolved.num_inference_steps
         key = (resolved.sampler, steps, resolved.height, resolved.width)
         if key not in self._checked:  # building a schedule costs about a millisecond: once per kind
-            extra = info.timestep_kwargs(resolved.height, resolved.width, steps, info.scheduler_config) \
-                if info.timestep_kwargs else {}
-            build_plan(info.scheduler_config, resolved.sampler, steps, **extra)
+            extra = info.schedule.timestep_kwargs(resolved.height, resolved.width, steps, info.schedule.config) \
+                if info.schedule.timestep_kwargs else {}
+            build_plan(info.schedule.config, resolved.sampler, steps, **extra)
             self._checked.add(key)
         return resolved
 
@@ -81,7 +82,7 @@ class PipelineRunner:
         """What else an edit's pipeline call must share (see the module's docstring); None for generations."""
         if params.image is None:
             return None
-        if self.info.max_input_images > 1:  # QwenImageEditPlusPipeline: batch_size 1 only, never shared
+        if self.info.images.max_images > 1:  # QwenImageEditPlusPipeline: batch_size 1 only, never shared
             self._solo += 1
             return ("alone", self._solo)
         return ("image size", params.image.size)
@@ -90,7 +91,7 @@ class PipelineRunner:
         """One pipeline call for jobs that share a key; each job's PIL images. Runs on the worker thread."""
         p = jobs[0].params
         # A fresh scheduler per call: diffusers schedulers keep state between steps.
-        self.pipeline.scheduler = make_scheduler(self.info.scheduler_config, p.sampler)
+        self.pipeline.scheduler = make_scheduler(self.info.schedule.config, p.sampler)
         if len(jobs) == 1:  # one generator draws all n images at once, as dvllm and diffusers do
             generator: Any = torch.Generator("cpu").manual_seed(jobs[0].params.seed)
         else:  # one per image; a request's n images share its generator, drawn in turn

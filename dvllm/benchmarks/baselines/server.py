@@ -71,7 +71,7 @@ def build_app(runner: PipelineRunner, worker: ThreadPoolExecutor, mode: str, max
     metrics = _Metrics()
     batcher = Batcher(runner, worker, max_batch_size=max_batch_size, window_s=batch_window_ms / 1000,
                       on_batch=metrics.batch_size.observe)
-    name = model_name or runner.info.name
+    name = model_name or runner.name
     max_body = int(max_body_mb * (1 << 20))
     body_limits = BodyLimits(max_bytes=max_body)
 
@@ -95,23 +95,23 @@ def build_app(runner: PipelineRunner, worker: ThreadPoolExecutor, mode: str, max
 
     @app.post("/v1/images/edits")
     async def edits(request: Request) -> Response:
-        if not runner.info.requires_image and not runner.info.supports_img2img:
+        if not runner.info.images.required and not runner.info.images.img2img:
             raise APIError(400, f"{name} does not edit images.", param="image")
         if int(request.headers.get("content-length") or 0) > max_body:
             raise APIError(413, f"The request body is over {max_body} bytes.", code="request_too_large")
         try:
-            form = await request.form(max_files=runner.info.max_input_images + 1, max_fields=64)
+            form = await request.form(max_files=runner.info.images.max_images + 1, max_fields=64)
         except Exception as e:  # noqa: BLE001 - a malformed multipart body, or too many files
             raise APIError(400, f"The request body is not a valid multipart form: {e}.", code="invalid_form") \
                 from None
         if form.getlist("mask"):
             raise APIError(400, f"mask is not supported by the {mode} baseline.", param="mask")
         files = [v for k, v in form.multi_items() if k in ("image", "image[]")]
-        if not files or len(files) > runner.info.max_input_images or any(isinstance(f, str) for f in files):
-            raise APIError(400, f"Send 1 to {runner.info.max_input_images} image files as 'image' or 'image[]'.",
+        if not files or len(files) > runner.info.images.max_images or any(isinstance(f, str) for f in files):
+            raise APIError(400, f"Send 1 to {runner.info.images.max_images} image files as 'image' or 'image[]'.",
                            param="image")
         req = ImageEditRequest.parse(_typed({k: v for k, v in form.multi_items() if k not in ("image", "image[]")}))
-        max_pixels = runner.config.image_pixel_limit(runner.info.default_height, runner.info.default_width)
+        max_pixels = runner.config.image_pixel_limit(runner.info.defaults.height, runner.info.defaults.width)
         opened = [_open(await f.read(), max_pixels) for f in files]
         req.image = opened[0] if len(opened) == 1 else opened
         return await serve(req)
