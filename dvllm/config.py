@@ -180,6 +180,17 @@ class EngineConfig:
         metadata={"help": "Most images one VAE decode call takes (finishers decode in chunks of this many): "
                           "bounds the decode's memory, which the GPU pool sizing counts."},
     )
+    decode_stage: bool = field(
+        default=False,
+        metadata={"help": "Decode finished images and previews on a thread of the worker's own (a CUDA stream of "
+                          "its own), so the denoise loop never waits for a VAE decode; the GPU memory profile "
+                          "reserves its VAE beside the loop's work. Off: the loop decodes."},
+    )
+    max_decode_queue: int = field(
+        default=32,
+        metadata={"help": "Most images handed to the decode stage and not yet decoded; past it the loop decodes "
+                          "what finishes itself (backpressure: nothing is refused or lost)."},
+    )
     max_cuda_graphs: int = field(
         default=16, metadata={"help": "Most CUDA graphs kept captured (least recently used out first)."}
     )
@@ -278,7 +289,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("max_batch_size", "max_num_waiting", "max_inference_steps", "max_images_per_prompt",
                      "max_prompt_chars", "sampler_plan_cache_size", "priority_aging_iterations", "num_workers",
-                     "max_decode_batch", "max_cuda_graphs", "max_loras", "max_lora_rank",
+                     "max_decode_batch", "max_decode_queue", "max_cuda_graphs", "max_loras",
+                     "max_lora_rank",
                      "max_input_images_per_step"):
             _positive_int(name, getattr(self, name))
         for name in ("max_image_pixels", "max_prompt_chars_per_step", "max_cpu_loras"):

@@ -179,3 +179,15 @@ def test_text_encoders_on_the_cpu_leave_the_gpu():
     assert fake.step["encode"] == fake.worst["encode"] == 0
     assert "text_encoder" in fake.host_weights and "text_encoder" not in fake.weights
     assert "weights on the CPU" in render(fake)
+
+
+def test_the_decode_stage_reserves_its_vae_beside_the_loops_work_and_its_queue():
+    off = estimate("tiny-sd", dtype="float32", size=(64, 64), **LIMITS)
+    on = estimate("tiny-sd", dtype="float32", size=(64, 64), decode_stage=True, max_decode_queue=8, **LIMITS)
+    assert off.reserved == max(off.worst.values()) and on.worst == off.worst
+    one = estimate("tiny-sd", dtype="float32", size=(64, 64), decode_stage=True, max_decode_queue=1, **LIMITS)
+    queue = 8 * one.decode_queue  # eight images' latents at the largest size
+    assert on.decode_queue == queue > 0
+    assert on.reserved == max(on.worst["encode"], on.worst["denoise"]) + on.worst["decode"] + queue
+    assert on.needed - off.needed == on.reserved - off.reserved > 0
+    assert "the decode stage's VAE beside the loop's" in render(on)

@@ -38,7 +38,7 @@ from dvllm.models.loader import DTYPES, _apply_defaults, dummy_components, resol
 from dvllm.models.quantization import components_of
 from dvllm.models.registry import adapter_for
 from dvllm.sampling_params import SamplingParams
-from dvllm.worker.memory_profile import largest_size, step_cache_bytes, step_peaks
+from dvllm.worker.memory_profile import decode_queue_bytes, largest_size, step_cache_bytes, step_peaks
 from dvllm.worker.state_pool import choose_block_numel
 
 GIB = 2**30
@@ -71,6 +71,8 @@ class Estimate:
     context: int
     utilization: float
     vae_tiling: bool
+    decode_stage: bool = False  # its VAE beside the loop's encode or denoise, and its queue of latents
+    decode_queue: int = 0         # bytes: the latents the decode stage may hold
     cards: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -78,9 +80,16 @@ class Estimate:
         return sum(self.weights.values())
 
     @property
+    def reserved(self) -> int:
+        """The worst step's transient memory, as memory_profile.gpu_pool_bytes reserves it."""
+        if not self.decode_stage:
+            return max(self.worst.values())
+        return max(self.worst["encode"], self.worst["denoise"]) + self.worst["decode"] + self.decode_queue
+
+    @property
     def needed(self) -> int:
         """What start-up takes before the pool gets a byte: weights, context and the worst step."""
-        return self.gpu_weights + self.context + max(self.worst.values())
+        return self.gpu_weights + self.context + self.reserved
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -95,7 +104,8 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
              max_image_pixels: int | None = None, max_decode_batch: int = DEFAULTS.max_decode_batch,
              gpu_memory_utilization: float = DEFAULTS.gpu_memory_utilization, vae_dtype: str = "auto",
              vae_tiling: bool = False, cards_gib: tuple[float, ...] = CARDS_GIB,
-             context_gib: float = CUDA_CONTEXT_GIB) -> Estimate:
+             context_gib: float = CUDA_CONTEXT_GIB, decode_stage: bool = DEFAULTS.decode_stage,
+             max_decode_queue: int = DEFAULTS.max_decode_queue) -> Estimate:
     """The estimate for `model` served on one GPU with these engine settings; ValueError for bad ones."""
     if dtype not in ("auto", *DTYPES) or vae_dtype not in ("auto", *DTYPES):
         raise ValueError(f"dtype and vae_dtype must be auto or one of {list(DTYPES)}, got {dtype!r}, {vae_dtype!r}")
@@ -106,7 +116,8 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
     if not cards_gib or not all(c > 0 for c in cards_gib) or context_gib < 0:
         raise ValueError(f"cards must be positive GiB and the context >= 0, got {cards_gib!r}, {context_gib!r}")
     engine = {"max_batch_size": max_batch_size, "max_decode_batch": max_decode_batch,
-              "gpu_memory_utilization": gpu_memory_utilization, "max_image_pixels": max_image_pixels}
+              "gpu_memory_utilization": gpu_memory_utilization, "max_image_pixels": max_image_pixels,
+              "decode_stage": decode_stage, "max_decode_queue": max_decode_queue}
     EngineConfig(**engine)  # the engine's own checks of these values
     spec = parse_spec(quantization) if quantization else None
     with quiet_libraries():
@@ -134,7 +145,8 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
         host_weights=host, size=size, rows=max_batch_size, decode_batch=max_decode_batch, step=step,
         worst_size=worst_size, worst=worst, attention={k: dict(v) for k, v in memory.attention.items() if v},
         request_bytes=request.max_blocks * block_bytes, request_rows=request.rows, context=int(context_gib * GIB),
-        utilization=gpu_memory_utilization, vae_tiling=vae_tiling)
+        utilization=gpu_memory_utilization, vae_tiling=vae_tiling, decode_stage=decode_stage,
+        decode_queue=decode_queue_bytes(adapter, EngineConfig(**engine)))
     for card in cards_gib:  # as memory_profile.gpu_pool_bytes: the share of the card, less all that is used
         pool = int(card * GIB * gpu_memory_utilization) - result.needed
         result.cards[f"{card:g}"] = {"pool_bytes": max(pool, 0), "short_bytes": max(-pool, 0),
@@ -214,7 +226,9 @@ def render(e: Estimate) -> str:
         rows.append(("weights on the CPU (not counted)", sum(e.host_weights.values()), _parts(e.host_weights)))
     rows += [(f"step at {w}x{h}, {e.rows} rows", max(e.step.values()),
               f"{_parts(e.step)} ({e.decode_batch} images a decode)"),
-             (f"worst step reserved ({ww}x{wh})", max(e.worst.values()), _parts(e.worst)),
+             (f"worst step reserved ({ww}x{wh})", e.reserved, _parts(e.worst) + (
+                 f"; the decode stage's VAE beside the loop's, its queue {_gib(e.decode_queue)}" if e.decode_stage
+                 else "")),
              ("needed: weights, context, worst step", e.needed, f"CUDA context assumed {_gib(e.context)}")]
     lines = [f"{e.model} ({e.family}) in {e.dtype}{quantized}, text encoders on the {e.encoder_device}"
              + (", VAE tiling" if e.vae_tiling else "")]
@@ -247,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-image-pixels", type=int, default=None)
     parser.add_argument("--max-decode-batch", type=int, default=DEFAULTS.max_decode_batch)
     parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULTS.gpu_memory_utilization)
+    parser.add_argument("--decode-stage", action=argparse.BooleanOptionalAction, default=DEFAULTS.decode_stage)
+    parser.add_argument("--max-decode-queue", type=int, default=DEFAULTS.max_decode_queue)
     parser.add_argument("--size", default=None, help="HEIGHTxWIDTH of the typical step (default: the model's)")
     parser.add_argument("--cards", default=",".join(map(str, CARDS_GIB)), help="card sizes in GiB, comma-separated")
     parser.add_argument("--context-gib", type=float, default=CUDA_CONTEXT_GIB)
@@ -262,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         size = parse_size(args.size) if args.size else None
         result = estimate(args.model, args.dtype, args.encoder_device, args.quantization, args.max_batch_size, size,
                           args.max_image_pixels, args.max_decode_batch, args.gpu_memory_utilization, args.vae_dtype,
-                          args.vae_tiling, cards, args.context_gib)
+                          args.vae_tiling, cards, args.context_gib, args.decode_stage, args.max_decode_queue)
     except ValueError as e:
         parser.error(str(e))
     print(render(result))

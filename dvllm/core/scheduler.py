@@ -39,6 +39,9 @@ class Scheduler:
         self.lora_slots = LoraSlots(config.max_loras)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        # Requests whose last step is done and whose latents are in the worker's decode stage: they hold no
+        # blocks; their images come with a later step's output.
+        self.decoding: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.iteration = 0
         self.num_preemptions = 0
@@ -87,7 +90,7 @@ class Scheduler:
         requests = sorted(self.requests.values(), key=self.urgency)
         for request in requests:
             request.reset()
-        self.requests, self.waiting, self.running = {}, [], []
+        self.requests, self.waiting, self.running, self.decoding = {}, [], [], {}
         self._freed, self._writers = [], {}
         self.lora_slots = LoraSlots(self.lora_slots.num_slots)  # a new worker starts with empty slots
         return requests
@@ -98,7 +101,9 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status == RequestStatus.RUNNING:
+        if self.decoding.pop(request_id, None) is not None:
+            self._freed.append(request_id)  # the stage drops its job if it has not begun it
+        elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
             self._release(request)
             self._freed.append(request_id)
@@ -110,7 +115,7 @@ class Scheduler:
         return request.output()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self._freed)
+        return bool(self.waiting or self.running or self.decoding or self._freed)
 
     def urgency(self, request: Request) -> tuple[int, int]:
         """Lower is more urgent: each priority level is worth `aging` iterations of earlier arrival."""
@@ -135,6 +140,7 @@ class Scheduler:
         out.finishing_ids = [r.request_id for r in batch if r.num_steps_done + 1 == r.num_steps]
         out.num_rows = sum(r.rows for r in batch)
         out.freed_ids, self._freed = self._freed, []
+        out.await_decodes = bool(self.decoding) and not (batch or out.new_requests or out.resumed_requests)
         return out
 
     def _admit(self, out: SchedulerOutput) -> None:
@@ -326,12 +332,12 @@ class Scheduler:
                 self.blocks.invalidate(entry)  # its embedding may never have been written
             if request in self.running:
                 self.running.remove(request)
-            else:
+            elif self.decoding.pop(request_id, None) is None:
                 self.waiting.remove(request)
             self._release(request)
             self._finish(request, RequestStatus.FINISHED_ERROR, message, now)
             outputs.append(request.output())
-        finishing = set(sched_out.finishing_ids)
+        finishing, decoding = set(sched_out.finishing_ids), set(runner_out.decoding_ids)
         cached = set(runner_out.cached_ids)
         self.cache_skipped_rows += runner_out.cache_rows[0]
         self.cache_computed_rows += runner_out.cache_rows[1]
@@ -341,7 +347,11 @@ class Scheduler:
                 continue
             request.num_steps_done += 1
             request.cached_steps += request_id in cached
-            if request_id in finishing:
+            if request_id in decoding:  # its images come later; its blocks are free now
+                self.running.remove(request)
+                self._release(request)
+                self.decoding[request_id] = request
+            elif request_id in finishing:
                 images = runner_out.images.get(request_id)
                 request.images = images or []
                 self.running.remove(request)
@@ -349,8 +359,30 @@ class Scheduler:
                 self._release(request)
                 self._finish(request, RequestStatus.FINISHED if images else RequestStatus.FINISHED_ERROR,
                              None if images else "the worker returned no images for the request's last step", now)
-            if request.is_finished or request.params.output_kind == "progress":
+            # a decoding request's last step is reported by its final output (unless previews come now)
+            progress = request_id not in decoding or request_id in runner_out.previews
+            if request.is_finished or (request.params.output_kind == "progress" and progress):
                 outputs.append(request.output(runner_out.previews.get(request_id)))
+        # after the requests that went to the stage this step: their images may be back already
+        return outputs + self._decoded(runner_out, set(sched_out.scheduled_ids), now)
+
+    def _decoded(self, runner_out: RunnerOutput, scheduled: set[str], now: float) -> list[RequestOutput]:
+        """Outputs for what the decode stage finished since the last step: previews of requests not stepped
+        now (the stepped ones carry theirs below), then the images of requests that were decoding."""
+        outputs = []
+        for request_id, previews in runner_out.previews.items():
+            request = self.requests.get(request_id)
+            if request is not None and request_id not in scheduled and request.params.output_kind == "progress":
+                outputs.append(request.output(previews))
+        for request_id, images in runner_out.images.items():
+            request = self.decoding.pop(request_id, None)
+            if request is None:  # aborted while it decoded
+                continue
+            del self.requests[request_id]
+            request.images = images
+            self._finish(request, RequestStatus.FINISHED if images else RequestStatus.FINISHED_ERROR,
+                         None if images else "the decode returned no images", now)
+            outputs.append(request.output())
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus, error: str | None, now: float | None = None) -> None:
@@ -362,6 +394,7 @@ class Scheduler:
         return {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
+            "num_decoding": len(self.decoding),
             "num_preemptions": self.num_preemptions,
             "cache_skipped_rows": self.cache_skipped_rows,
             "cache_computed_rows": self.cache_computed_rows,

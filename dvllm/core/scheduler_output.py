@@ -74,21 +74,29 @@ class SchedulerOutput:
     num_rows: int = 0  # denoiser rows of that forward (CFG rows included)
     # Requests whose state the workers must drop (aborted).
     freed_ids: list[str] = field(default_factory=list)
+    # Requests are in the worker's decode stage and nothing else is to run: the worker waits (briefly) for
+    # their images instead.
+    await_decodes: bool = False
 
     @property
     def is_empty(self) -> bool:
         return not (self.new_requests or self.resumed_requests or self.scheduled_ids or self.freed_ids
-                    or self.preempted_ids)
+                    or self.preempted_ids or self.await_decodes)
 
 
 @dataclass
 class RunnerOutput:
-    # Requests that took their last step: their final images (in the requested output type).
+    # Requests that took their last step, this step or (through the decode stage) an earlier one: their final
+    # images (in the requested output type).
     images: dict[str, list[Any]] = field(default_factory=dict)
     # Requests that failed on the worker, with the message; the worker has freed them.
     errors: dict[str, str] = field(default_factory=dict)
-    # Partial images of requests that asked for previews at this step.
+    # Partial images of requests that asked for previews, decoded this step (or, by the decode stage, since
+    # the last one).
     previews: dict[str, list[Any]] = field(default_factory=dict)
+    # Requests that took their last step and whose latents went to the decode stage: their images come in a
+    # later output (their state-pool blocks are free now).
+    decoding_ids: list[str] = field(default_factory=list)
     # Step caching this iteration: requests for which the step was cached (every branch skipped), and the
     # cache rows that skipped and that computed.
     cached_ids: list[str] = field(default_factory=list)

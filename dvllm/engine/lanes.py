@@ -25,7 +25,7 @@ from dvllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-_STAT_KEYS = ("num_running", "num_waiting", "num_preemptions", "pool_total_blocks", "pool_used_blocks",
+_STAT_KEYS = ("num_running", "num_waiting", "num_decoding", "num_preemptions", "pool_total_blocks", "pool_used_blocks",
               "pool_cached_blocks", "prompt_cache_hits", "prompt_cache_queries", "cache_skipped_rows",
               "cache_computed_rows", "lora_slot_loads", "loras_resident")
 

@@ -83,6 +83,8 @@ class _EngineCollector(Collector):
         gauges = {
             "dvllm_num_requests_running": ("Requests holding state and taking steps.", s["num_running"]),
             "dvllm_num_requests_waiting": ("Requests waiting for admission.", s["num_waiting"]),
+            "dvllm_num_requests_decoding": ("Requests whose last step is done, in the workers' decode stages.",
+                                            s.get("num_decoding", 0)),
             "dvllm_pool_used_blocks": ("State-pool blocks held by live requests.", s["pool_used_blocks"]),
             "dvllm_pool_cached_blocks": ("State-pool blocks held only by the prompt cache.",
                                          s["pool_cached_blocks"]),

@@ -26,3 +26,6 @@ class UniProcExecutor(Executor):
         done, self._done = self._done, None
         return {} if done is None else {0: done}
 
+    def shutdown(self) -> None:
+        self.worker.close()
+

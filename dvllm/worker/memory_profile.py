@@ -136,6 +136,24 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
     return peaks
 
 
+def worst_transient(peaks: dict[str, int], config: EngineConfig) -> int:
+    """The most transient memory at once: one kind of work at a time, but the decode stage's VAE runs beside
+    the loop's encode or denoise."""
+    if not config.decode_stage:
+        return max(peaks.values())
+    return max(peaks["encode"], peaks["denoise"]) + peaks["decode"]
+
+
+def decode_queue_bytes(adapter: ModelAdapter, config: EngineConfig) -> int:
+    """The latents the decode stage may hold (max_decode_queue images at the largest size), each its own copy."""
+    if not config.decode_stage:
+        return 0
+    info = adapter.info
+    height, width = largest_size(info, config.image_pixel_limit(info.defaults.height, info.defaults.width))
+    element = torch.empty((), dtype=adapter.dtype).element_size()
+    return config.max_decode_queue * info.latents.numel(height, width) * element
+
+
 def _forward_input_bytes(info: ModelInfo, rows: int, height: int, width: int, dtype: torch.dtype) -> int:
     """A forward's inputs: what a captured graph keeps as its static buffers."""
     numel = math.prod(info.latents.shape(height, width)) + sum(math.prod(s) for s in info.text.condition_shapes.values())
@@ -190,16 +208,19 @@ def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMe
     loras = lora_table_bytes(adapter, config)
     free, total = memory.free_and_total()
     used = total - free  # the weights, the CUDA context, anything else on the device
-    budget = int(total * config.gpu_memory_utilization) - used - max(peaks.values()) - graphs - loras
+    transient = worst_transient(peaks, config) + decode_queue_bytes(adapter, config)
+    budget = int(total * config.gpu_memory_utilization) - used - transient - graphs - loras
     gib = 2**30
-    logger.info("worst step: %s GiB peak (encode %.2f, denoise %.2f, decode %.2f)%s%s; %.2f GiB in use",
-                f"{max(peaks.values()) / gib:.2f}", peaks["encode"] / gib, peaks["denoise"] / gib,
-                peaks["decode"] / gib, f", CUDA graphs {graphs / gib:.2f}" if graphs else "",
+    logger.info("worst step: %s GiB peak (encode %.2f, denoise %.2f, decode %.2f%s)%s%s; %.2f GiB in use",
+                f"{transient / gib:.2f}", peaks["encode"] / gib, peaks["denoise"] / gib,
+                peaks["decode"] / gib, ", the decode stage's beside the loop's" if config.decode_stage else "",
+                f", CUDA graphs {graphs / gib:.2f}" if graphs else "",
                 f", LoRA slots {loras / gib:.2f}" if loras else "", used / gib)
     if budget <= 0:
         raise ValueError(
             f"no GPU memory left for the state pool: the model uses {used / gib:.1f} GiB and its worst step "
-            f"{max(peaks.values()) / gib:.1f} GiB more ({', '.join(f'{k} {v / gib:.1f}' for k, v in peaks.items())})"
+            f"{transient / gib:.1f} GiB more ({', '.join(f'{k} {v / gib:.1f}' for k, v in peaks.items())}"
+            f"{'; the decode stage decodes beside the loop' if config.decode_stage else ''})"
             f"{f' plus {graphs / gib:.1f} for CUDA graphs' if graphs else ''}"
             f"{f' plus {loras / gib:.1f} for LoRA slots' if loras else ''}, of {total / gib:.1f} GiB with "
             f"gpu_memory_utilization={config.gpu_memory_utilization}; raise it, or lower max_batch_size, "

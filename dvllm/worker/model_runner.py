@@ -17,6 +17,7 @@ from dvllm.models.base import ModelAdapter
 from dvllm.profiler import PhaseTimer
 from dvllm.sampling_params import as_images
 from dvllm.worker.conditions import flatten, unflatten
+from dvllm.worker.decode_stage import DecodeJob, DecodeStage
 from dvllm.worker.denoise_batch import StepParts, StepResult, denoise_step
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.lora_layers import LoraLayers
@@ -28,13 +29,17 @@ from dvllm.worker.step_cache_state import CacheState
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+# How long a step with nothing to run but decodes to await waits for one (the loop comes back for new requests)
+_AWAIT_DECODES_S = 0.02
 
 
 class ModelRunner:
     def __init__(self, adapter: ModelAdapter, pool: StatePool, denoiser: Denoiser, timer: PhaseTimer,
-                 max_decode_batch: int = 4, max_loras: int = 4, max_lora_rank: int = 64) -> None:
+                 max_decode_batch: int = 4, max_loras: int = 4, max_lora_rank: int = 64,
+                 decode_stage: DecodeStage | None = None) -> None:
         self.adapter = adapter
         self.max_decode_batch = max_decode_batch
+        self.decode_stage = decode_stage  # None: the loop decodes
         self.pool = pool
         self.denoiser = denoiser
         self.timer = timer
@@ -54,6 +59,8 @@ class ModelRunner:
         errors: dict[str, str] = {}
         for request_id in out.freed_ids:
             self.states.pop(request_id, None)
+        if self.decode_stage is not None and out.freed_ids:
+            self.decode_stage.drop(set(out.freed_ids))
         failed_loras = self._load_loras(out.lora_loads)
         # Preempted state leaves the pool before anyone writes into the blocks it frees.
         for request_id in out.preempted_ids:
@@ -85,12 +92,19 @@ class ModelRunner:
         finishing = set(out.finishing_ids)
         finished = [s for s in batch if s.request_id in finishing and s.request_id not in errors]
         with self.timer.phase("decode"):
-            images = self._decode(finished, errors)
-            previews = self._decode_previews({k: v for k, v in x0.items() if k not in errors})
-        for request_id in [*images, *errors]:
+            x0 = {k: v for k, v in x0.items() if k not in errors}
+            decoding = self._hand_over(finished, x0)
+            images = self._decode([s for s in finished if s.request_id not in decoding], errors)
+            previews = self._decode_previews({k: v for k, v in x0.items() if k not in decoding})
+        for request_id in [*images, *errors, *decoding]:
             self.states.pop(request_id, None)
+        if self.decode_stage is not None:  # what the stage finished meanwhile (waiting when there is nothing else)
+            done = self.decode_stage.collect(timeout=_AWAIT_DECODES_S if out.await_decodes else 0.0)
+            images.update(done.images)
+            errors.update(done.errors)
+            previews.update(done.previews)
         cached = {k: v for k, v in cached.items() if k not in errors}
-        return RunnerOutput(images=images, errors=errors, previews=previews,
+        return RunnerOutput(images=images, errors=errors, previews=previews, decoding_ids=sorted(decoding),
                             failed_lora_slots=[slot for slot, _ in failed_loras.values()],
                             cached_ids=[k for k, (step_cached, _, _) in cached.items() if step_cached],
                             cache_rows=(sum(v[1] for v in cached.values()), sum(v[2] for v in cached.values())))
@@ -238,6 +252,36 @@ class ModelRunner:
             self.pool.write([blocks.uncond], host["uncond"])
         state.blocks, state.host = blocks, None
 
+    def _hand_over(self, finished: list[RequestState], x0: dict[str, torch.Tensor]) -> set[str]:
+        """Gives the decode stage what it has room for: the finished requests' latents (read out of the pool,
+        so their blocks can be reused at once) and the previews' x0 estimates. Returns the finished requests
+        it took; the others (and latent outputs, which need no decode) the loop decodes as before."""
+        stage = self.decode_stage
+        if stage is None:
+            return set()
+        jobs: list[DecodeJob] = []
+        # previews first: the stage works in order, so a request's preview is never back after its final images
+        for request_id, latents in list(x0.items()):
+            data = self.states[request_id].data
+            if stage.has_room(sum(j.n for j in jobs) + len(latents)):
+                jobs.append(DecodeJob(request_id, latents.to(self.adapter.dtype), (data.height, data.width),
+                                      "pil" if data.output_type == "latent" else data.output_type, preview=True))
+                del x0[request_id]
+        taken = set()
+        for s in finished:
+            if s.data.output_type == "latent" or not stage.has_room(sum(j.n for j in jobs) + s.n):
+                continue
+            shape = self.adapter.info.latents.shape(s.data.height, s.data.width)
+            latents = self.pool.read(s.blocks.latents, math.prod(shape)).view(-1, *shape)
+            jobs.append(DecodeJob(s.request_id, latents, (s.data.height, s.data.width), s.data.output_type))
+            taken.add(s.request_id)
+        stage.submit(jobs)
+        return taken
+
+    def decode_chunked(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """At most max_decode_batch images a VAE call: the decode's memory is bounded (and profiled)."""
+        return torch.cat([self.adapter.decode(part, size) for part in latents.split(self.max_decode_batch)])
+
     def _decode_previews(self, x0: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
         """Partial images: x0 estimates through the VAE, in one call. A failed preview is skipped, not fatal."""
         if not x0:
@@ -251,7 +295,7 @@ class ModelRunner:
         previews, lo = {}, 0
         for request_id, latents in x0.items():
             kind = self.states[request_id].data.output_type
-            previews[request_id] = _convert(decoded[lo:lo + len(latents)], "pil" if kind == "latent" else kind)
+            previews[request_id] = to_output_type(decoded[lo:lo + len(latents)], "pil" if kind == "latent" else kind)
             lo += len(latents)
         return previews
 
@@ -269,15 +313,13 @@ class ModelRunner:
             bounds = row_bounds(group)
             pixels = [latents[lo:hi] for s, (lo, hi) in zip(group, bounds) if s.data.output_type != "latent"]
             size = (group[0].data.height, group[0].data.width)
-            # at most max_decode_batch images a VAE call: the decode's memory is bounded (and profiled)
-            decoded = torch.cat([self.adapter.decode(part, size) for part in
-                                 torch.cat(pixels).split(self.max_decode_batch)]) if pixels else None
+            decoded = self.decode_chunked(torch.cat(pixels), size) if pixels else None
             lo_img = 0
             for s, (lo, hi) in zip(group, bounds):
                 if s.data.output_type == "latent":
                     images[s.request_id] = [x.cpu() for x in latents[lo:hi]]
                 else:
-                    images[s.request_id] = _convert(decoded[lo_img:lo_img + s.n], s.data.output_type)
+                    images[s.request_id] = to_output_type(decoded[lo_img:lo_img + s.n], s.data.output_type)
                     lo_img += s.n
 
         _per_request(finished, decode, errors, "decode")
@@ -349,7 +391,7 @@ def _rng_checkpoint(states: list[RequestState]) -> Callable[[], None]:
     return restore
 
 
-def _convert(images: torch.Tensor, output_type: str) -> list[Any]:
+def to_output_type(images: torch.Tensor, output_type: str) -> list[Any]:
     """[B, 3, H, W] in [0, 1] -> the output type, as diffusers' VaeImageProcessor.postprocess does."""
     if output_type == "pt":
         return [x.cpu() for x in images]

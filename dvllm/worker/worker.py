@@ -12,8 +12,9 @@ from dvllm.models.base import ModelInfo
 from dvllm.models.load_config import LoadedModel
 from dvllm.models.loader import load_adapter
 from dvllm.profiler import PhaseTimer
+from dvllm.worker.decode_stage import DecodeStage
 from dvllm.worker.denoiser import Denoiser
-from dvllm.worker.model_runner import ModelRunner
+from dvllm.worker.model_runner import ModelRunner, to_output_type
 from dvllm.worker.state_pool import create_state_pool
 
 
@@ -43,6 +44,9 @@ class Worker:
         self.timer = PhaseTimer(config.profile_steps, self.device)
         self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, config.max_decode_batch,
                                   config.max_loras, config.max_lora_rank)
+        if config.decode_stage:
+            self.runner.decode_stage = DecodeStage(self.runner.decode_chunked, to_output_type, self.device,
+                                                   config.max_decode_batch, config.max_decode_queue)
 
     def model_info(self) -> ModelInfo:
         return self.runner.adapter.info
@@ -61,6 +65,11 @@ class Worker:
     def pool_info(self) -> tuple[int, int]:
         """(number of blocks, elements per block) of this worker's state pool."""
         return self.pool.num_blocks, self.pool.block_numel
+
+    def close(self) -> None:
+        """Finishes what the decode stage holds (its results stay for a last collect)."""
+        if self.runner.decode_stage is not None:
+            self.runner.decode_stage.close(drain=True)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
