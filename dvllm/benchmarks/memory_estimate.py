@@ -38,7 +38,13 @@ from dvllm.models.loader import DTYPES, _apply_defaults, dummy_components, resol
 from dvllm.models.quantization import components_of
 from dvllm.models.registry import adapter_for
 from dvllm.sampling_params import SamplingParams
-from dvllm.worker.memory_profile import decode_queue_bytes, largest_size, step_cache_bytes, step_peaks
+from dvllm.worker.memory_profile import (
+    decode_queue_bytes,
+    largest_size,
+    step_cache_bytes,
+    step_peaks,
+    worst_transient,
+)
 from dvllm.worker.state_pool import choose_block_numel
 
 GIB = 2**30
@@ -82,9 +88,7 @@ class Estimate:
     @property
     def reserved(self) -> int:
         """The worst step's transient memory, as memory_profile.gpu_pool_bytes reserves it."""
-        if not self.decode_stage:
-            return max(self.worst.values())
-        return max(self.worst["encode"], self.worst["denoise"]) + self.worst["decode"] + self.decode_queue
+        return worst_transient(self.worst, self.decode_stage) + self.decode_queue
 
     @property
     def needed(self) -> int:

@@ -136,10 +136,10 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
     return peaks
 
 
-def worst_transient(peaks: dict[str, int], config: EngineConfig) -> int:
+def worst_transient(peaks: dict[str, int], decode_stage: bool) -> int:
     """The most transient memory at once: one kind of work at a time, but the decode stage's VAE runs beside
     the loop's encode or denoise."""
-    if not config.decode_stage:
+    if not decode_stage:
         return max(peaks.values())
     return max(peaks["encode"], peaks["denoise"]) + peaks["decode"]
 
@@ -208,7 +208,7 @@ def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMe
     loras = lora_table_bytes(adapter, config)
     free, total = memory.free_and_total()
     used = total - free  # the weights, the CUDA context, anything else on the device
-    transient = worst_transient(peaks, config) + decode_queue_bytes(adapter, config)
+    transient = worst_transient(peaks, config.decode_stage) + decode_queue_bytes(adapter, config)
     budget = int(total * config.gpu_memory_utilization) - used - transient - graphs - loras
     gib = 2**30
     logger.info("worst step: %s GiB peak (encode %.2f, denoise %.2f, decode %.2f%s)%s%s; %.2f GiB in use",

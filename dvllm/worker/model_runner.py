@@ -95,7 +95,7 @@ class ModelRunner:
             x0 = {k: v for k, v in x0.items() if k not in errors}
             decoding = self._hand_over(finished, x0)
             images = self._decode([s for s in finished if s.request_id not in decoding], errors)
-            previews = self._decode_previews({k: v for k, v in x0.items() if k not in decoding})
+            previews = self._decode_previews(x0)  # those the stage had no room for
         for request_id in [*images, *errors, *decoding]:
             self.states.pop(request_id, None)
         if self.decode_stage is not None:  # what the stage finished meanwhile (waiting when there is nothing else)
@@ -253,9 +253,10 @@ class ModelRunner:
         state.blocks, state.host = blocks, None
 
     def _hand_over(self, finished: list[RequestState], x0: dict[str, torch.Tensor]) -> set[str]:
-        """Gives the decode stage what it has room for: the finished requests' latents (read out of the pool,
-        so their blocks can be reused at once) and the previews' x0 estimates. Returns the finished requests
-        it took; the others (and latent outputs, which need no decode) the loop decodes as before."""
+        """Gives the decode stage what it has room for: the previews' x0 estimates (taken out of `x0`) and the
+        finished requests' latents (read out of the pool in one gather, so their blocks can be reused at once).
+        Returns the finished requests it took; the others (and latent outputs, which need no decode) the loop
+        decodes as before."""
         stage = self.decode_stage
         if stage is None:
             return set()
@@ -267,16 +268,21 @@ class ModelRunner:
                 jobs.append(DecodeJob(request_id, latents.to(self.adapter.dtype), (data.height, data.width),
                                       "pil" if data.output_type == "latent" else data.output_type, preview=True))
                 del x0[request_id]
-        taken = set()
+        images = sum(j.n for j in jobs)
+        takers = []
         for s in finished:
-            if s.data.output_type == "latent" or not stage.has_room(sum(j.n for j in jobs) + s.n):
-                continue
-            shape = self.adapter.info.latents.shape(s.data.height, s.data.width)
-            latents = self.pool.read(s.blocks.latents, math.prod(shape)).view(-1, *shape)
-            jobs.append(DecodeJob(s.request_id, latents, (s.data.height, s.data.width), s.data.output_type))
-            taken.add(s.request_id)
+            if s.data.output_type != "latent" and stage.has_room(images + s.n):
+                takers.append(s)
+                images += s.n
+        if takers:  # one forward's finishers: one size
+            size = (takers[0].data.height, takers[0].data.width)
+            shape = self.adapter.info.latents.shape(*size)
+            latents = self.pool.read([r for s in takers for r in s.blocks.latents], math.prod(shape))
+            latents = latents.view(-1, *shape)
+            for s, (lo, hi) in zip(takers, row_bounds(takers)):
+                jobs.append(DecodeJob(s.request_id, latents[lo:hi], size, s.data.output_type))
         stage.submit(jobs)
-        return taken
+        return {s.request_id for s in takers}
 
     def decode_chunked(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """At most max_decode_batch images a VAE call: the decode's memory is bounded (and profiled)."""
