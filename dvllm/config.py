@@ -191,6 +191,12 @@ class EngineConfig:
         metadata={"help": "Most images handed to the decode stage and not yet decoded; past it the loop decodes "
                           "what finishes itself (backpressure: nothing is refused or lost)."},
     )
+    result_cache_mb: int = field(
+        default=0,
+        metadata={"help": "Host memory (MB) for the exact result cache: a seeded request identical to one already "
+                          "served (model, adapters, prompt, seed, parameters, input images) gets that request's "
+                          "images at once, without a step; least recently used out first. 0: off."},
+    )
     max_cuda_graphs: int = field(
         default=16, metadata={"help": "Most CUDA graphs kept captured (least recently used out first)."}
     )
@@ -300,6 +306,9 @@ class EngineConfig:
             raise ValueError(f"max_lora_file_mb must be a finite number > 0, got {self.max_lora_file_mb!r}")
         if not (_is_number(self.max_guidance_scale) and 0 <= self.max_guidance_scale < float("inf")):
             raise ValueError(f"max_guidance_scale must be a finite number >= 0, got {self.max_guidance_scale!r}")
+        if isinstance(self.result_cache_mb, bool) or not isinstance(self.result_cache_mb, int) \
+                or self.result_cache_mb < 0:
+            raise ValueError(f"result_cache_mb must be an integer >= 0 (0: off), got {self.result_cache_mb!r}")
         if self.num_state_blocks is not None:
             _positive_int("num_state_blocks", self.num_state_blocks)
         if self.state_pool_mb is not None and not (isinstance(self.state_pool_mb, (int, float))

@@ -12,6 +12,8 @@ class RequestMetrics:
     finished_time: float | None = None
     # Steps whose blocks (or attention) step caching skipped or predicted; None: the request had no cache.
     cached_steps: int | None = None
+    # Its images came from the exact result cache (an identical seeded request served before): no step ran.
+    result_cache_hit: bool = False
 
     @property
     def queue_time(self) -> float | None:

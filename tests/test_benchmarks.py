@@ -96,6 +96,13 @@ def test_load_generator_against_dvllm(servers, tmp_path):
     # dvllm's /metrics has the queue-time histogram; each request's queue time is part of its latency.
     assert 0 <= s["queue_time_mean_s"] <= s["latency_mean_s"]
     assert s["slo_attainment"] is None  # no SLO given: n/a, not invented
+    # The stages' work in the timed window, as the server's /metrics count it: 6 requests encoded, their
+    # rows denoised, 6 images decoded (in the loop or by the decode stage); the loop busy at most all along.
+    stages = s["stages"]
+    assert (stages["encode"]["items"], stages["denoise"]["items"]) == (6, 6 * 4 * 2)
+    assert stages["decode"]["items"] + stages["decode_stage"]["items"] == 6
+    loop = sum(stages[name]["occupancy"] for name in ("encode", "denoise", "decode"))
+    assert 0 < stages["denoise"]["occupancy"] <= loop <= 1
     assert [r["index"] for r in records] == list(range(6)) and all(r["ok"] and r["steps"] == 4 for r in records)
     assert [r["arrival"] for r in records] == pytest.approx(arrival_times(6, 40.0, seed=0))
     assert result["label"] == "dvllm" and result["request_rate"] == 40.0

@@ -179,3 +179,26 @@ def test_the_loop_stall_benchmark_runs_both_engines_on_the_same_requests(sd_eps_
                    "--rounds", "1", "--output", str(tmp_path / "stall.json")])
     assert set(result["longest_gap_s"]) == {"on", "off"} and result["gap_ratio_on_off"] > 0
     assert result["cohort_images_max_abs_diff"] < 1e-5
+
+
+def test_the_stage_metrics_count_each_stage_where_it_ran(sd_eps_path):
+    """Requests encoded, rows denoised and images decoded (finals and previews), in the loop or on the
+    stage's thread, through the engine's stats, Prometheus and the benchmark's reading of two scrapes."""
+    from dvllm.benchmarks.server_usage import server_usage
+    from dvllm.entrypoints.metrics import ServerMetrics
+
+    rows = sum(p.n * 2 * p.num_inference_steps for _, p in REQUESTS)
+    images = sum(p.n for _, p in REQUESTS) + 2  # and the two previews
+    for decode_stage, where in ((True, "decode_stage"), (False, "decode")):
+        engine = _engine(sd_eps_path, decode_stage=decode_stage)
+        metrics = ServerMetrics(engine.stats, lambda: 0)
+        before = metrics.render().decode()
+        _run(engine)
+        metrics.on_step(engine.last_step, [])
+        stats = engine.stats()
+        elsewhere = "decode" if where == "decode_stage" else "decode_stage"
+        assert stats["stage_items"] == {"encode": len(REQUESTS), "denoise": rows, where: images, elsewhere: 0}
+        assert all(stats["stage_seconds"][s] > 0 for s in ("encode", "denoise", where))
+        usage = server_usage(before, metrics.render().decode(), duration=1.0)["stages"]
+        assert {s: u["items"] for s, u in usage.items()} == stats["stage_items"]
+        assert usage[where]["occupancy"] == pytest.approx(stats["stage_seconds"][where])

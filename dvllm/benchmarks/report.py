@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from dvllm.benchmarks.server_usage import format_stages
+
 MAX_ERRORS_SHOWN = 5
 
 
@@ -37,7 +39,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarize(records: list[RequestRecord], duration: float, queue_time_mean: float | None,
-              open_loop: bool = True) -> dict[str, Any]:
+              open_loop: bool = True, stages: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Throughputs count completed requests only; a failed request counts as an SLO miss. The send lag
     (how late the client sent against the schedule) means something only without a concurrency cap."""
     ok = [r for r in records if r.ok]
@@ -68,6 +70,7 @@ def summarize(records: list[RequestRecord], duration: float, queue_time_mean: fl
         "slo_attainment": met / len(with_slo) if with_slo else None,
         "goodput_rps": met / duration if with_slo and duration > 0 else None,
         "max_send_lag_s": max(lags) if lags else None,
+        "stages": stages or {},  # per stage: occupancy, items, ms per item (dvllm.benchmarks.server_usage)
     }
 
 
@@ -96,6 +99,7 @@ def format_table(label: str, workload: str, load: str, s: dict[str, Any]) -> str
         ("SLO attainment", slo),
         ("goodput (req/s within SLO)", _fmt(s["goodput_rps"], 2)),
         ("max send lag (s)", _fmt(s["max_send_lag_s"])),
+        ("stage occupancy", format_stages(s.get("stages", {}))),
     ]
     width = max(len(k) for k, _ in rows) + 2
     lines = ["=" * 72, *(f"{k:<{width}}{v}" for k, v in rows)]
@@ -113,15 +117,3 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return value
-
-
-def queue_time_totals(metrics_text: str) -> tuple[float, float] | None:
-    """(sum, count) of dvllm_request_queue_time_seconds in a Prometheus scrape, or None if absent."""
-    found: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("dvllm_request_queue_time_seconds_sum", "dvllm_request_queue_time_seconds_count"):
-            found[name.rsplit("_", 1)[1]] = float(value)
-    if len(found) != 2:
-        return None
-    return found["sum"], found["count"]

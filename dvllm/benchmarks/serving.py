@@ -24,7 +24,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from dvllm.benchmarks.report import RequestRecord, format_table, json_safe, queue_time_totals, summarize
+from dvllm.benchmarks.report import RequestRecord, format_table, json_safe, summarize
+from dvllm.benchmarks.server_usage import server_usage
 from dvllm.benchmarks.workloads import (
     RequestSpec,
     arrival_times,
@@ -170,19 +171,20 @@ def _error_message(response: Any) -> str:
         return response.text[:300]
 
 
-async def _queue_totals(client: Any) -> tuple[float, float] | None:
+async def _scrape(client: Any) -> str | None:
     try:
         response = await client.get("/metrics")
-    except Exception:  # noqa: BLE001 - queue time is optional: no /metrics means n/a
+    except Exception:  # noqa: BLE001 - the server's figures are optional: no /metrics means n/a
         return None
-    return queue_time_totals(response.text) if response.status_code == 200 else None
+    return response.text if response.status_code == 200 else None
 
 
 async def run_benchmark(base_url: str, specs: list[RequestSpec], arrivals: list[float], *,
                         warmup: list[RequestSpec] = (), max_concurrency: int | None = None,
                         api_key: str | None = None, timeout: float = 600.0) -> tuple[list[RequestRecord], float,
-                                                                                     float | None]:
-    """Sends the warm-up, then the timed requests at their offsets; (records, duration s, mean queue s)."""
+                                                                                     dict[str, Any]]:
+    """Sends the warm-up, then the timed requests at their offsets; (records, duration s, what the server's
+    /metrics say of the run: server_usage)."""
     httpx = _httpx()
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -202,7 +204,7 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], arrivals: list[
                     print(f"warning: warm-up request failed: {r.error}")
         for spec in specs:  # the input images' PNGs made (and cached) before the clock starts
             spec.files()
-        before = await _queue_totals(client)
+        before = await _scrape(client)
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
         async def timed(spec: RequestSpec, index: int, arrival: float) -> RequestRecord:
@@ -220,11 +222,8 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], arrivals: list[
             tasks.append(asyncio.create_task(timed(spec, index, arrival)))
         records = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
-        after = await _queue_totals(client)
-    queue_mean = None
-    if before is not None and after is not None and after[1] > before[1]:
-        queue_mean = (after[0] - before[0]) / (after[1] - before[1])
-    return records, duration, queue_mean
+        after = await _scrape(client)
+    return records, duration, server_usage(before, after, duration)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -235,10 +234,11 @@ def main(args: argparse.Namespace) -> int:
             "trace arrivals" if specs[0].arrival is not None else
             f"{args.request_rate:g} req/s, burstiness {args.burstiness:g}")
     load += f", max concurrency {args.max_concurrency or 'none'}, {args.warmup} warm-up"
-    records, duration, queue_mean = asyncio.run(run_benchmark(
+    records, duration, usage = asyncio.run(run_benchmark(
         args.base_url, specs, arrivals, warmup=warm, max_concurrency=args.max_concurrency, api_key=api_key,
         timeout=args.timeout))
-    summary = summarize(records, duration, queue_mean, open_loop=args.max_concurrency is None)
+    summary = summarize(records, duration, usage["queue_time_mean_s"], open_loop=args.max_concurrency is None,
+                        stages=usage["stages"])
     print(format_table(label, workload, load, summary))
     if args.output_json:
         folder = os.path.dirname(args.output_json)

@@ -51,6 +51,7 @@ class Request:
     input_numel: int = 0      # the numbers in them
     input_grids: tuple[tuple[int, int], ...] = ()  # an edit's input images' token grids
     image_key: str | None = None  # an edit's images' digest: its prompt's conditions depend on them
+    result_key: bytes | None = None  # its result-cache key (engine/result_cache.py); None: not cacheable
     cached_steps: int = 0     # steps whose remaining blocks it skipped or predicted
     # its LoRA adapters (dvllm.lora.weights.LoraWeights, held until it finishes) and their weights
     loras: tuple[tuple[Any, float], ...] = ()

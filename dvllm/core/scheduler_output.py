@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dvllm.core.stage_stats import StageStats
+
 
 @dataclass
 class BlockTables:
@@ -105,3 +107,6 @@ class RunnerOutput:
     failed_lora_slots: list[int] = field(default_factory=list)
     # Wall time of the step on the worker: the driver's round trip minus this is the executor's overhead.
     execute_seconds: float = 0.0
+    # The step's busy seconds and items per stage (encode, denoise, decode in the loop; the decode stage's since
+    # the last output): the stage metrics.
+    stages: StageStats = field(default_factory=StageStats)

@@ -12,9 +12,10 @@ from dvllm.core.request import Request
 from dvllm.core.scheduler import Scheduler
 from dvllm.engine.input_processor import InputProcessor
 from dvllm.engine.lanes import Lane, Lanes
+from dvllm.engine.result_cache import CachedResult, ResultCache
 from dvllm.executor import WorkerDied, create_executor
 from dvllm.lora.registry import LoraRegistry
-from dvllm.outputs import RequestOutput
+from dvllm.outputs import RequestMetrics, RequestOutput
 from dvllm.profiler import PhaseTimer, breakdown
 from dvllm.sampling_params import SamplingParams
 
@@ -49,7 +50,10 @@ class DiffusionEngine:
             self.loras = LoraRegistry(self.config.model, self.loaded_model.name, self.config.max_lora_rank,
                                       self.config.cpu_lora_cache_size, self.config.lora_file_policy,
                                       self.config.load_config)
-        self.processor = InputProcessor(self.config, self.model_info, self.block_numel, pool_blocks, self.loras)
+        self.processor = InputProcessor(self.config, self.model_info, self.block_numel, pool_blocks, self.loras,
+                                        model_key=self._model_key())
+        self.result_cache = ResultCache(self.config.result_cache_mb * 2**20)
+        self._result_keys: dict[str, bytes] = {}  # request id -> result-cache key, while it runs
         self._generate_ids = itertools.count()
         # The one path for outputs not produced by a step: aborts, requests failed while no worker could
         # take them, and others' outputs that generate() saw; step() hands them out first.
@@ -76,8 +80,22 @@ class DiffusionEngine:
         self.add_processed(self.processor.process(request_id, prompt, params, arrival_time))
 
     def add_processed(self, request: Request) -> None:
-        """Queues a request the input processor made (the async engine processes off this thread)."""
+        """Queues a request the input processor made (the async engine processes off this thread); one
+        the result cache holds is answered by the next step() instead, without reaching a scheduler."""
+        request_id = request.request_id
+        if any(out.request_id == request_id and out.metrics.result_cache_hit for out in self._pending):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        key = request.result_key if self.result_cache.enabled else None
+        if key is not None:
+            if self.lanes.in_use(request_id):  # checked before the lookup, as lanes.add would refuse it
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            hit = self.result_cache.get(key)
+            if hit is not None:
+                self._pending.append(_cached_output(request, hit))
+                return
         self.lanes.add(request)
+        if key is not None:
+            self._result_keys[request_id] = key
 
     def step(self) -> list[RequestOutput]:
         """Schedule a step on every idle worker, execute, update from the steps that are done (at least
@@ -101,7 +119,18 @@ class DiffusionEngine:
         outputs += self.lanes.tend(idle=not done) + self.lanes.heartbeat()
         self._record(StepStats(rows, requests, time.perf_counter() - start))
         self.lanes.finished(outputs)
+        self._keep_results(outputs)
         return outputs
+
+    def _keep_results(self, outputs: list[RequestOutput]) -> None:
+        """Final images of keyed requests into the result cache (copies); failed or aborted ones only leave."""
+        if not self._result_keys:
+            return
+        for out in outputs:
+            if out.finished:
+                key = self._result_keys.pop(out.request_id, None)
+                if key is not None and out.ok:
+                    self.result_cache.put(key, out.images, out.metrics.cached_steps)
 
     def _schedule(self, lane: Lane) -> None:
         with self._timer.phase("schedule"):
@@ -179,8 +208,8 @@ class DiffusionEngine:
 
     def stats(self) -> dict[str, int]:
         """Queue, preemption, state-pool and prompt-cache counters, summed over the live workers,
-        and how many workers there are and are alive."""
-        return self.lanes.stats()
+        how many workers there are and are alive, and the result cache's hits, queries, bytes, entries."""
+        return {**self.lanes.stats(), **self.result_cache.stats()}
 
     def worker_stats(self) -> list[dict]:
         """One entry per worker: alive, rows per step, steps/s, blocks used, restarts, where it runs."""
@@ -211,7 +240,7 @@ class DiffusionEngine:
         start, images, done = time.perf_counter(), 0, 0
         while done < len(requests):
             while pending and self.lanes.num_waiting < self.config.max_num_waiting:
-                self.lanes.add(pending.pop())
+                self.add_processed(pending.pop())
             for out in self.step():
                 if out.request_id not in order:
                     self._pending.append(out)
@@ -227,6 +256,12 @@ class DiffusionEngine:
         return results  # type: ignore[return-value]
 
     # -- helpers ---------------------------------------------------------------
+    def _model_key(self) -> str:
+        """What identifies the served model's pixels in result-cache keys: what was loaded, and how."""
+        c = self.config
+        return repr((self.loaded_model, c.load_format, c.dummy_weight_seed, c.vae, c.vae_tiling, c.revision,
+                     c.variant))
+
     def _check_pool_holds_a_default_request(self) -> None:
         """One image at the default size, with history (multistep samplers) and both prompts (CFG)."""
         info, loaded, total = self.model_info, self.loaded_model, self.lanes.num_blocks
@@ -238,6 +273,18 @@ class DiffusionEngine:
         logger.info("serving %s (%s) on %s in %s: the state pool holds %d requests at the default %dx%d with CFG "
                     "(more where prompts repeat), %d rows in one forward", loaded.name, info.family, loaded.device,
                     loaded.dtype, total // need, width, height, self.config.max_batch_size)
+
+
+def _cached_output(request: Request, hit: CachedResult) -> RequestOutput:
+    """A result-cache hit's final output: what the first run's Request.output() gave, all steps done now."""
+    now = time.time()
+    return RequestOutput(
+        request_id=request.request_id, prompt=request.prompt, seed=request.params.seed,
+        num_inference_steps=request.num_steps, num_steps_done=request.num_steps, finished=True,
+        metrics=RequestMetrics(request.arrival_time, now, now, cached_steps=hit.cached_steps, result_cache_hit=True),
+        images=list(hit.images),
+    )
+
 
 def _progress_bar(total: int, enabled: bool):
     if not enabled:

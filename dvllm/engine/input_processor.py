@@ -20,6 +20,7 @@ import numpy as np
 from dvllm.config import EngineConfig
 from dvllm.core.request import Request
 from dvllm.core.scheduler import check_fits
+from dvllm.engine.result_cache import result_key
 from dvllm.lora.registry import LoraRegistry
 from dvllm.models.base import ModelInfo
 from dvllm.sampler_names import did_you_mean, scheduler_class
@@ -30,8 +31,9 @@ from dvllm.sampling_params import SamplingParams, as_images, check_text
 
 class InputProcessor:
     def __init__(self, config: EngineConfig, info: ModelInfo, block_numel: int, pool_blocks: int,
-                 loras: LoraRegistry | None = None) -> None:
+                 loras: LoraRegistry | None = None, model_key: str = "") -> None:
         self.config, self.info, self.loras = config, info, loras
+        self.model_key = model_key  # what identifies the served model in result-cache keys
         if config.default_cache is not None and info.cache_layout is None:
             raise ValueError(f"default_cache: the {info.family} family serves no step caching, so every request "
                              "would be refused; leave default_cache unset for this model")
@@ -70,6 +72,11 @@ class InputProcessor:
                 (prompt, resolved.negative_prompt))[1]),
         )
         check_fits(request, self.config.max_batch_size, self.pool_blocks)
+        # Only a seed the user chose can repeat: a drawn one would never hit, so it is not stored either.
+        if self.config.result_cache_mb and params is not None and params.seed is not None:
+            request.result_key = result_key(
+                self.model_key, prompt, resolved, request.row_loras, request.image_key or image_digest(resolved.image),
+                None if resolved.mask_image is None else image_digest(resolved.mask_image))
         return request
 
     def _loras(self, loras: dict[str, float] | None) -> tuple:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dvllm.config import EngineConfig
 from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request, RequestStatus
 from dvllm.core.scheduler import Scheduler
 from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
+from dvllm.core.stage_stats import STAGES, StageStats
 from dvllm.errors import NoWorkerError, QueueFullError
 from dvllm.executor.base import Executor
 from dvllm.outputs import RequestOutput
@@ -44,6 +45,7 @@ class Lane:
     busy_seconds: float = 0.0
     worker_seconds: float = 0.0            # of which the worker ran the step (the rest: transport, waiting)
     submitted_at: float = 0.0
+    stages: StageStats = field(default_factory=StageStats)  # busy seconds and items per stage, since start
 
     @property
     def alive(self) -> bool:
@@ -58,6 +60,7 @@ class Lane:
         self.steps, self.rows = self.steps + 1, self.rows + sched_out.num_rows
         self.busy_seconds += time.perf_counter() - self.submitted_at
         self.worker_seconds += result.execute_seconds
+        self.stages.merge(result.stages)
         return sched_out, self.scheduler.update_from_output(sched_out, result)
 
 
@@ -94,8 +97,12 @@ class Lanes:
             lane.in_flight is not None or lane.scheduler.has_unfinished_requests() for lane in self.live())
 
     # -- requests in -------------------------------------------------------------
+    def in_use(self, request_id: str) -> bool:
+        """Whether a request of this id is held (queued, running, or waiting for a worker)."""
+        return request_id in self.home or any(r.request_id == request_id for r in self.orphans)
+
     def add(self, request: Request) -> None:
-        if request.request_id in self.home or any(r.request_id == request.request_id for r in self.orphans):
+        if self.in_use(request.request_id):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if self.num_waiting >= self.config.max_num_waiting:  # the one queue bound, over all workers
             raise QueueFullError(f"{self.num_waiting} requests are waiting (max_num_waiting); retry later")
@@ -249,7 +256,11 @@ class Lanes:
         totals["num_waiting"] += len(self.orphans)
         totals["num_workers"] = len(self.lanes)
         totals["num_workers_alive"] = len(self.live())
-        return dict(totals)
+        stages = StageStats()  # every worker's, the dead ones' included: counters never go back
+        for lane in self.lanes:
+            stages.merge(lane.stages)
+        return {**totals, "stage_seconds": {name: stages.seconds.get(name, 0.0) for name in STAGES},
+                "stage_items": {name: stages.items.get(name, 0) for name in STAGES}}
 
     def worker_stats(self) -> list[dict]:
         """Per worker: liveness, rows per step, steps per second in flight, the time per step the executor

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dvllm.core.stage_stats import STAGES
 from dvllm.engine.engine import StepStats
 from dvllm.outputs import RequestOutput
 
@@ -97,9 +98,14 @@ class _EngineCollector(Collector):
             "dvllm_num_workers_alive": ("Workers alive; fewer than dvllm_num_workers means degraded.",
                                         s["num_workers_alive"]),
             "dvllm_loras_resident": ("LoRA adapters in the workers' slots.", s["loras_resident"]),
+            "dvllm_result_cache_bytes": ("Host bytes of images held by the exact result cache.",
+                                         s.get("result_cache_bytes", 0)),
+            "dvllm_result_cache_entries": ("Requests' results held by the exact result cache.",
+                                           s.get("result_cache_entries", 0)),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
+        yield from _stage_metrics(s)
         per_worker = {
             "dvllm_worker_alive": ("1 when the worker is alive.", lambda w: float(w["alive"])),
             "dvllm_worker_rows_per_step": ("Mean denoiser rows per step on the worker.", lambda w: w["rows_per_step"]),
@@ -125,3 +131,30 @@ class _EngineCollector(Collector):
                                   "computed every block.", value=s["cache_computed_rows"])
         yield CounterMetricFamily("dvllm_lora_slot_loads", "LoRA adapters copied into a worker's slots (a miss: "
                                   "the adapter was not resident).", value=s["lora_slot_loads"])
+        yield CounterMetricFamily("dvllm_result_cache_queries", "Seeded requests looked up in the exact result "
+                                  "cache.", value=s.get("result_cache_queries", 0))
+        yield CounterMetricFamily("dvllm_result_cache_hits", "Requests answered from the exact result cache "
+                                  "(no step ran).", value=s.get("result_cache_hits", 0))
+
+
+# What waits for each stage: new requests are encoded at admission, running ones take denoising steps,
+# finished ones wait in the decode stage (the loop's own decodes have no queue).
+_STAGE_QUEUES = {"encode": "num_waiting", "denoise": "num_running", "decode_stage": "num_decoding"}
+
+
+def _stage_metrics(s: dict) -> Iterator[Metric]:
+    """Per stage: its queue, and its busy seconds and items (rate(busy) is the stage's occupancy)."""
+    seconds, items = s.get("stage_seconds", {}), s.get("stage_items", {})
+    queue = GaugeMetricFamily("dvllm_stage_queue", "Requests waiting for or in a stage (encode: waiting for "
+                              "admission; denoise: running; decode_stage: in the decode stage).", labels=["stage"])
+    busy = CounterMetricFamily("dvllm_stage_busy_seconds", "Seconds a stage worked, summed over workers: decode "
+                               "is the VAE work the denoise loop ran itself, decode_stage the decode thread's.",
+                               labels=["stage"])
+    done = CounterMetricFamily("dvllm_stage_items", "Items a stage processed: requests encoded, denoiser rows, "
+                               "images decoded.", labels=["stage"])
+    for stage in STAGES:
+        if stage in _STAGE_QUEUES:
+            queue.add_metric([stage], s.get(_STAGE_QUEUES[stage], 0))
+        busy.add_metric([stage], seconds.get(stage, 0.0))
+        done.add_metric([stage], items.get(stage, 0))
+    yield from (queue, busy, done)

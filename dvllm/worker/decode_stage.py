@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -48,11 +49,15 @@ class Decoded:
     images: dict[str, list[Any]] = field(default_factory=dict)
     previews: dict[str, list[Any]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0  # the thread's time decoding them, and the images it decoded (for the stage metrics)
+    num_images: int = 0
 
     def merge(self, other: Decoded) -> None:
         self.images.update(other.images)
         self.previews.update(other.previews)
         self.errors.update(other.errors)
+        self.seconds += other.seconds
+        self.num_images += other.num_images
 
 
 class DecodeStage:
@@ -143,7 +148,9 @@ class DecodeStage:
                         self._thread = None
                         return
                     self._taken = self._take()
+                start = time.perf_counter()
                 done = self._decode_jobs(self._taken)
+                done.seconds, done.num_images = time.perf_counter() - start, sum(job.n for job in self._taken)
                 with self._cond:
                     self._done.merge(done)
                     self._taken = []

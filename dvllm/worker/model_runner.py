@@ -13,6 +13,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from dvllm.core.scheduler_output import NewRequestData, ResumedRequestData, RunnerOutput, SchedulerOutput
+from dvllm.core.stage_stats import StageStats
 from dvllm.models.base import ModelAdapter
 from dvllm.profiler import PhaseTimer
 from dvllm.sampling_params import as_images
@@ -57,6 +58,7 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         errors: dict[str, str] = {}
+        stages = StageStats()
         for request_id in out.freed_ids:
             self.states.pop(request_id, None)
         if self.decode_stage is not None and out.freed_ids:
@@ -66,7 +68,7 @@ class ModelRunner:
         for request_id in out.preempted_ids:
             if request_id in self.states:
                 _per_request([self.states[request_id]], lambda group: self._swap_out(group[0]), errors, "swap-out")
-        with self.timer.phase("encode"):
+        with self.timer.phase("encode"), stages.timing("encode"):
             unwritten = _fail_lora_users(out, self.states, failed_loras, errors)
             unwritten.update(self._add_requests([d for d in out.new_requests if d.request_id not in errors], errors))
             for resumed in out.resumed_requests:
@@ -76,6 +78,7 @@ class ModelRunner:
                 if resumed.request_id in errors:  # it was to refill shared entries: they hold nothing
                     unwritten.update(dict.fromkeys(_written_conditions(resumed.blocks), errors[resumed.request_id]))
             _fail_readers([*out.new_requests, *out.resumed_requests], unwritten, errors)
+        stages.add("encode", 0.0, len(out.new_requests))
         batch = []
         for request_id, step in zip(out.scheduled_ids, out.step_indices):  # the scheduler counts the steps
             if request_id in self.states and request_id not in errors:
@@ -85,17 +88,20 @@ class ModelRunner:
         if batch:
             parts = StepParts(self.adapter, self.denoiser, self.pool, self.timer, self.lora,
                               self.cache_hooks if any(s.cache is not None for s in batch) else None)
-            _per_request(batch, lambda group: step.merge(denoise_step(parts, group)), errors, "denoise",
-                         checkpoint=_rng_checkpoint)
+            with stages.timing("denoise"):
+                _per_request(batch, lambda group: step.merge(denoise_step(parts, group)), errors, "denoise",
+                             checkpoint=_rng_checkpoint)
+            stages.add("denoise", 0.0, out.num_rows)
             errors.update(step.errors)
         x0, cached = step.previews, step.cached
         finishing = set(out.finishing_ids)
         finished = [s for s in batch if s.request_id in finishing and s.request_id not in errors]
-        with self.timer.phase("decode"):
+        with self.timer.phase("decode"), stages.timing("decode"):
             x0 = {k: v for k, v in x0.items() if k not in errors}
             decoding = self._hand_over(finished, x0)
             images = self._decode([s for s in finished if s.request_id not in decoding], errors)
             previews = self._decode_previews(x0)  # those the stage had no room for
+        stages.add("decode", 0.0, sum(map(len, images.values())) + sum(map(len, previews.values())))
         for request_id in [*images, *errors, *decoding]:
             self.states.pop(request_id, None)
         if self.decode_stage is not None:  # what the stage finished meanwhile (waiting when there is nothing else)
@@ -103,11 +109,13 @@ class ModelRunner:
             images.update(done.images)
             errors.update(done.errors)
             previews.update(done.previews)
+            stages.add("decode_stage", done.seconds, done.num_images)
         cached = {k: v for k, v in cached.items() if k not in errors}
         return RunnerOutput(images=images, errors=errors, previews=previews, decoding_ids=sorted(decoding),
                             failed_lora_slots=[slot for slot, _ in failed_loras.values()],
                             cached_ids=[k for k, (step_cached, _, _) in cached.items() if step_cached],
-                            cache_rows=(sum(v[1] for v in cached.values()), sum(v[2] for v in cached.values())))
+                            cache_rows=(sum(v[1] for v in cached.values()), sum(v[2] for v in cached.values())),
+                            stages=stages)
 
     def _load_loras(self, loads: list[tuple[int, Any]]) -> dict[int, tuple[int, str]]:
         """Copies adapters into their slots; returns the load ids that failed -> (their slot, left empty; why)."""
