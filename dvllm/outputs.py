@@ -39,8 +39,10 @@ class RequestOutput:
     metrics: RequestMetrics
     images: list[Any] = field(default_factory=list)
     error: str | None = None
-    # On a progress output: partial images decoded from this step's x0 estimate, when asked for.
+    # On a progress output: partial images decoded from an x0 estimate, when asked for, and the step count they
+    # show: num_steps_done, or fewer when the decode stage decoded them while later steps ran.
     previews: list[Any] = field(default_factory=list)
+    preview_step: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -75,6 +75,11 @@ def test_images_and_previews_equal_the_loops_and_no_decode_runs_in_the_loop(sd_e
         previews = [p for o in staged[request_id] for p in o.previews]
         expected = [p for o in outs for p in o.previews]
         assert len(previews) == len(expected)
+        # each preview says which step it shows: in the loop the step it came with, off it the same step
+        assert [o.preview_step for o in outs if o.previews] == [o.num_steps_done for o in outs if o.previews]
+        shown = [(o.preview_step, o.num_steps_done) for o in staged[request_id] if o.previews]
+        assert [step for step, _ in shown] == [o.preview_step for o in outs if o.previews]
+        assert all(step <= done for step, done in shown)
         for got, image in zip(previews, expected):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(image))
     assert len([p for o in staged["3"] for p in o.previews]) == 2

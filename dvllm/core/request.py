@@ -141,7 +141,7 @@ class Request:
     def is_finished(self) -> bool:
         return self.status not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
-    def output(self, previews: list[Any] | None = None) -> RequestOutput:
+    def output(self, previews: list[Any] | None = None, preview_step: int | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -154,4 +154,5 @@ class Request:
             images=self.images,
             error=self.error,
             previews=previews or [],
+            preview_step=preview_step if previews else None,
         )

@@ -362,7 +362,8 @@ class Scheduler:
             # a decoding request's last step is reported by its final output (unless previews come now)
             progress = request_id not in decoding or request_id in runner_out.previews
             if request.is_finished or (request.params.output_kind == "progress" and progress):
-                outputs.append(request.output(runner_out.previews.get(request_id)))
+                outputs.append(request.output(runner_out.previews.get(request_id),
+                                              runner_out.preview_steps.get(request_id)))
         # after the requests that went to the stage this step: their images may be back already
         return outputs + self._decoded(runner_out, set(sched_out.scheduled_ids), now)
 
@@ -373,7 +374,7 @@ class Scheduler:
         for request_id, previews in runner_out.previews.items():
             request = self.requests.get(request_id)
             if request is not None and request_id not in scheduled and request.params.output_kind == "progress":
-                outputs.append(request.output(previews))
+                outputs.append(request.output(previews, runner_out.preview_steps.get(request_id)))
         for request_id, images in runner_out.images.items():
             request = self.decoding.pop(request_id, None)
             if request is None:  # aborted while it decoded

@@ -96,6 +96,7 @@ class RunnerOutput:
     # Partial images of requests that asked for previews, decoded this step (or, by the decode stage, since
     # the last one).
     previews: dict[str, list[Any]] = field(default_factory=dict)
+    preview_steps: dict[str, int] = field(default_factory=dict)  # the step count each request's previews show
     # Requests that took their last step and whose latents went to the decode stage: their images come in a
     # later output (their state-pool blocks are free now).
     decoding_ids: list[str] = field(default_factory=list)

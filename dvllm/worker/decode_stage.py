@@ -35,6 +35,7 @@ class DecodeJob:
     size: tuple[int, int]  # (height, width)
     output_type: str
     preview: bool = False  # an x0 estimate's preview, not the final images
+    step: int = 0  # the step count its latents are from
     ready: Any = None  # a CUDA event the latents' copy recorded (None on the CPU)
 
     @property
@@ -48,6 +49,7 @@ class Decoded:
 
     images: dict[str, list[Any]] = field(default_factory=dict)
     previews: dict[str, list[Any]] = field(default_factory=dict)
+    preview_steps: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0  # the thread's time decoding them, and the images it decoded (for the stage metrics)
     num_images: int = 0
@@ -55,6 +57,7 @@ class Decoded:
     def merge(self, other: Decoded) -> None:
         self.images.update(other.images)
         self.previews.update(other.previews)
+        self.preview_steps.update(other.preview_steps)
         self.errors.update(other.errors)
         self.seconds += other.seconds
         self.num_images += other.num_images
@@ -195,6 +198,8 @@ class DecodeStage:
         for job in jobs:
             images = self._convert(pixels[lo:lo + job.n], job.output_type)  # to the host: synchronizes
             (done.previews if job.preview else done.images)[job.request_id] = images
+            if job.preview:
+                done.preview_steps[job.request_id] = job.step
             lo += job.n
 
     def _queued_images(self) -> int:

@@ -102,6 +102,7 @@ class ModelRunner:
             images = self._decode([s for s in finished if s.request_id not in decoding], errors)
             previews = self._decode_previews(x0)  # those the stage had no room for
         stages.add("decode", 0.0, sum(map(len, images.values())) + sum(map(len, previews.values())))
+        preview_steps = {request_id: self.states[request_id].step + 1 for request_id in previews}
         for request_id in [*images, *errors, *decoding]:
             self.states.pop(request_id, None)
         if self.decode_stage is not None:  # what the stage finished meanwhile (waiting when there is nothing else)
@@ -109,9 +110,11 @@ class ModelRunner:
             images.update(done.images)
             errors.update(done.errors)
             previews.update(done.previews)
+            preview_steps.update(done.preview_steps)
             stages.add("decode_stage", done.seconds, done.num_images)
         cached = {k: v for k, v in cached.items() if k not in errors}
-        return RunnerOutput(images=images, errors=errors, previews=previews, decoding_ids=sorted(decoding),
+        return RunnerOutput(images=images, errors=errors, previews=previews, preview_steps=preview_steps,
+                            decoding_ids=sorted(decoding),
                             failed_lora_slots=[slot for slot, _ in failed_loras.values()],
                             cached_ids=[k for k, (step_cached, _, _) in cached.items() if step_cached],
                             cache_rows=(sum(v[1] for v in cached.values()), sum(v[2] for v in cached.values())),
@@ -274,7 +277,8 @@ class ModelRunner:
             data = self.states[request_id].data
             if stage.has_room(sum(j.n for j in jobs) + len(latents)):
                 jobs.append(DecodeJob(request_id, latents.to(self.adapter.dtype), (data.height, data.width),
-                                      "pil" if data.output_type == "latent" else data.output_type, preview=True))
+                                      "pil" if data.output_type == "latent" else data.output_type, preview=True,
+                                      step=self.states[request_id].step + 1))
                 del x0[request_id]
         images = sum(j.n for j in jobs)
         takers = []
