@@ -76,10 +76,10 @@ def test_two_workers_match_in_process_and_survive_a_killed_worker(sd_eps_path, r
         victim = None
         while victim is None:
             engine.step()
-            for lane in engine.lanes.live():
+            for lane in engine.coordinator.live():
                 if any(r.num_steps_done > 0 for r in lane.scheduler.running):
                     victim = lane.index
-        moved = {rid for rid, lane in engine.lanes.home.items() if lane.index == victim}
+        moved = {rid for rid, lane in engine.coordinator.home.items() if lane.index == victim}
         assert moved
         ray.kill(engine.executor.actors[victim], no_restart=True)
         alive = []
@@ -87,7 +87,7 @@ def test_two_workers_match_in_process_and_survive_a_killed_worker(sd_eps_path, r
         assert 1 in alive  # degraded while the worker restarts
         assert sorted(finished) == sorted(f"r{i}" for i in range(len(PROMPTS)))  # nothing lost
         _assert_same([finished[f"r{i}"] for i in range(len(PROMPTS))], reference)  # identical images
-        assert engine.lanes.lanes[victim].restarts == 1
+        assert engine.coordinator.cores[victim].restarts == 1
 
         # The dead worker comes back (restarted in its placement-group bundle) and takes work again.
         deadline = time.monotonic() + 120
@@ -316,4 +316,4 @@ def test_a_worker_that_dies_idle_is_noticed_by_the_heartbeat(sd_eps_path):
         return seen
 
     assert asyncio.run(scenario()) == [1, 2]
-    assert engine.engine.lanes.lanes[1].restarts == 1
+    assert engine.engine.coordinator.cores[1].restarts == 1

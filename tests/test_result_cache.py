@@ -41,7 +41,7 @@ def cached(engine) -> DiffusionEngine:
 
 
 def steps_run(engine: DiffusionEngine) -> int:
-    return sum(lane.steps for lane in engine.lanes.lanes)
+    return sum(core.steps for core in engine.coordinator.cores)
 
 
 def run(engine: DiffusionEngine, request_id: str, prompt: str, params: SamplingParams) -> list:

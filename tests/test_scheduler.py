@@ -127,7 +127,7 @@ def test_priority_policy_orders_admission():
 
 
 def test_the_scheduler_leaves_checks_to_admission():
-    """The input processor checks fits and the engine's lanes bound the queue (each fact one owner):
+    """The input processor checks fits and the engine's coordinator bounds the queue (each fact one owner):
     the scheduler queues what it is given."""
     s, c = make(max_num_waiting=1), Clock()
     s.add_request(c.request("a", steps=1))

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> dict:
         times: dict[str, list[float]] = {name: [] for name in engines}
         steps: dict[str, list[int]] = {name: [] for name in engines}
         for engine in engines.values():  # the per-step overhead counts timed rounds only
-            _reset_lane_times(engine)
+            _reset_core_times(engine)
         for _ in range(args.rounds):
             for name, engine in engines.items():
                 before = _steps(engine)
@@ -77,9 +77,9 @@ def _generate(engine: DiffusionEngine, jobs: list[Job]) -> None:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[:3]}")
 
 
-def _reset_lane_times(engine: DiffusionEngine) -> None:
-    for lane in engine.lanes.lanes:
-        lane.steps, lane.rows, lane.busy_seconds, lane.worker_seconds = 0, 0, 0.0, 0.0
+def _reset_core_times(engine: DiffusionEngine) -> None:
+    for core in engine.coordinator.cores:
+        core.steps, core.rows, core.busy_seconds, core.worker_seconds = 0, 0, 0.0, 0.0
 
 
 def _steps(engine: DiffusionEngine) -> int:

@@ -51,7 +51,7 @@ class Scheduler:
 
     # -- requests in and out -------------------------------------------------
     def add_request(self, request: Request, age: int = 0) -> None:
-        """Queues a request the engine accepted: the input processor checked it, and the engine's lanes
+        """Queues a request the engine accepted: the input processor checked it, and the engine's coordinator
         bound the queue. `age` keeps the iterations it already waited on another worker (priority aging)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")

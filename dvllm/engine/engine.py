@@ -10,10 +10,10 @@ from typing import Any
 from dvllm.config import EngineConfig
 from dvllm.core.request import Request
 from dvllm.core.scheduler import Scheduler
+from dvllm.engine.coordinator import Coordinator
 from dvllm.engine.input_processor import InputProcessor
-from dvllm.engine.lanes import Lane, Lanes
 from dvllm.engine.result_cache import CachedResult, ResultCache
-from dvllm.executor import WorkerDied, create_executor
+from dvllm.executor import create_executor
 from dvllm.lora.registry import LoraRegistry
 from dvllm.outputs import RequestMetrics, RequestOutput
 from dvllm.profiler import PhaseTimer, breakdown
@@ -39,11 +39,12 @@ class DiffusionEngine:
         try:
             self.model_info = self.executor.model_info()
             self.loaded_model = self.executor.loaded_model()
-            self.lanes = Lanes(self.config, self.executor)
+            self._timer = PhaseTimer(self.config.profile_steps)  # the driver's phases: scheduling
+            self.coordinator = Coordinator(self.config, self.executor, self._timer)
         except BaseException:
             self.executor.shutdown()
             raise
-        self.block_numel = self.lanes.block_numel
+        self.block_numel = self.coordinator.block_numel
         pool_blocks = min(self.executor.pool_info(i)[0] for i in range(self.executor.num_workers))
         self.loras = None
         if self.config.enable_lora:
@@ -59,7 +60,6 @@ class DiffusionEngine:
         # take them, and others' outputs that generate() saw; step() hands them out first.
         self._pending: list[RequestOutput] = []
         self.last_step = StepStats(0, 0, 0.0)
-        self._timer = PhaseTimer(self.config.profile_steps)  # the driver's phases: scheduling
         self._profiled_steps, self._profiled_seconds = 0, 0.0
         self._check_pool_holds_a_default_request()
         try:
@@ -72,7 +72,7 @@ class DiffusionEngine:
     @property
     def scheduler(self) -> Scheduler | None:
         """The scheduler of the first worker (the only one with the in-process executor)."""
-        return self.lanes.lanes[0].scheduler
+        return self.coordinator.cores[0].scheduler
 
     # -- the low-level loop ----------------------------------------------------
     def add_request(self, request_id: str, prompt: str, params: SamplingParams | None = None,
@@ -87,38 +87,24 @@ class DiffusionEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         key = request.result_key if self.result_cache.enabled else None
         if key is not None:
-            if self.lanes.in_use(request_id):  # checked before the lookup, as lanes.add would refuse it
+            if self.coordinator.in_use(request_id):  # checked before the lookup, as coordinator.add would refuse it
                 raise ValueError(f"request_id {request_id!r} is already in use")
             hit = self.result_cache.get(key)
             if hit is not None:
                 self._pending.append(_cached_output(request, hit))
                 return
-        self.lanes.add(request)
+        self.coordinator.add(request)
         if key is not None:
             self._result_keys[request_id] = key
 
     def step(self) -> list[RequestOutput]:
-        """Schedule a step on every idle worker, execute, update from the steps that are done (at least
-        one when any is running: workers step independently, a slow one holds no other back)."""
+        """One engine iteration: the outputs not made by a step first, then the engine core's step (with data
+        parallelism: every idle worker's, and the updates of those that are done)."""
         start = time.perf_counter()
-        for lane in self.lanes.live():
-            if lane.in_flight is None:
-                self._schedule(lane)
-        done = self.executor.wait() if any(lane.in_flight is not None for lane in self.lanes.live()) else {}
         outputs, self._pending = self._pending, []
-        rows = requests = 0
-        for index, result in done.items():
-            lane = self.lanes.lanes[index]
-            if isinstance(result, WorkerDied):
-                lane.in_flight = None
-                outputs += self.lanes.on_death(lane, result.reason)
-                continue
-            sched_out, updates = lane.complete(result)
-            outputs += updates
-            rows, requests = rows + sched_out.num_rows, requests + len(sched_out.scheduled_ids)
-        outputs += self.lanes.tend(idle=not done) + self.lanes.heartbeat()
-        self._record(StepStats(rows, requests, time.perf_counter() - start))
-        self.lanes.finished(outputs)
+        outputs += self.coordinator.step()
+        self._record(StepStats(*self.coordinator.last_step, time.perf_counter() - start))
+        self.coordinator.finished(outputs)
         self._keep_results(outputs)
         return outputs
 
@@ -132,14 +118,6 @@ class DiffusionEngine:
                 if key is not None and out.ok:
                     self.result_cache.put(key, out.images, out.metrics.cached_steps)
 
-    def _schedule(self, lane: Lane) -> None:
-        with self._timer.phase("schedule"):
-            self.lanes.rebalance(lane)
-            sched_out = lane.scheduler.schedule()
-        if not sched_out.is_empty:
-            lane.start(sched_out)
-            self.executor.submit(lane.index, sched_out)
-
     def _record(self, stats: StepStats) -> None:
         self.last_step = stats
         if stats.num_requests:
@@ -148,7 +126,7 @@ class DiffusionEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request and frees its state; its final output (error "request aborted") comes from step()."""
-        output = self.lanes.abort(request_id)
+        output = self.coordinator.abort(request_id)
         if output is not None:
             self._pending.append(output)
         return output is not None
@@ -178,11 +156,11 @@ class DiffusionEngine:
         return self.loras
 
     def has_unfinished_requests(self) -> bool:
-        return self.lanes.has_unfinished() or bool(self._pending)
+        return self.coordinator.has_unfinished() or bool(self._pending)
 
     @property
     def workers_restarting(self) -> bool:
-        return any(lane.restarting for lane in self.lanes.lanes)
+        return self.coordinator.restarting
 
     @property
     def idle_poll_interval(self) -> float | None:
@@ -194,7 +172,7 @@ class DiffusionEngine:
     def poll_workers(self) -> None:
         """Brings in restarted workers and notices dead idle ones while there is no request to step
         (step() does it otherwise)."""
-        self._pending += self.lanes.tend() + self.lanes.heartbeat()
+        self._pending += self.coordinator.poll()
 
     def profile(self) -> dict:
         """Where step time went, per phase (needs profile_steps=True): see dvllm.profiler.breakdown."""
@@ -209,11 +187,11 @@ class DiffusionEngine:
     def stats(self) -> dict[str, int]:
         """Queue, preemption, state-pool and prompt-cache counters, summed over the live workers,
         how many workers there are and are alive, and the result cache's hits, queries, bytes, entries."""
-        return {**self.lanes.stats(), **self.result_cache.stats()}
+        return {**self.coordinator.stats(), **self.result_cache.stats()}
 
     def worker_stats(self) -> list[dict]:
         """One entry per worker: alive, rows per step, steps/s, blocks used, restarts, where it runs."""
-        return self.lanes.worker_stats()
+        return self.coordinator.worker_stats()
 
     def shutdown(self) -> None:
         """Stops the workers (Ray actors); the in-process worker just goes with the engine."""
@@ -239,7 +217,7 @@ class DiffusionEngine:
         bar = _progress_bar(len(requests), use_tqdm)
         start, images, done = time.perf_counter(), 0, 0
         while done < len(requests):
-            while pending and self.lanes.num_waiting < self.config.max_num_waiting:
+            while pending and self.coordinator.num_waiting < self.config.max_num_waiting:
                 self.add_processed(pending.pop())
             for out in self.step():
                 if out.request_id not in order:
@@ -264,7 +242,7 @@ class DiffusionEngine:
 
     def _check_pool_holds_a_default_request(self) -> None:
         """One image at the default size, with history (multistep samplers) and both prompts (CFG)."""
-        info, loaded, total = self.model_info, self.loaded_model, self.lanes.num_blocks
+        info, loaded, total = self.model_info, self.loaded_model, self.coordinator.num_blocks
         blocks, (height, width) = self.processor.blocks, (info.defaults.height, info.defaults.width)
         need = 2 * blocks(info.latents.numel(height, width)) + 2 * blocks(info.text.condition_numel)
         if need > total:

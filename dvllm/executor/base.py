@@ -27,6 +27,7 @@ class WorkerDied:
 
 class Executor(ABC):
     num_workers: int = 1
+    in_process: bool = False  # the worker runs in the driver's thread and cannot die apart from it
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -55,6 +56,16 @@ class Executor(ABC):
     @abstractmethod
     def submit(self, worker: int, scheduler_output: SchedulerOutput) -> None:
         """Starts one step on `worker`, which must have none in flight."""
+
+    def execute(self, worker: int, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Runs one step on `worker` and returns its result (an empty step costs no call)."""
+        if scheduler_output.is_empty:
+            return RunnerOutput()
+        self.submit(worker, scheduler_output)
+        result = self.wait()[worker]
+        if isinstance(result, WorkerDied):
+            raise RuntimeError(f"worker {worker} died: {result.reason}")
+        return result
 
     @abstractmethod
     def wait(self, timeout: float | None = None) -> dict[int, RunnerOutput | WorkerDied]:

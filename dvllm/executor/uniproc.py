@@ -10,6 +10,8 @@ from dvllm.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
+    in_process = True
+
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.worker = Worker(config)
@@ -21,6 +23,9 @@ class UniProcExecutor(Executor):
     def submit(self, worker: int, scheduler_output: SchedulerOutput) -> None:
         # A failure here is a bug in this process, not a lost worker: it propagates.
         self._done = self.worker.execute(scheduler_output)
+
+    def execute(self, worker: int, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return RunnerOutput() if scheduler_output.is_empty else self.worker.execute(scheduler_output)
 
     def wait(self, timeout: float | None = None) -> dict[int, RunnerOutput | WorkerDied]:
         done, self._done = self._done, None

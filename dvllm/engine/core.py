@@ -1,0 +1,70 @@
+"""EngineCore: one worker's engine. Its step is the whole loop of one worker: schedule, execute, update.
+
+The in-process engine is one core and steps it as it reads. Data parallelism (engine/coordinator.py)
+drives several cores and splits each core's step around the executor (submit, then complete when the
+worker is done) so that its workers step at the same time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from dvllm.core.scheduler import Scheduler
+from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
+from dvllm.core.stage_stats import StageStats
+from dvllm.executor.base import Executor
+from dvllm.outputs import RequestOutput
+from dvllm.profiler import PhaseTimer
+
+
+@dataclass(eq=False)
+class EngineCore:
+    index: int                             # the executor's worker
+    scheduler: Scheduler | None            # None while the worker is dead
+    executor: Executor
+    timer: PhaseTimer                      # the driver's phases: scheduling
+    in_flight: SchedulerOutput | None = None
+    restarts: int = 0
+    restarting: bool = False
+    steps: int = 0                         # steps completed, rows in them, seconds they were in flight
+    rows: int = 0
+    busy_seconds: float = 0.0
+    worker_seconds: float = 0.0            # of which the worker ran the step (the rest: transport, waiting)
+    submitted_at: float = 0.0
+    stages: StageStats = field(default_factory=StageStats)  # busy seconds and items per stage, since start
+    last_step: tuple[int, int] = (0, 0)    # the latest step's denoiser rows, and requests that stepped
+
+    @property
+    def alive(self) -> bool:
+        return self.scheduler is not None
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration, start to end (the in-process worker runs it when it is submitted)."""
+        sched_out = self.schedule()
+        result = self.executor.execute(self.index, sched_out)
+        return self.update(sched_out, result)
+
+    def schedule(self) -> SchedulerOutput:
+        with self.timer.phase("schedule"):
+            return self.scheduler.schedule()
+
+    def update(self, sched_out: SchedulerOutput, result: RunnerOutput, seconds: float | None = None) -> list[RequestOutput]:
+        """The scheduler's update from the step's result, and the step counted in the worker's statistics
+        (`seconds` in flight: the worker's own time when it ran in this thread)."""
+        self.last_step = (sched_out.num_rows, len(sched_out.scheduled_ids))
+        if not sched_out.is_empty:
+            self.steps, self.rows = self.steps + 1, self.rows + sched_out.num_rows
+            self.busy_seconds += result.execute_seconds if seconds is None else seconds
+            self.worker_seconds += result.execute_seconds
+            self.stages.merge(result.stages)
+        return self.scheduler.update_from_output(sched_out, result)
+
+    # -- the coordinator's split of the same step ------------------------------------
+    def submit(self, sched_out: SchedulerOutput) -> None:
+        self.in_flight, self.submitted_at = sched_out, time.perf_counter()
+        self.executor.submit(self.index, sched_out)
+
+    def complete(self, result: RunnerOutput) -> tuple[SchedulerOutput, list[RequestOutput]]:
+        """Its step is done: what was scheduled, and the scheduler's update."""
+        sched_out, self.in_flight = self.in_flight, None
+        return sched_out, self.update(sched_out, result, time.perf_counter() - self.submitted_at)
