@@ -180,11 +180,13 @@ class EngineConfig:
         metadata={"help": "Most images one VAE decode call takes (finishers decode in chunks of this many): "
                           "bounds the decode's memory, which the GPU pool sizing counts."},
     )
-    decode_stage: bool = field(
-        default=False,
+    decode_stage: bool | None = field(
+        default=None,
         metadata={"help": "Decode finished images and previews on a thread of the worker's own (a CUDA stream of "
                           "its own), so the denoise loop never waits for a VAE decode; the GPU memory profile "
-                          "reserves its VAE beside the loop's work. Off: the loop decodes."},
+                          "reserves its VAE beside the loop's work. Unset (auto): on, unless on a GPU that "
+                          "reservation would leave the state pool less than half of what it has without it "
+                          "(start-up logs the choice). --no-decode-stage: the loop decodes."},
     )
     max_decode_queue: int = field(
         default=32,

@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from dvllm.benchmarks.fake_memory import PeakTracker, TrackedMemory, tensor_bytes
-from dvllm.benchmarks.memory_estimate import HUB_PRESETS, build_parser, estimate, main, render
+from dvllm.benchmarks.memory_estimate import GIB, HUB_PRESETS, build_parser, estimate, main, render
 from dvllm.benchmarks.quant_bytes import parse_spec, quantized_bytes
 from dvllm.config import EngineConfig
 from dvllm.models.load_config import LoadConfig
@@ -191,3 +191,18 @@ def test_the_decode_stage_reserves_its_vae_beside_the_loops_work_and_its_queue()
     assert on.reserved == max(on.worst["encode"], on.worst["denoise"]) + on.worst["decode"] + queue
     assert on.needed - off.needed == on.reserved - off.reserved > 0
     assert "the decode stage's VAE beside the loop's" in render(on)
+
+
+def test_auto_turns_the_decode_stage_on_per_card_where_the_pool_keeps_half():
+    """As start-up chooses (memory_profile.choose_decode_stage): a card where the stage's reservation leaves the
+    pool at least half of what it has without it runs the stage; one where it would take more does not."""
+    auto = estimate("tiny-sd", dtype="float32", size=(64, 64), **LIMITS)
+    cost = auto.needed_for(True) - auto.needed_for(False)
+    assert auto.decode_stage is None and cost > 0 and auto.needed == auto.needed_for(False)
+    roomy = (auto.needed_for(False) + 4 * cost) / GIB / 0.9   # with the stage: 3/4 of the pool left
+    tight = (auto.needed_for(False) + 1.5 * cost) / GIB / 0.9  # with the stage: 1/3 of the pool left
+    cards = estimate("tiny-sd", dtype="float32", size=(64, 64), cards_gib=(roomy, tight), **LIMITS).cards
+    (on, off) = cards.values()
+    assert on["decode_stage"] and not off["decode_stage"]
+    assert on["pool_bytes"] == pytest.approx(3 * cost, abs=2) and off["pool_bytes"] == pytest.approx(1.5 * cost, abs=2)
+    assert "needed with the decode stage (auto)" in render(auto) and "decode stage on" in render(auto)

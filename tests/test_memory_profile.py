@@ -52,10 +52,10 @@ class FakeMemory:
 
 def test_the_pool_gets_what_the_worst_of_encode_denoise_and_decode_leaves(adapter, monkeypatch):
     recorded = Recorded(adapter, monkeypatch)
-    config = EngineConfig(max_batch_size=6, max_image_pixels=48 * 48, max_decode_batch=3)
+    config = EngineConfig(max_batch_size=6, max_image_pixels=48 * 48, max_decode_batch=3, decode_stage=False)
     peaks = {"encode_prompt": 1 * GIB, "denoise": 3 * GIB, "decode": 5 * GIB}  # the VAE is the worst here
     memory = FakeMemory(recorded, peaks, free=60 * GIB, total=80 * GIB)
-    budget = gpu_pool_bytes(adapter, config, memory)
+    budget, _ = gpu_pool_bytes(adapter, config, memory)
     assert budget == int(80 * GIB * 0.9) - 20 * GIB - 5 * GIB
     info = adapter.info
     assert largest_size(info, 48 * 48) == (48, 48)
@@ -67,9 +67,9 @@ def test_the_pool_gets_what_the_worst_of_encode_denoise_and_decode_leaves(adapte
 
 def test_cuda_graphs_and_padded_batches_are_counted(adapter, monkeypatch):
     recorded = Recorded(adapter, monkeypatch)
-    config = EngineConfig(max_batch_size=5, max_image_pixels=32 * 32, cuda_graph=True)
+    config = EngineConfig(max_batch_size=5, max_image_pixels=32 * 32, cuda_graph=True, decode_stage=False)
     peaks = {"encode_prompt": 1 * GIB, "denoise": 4 * GIB, "decode": 2 * GIB}
-    budget = gpu_pool_bytes(adapter, config, FakeMemory(recorded, peaks, free=70 * GIB, total=80 * GIB))
+    budget, _ = gpu_pool_bytes(adapter, config, FakeMemory(recorded, peaks, free=70 * GIB, total=80 * GIB))
     info = adapter.info
     # each of max_cuda_graphs graphs keeps its bucket's inputs: latents, text conditions, timestep and guidance
     inputs = 8 * (4 * (math.prod(info.latents.shape(32, 32)) + sum(math.prod(s) for s in info.text.condition_shapes.values()))
@@ -84,8 +84,8 @@ def test_step_caching_forwards_are_counted_beyond_the_plain_one(flux_path, monke
     adapter = DiffusionEngine(model=flux_path, device="cpu", dtype="float32").executor.worker.runner.adapter
     recorded = Recorded(adapter, monkeypatch)
     peaks = {"encode_prompt": 1 * GIB, "denoise": 4 * GIB, "decode": 2 * GIB}
-    config = EngineConfig(max_batch_size=3, max_image_pixels=32 * 32)
-    budget = gpu_pool_bytes(adapter, config, FakeMemory(recorded, peaks, free=70 * GIB, total=80 * GIB))
+    config = EngineConfig(max_batch_size=3, max_image_pixels=32 * 32, decode_stage=False)
+    budget, _ = gpu_pool_bytes(adapter, config, FakeMemory(recorded, peaks, free=70 * GIB, total=80 * GIB))
     layout = adapter.info.cache_layout
     assert layout.hidden_kind == "image"  # Flux's blocks' hidden stream: one token per latent patch
     tokens = layout.image_tokens(32, 32)
@@ -100,12 +100,12 @@ def test_lora_slot_tables_are_held_back_at_their_largest(adapter, monkeypatch):
 
     recorded = Recorded(adapter, monkeypatch)
     peaks = {"encode_prompt": 1 * GIB, "denoise": 2 * GIB, "decode": 1 * GIB}
-    config = EngineConfig(max_batch_size=2, max_image_pixels=32 * 32, enable_lora=True, max_loras=3, max_lora_rank=8)
+    config = EngineConfig(max_batch_size=2, max_image_pixels=32 * 32, enable_lora=True, max_loras=3, max_lora_rank=8, decode_stage=False)
     pipe = adapter.pipeline
     layers = [m for model in (pipe.unet, pipe.text_encoder) for m in model.modules() if servable(m)]
     assert any(isinstance(m, torch.nn.Conv2d) for m in layers)  # the UNet's convs have tables too
     tables = sum((t.a.numel() + t.bt.numel()) * t.a.element_size() for t in (_Table(m, 3, 8) for m in layers))
-    budget = gpu_pool_bytes(adapter, config, FakeMemory(recorded, peaks, free=70 * GIB, total=80 * GIB))
+    budget, _ = gpu_pool_bytes(adapter, config, FakeMemory(recorded, peaks, free=70 * GIB, total=80 * GIB))
     assert budget == int(80 * GIB * 0.9) - 10 * GIB - 2 * GIB - tables
 
 
@@ -113,20 +113,26 @@ def test_a_worst_step_that_leaves_nothing_is_refused_naming_the_knobs(adapter, m
     recorded = Recorded(adapter, monkeypatch)
     peaks = {"encode_prompt": 1 * GIB, "denoise": 9 * GIB, "decode": 2 * GIB}
     with pytest.raises(ValueError, match=r"worst step 9\.0 GiB more .*denoise 9\.0.*max_image_pixels"):
-        gpu_pool_bytes(adapter, EngineConfig(), FakeMemory(recorded, peaks, free=10 * GIB, total=80 * GIB))
+        gpu_pool_bytes(adapter, EngineConfig(decode_stage=False), FakeMemory(recorded, peaks, free=10 * GIB, total=80 * GIB))
 
 
-def test_finishers_decode_in_chunks_of_max_decode_batch_and_stay_exact(sd_eps_path, monkeypatch):
+@pytest.mark.parametrize("decode_stage", [False, True])
+def test_finishers_decode_in_chunks_of_max_decode_batch_and_stay_exact(sd_eps_path, monkeypatch, decode_stage):
     prompts = [f"shape {i}" for i in range(3)]
     params = [SamplingParams(seed=i, num_inference_steps=2, n=n, output_type="np") for i, n in enumerate((1, 3, 1))]
-    reference = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", max_decode_batch=8)
+    reference = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", max_decode_batch=8,
+                                decode_stage=False)
     expected = reference.generate(prompts, params, use_tqdm=False)
-    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", max_decode_batch=2)
+    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", max_decode_batch=2,
+                             decode_stage=decode_stage)
     adapter, sizes = engine.executor.worker.runner.adapter, []
     real = adapter.decode
     monkeypatch.setattr(adapter, "decode", lambda latents, size: sizes.append(len(latents)) or real(latents, size))
     outs = engine.generate(prompts, params, use_tqdm=False)
-    assert sizes == [2, 2, 1]  # the five images that finish together: at most two a VAE call
+    if decode_stage:  # the stage batches whole requests' jobs, each VAE call still at most two images
+        assert max(sizes) <= 2 and sum(sizes) == 5
+    else:
+        assert sizes == [2, 2, 1]  # the five images that finish together: at most two a VAE call
     for got, want in zip(outs, expected):
         for a, b in zip(got.images, want.images):
             np.testing.assert_allclose(a, b, atol=1e-5)
@@ -143,3 +149,27 @@ def test_a_worst_step_that_runs_out_of_memory_is_refused_up_front(adapter, monke
 
     with pytest.raises(ValueError, match=r"encode ran out of memory .* lower max_batch_size, max_image_pixels"):
         gpu_pool_bytes(adapter, EngineConfig(), OutOfMemory(recorded, {}, free=1, total=2))
+
+
+@pytest.mark.parametrize("decode_gib, asked, on", [(5, None, True), (30, None, False), (30, False, False), (5, True, True)])
+def test_auto_runs_the_decode_stage_where_the_pool_keeps_at_least_half(adapter, monkeypatch, decode_gib, asked, on):
+    """Unset, the decode stage runs unless reserving its VAE beside the loop's denoise (and its queue) leaves the
+    pool less than half of what it has without: 44 of 47 GiB keeps it on; 2 of 22 GiB turns it off."""
+    recorded = Recorded(adapter, monkeypatch)
+    config = EngineConfig(max_batch_size=2, max_image_pixels=32 * 32, decode_stage=asked)
+    peaks = {"encode_prompt": 1 * GIB, "denoise": (3 if decode_gib == 5 else 20) * GIB, "decode": decode_gib * GIB}
+    budget, stage = gpu_pool_bytes(adapter, config, FakeMemory(recorded, peaks, free=60 * GIB, total=80 * GIB))
+    assert stage is on
+    loop_only = int(80 * GIB * 0.9) - 20 * GIB - decode_gib * GIB
+    if on:
+        assert budget < loop_only and 2 * budget >= loop_only  # the stage's VAE and queue are reserved
+    else:
+        assert budget == loop_only
+
+
+def test_a_forced_decode_stage_that_leaves_nothing_says_how_to_turn_it_off(adapter, monkeypatch):
+    recorded = Recorded(adapter, monkeypatch)
+    peaks = {"encode_prompt": 1 * GIB, "denoise": 30 * GIB, "decode": 30 * GIB}
+    with pytest.raises(ValueError, match=r"decode stage decodes beside the loop.*--no-decode-stage"):
+        gpu_pool_bytes(adapter, EngineConfig(decode_stage=True), FakeMemory(recorded, peaks, free=60 * GIB,
+                                                                             total=80 * GIB))

@@ -39,6 +39,7 @@ from dvllm.models.quantization import components_of
 from dvllm.models.registry import adapter_for
 from dvllm.sampling_params import SamplingParams
 from dvllm.worker.memory_profile import (
+    choose_decode_stage,
     decode_queue_bytes,
     largest_size,
     step_cache_bytes,
@@ -77,7 +78,8 @@ class Estimate:
     context: int
     utilization: float
     vae_tiling: bool
-    decode_stage: bool = False  # its VAE beside the loop's encode or denoise, and its queue of latents
+    # its VAE beside the loop's encode or denoise, and its queue of latents: as asked (None: auto, per card)
+    decode_stage: bool | None = None
     decode_queue: int = 0         # bytes: the latents the decode stage may hold
     cards: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
@@ -85,15 +87,22 @@ class Estimate:
     def gpu_weights(self) -> int:
         return sum(self.weights.values())
 
+    def reserved_for(self, decode_stage: bool) -> int:
+        """The worst step's transient memory, as memory_profile.gpu_pool_bytes reserves it."""
+        return worst_transient(self.worst, decode_stage) + (self.decode_queue if decode_stage else 0)
+
+    def needed_for(self, decode_stage: bool) -> int:
+        """What start-up takes before the pool gets a byte: weights, context and the worst step."""
+        return self.gpu_weights + self.context + self.reserved_for(decode_stage)
+
     @property
     def reserved(self) -> int:
-        """The worst step's transient memory, as memory_profile.gpu_pool_bytes reserves it."""
-        return worst_transient(self.worst, self.decode_stage) + self.decode_queue
+        """As asked; auto's figure without the stage (each card says whether auto turns it on)."""
+        return self.reserved_for(self.decode_stage is True)
 
     @property
     def needed(self) -> int:
-        """What start-up takes before the pool gets a byte: weights, context and the worst step."""
-        return self.gpu_weights + self.context + self.reserved
+        return self.needed_for(self.decode_stage is True)
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -108,7 +117,7 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
              max_image_pixels: int | None = None, max_decode_batch: int = DEFAULTS.max_decode_batch,
              gpu_memory_utilization: float = DEFAULTS.gpu_memory_utilization, vae_dtype: str = "auto",
              vae_tiling: bool = False, cards_gib: tuple[float, ...] = CARDS_GIB,
-             context_gib: float = CUDA_CONTEXT_GIB, decode_stage: bool = DEFAULTS.decode_stage,
+             context_gib: float = CUDA_CONTEXT_GIB, decode_stage: bool | None = DEFAULTS.decode_stage,
              max_decode_queue: int = DEFAULTS.max_decode_queue) -> Estimate:
     """The estimate for `model` served on one GPU with these engine settings; ValueError for bad ones."""
     if dtype not in ("auto", *DTYPES) or vae_dtype not in ("auto", *DTYPES):
@@ -150,11 +159,16 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
         worst_size=worst_size, worst=worst, attention={k: dict(v) for k, v in memory.attention.items() if v},
         request_bytes=request.max_blocks * block_bytes, request_rows=request.rows, context=int(context_gib * GIB),
         utilization=gpu_memory_utilization, vae_tiling=vae_tiling, decode_stage=decode_stage,
-        decode_queue=decode_queue_bytes(adapter, EngineConfig(**engine)))
+        decode_queue=decode_queue_bytes(adapter, EngineConfig(**engine), decode_stage is not False))
     for card in cards_gib:  # as memory_profile.gpu_pool_bytes: the share of the card, less all that is used
-        pool = int(card * GIB * gpu_memory_utilization) - result.needed
+        def pool_bytes(stage: bool, card: float = card) -> int:
+            return int(card * GIB * gpu_memory_utilization) - result.needed_for(stage)
+
+        stage = choose_decode_stage(decode_stage, pool_bytes)
+        pool = pool_bytes(stage)
         result.cards[f"{card:g}"] = {"pool_bytes": max(pool, 0), "short_bytes": max(-pool, 0),
-                                     "requests": max(pool, 0) // block_bytes // request.max_blocks}
+                                     "requests": max(pool, 0) // block_bytes // request.max_blocks,
+                                     "decode_stage": stage}
     return result
 
 
@@ -234,6 +248,9 @@ def render(e: Estimate) -> str:
                  f"; the decode stage's VAE beside the loop's, its queue {_gib(e.decode_queue)}" if e.decode_stage
                  else "")),
              ("needed: weights, context, worst step", e.needed, f"CUDA context assumed {_gib(e.context)}")]
+    if e.decode_stage is None:
+        rows.append(("needed with the decode stage (auto)", e.needed_for(True),
+                     f"its VAE beside the loop's, its queue {_gib(e.decode_queue)}; on where the pool keeps half"))
     lines = [f"{e.model} ({e.family}) in {e.dtype}{quantized}, text encoders on the {e.encoder_device}"
              + (", VAE tiling" if e.vae_tiling else "")]
     lines += [f"{label:<40} {_gib(n):>7} GiB  {note}" for label, n, note in rows]
@@ -241,6 +258,8 @@ def render(e: Estimate) -> str:
     for card, c in e.cards.items():
         room = f"{_gib(c['pool_bytes'])} GiB pool: {c['requests']} requests" if c["pool_bytes"] else \
             f"does not fit: {_gib(c['short_bytes'])} GiB short"
+        if e.decode_stage is None and c["pool_bytes"]:
+            room += f", decode stage {'on' if c['decode_stage'] else 'off'}"
         lines.append(f"{f'{card} GiB card, utilization {e.utilization:g}':<40} {room}")
     for phase, kernels in e.attention.items():
         lines.append(f"attention ({phase}): " + ", ".join(f"{k} x{n}" for k, n in kernels.items()))

@@ -144,9 +144,18 @@ def worst_transient(peaks: dict[str, int], decode_stage: bool) -> int:
     return max(peaks["encode"], peaks["denoise"]) + peaks["decode"]
 
 
-def decode_queue_bytes(adapter: ModelAdapter, config: EngineConfig) -> int:
+def choose_decode_stage(asked: bool | None, pool_bytes: Callable[[bool], int]) -> bool:
+    """The decode stage as asked; auto (None): on unless reserving its VAE beside the loop's work, and its queue,
+    leaves the state pool (`pool_bytes(stage)`) less than half of what it has without the stage."""
+    if asked is not None:
+        return asked
+    with_stage = pool_bytes(True)
+    return with_stage > 0 and 2 * with_stage >= pool_bytes(False)
+
+
+def decode_queue_bytes(adapter: ModelAdapter, config: EngineConfig, decode_stage: bool) -> int:
     """The latents the decode stage may hold (max_decode_queue images at the largest size), each its own copy."""
-    if not config.decode_stage:
+    if not decode_stage:
         return 0
     info = adapter.info
     height, width = largest_size(info, config.image_pixel_limit(info.defaults.height, info.defaults.width))
@@ -197,8 +206,9 @@ def _table_numel_per_rank(module: torch.nn.Module) -> int:
     return module.in_channels * math.prod(module.kernel_size) + module.out_channels
 
 
-def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory) -> int:
-    """What the state pool may take on this GPU; ValueError when the worst step leaves nothing."""
+def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory) -> tuple[int, bool]:
+    """What the state pool may take on this GPU, and whether the decode stage runs (choose_decode_stage);
+    ValueError when the worst step leaves nothing."""
     peaks = step_peaks(adapter, config, memory)
     graphs = 0
     if config.cuda_graph:  # their shared pool (one forward's activations) and each one's static inputs
@@ -208,22 +218,34 @@ def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMe
     loras = lora_table_bytes(adapter, config)
     free, total = memory.free_and_total()
     used = total - free  # the weights, the CUDA context, anything else on the device
-    transient = worst_transient(peaks, config.decode_stage) + decode_queue_bytes(adapter, config)
-    budget = int(total * config.gpu_memory_utilization) - used - transient - graphs - loras
+
+    def transient_bytes(stage: bool) -> int:
+        return worst_transient(peaks, stage) + decode_queue_bytes(adapter, config, stage)
+
+    def pool_bytes(stage: bool) -> int:
+        return int(total * config.gpu_memory_utilization) - used - transient_bytes(stage) - graphs - loras
+
+    stage = choose_decode_stage(config.decode_stage, pool_bytes)
+    transient, budget = transient_bytes(stage), pool_bytes(stage)
     gib = 2**30
+    if config.decode_stage is None:
+        logger.info("decode stage %s: with it the state pool gets %.2f GiB, without it %.2f GiB (auto: on unless "
+                    "that halves the pool; --decode-stage or --no-decode-stage choose)", "on" if stage else "off",
+                    max(pool_bytes(True), 0) / gib, max(pool_bytes(False), 0) / gib)
     logger.info("worst step: %s GiB peak (encode %.2f, denoise %.2f, decode %.2f%s)%s%s; %.2f GiB in use",
                 f"{transient / gib:.2f}", peaks["encode"] / gib, peaks["denoise"] / gib,
-                peaks["decode"] / gib, ", the decode stage's beside the loop's" if config.decode_stage else "",
+                peaks["decode"] / gib, ", the decode stage's beside the loop's" if stage else "",
                 f", CUDA graphs {graphs / gib:.2f}" if graphs else "",
                 f", LoRA slots {loras / gib:.2f}" if loras else "", used / gib)
     if budget <= 0:
         raise ValueError(
             f"no GPU memory left for the state pool: the model uses {used / gib:.1f} GiB and its worst step "
             f"{transient / gib:.1f} GiB more ({', '.join(f'{k} {v / gib:.1f}' for k, v in peaks.items())}"
-            f"{'; the decode stage decodes beside the loop' if config.decode_stage else ''})"
+            f"{'; the decode stage decodes beside the loop' if stage else ''})"
             f"{f' plus {graphs / gib:.1f} for CUDA graphs' if graphs else ''}"
             f"{f' plus {loras / gib:.1f} for LoRA slots' if loras else ''}, of {total / gib:.1f} GiB with "
             f"gpu_memory_utilization={config.gpu_memory_utilization}; raise it, or lower max_batch_size, "
             f"max_image_pixels or max_decode_batch{' (or max_loras, max_lora_rank)' if loras else ''}"
+            f"{' (or turn the decode stage off: --no-decode-stage)' if stage else ''}"
         )
-    return budget
+    return budget, stage

@@ -63,25 +63,28 @@ class StatePool:
         return math.ceil(numel / self.block_numel)
 
 
-def create_state_pool(config: EngineConfig, adapter: ModelAdapter) -> StatePool:
+def create_state_pool(config: EngineConfig, adapter: ModelAdapter) -> tuple[StatePool, bool]:
+    """The pool, and whether the decode stage runs (the GPU memory profile chooses when it is left unset)."""
     info = adapter.info
     block_numel = choose_block_numel(info)
     bytes_per_block = block_numel * torch.empty((), dtype=adapter.dtype).element_size()
     if config.num_state_blocks is not None:
-        num_blocks = config.num_state_blocks
+        num_blocks, decode_stage = config.num_state_blocks, config.decode_stage is not False
     else:
-        num_blocks = _pool_bytes(config, adapter) // bytes_per_block
+        pool_bytes, decode_stage = _pool_bytes(config, adapter)
+        num_blocks = pool_bytes // bytes_per_block
     pool = StatePool(num_blocks, block_numel, adapter.dtype, adapter.device)
     logger.info("state pool: %d blocks of %d elements (%.1f MiB)", num_blocks, block_numel,
                 num_blocks * bytes_per_block / 2**20)
-    return pool
+    return pool, decode_stage
 
 
-def _pool_bytes(config: EngineConfig, adapter: ModelAdapter) -> int:
+def _pool_bytes(config: EngineConfig, adapter: ModelAdapter) -> tuple[int, bool]:
+    stage = config.decode_stage is not False  # auto: on where memory is not profiled
     if config.state_pool_mb is not None:
-        return int(config.state_pool_mb * 2**20)
+        return int(config.state_pool_mb * 2**20), stage
     if adapter.device.type != "cuda":
-        return CPU_STATE_POOL_MB * 2**20
+        return CPU_STATE_POOL_MB * 2**20, stage
     # As vLLM sizes its KV cache: what gpu_memory_utilization leaves once the weights are in and the
     # worst step the engine's limits allow has shown its peak (worker/memory_profile.py).
     from dvllm.worker.memory_profile import DeviceMemory, gpu_pool_bytes

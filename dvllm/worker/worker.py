@@ -39,12 +39,12 @@ class Worker:
                                load=config.load_config)
         self.dtype = adapter.dtype  # "auto" resolved for the model's family
         self.quantization = config.load_config.quantization
-        self.pool = create_state_pool(config, adapter)
+        self.pool, decode_stage = create_state_pool(config, adapter)
         custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step
         self.timer = PhaseTimer(config.profile_steps, self.device)
         self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, config.max_decode_batch,
                                   config.max_loras, config.max_lora_rank)
-        if config.decode_stage:
+        if decode_stage:
             self.runner.decode_stage = DecodeStage(self.runner.decode_chunked, to_output_type, self.device,
                                                    config.max_decode_batch, config.max_decode_queue)
 
