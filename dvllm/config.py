@@ -193,6 +193,13 @@ class EngineConfig:
         metadata={"help": "Most images handed to the decode stage and not yet decoded; past it the loop decodes "
                           "what finishes itself (backpressure: nothing is refused or lost)."},
     )
+    engine_core_process: bool | None = field(
+        default=None,
+        metadata={"help": "Run the async engine's core (scheduler, workers, decode stage) in a process of its own, "
+                          "so that HTTP parsing, JSON, base64 and PIL in the server never hold the step loop's "
+                          "GIL; requests and outputs cross a pipe. Unset: on for dvllm serve, off for "
+                          "AsyncDiffusionEngine in Python. DiffusionEngine always steps in the caller's process."},
+    )
     result_cache_mb: int = field(
         default=0,
         metadata={"help": "Host memory (MB) for the exact result cache: a seeded request identical to one already "

@@ -1,22 +1,27 @@
-"""AsyncDiffusionEngine: the step loop on a background thread, one async stream per request.
+"""AsyncDiffusionEngine: one async stream per request over an engine core that steps elsewhere.
 
-The DiffusionEngine is touched only by its loop thread: requests and aborts reach it
-through a command queue and are applied between steps; outputs come back to the
-event loop with call_soon_threadsafe. The denoiser runs off the event loop, so an
-asyncio server stays responsive while the model works.
+The core (a DiffusionEngine driven by a CoreLoop) runs either on a thread of this process or, with
+engine_core_process (dvllm serve's default), in a process of its own, so that this process's HTTP,
+JSON, base64 and PIL never hold its GIL. Either way requests are checked here, off the event loop
+(the input processor, LoRA files), reach the core as commands applied between steps, and come back
+as reports that the event loop gets through call_soon_threadsafe.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from dvllm.config import EngineConfig
+from dvllm.engine.core_loop import CoreLoop
 from dvllm.engine.engine import DiffusionEngine, StepStats
+from dvllm.engine.input_processor import InputProcessor
+from dvllm.lora.registry import LoraRegistry, require_registry
 from dvllm.outputs import RequestOutput
 from dvllm.sampling_params import SamplingParams
 
@@ -33,16 +38,23 @@ class EngineShuttingDownError(RuntimeError):
 
 class AsyncDiffusionEngine:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []  # run on the loop thread
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
+        self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []  # run off the event loop
         self._streams: dict[str, asyncio.Queue] = {}  # touched only on the event loop
+        self._adds: dict[str, asyncio.Future] = {}    # requests sent to the core, not yet accepted
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = threading.Event()
-        self._stop = threading.Event()
         self._accepting = True
+        self._stats: dict = {}
         self.dead: BaseException | None = None
+        config = EngineConfig.from_kwargs(model=model, **engine_args)  # bad arguments fail before anything starts
+        self.core_process = None
+        if config.engine_core_process:
+            self._start_process(config, {**engine_args, "model": model, "engine_core_process": False})
+        else:
+            self._start_thread(model, engine_args)
+
+    def _start_thread(self, model: str | None, engine_args: dict[str, Any]) -> None:
         # The model is loaded on the loop thread that will run it: torch's CPU thread pool belongs to
         # the thread that first used it, and running on another thread was measured 2x slower.
         loaded = threading.Event()
@@ -52,20 +64,50 @@ class AsyncDiffusionEngine:
         loaded.wait()
         if self.dead is not None:
             raise self.dead
-        self.model_info = self.engine.model_info
-        self.loaded_model = self.engine.loaded_model
-        self.config = self.engine.config
+        engine = self.engine
+        self.model_info, self.loaded_model, self.config = engine.model_info, engine.loaded_model, engine.config
+        self.processor, self.loras = engine.processor, engine.loras
+
+    def _start_process(self, config: EngineConfig, engine_args: dict[str, Any]) -> None:
+        from dvllm.engine.core_process import CoreProcess
+
+        config.check_lora_modules()  # a typo'd adapter fails now, not after the model loads
+        # The adapters are read here, where requests are checked: requests carry their weights to the core.
+        lora_modules, engine_args["lora_modules"] = config.lora_modules, None
+        if lora_modules:
+            engine_args["enable_lora"] = True
+        dvllm_logger = logging.getLogger("dvllm")
+        log_level = logging.getLevelName(dvllm_logger.getEffectiveLevel()).lower() if dvllm_logger.handlers else None
+        self.core_process = CoreProcess(engine_args, self._on_report, self._on_core_exit, log_level)
+        info = self.core_process.info
+        self.config = dataclasses.replace(info.config, engine_core_process=True, lora_modules=lora_modules)
+        self.model_info, self.loaded_model = info.model_info, info.loaded_model
+        self.loras = None
+        try:
+            if self.config.enable_lora:
+                self.loras = LoraRegistry(self.config.model, self.loaded_model.name, self.config.max_lora_rank,
+                                          self.config.cpu_lora_cache_size, self.config.lora_file_policy,
+                                          self.config.load_config)
+                for name, path in lora_modules.items():
+                    self.loras.load(name, path)
+            self.processor = InputProcessor(self.config, self.model_info, info.block_numel, info.pool_blocks,
+                                            self.loras, model_key=info.model_key, valid_samplers=info.valid_samplers)
+        except BaseException:
+            self.core_process.close()
+            raise
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
-        """Lets the loop thread serve; call from the event loop that will consume the streams."""
+        """Lets the core serve; call from the event loop that will consume the streams."""
         if not self._started.is_set():
             self._loop = asyncio.get_running_loop()
             self._started.set()
 
     @property
     def is_running(self) -> bool:
-        return self._started.is_set() and self._thread.is_alive() and self.dead is None
+        if not self._started.is_set() or self.dead is not None:
+            return False
+        return self.core_process.is_alive() if self.core_process is not None else self._thread.is_alive()
 
     async def shutdown(self, grace_seconds: float = 30.0) -> None:
         """Stops accepting; lets running requests finish for up to grace_seconds; aborts the rest."""
@@ -77,10 +119,12 @@ class AsyncDiffusionEngine:
             self._send("abort", request_id, "server shutting down")
         while self._streams and self.is_running and time.monotonic() < deadline + 5:
             await asyncio.sleep(0.02)
-        self._stop.set()
-        self._wakeup.set()
-        self._started.set()  # a loop never started must still see the stop
-        await asyncio.to_thread(self._thread.join, 10)
+        if self.core_process is not None:
+            await asyncio.to_thread(self.core_process.close)
+        else:
+            self._core.stop()
+            self._started.set()  # a loop never started must still see the stop
+            await asyncio.to_thread(self._thread.join, 10)
         self._fail_all(EngineShuttingDownError("the engine shut down before this request finished"))
 
     # -- requests ------------------------------------------------------------------
@@ -100,14 +144,14 @@ class AsyncDiffusionEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream  # reserved now: the id is taken while the request is processed
-        accepted = self._loop.create_future()
         finished = False
         try:
             # Checked completely here, off the event loop and off the step loop: a bad request is
             # answered at once whatever the engine is running, and an upload decodes in this thread.
-            request = await asyncio.to_thread(self.engine.processor.process, request_id, prompt, params)
-            self._send("add", request, accepted)
-            await accepted  # raises what add_request raised
+            request = await asyncio.to_thread(self.processor.process, request_id, prompt, params)
+            accepted = self._adds[request_id] = self._loop.create_future()
+            self._send("add", request)
+            await accepted  # raises what add_processed raised
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -118,6 +162,7 @@ class AsyncDiffusionEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self._adds.pop(request_id, None)
             if not finished:  # gone early (or never accepted: aborting an unknown id does nothing)
                 self._send("abort", request_id, None)
 
@@ -125,38 +170,42 @@ class AsyncDiffusionEngine:
         self._send("abort", request_id, None)
 
     # -- LoRA adapters ---------------------------------------------------------------
-    # The engine's registry is thread-safe and reads adapters in the caller's thread: a worker thread
-    # here, so the event loop keeps serving and the step loop keeps stepping while one is read.
+    # The registry is thread-safe and reads adapters in the caller's thread: a worker thread here, so
+    # the event loop keeps serving and the core keeps stepping while one is read.
     async def load_lora(self, name: str, path: str) -> None:
         """Reads and registers an adapter (seconds for a large one); ValueError if it cannot be served."""
-        await asyncio.to_thread(self.engine.load_lora, name, path)
+        await asyncio.to_thread(require_registry(self.loras).load, name, path)
 
     async def unload_lora(self, name: str) -> None:
         """Forgets an adapter; requests already accepted with it finish with it. ValueError if unknown."""
-        await asyncio.to_thread(self.engine.unload_lora, name)
+        await asyncio.to_thread(require_registry(self.loras).unload, name)
 
     def valid_samplers(self) -> list[str]:
         """The samplers this model runs (probed at start-up; read-only since)."""
-        return self.engine.valid_samplers()
+        return self.processor.valid_samplers()
 
     def list_loras(self) -> list[dict]:
         """The loaded adapters ({"name", "path", "in_host_cache"}); quick, safe on the event loop."""
-        return self.engine.list_loras()
+        return [] if self.loras is None else self.loras.list()
 
     def stats(self) -> dict:
-        """The engine's counters as of its latest step (a snapshot taken on the loop thread), with
-        one entry per worker under "workers"."""
+        """The engine's counters as of its latest step (a snapshot the core sent), with one entry per
+        worker under "workers"."""
         return dict(self._stats)
 
-    # -- the loop thread -------------------------------------------------------------
+    # -- the core --------------------------------------------------------------------
     def _send(self, *command: Any) -> None:
-        self._commands.put(command)
-        self._wakeup.set()
+        if self.core_process is not None:
+            self.core_process.send(*command)
+        else:
+            self._core.put(*command)
 
     def _run(self, model: str | None, engine_args: dict[str, Any], loaded: threading.Event) -> None:
+        """The loop thread of an in-process core."""
         try:
             self.engine = DiffusionEngine(model, **engine_args)
-            self._snapshot_stats()
+            self._core = CoreLoop(self.engine, self._on_report)
+            self._stats = self._core.stats()
         except BaseException as e:  # bad arguments, a missing model: the constructor raises it
             self.dead = e
             return
@@ -164,58 +213,49 @@ class AsyncDiffusionEngine:
             loaded.set()
         self._started.wait()
         try:
-            while not self._stop.is_set():
-                self._apply_commands()
-                self._snapshot_stats()
-                if not self.engine.has_unfinished_requests():
-                    # idle, yet a restarted worker must be let in, and a dead one noticed
-                    interval = self.engine.idle_poll_interval
-                    self._wakeup.wait(interval)
-                    self._wakeup.clear()
-                    if interval is not None:
-                        self.engine.poll_workers()
-                        self._snapshot_stats()
-                    continue
-                outputs = self.engine.step()
-                self._snapshot_stats()
-                for listener in self.step_listeners:
-                    try:
-                        listener(self.engine.last_step, outputs)
-                    except Exception:  # metrics must never take the engine down
-                        logger.exception("step listener %r failed", listener)
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+            self._core.run()
         except BaseException as e:  # the engine is broken: every open stream must hear of it
             logger.exception("engine loop died")
-            self.dead = e
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop died: {e!r}"))
+            self._on_core_exit(e)
         finally:
-            self.engine.shutdown()  # Ray workers go with the loop that drove them
+            self.engine.shutdown()  # the decode stage drains; Ray workers go with the loop that drove them
 
-    def _snapshot_stats(self) -> None:
-        self._stats = {**self.engine.stats(), "workers": self.engine.worker_stats()}
-
-    def _apply_commands(self) -> None:
-        while True:
+    def _on_report(self, report: tuple) -> None:
+        """What the core says (on its loop thread, or the reader thread of a core process)."""
+        kind = report[0]
+        if kind == "accepted":
+            _, request_id, error = report
+            self._loop.call_soon_threadsafe(self._settle, request_id, error)
+            return
+        self._stats = report[-1]
+        if kind != "step":
+            return
+        _, step, outputs, _ = report
+        for listener in self.step_listeners:
             try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] == "add":
-                _, request, accepted = command
-                try:
-                    self.engine.add_processed(request)
-                except Exception as e:  # bad input or a full queue: the caller's error
-                    self._loop.call_soon_threadsafe(_settle, accepted, e)
-                else:
-                    self._loop.call_soon_threadsafe(_settle, accepted, None)
-            else:
-                _, request_id, reason = command
-                if self.engine.abort_request(request_id) and reason:
-                    logger.info("aborted %s: %s", request_id, reason)
+                listener(step, outputs)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("step listener %r failed", listener)
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _on_core_exit(self, error: BaseException) -> None:
+        if self.core_process is not None:
+            logger.error("the engine core process died: %r", error)
+        self.dead = error
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop died: {error!r}"))
 
     # -- on the event loop -------------------------------------------------------------
+    def _settle(self, request_id: str, error: BaseException | None) -> None:
+        future = self._adds.pop(request_id, None)
+        if future is None or future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -225,12 +265,5 @@ class AsyncDiffusionEngine:
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
             stream.put_nowait(error)
-
-
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
+        for request_id in list(self._adds):
+            self._settle(request_id, error)

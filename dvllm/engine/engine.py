@@ -14,7 +14,7 @@ from dvllm.engine.coordinator import Coordinator
 from dvllm.engine.input_processor import InputProcessor
 from dvllm.engine.result_cache import CachedResult, ResultCache
 from dvllm.executor import create_executor
-from dvllm.lora.registry import LoraRegistry
+from dvllm.lora.registry import LoraRegistry, require_registry
 from dvllm.outputs import RequestMetrics, RequestOutput
 from dvllm.profiler import PhaseTimer, breakdown
 from dvllm.sampling_params import SamplingParams
@@ -34,6 +34,9 @@ class StepStats:
 class DiffusionEngine:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        if self.config.engine_core_process:
+            raise ValueError("engine_core_process: DiffusionEngine steps in the caller's process; "
+                             "AsyncDiffusionEngine (and dvllm serve) can run the core in a process of its own")
         self.config.check_lora_modules()  # a typo'd adapter fails now, not after the model loads
         self.executor = create_executor(self.config)
         try:
@@ -151,9 +154,7 @@ class DiffusionEngine:
         return [] if self.loras is None else self.loras.list()
 
     def _lora_registry(self) -> LoraRegistry:
-        if self.loras is None:
-            raise ValueError("this engine serves no LoRA adapters: create it with enable_lora=True or lora_modules")
-        return self.loras
+        return require_registry(self.loras)
 
     def has_unfinished_requests(self) -> bool:
         return self.coordinator.has_unfinished() or bool(self._pending)

@@ -31,7 +31,9 @@ from dvllm.sampling_params import SamplingParams, as_images, check_text
 
 class InputProcessor:
     def __init__(self, config: EngineConfig, info: ModelInfo, block_numel: int, pool_blocks: int,
-                 loras: LoraRegistry | None = None, model_key: str = "") -> None:
+                 loras: LoraRegistry | None = None, model_key: str = "",
+                 valid_samplers: list[str] | None = None) -> None:
+        """valid_samplers: what another processor of this model probed (a server's, for its core's)."""
         self.config, self.info, self.loras = config, info, loras
         self.model_key = model_key  # what identifies the served model in result-cache keys
         if config.default_cache is not None and info.cache_layout is None:
@@ -45,7 +47,7 @@ class InputProcessor:
         self._most: OrderedDict[tuple, int] = OrderedDict()  # (sampler, strength, size) -> most steps it runs
         # Which samplers run this model is probed at start-up (every diffusers scheduler is tried: 0.4-1.4 s),
         # not by the first request that names a bad one.
-        self._valid_samplers = self._probe_samplers()
+        self._valid_samplers = self._probe_samplers() if valid_samplers is None else list(valid_samplers)
 
     def process(self, request_id: str, prompt: str, params: SamplingParams | None,
                 arrival_time: float | None = None) -> Request:

@@ -370,7 +370,10 @@ def run_server(args: argparse.Namespace, sock: socket.socket | None = None) -> N
     _log_to_stderr(log_level)
     sock = sock or bind_socket(args.host, args.port)
     try:
-        engine = AsyncDiffusionEngine(**engine_kwargs(args))
+        kwargs = engine_kwargs(args)
+        if kwargs.get("engine_core_process") is None:  # the server's default: the core in a process of its own
+            kwargs["engine_core_process"] = True
+        engine = AsyncDiffusionEngine(**kwargs)
         app = build_app(engine, args)
         url = public_url(argparse.Namespace(**{**vars(args), "port": sock.getsockname()[1]}))  # (port 0: the one bound)
         logger.info("the OpenAI Images API at %s/v1 (model %r), the playground at %s/", url, app.state.ctx.model_name,

@@ -113,3 +113,10 @@ class LoraRegistry:
         from dvllm.lora.skeleton import skeleton_pipeline
 
         return skeleton_pipeline(self.model, self.load_config)
+
+
+def require_registry(registry: LoraRegistry | None) -> LoraRegistry:
+    """The engine's registry, or the error that says how to get one."""
+    if registry is None:
+        raise ValueError("this engine serves no LoRA adapters: create it with enable_lora=True or lora_modules")
+    return registry

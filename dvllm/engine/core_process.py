@@ -1,0 +1,206 @@
+"""The engine core in a process of its own (as vLLM v1's EngineCoreProc), and the server's end of it.
+
+The child builds the DiffusionEngine and runs the CoreLoop on its main thread; a reader thread
+takes commands off one pipe and a writer thread sends the loop's reports down the other, so the
+loop never waits on a pipe and pickling stays off it. The server keeps admission (the input
+processor, LoRA files) and everything HTTP: what crosses is a checked Request one way and
+RequestOutputs the other, pickled (protocol 5).
+
+The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group, and the server
+drains before it stops its core) and leaves when told to or when the server's end of the pipe
+closes, so a server that dies takes its core with it.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from dvllm.config import EngineConfig
+from dvllm.models.base import ModelInfo
+from dvllm.models.load_config import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+_PROTOCOL = 5
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What the server needs of a core that has loaded its model: to check requests as its engine would."""
+
+    config: EngineConfig
+    model_info: ModelInfo
+    loaded_model: LoadedModel
+    block_numel: int
+    pool_blocks: int      # the smallest worker's pool
+    model_key: str        # the result cache's model identity
+    valid_samplers: list[str]
+
+
+class CoreProcess:
+    """The server's end: starts the core, sends it commands, hands each report to `on_report` (on a
+    reader thread of its own), and calls `on_exit` once if the core goes without being told to."""
+
+    def __init__(self, engine_args: dict[str, Any], on_report: Callable[[tuple], None],
+                 on_exit: Callable[[BaseException], None], log_level: str | None = None) -> None:
+        # A fresh interpreter (`python -m dvllm.engine.core_process`), not multiprocessing's spawn: that would
+        # import the caller's main script again, which a script without a __main__ guard does not survive.
+        commands_in, self._commands = multiprocessing.Pipe(duplex=False)  # (reader, writer): the core reads
+        self._reports, reports_out = multiprocessing.Pipe(duplex=False)   # commands and writes reports
+        fds = (commands_in.fileno(), reports_out.fileno())
+        self._process = subprocess.Popen([sys.executable, "-m", "dvllm.engine.core_process", *map(str, fds)],
+                                         pass_fds=fds, stdin=subprocess.DEVNULL)
+        commands_in.close()  # the core holds its own ends: ours must close for EOF to mean "gone"
+        reports_out.close()
+        self._commands.send_bytes(pickle.dumps((engine_args, log_level), protocol=_PROTOCOL))
+        self._on_report, self._on_exit = on_report, on_exit
+        self._stopping = False
+        self._send_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.info = self._wait_ready()
+        self._reader = threading.Thread(target=self._read, name="dvllm-core-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="dvllm-core-writer", daemon=True)
+        self._reader.start()
+        self._writer.start()
+
+    def _wait_ready(self) -> CoreInfo:
+        try:
+            kind, payload = pickle.loads(self._reports.recv_bytes())
+        except (EOFError, OSError):
+            self._wait(5)
+            raise RuntimeError(f"the engine core process exited with code {self._process.returncode} while "
+                               "loading the model (its log is above)") from None
+        if kind == "failed":
+            self._wait(10)
+            raise payload
+        return payload
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def is_alive(self) -> bool:
+        return self._process.poll() is None
+
+    def _wait(self, timeout: float) -> bool:
+        """True if the core exited within `timeout`."""
+        try:
+            self._process.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def send(self, *command: Any) -> None:
+        """("add", Request) / ("abort", id, reason) / ("stop",): pickled and sent in order, off the caller."""
+        self._send_queue.put(command)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Asks the core to drain its stages and exit; kills it past `timeout`."""
+        self._stopping = True
+        self.send("stop")
+        if not self._wait(timeout):
+            logger.warning("the engine core did not exit in %.0f s: killing it", timeout)
+            self._process.kill()
+            self._wait(5)
+        self._send_queue.put(None)
+
+    def _write(self) -> None:
+        while True:
+            command = self._send_queue.get()
+            if command is None:
+                return
+            try:
+                self._commands.send_bytes(pickle.dumps(command, protocol=_PROTOCOL))
+            except (OSError, ValueError):  # the core is gone: the reader reports it
+                return
+
+    def _read(self) -> None:
+        error: BaseException | None = None
+        try:
+            while True:
+                kind, *rest = pickle.loads(self._reports.recv_bytes())
+                if kind == "dead":
+                    error = rest[0]
+                    break
+                self._on_report((kind, *rest))
+        except (EOFError, OSError):
+            pass
+        self._wait(5)
+        if not self._stopping:
+            self._on_exit(error or RuntimeError(f"the engine core process exited with code {self._process.returncode}"))
+
+
+def run_core(commands: Connection, reports: Connection) -> None:
+    """The core process's main: read its arguments, load, say ready (or why not), then step until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from dvllm.engine.core_loop import CoreLoop, portable
+    from dvllm.engine.engine import DiffusionEngine
+    from dvllm.entrypoints.logging_setup import setup_logging
+
+    engine_args, log_level = pickle.loads(commands.recv_bytes())
+    if log_level is not None:  # the server's dvllm logging, on the stderr the core shares with it
+        setup_logging(log_level)
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    writer = threading.Thread(target=_send_reports, args=(out, reports), name="dvllm-core-writer", daemon=True)
+    writer.start()
+    try:
+        engine = DiffusionEngine(**engine_args)
+    except BaseException as e:  # bad arguments, a missing model: the server raises it
+        out.put(("failed", portable(e)))
+        out.put(None)
+        writer.join()
+        return
+    out.put(("ready", CoreInfo(engine.config, engine.model_info, engine.loaded_model, engine.block_numel,
+                               engine.processor.pool_blocks, engine.processor.model_key,
+                               engine.valid_samplers())))
+    loop = CoreLoop(engine, out.put)
+    threading.Thread(target=_take_commands, args=(commands, loop), name="dvllm-core-commands", daemon=True).start()
+    try:
+        loop.run()
+    except BaseException as e:  # the engine is broken: the server fails every open request
+        logger.exception("engine core died")
+        out.put(("dead", portable(e)))
+    finally:
+        engine.shutdown()  # drains the decode stage, stops Ray workers
+        out.put(None)
+        writer.join(10)
+
+
+def _take_commands(commands: Connection, loop: Any) -> None:
+    """Unpickles commands into the loop's queue; the server's end closing stops the loop."""
+    try:
+        while True:
+            command = pickle.loads(commands.recv_bytes())
+            if command[0] == "stop":
+                break
+            loop.put(*command)
+    except (EOFError, OSError):
+        logger.warning("the server's end of the engine core's pipe closed: stopping")
+    loop.stop()
+
+
+def _send_reports(out: queue.SimpleQueue, reports: Connection) -> None:
+    while True:
+        report = out.get()
+        if report is None:
+            return
+        try:
+            reports.send_bytes(pickle.dumps(report, protocol=_PROTOCOL))
+        except (OSError, ValueError):
+            return  # the server is gone; the command reader stops the loop
+
+
+if __name__ == "__main__":
+    # through the module's import name, so that what it pickles (CoreInfo) unpickles in the server
+    from dvllm.engine import core_process
+
+    core_process.run_core(Connection(int(sys.argv[1])), Connection(int(sys.argv[2])))
