@@ -232,14 +232,14 @@ def test_loading_runs_off_the_event_loop(sd_eps_path, adapters, monkeypatch):
     engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", state_pool_mb=32,
                                   enable_lora=True)
     reading, release = threading.Event(), threading.Event()
-    real_load = engine.engine.load_lora
+    real_load = engine.loras.load  # the async engine reads adapters where it checks requests
 
     def slow_load(name: str, path: str) -> None:
         reading.set()
         assert release.wait(60), "the test never released the load"
         real_load(name, path)
 
-    monkeypatch.setattr(engine.engine, "load_lora", slow_load)
+    monkeypatch.setattr(engine.loras, "load", slow_load)
     body = {"lora_name": "style", "lora_path": adapters["style"]}
     with TestClient(build_app(engine, argparse.Namespace(allow_runtime_lora_updating=True))) as client, \
             ThreadPoolExecutor(2) as pool:

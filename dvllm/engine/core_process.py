@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dvllm.config import EngineConfig
+from dvllm.engine.lora_mirror import LoraMirror
 from dvllm.models.base import ModelInfo
 from dvllm.models.load_config import LoadedModel
 
@@ -67,6 +68,7 @@ class CoreProcess:
         self._stopping = False
         self._send_queue: queue.SimpleQueue = queue.SimpleQueue()
         self.info = self._wait_ready()
+        self._loras = LoraMirror(self.info.config.cpu_lora_cache_size)
         self._reader = threading.Thread(target=self._read, name="dvllm-core-reader", daemon=True)
         self._writer = threading.Thread(target=self._write, name="dvllm-core-writer", daemon=True)
         self._reader.start()
@@ -87,6 +89,11 @@ class CoreProcess:
     @property
     def pid(self) -> int | None:
         return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The core's exit code once it has gone (None while it runs)."""
+        return self._process.poll()
 
     def is_alive(self) -> bool:
         return self._process.poll() is None
@@ -118,6 +125,8 @@ class CoreProcess:
             command = self._send_queue.get()
             if command is None:
                 return
+            if command[0] == "add":  # here, in send order, so that the core's table follows ours
+                command = ("add", self._loras.outgoing(command[1]))
             try:
                 self._commands.send_bytes(pickle.dumps(command, protocol=_PROTOCOL))
             except (OSError, ValueError):  # the core is gone: the reader reports it
@@ -163,7 +172,9 @@ def run_core(commands: Connection, reports: Connection) -> None:
                                engine.processor.pool_blocks, engine.processor.model_key,
                                engine.valid_samplers())))
     loop = CoreLoop(engine, out.put)
-    threading.Thread(target=_take_commands, args=(commands, loop), name="dvllm-core-commands", daemon=True).start()
+    loras = LoraMirror(engine.config.cpu_lora_cache_size)
+    threading.Thread(target=_take_commands, args=(commands, loop, loras), name="dvllm-core-commands",
+                     daemon=True).start()
     try:
         loop.run()
     except BaseException as e:  # the engine is broken: the server fails every open request
@@ -175,13 +186,15 @@ def run_core(commands: Connection, reports: Connection) -> None:
         writer.join(10)
 
 
-def _take_commands(commands: Connection, loop: Any) -> None:
+def _take_commands(commands: Connection, loop: Any, loras: LoraMirror) -> None:
     """Unpickles commands into the loop's queue; the server's end closing stops the loop."""
     try:
         while True:
             command = pickle.loads(commands.recv_bytes())
             if command[0] == "stop":
                 break
+            if command[0] == "add":
+                command = ("add", loras.incoming(command[1]))
             loop.put(*command)
     except (EOFError, OSError):
         logger.warning("the server's end of the engine core's pipe closed: stopping")
