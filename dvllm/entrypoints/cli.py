@@ -93,7 +93,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                    help="dvllm's log level; debug also shows the libraries' warnings and loading bars "
                         "(default: warning).")
-    add_engine_args(p)
+    add_engine_args(p, skip=("engine_core_process",))  # generate steps its engine in its own process
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
