@@ -59,6 +59,7 @@ def test_streams_through_a_core_process_match_the_offline_engine(sd_eps_path):
     async def main():
         engine = core_engine(sd_eps_path)
         assert engine.core_process.pid != os.getpid() and not hasattr(engine, "engine")
+        assert engine.stats()["num_workers_alive"] == 1  # counters from the start (/health reads them)
         engine.start()
         results = await asyncio.gather(*(collect(engine, p, sp) for p, sp in zip(prompts, params)))
         stats = engine.stats()

@@ -46,6 +46,7 @@ class CoreInfo:
     pool_blocks: int      # the smallest worker's pool
     model_key: str        # the result cache's model identity
     valid_samplers: list[str]
+    stats: dict           # the counters at start-up, until the first report
 
 
 class CoreProcess:
@@ -69,6 +70,7 @@ class CoreProcess:
         self._send_queue: queue.SimpleQueue = queue.SimpleQueue()
         self.info = self._wait_ready()
         self._loras = LoraMirror(self.info.config.cpu_lora_cache_size)
+        on_report(("stats", self.info.stats))  # the counters are there before any request or probe
         self._reader = threading.Thread(target=self._read, name="dvllm-core-reader", daemon=True)
         self._writer = threading.Thread(target=self._write, name="dvllm-core-writer", daemon=True)
         self._reader.start()
@@ -168,10 +170,10 @@ def run_core(commands: Connection, reports: Connection) -> None:
         out.put(None)
         writer.join()
         return
+    loop = CoreLoop(engine, out.put)
     out.put(("ready", CoreInfo(engine.config, engine.model_info, engine.loaded_model, engine.block_numel,
                                engine.processor.pool_blocks, engine.processor.model_key,
-                               engine.valid_samplers())))
-    loop = CoreLoop(engine, out.put)
+                               engine.valid_samplers(), loop.stats())))
     loras = LoraMirror(engine.config.cpu_lora_cache_size)
     threading.Thread(target=_take_commands, args=(commands, loop, loras), name="dvllm-core-commands",
                      daemon=True).start()
