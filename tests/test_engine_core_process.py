@@ -166,6 +166,7 @@ def test_dvllm_serve_runs_its_core_apart_and_answers_503_when_it_dies(sd_eps_pat
     from utils_server import BASE_ARGS, FAST, RemoteServer, assert_error, metrics
 
     with RemoteServer(sd_eps_path, BASE_ARGS) as server:
+        assert metrics(server.url)["dvllm_num_requests_running"] == 0  # the core's counters from the start
         ok = httpx.post(server.url + "/v1/images/generations", json={"prompt": "x", **FAST}, timeout=WAIT)
         assert ok.status_code == 200, ok.text
         assert metrics(server.url)["dvllm_stage_items_total{stage=\"denoise\"}"] > 0  # the core's counters
