@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The whole GPU check in one call (< 10 minutes on one H200): build the CUDA extension and run the
+# The whole GPU check in one call (< 12 minutes on one H200): build the CUDA extension and run the
 # CUDA kernel tests, then time sd15 and sd-turbo (dvllm.benchmarks.gpu_suite), then measure how far
 # batching moves an image in fp16/bf16 and stress the largest step (dvllm.benchmarks.batch_invariance),
 # then step caching on flux-dev (dvllm.benchmarks.cached, through throughput --cache), then multi-LoRA
 # on sdxl: 8 adapters mixed in one batch and the step cost they add (dvllm.benchmarks.lora, throughput --loras),
 # then image editing on qwen-image-edit: dvllm, serial and static on the same edit requests at 3x what serial
 # sustains (dvllm.benchmarks.edit_sweep, one server at a time: three copies of the 20B model do not fit),
+# then the decode stage's loop stall and the engine core in its own process against a thread
+# (dvllm.benchmarks.loop_stall, core_process_serving, sd15 at 512x512),
 # then each family's preset loaded as served, bf16/fp16 and quantized (dvllm.benchmarks.preset_load).
 #
 #   benchmarks/gpu/run_suite.sh [--dry-run] [--out DIR]
@@ -47,6 +49,9 @@ if [ $dry = 1 ]; then
   $python -m dvllm.benchmarks.edit_sweep --model qwen-image-edit-cpu --device cpu --dtype float32 --size 32x32 \
     --edit-images 1,2 --steps 2 --num-requests 2 --calibration-requests 1 --sequential \
     --output-dir "$out/edit_dry"
+  $python -m dvllm.benchmarks.loop_stall --model tiny-sd --size 32 --cohort 4 --rounds 1 --output "$out/loop_stall_dry.json"
+  $python -m dvllm.benchmarks.core_process_serving --model tiny-sd --size 16x16 --steps 3 --concurrency 2 \
+    --num-requests 4 --rounds 1 --warmup 0 --output-json "$out/core_process_dry.json"
   $python -m dvllm.benchmarks.preset_load --dry-run --only tiny-sd --repeats 1 --output-json "$out/preset_load_dry.json"
 else
   echo "== CUDA kernels: build and test"
@@ -75,6 +80,13 @@ else
   $python -m dvllm.benchmarks.edit_sweep --model qwen-image-edit --device cuda --dtype bfloat16 --size 512x512 \
     --edit-image-sizes 384x384,512x384,384x512 --edit-images 1 --steps 8,16 --guidance 1.0,4.0 \
     --num-requests 12 --calibration-requests 4 --sequential --output-dir "$out/edit" 2>&1 | tee "$out/edit.txt"
+  echo "== decode stage: the loop's longest gap when 16 requests finish together, on vs off (sd15, 512x512)"
+  timeout 240 $python -m dvllm.benchmarks.loop_stall --model sd15 --size 512 --cohort 16 --device cuda \
+    --output "$out/loop_stall.json" 2>&1 | tee "$out/loop_stall.txt" || echo "loop_stall stopped early"
+  echo "== the engine core in its own process vs on the server's thread: 32 streaming clients (sd15, 512x512)"
+  timeout 300 $python -m dvllm.benchmarks.core_process_serving --model sd15 --size 512x512 --steps 10 \
+    --num-requests 64 --output-json "$out/core_process.json" 2>&1 | tee "$out/core_process.txt" \
+    || echo "core_process_serving stopped early"
   echo "== each family's preset as served (family dtype; flux-dev int8 and fp8 with T5 on the CPU): weights, pool, step"
   timeout 420 $python -m dvllm.benchmarks.preset_load --output-json "$out/preset_load.json" 2>&1 \
     | tee "$out/preset_load.txt" || echo "preset_load stopped early (its JSON keeps what was measured)"

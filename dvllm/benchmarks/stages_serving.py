@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import hashlib
 import io
 import itertools
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -163,8 +165,11 @@ class Server:
         raise TimeoutError(f"{shlex.join(self.cmd)} did not answer /health in {timeout:g} s:\n{self.tail()}")
 
     def tail(self, chars: int = 3000) -> str:
-        with open(self.log.name, errors="replace") as f:
-            return f.read()[-chars:]
+        try:
+            with open(self.log.name, errors="replace") as f:
+                return f.read()[-chars:]
+        except OSError as e:  # someone cleaned /tmp: the error must not hide what went wrong
+            return f"(the server's log is unreadable: {e})"
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -175,7 +180,8 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
-        os.unlink(self.log.name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.log.name)
 
 
 async def stream_one(client: Any, body: dict[str, Any], start: float) -> dict[str, Any]:
@@ -245,15 +251,24 @@ async def run_once(url: str, setting: str, round_: int, specs: list[Spec], warm:
         after = await _scrape(client)
     records, pixels = [], {}
     for index, (arrival, r) in enumerate(zip(arrivals, results)):
-        digest = None
-        if r["b64"] is not None:
-            with Image.open(io.BytesIO(base64.b64decode(r["b64"]))) as image:
-                pixels[index] = np.asarray(image.convert("RGB"))
-            digest = hashlib.sha256(pixels[index].tobytes()).hexdigest()
-        ok = r["error"] is None
-        records.append(Record(setting, round_, index, arrival, r["sent"], ok, r["error"], r["ttfs"],
-                              r["first_partial"], r["latency"] if ok else None, r["partials"], digest))
+        record, image = to_record(setting, round_, index, arrival, r)
+        records.append(record)
+        if image is not None:
+            pixels[index] = image
     return records, pixels, duration, server_usage(before, after, duration)
+
+
+def to_record(setting: str, round_: int, index: int, arrival: float,
+              r: dict[str, Any]) -> tuple[Record, np.ndarray | None]:
+    """stream_one's result as a Record, and its final image's pixels (None if it failed)."""
+    pixels = digest = None
+    if r["b64"] is not None:
+        with Image.open(io.BytesIO(base64.b64decode(r["b64"]))) as image:
+            pixels = np.asarray(image.convert("RGB"))
+        digest = hashlib.sha256(pixels.tobytes()).hexdigest()
+    ok = r["error"] is None
+    return Record(setting, round_, index, arrival, r["sent"], ok, r["error"], r["ttfs"], r["first_partial"],
+                  r["latency"] if ok else None, r["partials"], digest), pixels
 
 
 def _stages(usages: list[tuple[float, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -347,15 +362,20 @@ def format_report(result: dict[str, Any]) -> str:
     for k in ("off", "on"):
         lines.append(f"stages {k}: {format_stages(s[k]['stages'])}")
         lines += [f"  error ({k}): {e}" for e in s[k]["errors"]]
+    lines.append(format_images(im, result["rounds"]))
+    return "\n".join(lines)
+
+
+def format_images(im: dict[str, Any], rounds: int) -> str:
+    """compare_images' answer for two settings' runs, one line."""
     across = (f"across the settings max abs diff {im['max_abs_diff_0_255']['across_settings']}/255, "
               f"{im['values_differing']['across_settings']} of {im['values_compared']['across_settings']} values "
               f"differ")
-    if result["rounds"] > 1:
+    if rounds > 1:
         across += (f"; within a setting, across rounds: max {im['max_abs_diff_0_255']['same_setting']}/255, "
                    f"{im['values_differing']['same_setting']} of {im['values_compared']['same_setting']} values")
-    lines.append(f"images equal: {'yes' if im['images_equal'] else 'no'} ({im['requests_pixel_equal']} of "
-                 f"{im['requests_compared']} requests pixel-equal in all {2 * result['rounds']} runs; {across})")
-    return "\n".join(lines)
+    return (f"images equal: {'yes' if im['images_equal'] else 'no'} ({im['requests_pixel_equal']} of "
+            f"{im['requests_compared']} requests pixel-equal in all {2 * rounds} runs; {across})")
 
 
 def _httpx() -> Any:
@@ -366,6 +386,36 @@ def _httpx() -> Any:
     return httpx
 
 
+def run_order(settings: tuple[str, str], rounds: int) -> list[tuple[str, int]]:
+    """(setting, round) of each run: a, b, b, a, a, b, ...: a drifting load weighs on both settings alike."""
+    a, b = settings
+    return [(s, round_) for round_ in range(rounds) for s in ((a, b) if round_ % 2 == 0 else (b, a))]
+
+
+@contextlib.contextmanager
+def servers_up(model: str | None, flags: dict[str, list[str]], httpx: Any,
+               startup_timeout: float) -> Iterator[dict[str, Server]]:
+    """One `dvllm serve` per setting with its flags, all started at once (the loads overlap, the runs do not)
+    and ready; all stopped on the way out, a SIGTERM (a killed job) included."""
+    servers: dict[str, Server] = {}
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) if in_main else None
+    try:
+        for setting, setting_flags in flags.items():
+            servers[setting] = Server(model, setting_flags)
+        for server in servers.values():
+            server.wait_ready(httpx, startup_timeout)
+        yield servers
+    finally:
+        for server in servers.values():
+            try:
+                server.stop()
+            except Exception as e:  # noqa: BLE001 - one server's trouble must not leave the others running
+                print(f"warning: stopping {shlex.join(server.cmd)} failed: {type(e).__name__}: {e}", flush=True)
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     check_args(args)
     httpx = _httpx()
@@ -373,22 +423,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     warm = workload(args.warmup, args.seed + 1)
     arrivals = arrival_times(args.num_requests, args.request_rate, 1.0, seed=args.seed)
     common = ["--log-level", "warning", "--result-cache-mb", "0", *shlex.split(args.server_args)]
-    servers: dict[str, Server] = {}
     records: list[Record] = []
     pixels: dict[tuple[str, int], dict[int, np.ndarray]] = {}
     usages: dict[str, list[tuple[float, dict[str, Any]]]] = {"off": [], "on": []}
     load_before = os.getloadavg()
-    # A SIGTERM (a killed job) unwinds through the finally below, so the servers go with the benchmark.
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) if in_main else None
-    try:
-        for setting, flag in SETTINGS.items():  # started together: the loads overlap, the runs do not
-            servers[setting] = Server(args.model, [*common, flag])
-        for server in servers.values():
-            server.wait_ready(httpx, args.startup_timeout)
-        order = []
-        for round_ in range(args.rounds):  # off, on, on, off, ...: a drifting load weighs on both alike
-            order += [(s, round_) for s in (("off", "on") if round_ % 2 == 0 else ("on", "off"))]
+    order = run_order(tuple(SETTINGS), args.rounds)
+    with servers_up(args.model, {k: [*common, flag] for k, flag in SETTINGS.items()}, httpx,
+                    args.startup_timeout) as servers:
         for setting, round_ in order:
             print(f"run: {setting}, round {round_ + 1} of {args.rounds}", flush=True)
             recs, pix, duration, usage = asyncio.run(run_once(servers[setting].url, setting, round_, specs,
@@ -396,11 +437,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             records += recs
             pixels[(setting, round_)] = pix
             usages[setting].append((duration, usage))
-    finally:
-        for server in servers.values():
-            server.stop()
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
     settings = {k: summarize([r for r in records if r.setting == k], usages[k]) for k in ("off", "on")}
     ratios = {key: _ratio(settings["on"][key], settings["off"][key])
               for key in ("images_per_s", "latency_p50_s", "latency_p95_s", "ttfs_p50_s", "ttfs_p95_s",
@@ -425,14 +461,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    return run_main("stages_serving", build_parser(), run, format_report, argv)
+
+
+def run_main(name: str, parser: argparse.ArgumentParser, run_fn: Any, report_fn: Any, argv: list[str] | None) -> int:
+    """A two-server benchmark's command: run, print the report, write the JSON; 1 if a request failed."""
     args = parser.parse_args(argv)
     args.argv = argv
     try:
-        result = run(args)
+        result = run_fn(args)
     except (ValueError, RuntimeError, TimeoutError, OSError) as e:
-        parser.exit(2, f"stages_serving: error: {e}\n")
-    print(format_report(result))
+        parser.exit(2, f"{name}: error: {e}\n")
+    print(report_fn(result))
     if args.output_json:
         folder = os.path.dirname(args.output_json)
         if folder:
