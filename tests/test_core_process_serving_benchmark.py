@@ -10,7 +10,7 @@ import pytest
 
 from dvllm.benchmarks import core_process_serving
 from dvllm.benchmarks.server_usage import histogram_delta, histogram_quantile, histogram_totals, server_usage
-from dvllm.benchmarks.stages_serving import run_order
+from dvllm.benchmarks.server_pair import run_order
 
 # As tests/test_stages_serving_benchmark.py: one request per forward (its CFG rows fill the batch) and one image
 # per decode, so the images' float noise does not depend on which requests shared a batch: pixel-equal runs.
@@ -144,7 +144,7 @@ def test_ratios_are_process_over_in_process():
 
 
 def test_per_run_throughput_counts_each_rounds_completed_requests():
-    from dvllm.benchmarks.stages_serving import Record
+    from dvllm.benchmarks.server_pair import Record
 
     def record(round_: int, ok: bool) -> Record:
         return Record("process", round_, 0, 0.0, 0.0, ok, None if ok else "x", None, None, None)

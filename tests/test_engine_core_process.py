@@ -14,31 +14,14 @@ import time
 import numpy as np
 import pytest
 
-from dvllm import AsyncDiffusionEngine, DiffusionEngine, QueueFullError, SamplingParams
+from dvllm import AsyncDiffusionEngine, DiffusionEngine, QueueFullError
 from dvllm.engine.async_engine import EngineDeadError, EngineShuttingDownError
-
-WAIT = 120.0  # s: reached only when something is broken
-ENDLESS = {"num_inference_steps": 20_000, "sampler": "euler"}  # outlasts any test (max_inference_steps raised)
-
-
-def P(**kwargs) -> SamplingParams:
-    return SamplingParams(**{**dict(num_inference_steps=4, guidance_scale=5.0, height=16, width=16,
-                                    output_type="np"), **kwargs})
+from test_async_engine import ENDLESS, WAIT, P, collect  # the thread-mode tests' requests and stream reader
 
 
 def core_engine(path: str, **kwargs) -> AsyncDiffusionEngine:
     return AsyncDiffusionEngine(model=path, device="cpu", dtype="float32", state_pool_mb=16,
                                 engine_core_process=True, **kwargs)
-
-
-async def collect(engine: AsyncDiffusionEngine, prompt: str, params: SamplingParams, request_id=None,
-                  started: asyncio.Event | None = None) -> list:
-    outs = []
-    async for out in engine.generate(prompt, params, request_id):
-        outs.append(out)
-        if started is not None:
-            started.set()
-    return outs
 
 
 async def until(predicate, what: str) -> None:

@@ -41,13 +41,13 @@ from dvllm.benchmarks.stages_serving import (
     Record,
     Spec,
     _fmt,
-    _httpx,
     _ratio,
-    _scrape,
     compare_images,
     format_images,
+    import_httpx,
     run_main,
     run_order,
+    scrape_metrics,
     servers_up,
     stream_one,
     summarize,
@@ -111,7 +111,7 @@ def check_args(args: argparse.Namespace) -> None:
 async def run_closed(url: str, setting: str, round_: int, specs: list[Spec], warm: list[Spec],
                      args: argparse.Namespace) -> tuple[list[Record], dict[int, np.ndarray], float, dict[str, Any]]:
     """Drives one server with the closed loop: (records, final pixels by request index, duration, server usage)."""
-    httpx = _httpx()
+    httpx = import_httpx()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as client:
         if warm:  # kernels, allocator, the batches' shapes and the first requests' one-off costs out of the run
@@ -119,7 +119,7 @@ async def run_closed(url: str, setting: str, round_: int, specs: list[Spec], war
             for result in await asyncio.gather(*(stream_one(client, s.body(args), now) for s in warm)):
                 if result["error"]:
                     print(f"warning: a warm-up request to the {setting} server failed: {result['error']}")
-        before = await _scrape(client)
+        before = await scrape_metrics(client)
         results: list[dict[str, Any] | None] = [None] * len(specs)
         todo = iter(enumerate(specs))  # shared: each client takes the next request (no await between take and send)
 
@@ -130,7 +130,7 @@ async def run_closed(url: str, setting: str, round_: int, specs: list[Spec], war
         start = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(min(args.concurrency, len(specs)))))
         duration = time.perf_counter() - start
-        after = await _scrape(client)
+        after = await scrape_metrics(client)
     records, pixels = [], {}
     for index, r in enumerate(results):
         record, image = to_record(setting, round_, index, r["sent"], r)  # closed loop: sent when a client was free
@@ -207,7 +207,7 @@ def format_report(result: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     check_args(args)
-    httpx = _httpx()
+    httpx = import_httpx()
     specs = workload(args.num_requests, args.seed)
     warm = workload(args.warmup, args.seed + 1)
     common = ["--log-level", "warning", "--result-cache-mb", "0", *shlex.split(args.server_args)]

@@ -19,37 +19,35 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import contextlib
-import hashlib
-import io
-import itertools
-import json
 import math
 import os
 import platform
 import random
 import shlex
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
-from dvllm.benchmarks.report import json_safe, percentile
+from dvllm.benchmarks.report import percentile
+from dvllm.benchmarks.server_pair import (
+    Record,
+    compare_images,
+    format_images,
+    import_httpx,
+    run_main,
+    run_order,
+    scrape_metrics,
+    servers_up,
+    stream_one,
+    to_record,
+)
 from dvllm.benchmarks.server_usage import format_stages, server_usage
 from dvllm.benchmarks.workloads import arrival_times, check_size
 from dvllm.tiny_shapes.data import COLORS, POSITIONS, SHAPES, SIZES, Scene
 
-ENDPOINT = "/v1/images/generations"
 SETTINGS = {"off": "--no-decode-stage", "on": "--decode-stage"}
 
 
@@ -96,22 +94,6 @@ class Spec:
         return body
 
 
-@dataclass
-class Record:
-    setting: str
-    round: int
-    index: int
-    arrival: float                  # scheduled send offset, s from the run's start
-    sent: float                     # actual send offset
-    ok: bool
-    error: str | None
-    ttfs: float | None              # send to the response's headers (the first step's output)
-    first_partial: float | None     # send to the first partial image's event
-    latency: float | None           # send to the final image's event
-    partials: int = 0
-    image_sha256: str | None = None  # of the final image's pixels
-
-
 def workload(num: int, seed: int) -> list[Spec]:
     """Captions the tiny-shapes model knows (any model takes them), each with its own image seed."""
     rng = random.Random(seed)
@@ -134,103 +116,10 @@ def check_args(args: argparse.Namespace) -> None:
     args.size = check_size(args.size, "--size")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`dvllm serve` in a subprocess on a free port, its output in a temporary log."""
-
-    def __init__(self, model: str | None, flags: list[str]) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="dvllm-stages-", suffix=".log", delete=False)
-        self.cmd = [sys.executable, "-m", "dvllm.entrypoints.cli", "serve", *([model] if model else []),
-                    "--port", str(self.port), *flags]
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    def wait_ready(self, httpx: Any, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{shlex.join(self.cmd)} exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{shlex.join(self.cmd)} did not answer /health in {timeout:g} s:\n{self.tail()}")
-
-    def tail(self, chars: int = 3000) -> str:
-        try:
-            with open(self.log.name, errors="replace") as f:
-                return f.read()[-chars:]
-        except OSError as e:  # someone cleaned /tmp: the error must not hide what went wrong
-            return f"(the server's log is unreadable: {e})"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:  # a hung shutdown must not hang the benchmark
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.log.name)
-
-
-async def stream_one(client: Any, body: dict[str, Any], start: float) -> dict[str, Any]:
-    """One streaming request: times of its headers, first partial image and final image, and the final PNG."""
-    httpx = _httpx()
-    sent = time.perf_counter()
-    out: dict[str, Any] = {"sent": sent - start, "ttfs": None, "first_partial": None, "latency": None,
-                           "partials": 0, "error": None, "b64": None}
-    try:
-        async with client.stream("POST", ENDPOINT, json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                out["error"] = f"HTTP {response.status_code}: {response.text[:300]}"
-                return out
-            out["ttfs"] = time.perf_counter() - sent
-            event = None
-            async for line in response.aiter_lines():
-                if line.startswith("event:"):
-                    event = line[len("event:"):].strip()
-                elif line.startswith("data:") and event is not None:
-                    now = time.perf_counter() - sent  # before parsing: the event is in at this point
-                    if event.endswith(".partial_image"):
-                        out["partials"] += 1
-                        if out["first_partial"] is None:
-                            out["first_partial"] = now
-                    elif event.endswith(".completed"):
-                        out["latency"], out["b64"] = now, json.loads(line[len("data:"):])["b64_json"]
-                    elif event == "error":
-                        out["error"] = str(json.loads(line[len("data:"):]).get("error", {}).get("message"))[:300]
-                    event = None
-            if out["error"] is None and out["b64"] is None:
-                out["error"] = "the stream ended without a completed event"
-    except httpx.HTTPError as e:
-        out["error"] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    return out
-
-
-async def _scrape(client: Any) -> str | None:
-    try:
-        response = await client.get("/metrics")
-    except Exception:  # noqa: BLE001 - the stage figures are optional: no /metrics means n/a
-        return None
-    return response.text if response.status_code == 200 else None
-
-
 async def run_once(url: str, setting: str, round_: int, specs: list[Spec], warm: list[Spec], arrivals: list[float],
                    args: argparse.Namespace) -> tuple[list[Record], dict[int, np.ndarray], float, dict[str, Any]]:
     """Drives one server with the schedule: (records, final pixels by request index, duration, server usage)."""
-    httpx = _httpx()
+    httpx = import_httpx()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as client:
         if warm:  # kernels, allocator and the first requests' one-off costs out of the timed run
@@ -238,7 +127,7 @@ async def run_once(url: str, setting: str, round_: int, specs: list[Spec], warm:
             for result in await asyncio.gather(*(stream_one(client, s.body(args), now) for s in warm)):
                 if result["error"]:
                     print(f"warning: a warm-up request to the {setting} server failed: {result['error']}")
-        before = await _scrape(client)
+        before = await scrape_metrics(client)
         start = time.perf_counter()
         tasks = []
         for spec, arrival in zip(specs, arrivals):
@@ -248,7 +137,7 @@ async def run_once(url: str, setting: str, round_: int, specs: list[Spec], warm:
             tasks.append(asyncio.create_task(stream_one(client, spec.body(args), start)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-        after = await _scrape(client)
+        after = await scrape_metrics(client)
     records, pixels = [], {}
     for index, (arrival, r) in enumerate(zip(arrivals, results)):
         record, image = to_record(setting, round_, index, arrival, r)
@@ -256,19 +145,6 @@ async def run_once(url: str, setting: str, round_: int, specs: list[Spec], warm:
         if image is not None:
             pixels[index] = image
     return records, pixels, duration, server_usage(before, after, duration)
-
-
-def to_record(setting: str, round_: int, index: int, arrival: float,
-              r: dict[str, Any]) -> tuple[Record, np.ndarray | None]:
-    """stream_one's result as a Record, and its final image's pixels (None if it failed)."""
-    pixels = digest = None
-    if r["b64"] is not None:
-        with Image.open(io.BytesIO(base64.b64decode(r["b64"]))) as image:
-            pixels = np.asarray(image.convert("RGB"))
-        digest = hashlib.sha256(pixels.tobytes()).hexdigest()
-    ok = r["error"] is None
-    return Record(setting, round_, index, arrival, r["sent"], ok, r["error"], r["ttfs"], r["first_partial"],
-                  r["latency"] if ok else None, r["partials"], digest), pixels
 
 
 def _stages(usages: list[tuple[float, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -309,37 +185,6 @@ def _ratio(on: float | None, off: float | None) -> float | None:
     return on / off if on is not None and off else None
 
 
-def compare_images(pixels: dict[tuple[str, int], dict[int, np.ndarray]], num: int) -> dict[str, Any]:
-    """Each request's final image in every pair of runs: pixel-equal or not, the largest difference (0-255) and
-    how many values differ, apart for pairs of one setting (other rounds) and pairs across the settings."""
-    runs = list(pixels)
-    equal = compared = 0
-    worst = {"same_setting": 0, "across_settings": 0}
-    differing = {"same_setting": 0, "across_settings": 0}
-    values = {"same_setting": 0, "across_settings": 0}
-    for index in range(num):
-        if not all(index in pixels[run] for run in runs):  # failed somewhere: nothing to compare
-            continue
-        compared += 1
-        same = True
-        for a, b in itertools.combinations(runs, 2):
-            kind = "same_setting" if a[0] == b[0] else "across_settings"
-            x, y = pixels[a][index], pixels[b][index]
-            if x.shape != y.shape:
-                d, n = 255, x.size
-            else:
-                diff = np.abs(x.astype(np.int16) - y)
-                d, n = int(diff.max()), int(np.count_nonzero(diff))
-            worst[kind] = max(worst[kind], d)
-            differing[kind] += n
-            values[kind] += x.size
-            same = same and d == 0
-        equal += same
-    return {"requests_compared": compared, "requests_pixel_equal": equal,
-            "images_equal": compared == num and equal == compared,
-            "max_abs_diff_0_255": worst, "values_differing": differing, "values_compared": values}
-
-
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
@@ -366,59 +211,9 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def format_images(im: dict[str, Any], rounds: int) -> str:
-    """compare_images' answer for two settings' runs, one line."""
-    across = (f"across the settings max abs diff {im['max_abs_diff_0_255']['across_settings']}/255, "
-              f"{im['values_differing']['across_settings']} of {im['values_compared']['across_settings']} values "
-              f"differ")
-    if rounds > 1:
-        across += (f"; within a setting, across rounds: max {im['max_abs_diff_0_255']['same_setting']}/255, "
-                   f"{im['values_differing']['same_setting']} of {im['values_compared']['same_setting']} values")
-    return (f"images equal: {'yes' if im['images_equal'] else 'no'} ({im['requests_pixel_equal']} of "
-            f"{im['requests_compared']} requests pixel-equal in all {2 * rounds} runs; {across})")
-
-
-def _httpx() -> Any:
-    try:
-        import httpx
-    except ModuleNotFoundError:  # not a dependency of the engine itself
-        raise ValueError("this benchmark needs httpx: pip install 'dvllm[bench]' (or pip install httpx)") from None
-    return httpx
-
-
-def run_order(settings: tuple[str, str], rounds: int) -> list[tuple[str, int]]:
-    """(setting, round) of each run: a, b, b, a, a, b, ...: a drifting load weighs on both settings alike."""
-    a, b = settings
-    return [(s, round_) for round_ in range(rounds) for s in ((a, b) if round_ % 2 == 0 else (b, a))]
-
-
-@contextlib.contextmanager
-def servers_up(model: str | None, flags: dict[str, list[str]], httpx: Any,
-               startup_timeout: float) -> Iterator[dict[str, Server]]:
-    """One `dvllm serve` per setting with its flags, all started at once (the loads overlap, the runs do not)
-    and ready; all stopped on the way out, a SIGTERM (a killed job) included."""
-    servers: dict[str, Server] = {}
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) if in_main else None
-    try:
-        for setting, setting_flags in flags.items():
-            servers[setting] = Server(model, setting_flags)
-        for server in servers.values():
-            server.wait_ready(httpx, startup_timeout)
-        yield servers
-    finally:
-        for server in servers.values():
-            try:
-                server.stop()
-            except Exception as e:  # noqa: BLE001 - one server's trouble must not leave the others running
-                print(f"warning: stopping {shlex.join(server.cmd)} failed: {type(e).__name__}: {e}", flush=True)
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     check_args(args)
-    httpx = _httpx()
+    httpx = import_httpx()
     specs = workload(args.num_requests, args.seed)
     warm = workload(args.warmup, args.seed + 1)
     arrivals = arrival_times(args.num_requests, args.request_rate, 1.0, seed=args.seed)
@@ -462,24 +257,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     return run_main("stages_serving", build_parser(), run, format_report, argv)
-
-
-def run_main(name: str, parser: argparse.ArgumentParser, run_fn: Any, report_fn: Any, argv: list[str] | None) -> int:
-    """A two-server benchmark's command: run, print the report, write the JSON; 1 if a request failed."""
-    args = parser.parse_args(argv)
-    args.argv = argv
-    try:
-        result = run_fn(args)
-    except (ValueError, RuntimeError, TimeoutError, OSError) as e:
-        parser.exit(2, f"{name}: error: {e}\n")
-    print(report_fn(result))
-    if args.output_json:
-        folder = os.path.dirname(args.output_json)
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-        with open(args.output_json, "w") as f:
-            json.dump(json_safe(result), f, indent=1)
-    return 0 if all(s["failed"] == 0 for s in result["settings"].values()) else 1
 
 
 if __name__ == "__main__":

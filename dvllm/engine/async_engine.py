@@ -21,7 +21,7 @@ from dvllm.config import EngineConfig
 from dvllm.engine.core_loop import CoreLoop
 from dvllm.engine.engine import DiffusionEngine, StepStats
 from dvllm.engine.input_processor import InputProcessor
-from dvllm.lora.registry import LoraRegistry, require_registry
+from dvllm.lora.registry import registry_for, require_registry
 from dvllm.outputs import RequestOutput
 from dvllm.sampling_params import SamplingParams
 
@@ -82,14 +82,10 @@ class AsyncDiffusionEngine:
         info = self.core_process.info
         self.config = dataclasses.replace(info.config, engine_core_process=True, lora_modules=lora_modules)
         self.model_info, self.loaded_model = info.model_info, info.loaded_model
-        self.loras = None
+        self.loras = registry_for(self.config, self.loaded_model.name)
         try:
-            if self.config.enable_lora:
-                self.loras = LoraRegistry(self.config.model, self.loaded_model.name, self.config.max_lora_rank,
-                                          self.config.cpu_lora_cache_size, self.config.lora_file_policy,
-                                          self.config.load_config)
-                for name, path in lora_modules.items():
-                    self.loras.load(name, path)
+            for name, path in lora_modules.items():
+                self.loras.load(name, path)
             self.processor = InputProcessor(self.config, self.model_info, info.block_numel, info.pool_blocks,
                                             self.loras, model_key=info.model_key, valid_samplers=info.valid_samplers)
         except BaseException:

@@ -14,7 +14,7 @@ from dvllm.engine.coordinator import Coordinator
 from dvllm.engine.input_processor import InputProcessor
 from dvllm.engine.result_cache import CachedResult, ResultCache
 from dvllm.executor import create_executor
-from dvllm.lora.registry import LoraRegistry, require_registry
+from dvllm.lora.registry import LoraRegistry, registry_for, require_registry
 from dvllm.outputs import RequestMetrics, RequestOutput
 from dvllm.profiler import PhaseTimer, breakdown
 from dvllm.sampling_params import SamplingParams
@@ -49,11 +49,7 @@ class DiffusionEngine:
             raise
         self.block_numel = self.coordinator.block_numel
         pool_blocks = min(self.executor.pool_info(i)[0] for i in range(self.executor.num_workers))
-        self.loras = None
-        if self.config.enable_lora:
-            self.loras = LoraRegistry(self.config.model, self.loaded_model.name, self.config.max_lora_rank,
-                                      self.config.cpu_lora_cache_size, self.config.lora_file_policy,
-                                      self.config.load_config)
+        self.loras = registry_for(self.config, self.loaded_model.name)
         self.processor = InputProcessor(self.config, self.model_info, self.block_numel, pool_blocks, self.loras,
                                         model_key=self._model_key())
         self.result_cache = ResultCache(self.config.result_cache_mb * 2**20)

@@ -120,3 +120,12 @@ def require_registry(registry: LoraRegistry | None) -> LoraRegistry:
     if registry is None:
         raise ValueError("this engine serves no LoRA adapters: create it with enable_lora=True or lora_modules")
     return registry
+
+
+def registry_for(config: Any, served_name: str) -> LoraRegistry | None:
+    """The registry an engine with `config` (an EngineConfig) serving `served_name` reads adapters into, or None
+    without LoRA."""
+    if not config.enable_lora:
+        return None
+    return LoraRegistry(config.model, served_name, config.max_lora_rank, config.cpu_lora_cache_size,
+                        config.lora_file_policy, config.load_config)
