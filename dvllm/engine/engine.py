@@ -119,9 +119,11 @@ class DiffusionEngine:
 
     def _record(self, stats: StepStats) -> None:
         self.last_step = stats
+        # Every step's time counts, those that only await decodes too (their phases are timed as well); the
+        # step count is of denoising steps.
+        self._profiled_seconds += stats.seconds
         if stats.num_requests:
             self._profiled_steps += 1
-            self._profiled_seconds += stats.seconds
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request and frees its state; its final output (error "request aborted") comes from step()."""

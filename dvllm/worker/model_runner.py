@@ -106,7 +106,8 @@ class ModelRunner:
         for request_id in [*images, *errors, *decoding]:
             self.states.pop(request_id, None)
         if self.decode_stage is not None:  # what the stage finished meanwhile (waiting when there is nothing else)
-            done = self.decode_stage.collect(timeout=_AWAIT_DECODES_S if out.await_decodes else 0.0)
+            with self.timer.phase("decode"):
+                done = self.decode_stage.collect(timeout=_AWAIT_DECODES_S if out.await_decodes else 0.0)
             images.update(done.images)
             errors.update(done.errors)
             previews.update(done.previews)
