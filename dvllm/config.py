@@ -193,6 +193,18 @@ class EngineConfig:
         metadata={"help": "Most images handed to the decode stage and not yet decoded; past it the loop decodes "
                           "what finishes itself (backpressure: nothing is refused or lost)."},
     )
+    encode_stage: bool = field(
+        default=False,
+        metadata={"help": "Encode the texts of waiting requests on a thread of the worker's own (a CUDA stream of its "
+                          "own) while the batch runs, and admit a request once they are ready, so the denoise loop "
+                          "never waits for a text encoder (with nothing running, admission encodes at once). Texts "
+                          "with text LoRA adapters and an edit model's image-reading prompts stay with admission. "
+                          "The GPU memory profile reserves the encoders' work beside the loop's."},
+    )
+    max_encode_ahead: int = field(
+        default=32,
+        metadata={"help": "Most texts the encode stage holds queued or ready at once (the rest wait their turn)."},
+    )
     engine_core_process: bool | None = field(
         default=None,
         metadata={"help": "Run the async engine's core (scheduler, workers, decode stage) in a process of its own, "
@@ -304,7 +316,7 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("max_batch_size", "max_num_waiting", "max_inference_steps", "max_images_per_prompt",
                      "max_prompt_chars", "sampler_plan_cache_size", "priority_aging_iterations", "num_workers",
-                     "max_decode_batch", "max_decode_queue", "max_cuda_graphs", "max_loras",
+                     "max_decode_batch", "max_decode_queue", "max_encode_ahead", "max_cuda_graphs", "max_loras",
                      "max_lora_rank",
                      "max_input_images_per_step"):
             _positive_int(name, getattr(self, name))

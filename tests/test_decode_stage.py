@@ -202,7 +202,8 @@ def test_the_stage_metrics_count_each_stage_where_it_ran(sd_eps_path):
         metrics.on_step(engine.last_step, [])
         stats = engine.stats()
         elsewhere = "decode" if where == "decode_stage" else "decode_stage"
-        assert stats["stage_items"] == {"encode": len(REQUESTS), "denoise": rows, where: images, elsewhere: 0}
+        assert stats["stage_items"] == {"encode": len(REQUESTS), "encode_stage": 0, "denoise": rows, where: images,
+                                        elsewhere: 0}
         assert all(stats["stage_seconds"][s] > 0 for s in ("encode", "denoise", where))
         usage = server_usage(before, metrics.render().decode(), duration=1.0)["stages"]
         assert {s: u["items"] for s, u in usage.items()} == stats["stage_items"]

@@ -22,6 +22,7 @@ from collections import defaultdict
 
 from dvllm.config import EngineConfig
 from dvllm.core.block_manager import BlockManager
+from dvllm.core.encode_ahead import EncodeAhead, EncodeKey, encode_keys
 from dvllm.core.lora_slots import LoraSlots
 from dvllm.core.request import Request, RequestStatus
 from dvllm.core.scheduler_output import BlockTables, NewRequestData, ResumedRequestData, RunnerOutput, SchedulerOutput
@@ -48,6 +49,8 @@ class Scheduler:
         self.cache_skipped_rows = self.cache_computed_rows = 0  # step caching, over the engine's life
         self._freed: list[str] = []
         self._writers: dict[str, list] = {}  # request id -> cache entries it must fill this iteration
+        # With the worker's encode stage: the texts it encodes ahead of admission
+        self.ahead = EncodeAhead(config.max_encode_ahead) if config.encode_stage else None
 
     # -- requests in and out -------------------------------------------------
     def add_request(self, request: Request, age: int = 0) -> None:
@@ -92,6 +95,8 @@ class Scheduler:
             request.reset()
         self.requests, self.waiting, self.running, self.decoding = {}, [], [], {}
         self._freed, self._writers = [], {}
+        if self.ahead is not None:
+            self.ahead.clear()
         self.lora_slots = LoraSlots(self.lora_slots.num_slots)  # a new worker starts with empty slots
         return requests
 
@@ -129,6 +134,10 @@ class Scheduler:
         self._writers = {}
         out = SchedulerOutput(iteration=self.iteration)
         self._admit(out)
+        if self.ahead is not None:  # those left waiting behind a running batch: their texts, to the encode stage
+            waiting = sorted(self.waiting, key=self.urgency) if self.running else []
+            send, drop = self.ahead.plan(waiting, self.blocks)
+            out.encode_jobs, out.encode_drops = send, out.encode_drops + drop
         batch = self._pick_batch()
         now = time.time()
         for request in batch:
@@ -156,11 +165,15 @@ class Scheduler:
         chars_budget, admitted_new = self.prompt_chars_per_step, False
         images_budget = self.input_images_per_step
         lora_blocked = False
+        # While a batch runs, texts are encoded by the worker's encode stage, not here: wait for them
+        gate = self.ahead is not None and bool(self.running)
         for request in list(self.waiting):  # requests preempted below join the queue after this pass
             key = request.shape_key
             if key in blocked:
                 continue
             if request.loras and lora_blocked:
+                continue
+            if gate and self.ahead.must_wait(request, self.blocks):
                 continue
             chars = self._chars_to_encode(request)
             images = 0 if request.swapped else request.num_input_images
@@ -190,8 +203,9 @@ class Scheduler:
         if request.swapped:
             return 0
         texts = (request.prompt, request.params.negative_prompt or "")
+        ready = self.ahead.ready_cache_keys(request) if self.ahead is not None else set()
         return sum(len(text) for key, text in zip(request.cond_keys, texts)
-                   if key is not None and not self.blocks.is_cached(key))
+                   if key is not None and key not in ready and not self.blocks.is_cached(key))
 
     def _fits(self, request: Request, rows: dict) -> bool:
         return (rows[request.shape_key] + request.rows <= self.max_batch_size
@@ -265,6 +279,8 @@ class Scheduler:
             request.swapped = False
         else:
             out.new_requests.append(_new_request_data(request, tables))
+            if self.ahead is not None:
+                out.encode_drops += self.ahead.used(request, (tables.write_cond, tables.write_uncond))
 
     def _allocate(self, request: Request) -> BlockTables:
         n, nb, per_row = request.params.n, request.latent_blocks, request.cache_blocks
@@ -324,6 +340,9 @@ class Scheduler:
         now = time.time()
         for slot in runner_out.failed_lora_slots:
             self.lora_slots.forget(slot)
+        if self.ahead is not None:
+            self.ahead.mark_ready(runner_out.encoded)
+            outputs += self._encode_failed(runner_out.encode_errors, now)
         for request_id, message in runner_out.errors.items():
             request = self.requests.pop(request_id, None)
             if request is None:
@@ -367,6 +386,19 @@ class Scheduler:
         # after the requests that went to the stage this step: their images may be back already
         return outputs + self._decoded(runner_out, set(sched_out.scheduled_ids), now)
 
+    def _encode_failed(self, errors: dict[EncodeKey, str], now: float) -> list[RequestOutput]:
+        """The waiting requests whose texts the encode stage could not encode fail (they hold nothing yet)."""
+        outputs = []
+        for key, message in errors.items():
+            if not self.ahead.failed(key):
+                continue
+            for request in [r for r in self.waiting if key in {k for _, k in encode_keys(r)}]:
+                self.waiting.remove(request)
+                del self.requests[request.request_id]
+                self._finish(request, RequestStatus.FINISHED_ERROR, message, now)
+                outputs.append(request.output())
+        return outputs
+
     def _decoded(self, runner_out: RunnerOutput, scheduled: set[str], now: float) -> list[RequestOutput]:
         """Outputs for what the decode stage finished since the last step: previews of requests not stepped
         now (the stepped ones carry theirs below), then the images of requests that were decoding."""
@@ -396,6 +428,7 @@ class Scheduler:
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "num_decoding": len(self.decoding),
+            "num_encoding": 0 if self.ahead is None else len(self.ahead.keys),
             "num_preemptions": self.num_preemptions,
             "cache_skipped_rows": self.cache_skipped_rows,
             "cache_computed_rows": self.cache_computed_rows,

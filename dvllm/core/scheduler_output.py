@@ -79,11 +79,15 @@ class SchedulerOutput:
     # Requests are in the worker's decode stage and nothing else is to run: the worker waits (briefly) for
     # their images instead.
     await_decodes: bool = False
+    # The worker's encode stage: texts (text, negative, max_sequence_length) to encode ahead of admission, first
+    # of all; and texts to forget (no waiting request needs them).
+    encode_jobs: list[tuple] = field(default_factory=list)
+    encode_drops: list[tuple] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not (self.new_requests or self.resumed_requests or self.scheduled_ids or self.freed_ids
-                    or self.preempted_ids or self.await_decodes)
+                    or self.preempted_ids or self.await_decodes or self.encode_jobs or self.encode_drops)
 
 
 @dataclass
@@ -106,6 +110,9 @@ class RunnerOutput:
     cache_rows: tuple[int, int] = (0, 0)
     # LoRA slots the worker could not load an adapter into (left empty; their requests are in errors).
     failed_lora_slots: list[int] = field(default_factory=list)
+    # The encode stage since the last output: texts now ready to take, and texts it could not encode (-> why).
+    encoded: list[tuple] = field(default_factory=list)
+    encode_errors: dict[tuple, str] = field(default_factory=dict)
     # Wall time of the step on the worker: the driver's round trip minus this is the executor's overhead.
     execute_seconds: float = 0.0
     # The step's busy seconds and items per stage (encode, denoise, decode in the loop; the decode stage's since

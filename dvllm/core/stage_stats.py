@@ -6,9 +6,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-# The stages a request goes through, as the metrics name them: "decode" is the VAE work the loop ran itself,
-# "decode_stage" what the worker's decode thread ran (dvllm.worker.decode_stage).
-STAGES = ("encode", "denoise", "decode", "decode_stage")
+# The stages a request goes through, as the metrics name them: "encode" and "decode" are the text-encoder and VAE
+# work the loop ran itself, "encode_stage" and "decode_stage" what the worker's threads ran
+# (dvllm.worker.encode_stage, dvllm.worker.decode_stage).
+STAGES = ("encode", "encode_stage", "denoise", "decode", "decode_stage")
 
 
 @dataclass

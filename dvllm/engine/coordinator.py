@@ -26,8 +26,8 @@ from dvllm.profiler import PhaseTimer
 
 logger = logging.getLogger(__name__)
 
-_STAT_KEYS = ("num_running", "num_waiting", "num_decoding", "num_preemptions", "pool_total_blocks", "pool_used_blocks",
-              "pool_cached_blocks", "prompt_cache_hits", "prompt_cache_queries", "cache_skipped_rows",
+_STAT_KEYS = ("num_running", "num_waiting", "num_decoding", "num_encoding", "num_preemptions", "pool_total_blocks",
+              "pool_used_blocks", "pool_cached_blocks", "prompt_cache_hits", "prompt_cache_queries", "cache_skipped_rows",
               "cache_computed_rows", "lora_slot_loads", "loras_resident")
 
 

@@ -139,19 +139,22 @@ class _EngineCollector(Collector):
 
 # What waits for each stage: new requests are encoded at admission, running ones take denoising steps,
 # finished ones wait in the decode stage (the loop's own decodes have no queue).
-_STAGE_QUEUES = {"encode": "num_waiting", "denoise": "num_running", "decode_stage": "num_decoding"}
+_STAGE_QUEUES = {"encode": "num_waiting", "encode_stage": "num_encoding", "denoise": "num_running",
+                 "decode_stage": "num_decoding"}
 
 
 def _stage_metrics(s: dict) -> Iterator[Metric]:
     """Per stage: its queue, and its busy seconds and items (rate(busy) is the stage's occupancy)."""
     seconds, items = s.get("stage_seconds", {}), s.get("stage_items", {})
     queue = GaugeMetricFamily("dvllm_stage_queue", "Requests waiting for or in a stage (encode: waiting for "
-                              "admission; denoise: running; decode_stage: in the decode stage).", labels=["stage"])
-    busy = CounterMetricFamily("dvllm_stage_busy_seconds", "Seconds a stage worked, summed over workers: decode "
-                               "is the VAE work the denoise loop ran itself, decode_stage the decode thread's.",
+                              "admission; encode_stage: texts queued or ready in the encode stage; denoise: running; "
+                              "decode_stage: in the decode stage).", labels=["stage"])
+    busy = CounterMetricFamily("dvllm_stage_busy_seconds", "Seconds a stage worked, summed over workers: encode "
+                               "and decode are the work the denoise loop ran itself, encode_stage and decode_stage "
+                               "the stage threads'.",
                                labels=["stage"])
-    done = CounterMetricFamily("dvllm_stage_items", "Items a stage processed: requests encoded, denoiser rows, "
-                               "images decoded.", labels=["stage"])
+    done = CounterMetricFamily("dvllm_stage_items", "Items a stage processed: requests admitted (encode), texts "
+                               "encoded ahead (encode_stage), denoiser rows, images decoded.", labels=["stage"])
     for stage in STAGES:
         if stage in _STAGE_QUEUES:
             queue.add_metric([stage], s.get(_STAGE_QUEUES[stage], 0))

@@ -17,6 +17,7 @@ and pass every call through unless a forward runs under a `LoraPlan.running()`.
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -65,7 +66,8 @@ class LoraLayers:
         self.slot_uid: list[int | None] = [None] * num_slots
         self.slot_rank = [0] * num_slots
         self.tables: dict[tuple[str, str], _Table] = {}
-        self.current: LoraPlan | None = None  # the forward running now
+        # The forward running now, per thread: the encode stage's text encoders run beside the loop's forward
+        self._running = threading.local()
         self._coverage_ids: dict[frozenset, int] = {}
         self._modules: dict[str, dict[str, torch.nn.Module]] = {}
 
@@ -98,6 +100,14 @@ class LoraLayers:
                 table.bt[slot].zero_()
                 table.filled.discard(slot)
         self.slot_uid[slot], self.slot_rank[slot] = None, 0
+
+    @property
+    def current(self) -> "LoraPlan | None":
+        return getattr(self._running, "plan", None)
+
+    @current.setter
+    def current(self, plan: "LoraPlan | None") -> None:
+        self._running.plan = plan
 
     def slot_of(self, uid: int) -> int:
         try:

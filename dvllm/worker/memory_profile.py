@@ -136,12 +136,21 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
     return peaks
 
 
-def worst_transient(peaks: dict[str, int], decode_stage: bool) -> int:
+def worst_transient(peaks: dict[str, int], decode_stage: bool, encode_stage: bool = False) -> int:
     """The most transient memory at once: one kind of work at a time, but the decode stage's VAE runs beside
-    the loop's encode or denoise."""
-    if not decode_stage:
-        return max(peaks.values())
-    return max(peaks["encode"], peaks["denoise"]) + peaks["decode"]
+    the loop's work, and so do the encode stage's text encoders."""
+    loop = [peaks["denoise"]]
+    loop += [] if encode_stage else [peaks["encode"]]
+    loop += [] if decode_stage else [peaks["decode"]]
+    return max(loop) + (peaks["encode"] if encode_stage else 0) + (peaks["decode"] if decode_stage else 0)
+
+
+def encode_ahead_bytes(adapter: ModelAdapter, config: EngineConfig) -> int:
+    """The conditions the encode stage may hold ready (max_encode_ahead texts)."""
+    if not config.encode_stage:
+        return 0
+    element = torch.empty((), dtype=adapter.dtype).element_size()
+    return config.max_encode_ahead * adapter.info.text.condition_numel * element
 
 
 def choose_decode_stage(asked: bool | None, pool_bytes: Callable[[bool], int]) -> bool:
@@ -220,7 +229,8 @@ def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMe
     used = total - free  # the weights, the CUDA context, anything else on the device
 
     def transient_bytes(stage: bool) -> int:
-        return worst_transient(peaks, stage) + decode_queue_bytes(adapter, config, stage)
+        return (worst_transient(peaks, stage, config.encode_stage) + decode_queue_bytes(adapter, config, stage)
+                + encode_ahead_bytes(adapter, config))
 
     def pool_bytes(stage: bool) -> int:
         return int(total * config.gpu_memory_utilization) - used - transient_bytes(stage) - graphs - loras

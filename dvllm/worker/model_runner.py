@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -21,6 +22,7 @@ from dvllm.worker.conditions import flatten, unflatten
 from dvllm.worker.decode_stage import DecodeJob, DecodeStage
 from dvllm.worker.denoise_batch import StepParts, StepResult, denoise_step
 from dvllm.worker.denoiser import Denoiser
+from dvllm.worker.encode_stage import EncodeStage
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.request_state import RequestState, row_bounds
 from dvllm.worker.row_scope import RowScope
@@ -41,6 +43,8 @@ class ModelRunner:
         self.adapter = adapter
         self.max_decode_batch = max_decode_batch
         self.decode_stage = decode_stage  # None: the loop decodes
+        self.encode_stage: EncodeStage | None = None  # None: admission encodes every text
+        self.encode_lock = threading.Lock()  # the text encoders: the loop's calls and the encode stage's
         self.pool = pool
         self.denoiser = denoiser
         self.timer = timer
@@ -59,6 +63,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         errors: dict[str, str] = {}
         stages = StageStats()
+        if self.encode_stage is not None:  # first: what admission below takes may have been sent long ago
+            self.encode_stage.drop(out.encode_drops)
+            self.encode_stage.submit(out.encode_jobs)
         for request_id in out.freed_ids:
             self.states.pop(request_id, None)
         if self.decode_stage is not None and out.freed_ids:
@@ -114,7 +121,11 @@ class ModelRunner:
             preview_steps.update(done.preview_steps)
             stages.add("decode_stage", done.seconds, done.num_images)
         cached = {k: v for k, v in cached.items() if k not in errors}
+        encoded = self.encode_stage.collect() if self.encode_stage is not None else None
+        if encoded is not None:
+            stages.add("encode_stage", encoded.seconds, encoded.num_texts)
         return RunnerOutput(images=images, errors=errors, previews=previews, preview_steps=preview_steps,
+                            encoded=encoded.ready if encoded else [], encode_errors=encoded.errors if encoded else {},
                             decoding_ids=sorted(decoding),
                             failed_lora_slots=[slot for slot, _ in failed_loras.values()],
                             cached_ids=[k for k, (step_cached, _, _) in cached.items() if step_cached],
@@ -216,19 +227,42 @@ class ModelRunner:
                 kwargs = {} if length is None else {"max_sequence_length": length}
                 if images is not None:
                     kwargs["images"] = images.images
-                with self.lora.running([loras] * len(items)):  # every text of the call takes these adapters
+                with self.encode_lock, self.lora.running([loras] * len(items)):  # all of the call take these adapters
                     conditions = self.adapter.on_device(self.adapter.encode_prompt(items, **kwargs))
                 encoded.update(zip(group, conditions))
             blocks = [b for b, text in targets.items() if text in encoded]
             self.pool.write([list(b) for b in blocks], torch.cat([flatten(encoded[targets[b]], shapes) for b in blocks]))
 
         texts = list(dict.fromkeys(targets.values()))  # identical texts (with the same adapters) are encoded once
+        texts = self._write_encoded_ahead(targets, texts)
         errors: dict[Any, str] = {}
         _per_request(texts, encode, errors, "prompt encoding", key=lambda text: text)
         for b, text in targets.items():
             if text in errors:
                 failed[b] = errors[text]
         return failed
+
+    def _write_encoded_ahead(self, targets: dict[tuple[int, ...], tuple], texts: list[tuple]) -> list[tuple]:
+        """Writes the texts the encode stage has ready into their blocks; returns the others, to encode here."""
+        if self.encode_stage is None:
+            return texts
+        ahead = {}
+        for text in texts:
+            if not text[3] and text[4] is None:  # no text adapters, no images: the stage's kind of text
+                flat = self.encode_stage.take(text[:3])
+                if flat is not None:
+                    ahead[text] = flat
+        if ahead:
+            blocks = [b for b, text in targets.items() if text in ahead]
+            self.pool.write([list(b) for b in blocks], torch.stack([ahead[targets[b]] for b in blocks]))
+        return [text for text in texts if text not in ahead]
+
+    def encode_flat(self, texts: list[tuple[str | None, bool]], max_sequence_length: int | None) -> torch.Tensor:
+        """The encode stage's call: texts of one length -> their conditions flattened, [texts, numel]."""
+        kwargs = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+        conditions = self.adapter.on_device(self.adapter.encode_prompt(texts, **kwargs))
+        shapes = self.adapter.info.text.condition_shapes
+        return torch.cat([flatten(c, shapes) for c in conditions])
 
     # preemption: the request's pool contents go to host memory and come back unchanged
     def _swap_out(self, state: RequestState) -> None:

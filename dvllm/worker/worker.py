@@ -14,6 +14,7 @@ from dvllm.models.loader import load_adapter
 from dvllm.profiler import PhaseTimer
 from dvllm.worker.decode_stage import DecodeStage
 from dvllm.worker.denoiser import Denoiser
+from dvllm.worker.encode_stage import EncodeStage
 from dvllm.worker.model_runner import ModelRunner, to_output_type
 from dvllm.worker.state_pool import create_state_pool
 
@@ -47,6 +48,9 @@ class Worker:
         if decode_stage:
             self.runner.decode_stage = DecodeStage(self.runner.decode_chunked, to_output_type, self.device,
                                                    config.max_decode_batch, config.max_decode_queue)
+        if config.encode_stage:  # as many texts a call as the memory profile measured (two per row)
+            self.runner.encode_stage = EncodeStage(self.runner.encode_flat, self.device, 2 * config.max_batch_size,
+                                                   self.runner.encode_lock)
 
     def model_info(self) -> ModelInfo:
         return self.runner.adapter.info
@@ -67,7 +71,9 @@ class Worker:
         return self.pool.num_blocks, self.pool.block_numel
 
     def close(self) -> None:
-        """Finishes what the decode stage holds (its results stay for a last collect)."""
+        """Finishes what the stages hold (the decode stage's results stay for a last collect)."""
+        if self.runner.encode_stage is not None:
+            self.runner.encode_stage.close()
         if self.runner.decode_stage is not None:
             self.runner.decode_stage.close(drain=True)
 

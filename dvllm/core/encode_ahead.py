@@ -1,0 +1,87 @@
+"""The scheduler's side of the encode stage (worker/encode_stage.py): which waiting requests' texts the worker
+encodes ahead of admission, and whether a request may be admitted yet.
+
+While a batch runs, a waiting request whose texts the prompt cache lacks is admitted only once the stage has
+encoded them, so that admission never runs a text encoder on the loop. With nothing running there is no one to
+stall: admission encodes at once, as without the stage. Texts with text LoRA adapters, texts an edit model reads
+with its images, and the texts of preempted requests (their conditions come back with their state) are never
+sent. At most `capacity` texts are queued or held ready at a time; the rest wait their turn.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from dvllm.core.block_manager import BlockManager
+from dvllm.core.request import Request
+
+# (text, negative, max_sequence_length), as the worker keys the texts it encodes
+EncodeKey = tuple["str | None", bool, "int | None"]
+
+
+def encode_keys(request: Request) -> list[tuple[bytes, EncodeKey]]:
+    """(prompt-cache key, encode key) of each text the stage may encode for the request; none if it may not."""
+    if request.swapped or request.text_loras or request.image_key is not None:
+        return []
+    length = request.params.max_sequence_length
+    texts = ((request.prompt, False), (request.params.negative_prompt, True))
+    return [(cache_key, (text, negative, length))
+            for cache_key, (text, negative) in zip(request.cond_keys, texts) if cache_key is not None]
+
+
+class EncodeAhead:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys: dict[EncodeKey, bool] = {}  # sent to the stage and not yet used or dropped -> ready
+
+    def plan(self, waiting: Iterable[Request], blocks: BlockManager) -> tuple[list[EncodeKey], list[EncodeKey]]:
+        """(texts to send, texts to drop) this iteration: the uncached texts of the waiting requests, most urgent
+        first, and what no waiting request needs any more."""
+        needed: set[EncodeKey] = set()
+        send: list[EncodeKey] = []
+        for request in waiting:
+            for cache_key, key in encode_keys(request):
+                if blocks.is_cached(cache_key) or key in needed:
+                    continue
+                if key not in self.keys:
+                    if len(self.keys) >= self.capacity:
+                        continue
+                    self.keys[key] = False
+                    send.append(key)
+                needed.add(key)
+        drop = [key for key in self.keys if key not in needed]
+        for key in drop:
+            del self.keys[key]
+        return send, drop
+
+    def must_wait(self, request: Request, blocks: BlockManager) -> bool:
+        """Whether admission waits for the stage: some text of the request is uncached and not ready."""
+        return any(not blocks.is_cached(cache_key) and not self.keys.get(key, False)
+                   for cache_key, key in encode_keys(request))
+
+    def ready_cache_keys(self, request: Request) -> set[bytes]:
+        """The prompt-cache keys of the request's texts that the stage holds ready (admission encodes none)."""
+        return {cache_key for cache_key, key in encode_keys(request) if self.keys.get(key, False)}
+
+    def used(self, request: Request, writes: tuple[bool, bool]) -> list[EncodeKey]:
+        """Admitted: the worker takes its ready texts out of the stage, into the blocks it fills. Returns those it
+        will not fill (the prompt cache had them after all), for the stage to drop."""
+        write = dict(zip(request.cond_keys, writes))
+        drops = []
+        for cache_key, key in encode_keys(request):
+            if self.keys.get(key, False):
+                del self.keys[key]
+                if not write[cache_key]:
+                    drops.append(key)
+        return drops
+
+    def mark_ready(self, keys: Iterable[EncodeKey]) -> None:
+        for key in keys:
+            if key in self.keys:
+                self.keys[key] = True
+
+    def failed(self, key: EncodeKey) -> bool:
+        """Forgets a text the stage could not encode; whether it was still wanted."""
+        return self.keys.pop(key, None) is not None
+
+    def clear(self) -> None:
+        self.keys = {}

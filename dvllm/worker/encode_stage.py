@@ -1,0 +1,172 @@
+"""Prompt encoding as a stage of its own: the texts of waiting requests go to a thread of the worker's, which runs
+the text encoders (on a CUDA stream of its own) while the loop steps the running batch, so admitting a request
+costs the loop a copy of its conditions into the pool instead of a text-encoder call.
+
+The scheduler decides what is encoded ahead (core/encode_ahead.py): texts of waiting requests that the prompt cache
+does not hold, without text LoRA adapters or images the encoder reads (those the loop encodes at admission, as
+without the stage). It admits a request once its texts are ready here; the loop then takes them (`take`) into the
+blocks admission gave them. The same encoder calls on the same texts: the conditions are those the loop would
+have made. An encode that fails fails the requests that wait for it only (a batched call that raises is retried
+text by text); if the thread dies, a new one takes over its texts.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# (text, negative, max_sequence_length): what the scheduler sends and the loop takes, as the loop keys its texts
+EncodeKey = tuple[str, bool, "int | None"]
+# (texts of one max_sequence_length, that length) -> their conditions, flattened to one row each, on the device
+EncodeFn = Callable[[list[tuple[str, bool]], "int | None"], torch.Tensor]
+
+
+@dataclass
+class Encoded:
+    """What the stage finished since the last collect: keys ready to take, and keys that failed (-> why)."""
+
+    ready: list[EncodeKey] = field(default_factory=list)
+    errors: dict[EncodeKey, str] = field(default_factory=dict)
+    seconds: float = 0.0  # the thread's time encoding them, and the texts it encoded (for the stage metrics)
+    num_texts: int = 0
+
+
+class EncodeStage:
+    def __init__(self, encode: EncodeFn, device: torch.device, max_batch: int, lock: threading.Lock) -> None:
+        self._encode, self.device, self.max_batch = encode, device, max_batch
+        # The text encoders and their tokenizers are shared with the loop, which still encodes some texts itself
+        # (adapters, images): one caller at a time (fast tokenizers refuse concurrent use).
+        self.lock = lock
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._cond = threading.Condition()
+        self._jobs: list[EncodeKey] = []
+        self._taken: list[EncodeKey] = []   # the texts the thread is encoding now
+        self._results: dict[EncodeKey, tuple[torch.Tensor, Any]] = {}  # ready: (flat conditions, CUDA event)
+        self._dropped: set[EncodeKey] = set()  # dropped while being encoded: not kept when done
+        self._done = Encoded()
+        self._thread: threading.Thread | None = None  # runs while there are texts; an idle stage holds none
+        self.restarts = 0
+
+    # -- the loop's side -----------------------------------------------------------------
+    def submit(self, keys: list[EncodeKey]) -> None:
+        with self._cond:
+            for key in keys:
+                self._dropped.discard(key)
+                if key not in self._results and key not in self._jobs and key not in self._taken:
+                    self._jobs.append(key)
+            if self._thread is None and self._jobs:
+                self._thread = self._start()
+
+    def drop(self, keys: list[EncodeKey]) -> None:
+        """Forgets texts no waiting request needs any more (queued, ready, or done later)."""
+        with self._cond:
+            for key in keys:
+                self._results.pop(key, None)
+                if key in self._jobs:
+                    self._jobs.remove(key)
+                elif key in self._taken:
+                    self._dropped.add(key)
+
+    def take(self, key: EncodeKey) -> torch.Tensor | None:
+        """A ready text's flat conditions (for the loop's stream to read), or None if it is not held."""
+        with self._cond:
+            held = self._results.pop(key, None)
+        if held is None:
+            return None
+        conditions, ready = held
+        if ready is not None:
+            torch.cuda.current_stream().wait_event(ready)
+            conditions.record_stream(torch.cuda.current_stream())
+        return conditions
+
+    def collect(self) -> Encoded:
+        with self._cond:
+            self._revive()
+            done, self._done = self._done, Encoded()
+        return done
+
+    @property
+    def pending(self) -> int:
+        """Texts submitted and not yet encoded."""
+        with self._cond:
+            return len(self._jobs) + len(self._taken)
+
+    def close(self) -> None:
+        """Returns once the thread is done with the texts it was given (their results stay until dropped)."""
+        with self._cond:
+            self._revive()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    # -- the thread's side -----------------------------------------------------------------
+    def _start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name="dvllm-encode", daemon=True)
+        thread.start()
+        return thread
+
+    def _revive(self) -> None:
+        """A thread that died with texts left: they (the ones it had taken first) go to a new thread."""
+        if self._thread is None or self._thread.is_alive():
+            return
+        self.restarts += 1
+        logger.error("the encode thread died; a new one takes over its %d text(s)", len(self._jobs) + len(self._taken))
+        self._jobs[:0], self._taken = self._taken, []
+        self._thread = self._start() if self._jobs else None
+
+    def _run(self) -> None:
+        with torch.inference_mode(), torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+            while True:
+                with self._cond:
+                    if not self._jobs:
+                        self._thread = None
+                        return
+                    self._taken = self._take()
+                start = time.perf_counter()
+                results, errors = self._encode_keys(self._taken)
+                with self._cond:
+                    for key, conditions in results.items():
+                        if key in self._dropped:
+                            continue
+                        event = None
+                        if self._stream is not None:
+                            event = torch.cuda.Event()
+                            event.record(self._stream)
+                        self._results[key] = (conditions, event)
+                        self._done.ready.append(key)
+                    self._done.errors.update({k: v for k, v in errors.items() if k not in self._dropped})
+                    self._done.seconds += time.perf_counter() - start
+                    self._done.num_texts += len(self._taken)
+                    self._dropped.difference_update(self._taken)
+                    self._taken = []
+                    self._cond.notify_all()
+
+    def _take(self) -> list[EncodeKey]:
+        """The first text, and those after it of the same max_sequence_length, up to max_batch texts."""
+        length = self._jobs[0][2]
+        taken = [key for key in self._jobs if key[2] == length][:self.max_batch]
+        self._jobs = [key for key in self._jobs if key not in taken]
+        return taken
+
+    def _encode_keys(self, keys: list[EncodeKey]) -> tuple[dict[EncodeKey, torch.Tensor], dict[EncodeKey, str]]:
+        try:
+            with self.lock:
+                flat = self._encode([key[:2] for key in keys], keys[0][2])
+            return dict(zip(keys, flat)), {}
+        except Exception as e:  # noqa: BLE001 - pinned on the text that fails, below
+            if len(keys) == 1:
+                logger.exception("prompt encoding failed in the encode stage")
+                return {}, {keys[0]: f"prompt encoding failed: {type(e).__name__}: {e}"}
+        results, errors = {}, {}
+        for key in keys:
+            one, failed = self._encode_keys([key])
+            results.update(one)
+            errors.update(failed)
+        return results, errors
