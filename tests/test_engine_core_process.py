@@ -60,6 +60,33 @@ def test_streams_through_a_core_process_match_the_offline_engine(sd_eps_path):
     assert engine.core_process.returncode == 0  # shut down cleanly, not killed
 
 
+def test_prompts_arriving_during_a_batch_go_through_the_cores_encode_stage(sd_eps_path):
+    """With --encode-stage in the core process: requests that arrive while one runs are encoded on the stage's
+    thread, and every stream's images are the offline engine's."""
+    first = ("a long one", P(seed=9, num_inference_steps=30))
+    later = [(f"later prompt {i}", P(seed=i, num_inference_steps=3)) for i in range(4)]
+    offline = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32").generate(
+        [first[0]] + [p for p, _ in later], [first[1]] + [sp for _, sp in later], use_tqdm=False)
+
+    async def main():
+        engine = core_engine(sd_eps_path, encode_stage=True)
+        engine.start()
+        started = asyncio.Event()
+        long_one = asyncio.create_task(collect(engine, *first, started=started))
+        await asyncio.wait_for(started.wait(), WAIT)  # it runs: the later prompts meet a batch
+        results = await asyncio.gather(long_one, *(collect(engine, p, sp) for p, sp in later))
+        stats = engine.stats()
+        await engine.shutdown(1)
+        return results, stats
+
+    results, stats = asyncio.run(main())
+    for outs, want in zip(results, offline):
+        assert outs[-1].finished and outs[-1].error is None
+        np.testing.assert_allclose(outs[-1].images[0], want.images[0], atol=1e-3, rtol=0)
+    assert stats["stage_items"]["encode_stage"] >= len(later)  # their prompts, on the stage's thread
+    assert stats["num_encoding"] == 0
+
+
 def test_errors_cross_the_pipe_as_the_callers(sd_eps_path):
     async def main():
         engine = core_engine(sd_eps_path, max_num_waiting=1, max_batch_size=2, max_inference_steps=20_000)
