@@ -272,7 +272,8 @@ def test_the_stage_retries_a_failed_batch_text_by_text_and_keeps_results_until_t
 
     stage = EncodeStage(encode, torch.device("cpu"), max_batch=4, lock=threading.Lock())
     stage.submit([("good", False, None), ("bad", False, None), ("long text", False, 7)])
-    stage.close()
+    while stage.pending:  # (the thread ends when it has nothing left)
+        stage._thread.join(WAIT) if stage._thread is not None else None
     done = stage.collect()
     assert sorted(done.ready, key=str) == [("good", False, None), ("long text", False, 7)]
     assert done.errors == {("bad", False, None): "prompt encoding failed: ValueError: no"}
@@ -281,6 +282,25 @@ def test_the_stage_retries_a_failed_batch_text_by_text_and_keeps_results_until_t
     assert stage.take(("good", False, None)) is None  # taken once
     stage.drop([("long text", False, 7)])
     assert stage.take(("long text", False, 7)) is None
+
+
+def test_closing_the_stage_waits_for_the_batch_it_is_on_and_forgets_the_rest():
+    entered, release = threading.Event(), threading.Event()
+
+    def encode(texts, length):
+        entered.set()
+        assert release.wait(WAIT)
+        return torch.zeros(len(texts), 2)
+
+    stage = EncodeStage(encode, torch.device("cpu"), max_batch=1, lock=threading.Lock())
+    stage.submit([("a", False, None), ("b", False, None)])
+    assert entered.wait(WAIT)
+    closer = threading.Thread(target=stage.close)
+    closer.start()
+    release.set()
+    closer.join(WAIT)
+    assert not closer.is_alive() and stage.pending == 0
+    assert stage.collect().ready == [("a", False, None)]
 
 
 def test_max_encode_ahead_must_be_positive():

@@ -99,8 +99,10 @@ class EncodeStage:
             return len(self._jobs) + len(self._taken)
 
     def close(self) -> None:
-        """Returns once the thread is done with the texts it was given (their results stay until dropped)."""
+        """Returns once the thread is done with the texts it is on; those queued are forgotten (the requests that
+        wait for them are not admitted once the worker closes)."""
         with self._cond:
+            self._jobs.clear()
             self._revive()
             thread = self._thread
         if thread is not None:
