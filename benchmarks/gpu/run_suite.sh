@@ -6,8 +6,9 @@
 # on sdxl: 8 adapters mixed in one batch and the step cost they add (dvllm.benchmarks.lora, throughput --loras),
 # then image editing on qwen-image-edit: dvllm, serial and static on the same edit requests at 3x what serial
 # sustains (dvllm.benchmarks.edit_sweep, one server at a time: three copies of the 20B model do not fit),
-# then the decode stage's loop stall and the engine core in its own process against a thread
-# (dvllm.benchmarks.loop_stall, core_process_serving, sd15 at 512x512),
+# then the decode stage's loop stall, the encode stage's (a burst of new prompts while a batch runs) and the
+# engine core in its own process against a thread (dvllm.benchmarks.loop_stall, encode_stall,
+# core_process_serving, sd15 at 512x512),
 # then each family's preset loaded as served, bf16/fp16 and quantized (dvllm.benchmarks.preset_load).
 #
 #   benchmarks/gpu/run_suite.sh [--dry-run] [--out DIR]
@@ -50,6 +51,8 @@ if [ $dry = 1 ]; then
     --edit-images 1,2 --steps 2 --num-requests 2 --calibration-requests 1 --sequential \
     --output-dir "$out/edit_dry"
   $python -m dvllm.benchmarks.loop_stall --model tiny-sd --size 32 --cohort 4 --rounds 1 --output "$out/loop_stall_dry.json"
+  $python -m dvllm.benchmarks.encode_stall --model tiny-sd --size 32 --burst 4 --rounds 1 \
+    --output "$out/encode_stall_dry.json"
   $python -m dvllm.benchmarks.core_process_serving --model tiny-sd --size 16x16 --steps 3 --concurrency 2 \
     --num-requests 4 --rounds 1 --warmup 0 --output-json "$out/core_process_dry.json"
   $python -m dvllm.benchmarks.preset_load --dry-run --only tiny-sd --repeats 1 --output-json "$out/preset_load_dry.json"
@@ -83,6 +86,9 @@ else
   echo "== decode stage: the loop's longest gap when 16 requests finish together, on vs off (sd15, 512x512)"
   timeout 240 $python -m dvllm.benchmarks.loop_stall --model sd15 --size 512 --cohort 16 --device cuda \
     --output "$out/loop_stall.json" 2>&1 | tee "$out/loop_stall.txt" || echo "loop_stall stopped early"
+  echo "== encode stage: the loop's longest gap when 16 requests with new prompts (CFG) arrive while one runs, on vs off"
+  timeout 150 $python -m dvllm.benchmarks.encode_stall --model sd15 --size 512 --burst 16 --rounds 2 --device cuda \
+    --output "$out/encode_stall.json" 2>&1 | tee "$out/encode_stall.txt" || echo "encode_stall stopped early"
   echo "== the engine core in its own process vs on the server's thread: 32 streaming clients (sd15, 512x512)"
   timeout 300 $python -m dvllm.benchmarks.core_process_serving --model sd15 --size 512x512 --steps 10 \
     --num-requests 64 --output-json "$out/core_process.json" 2>&1 | tee "$out/core_process.txt" \

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
 from dvllm import DiffusionEngine, SamplingParams
 
@@ -36,22 +37,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _engine(args: argparse.Namespace, stage: bool) -> DiffusionEngine:
-    engine = DiffusionEngine(model=args.model, load_format="auto", device=args.device, decode_stage=stage,
-                             max_batch_size=2 * (args.cohort + args.runners), max_image_pixels=args.size ** 2,
-                             max_decode_queue=max(32, args.cohort))
+def time_forwards(engine: DiffusionEngine, sync: bool = False) -> list[tuple[float, float]]:
+    """(start, end) of each denoiser forward the engine runs from now on, appended to the list returned. sync: on
+    CUDA, wait for the loop's stream before and after each forward, so that work the loop queued on it before a
+    forward (a text encoder's) counts in the gap before that forward, and not in the forward."""
     forwards: list[tuple[float, float]] = []
     adapter = engine.executor.worker.runner.adapter
     real = adapter.denoise
 
+    def wait() -> None:
+        if sync:
+            torch.cuda.current_stream().synchronize()
+
     def timed(*a: Any, **k: Any) -> Any:
+        wait()
         start = time.perf_counter()
         out = real(*a, **k)
+        wait()
         forwards.append((start, time.perf_counter()))
         return out
 
     adapter.denoise = timed
-    engine.forwards = forwards  # type: ignore[attr-defined]
+    return forwards
+
+
+def gaps(forwards: list[tuple[float, float]]) -> list[float]:
+    """Seconds between consecutive forwards: the end of one to the start of the next."""
+    return [nxt[0] - prev[1] for prev, nxt in zip(forwards, forwards[1:])]
+
+
+def _engine(args: argparse.Namespace, stage: bool) -> DiffusionEngine:
+    engine = DiffusionEngine(model=args.model, load_format="auto", device=args.device, decode_stage=stage,
+                             max_batch_size=2 * (args.cohort + args.runners), max_image_pixels=args.size ** 2,
+                             max_decode_queue=max(32, args.cohort))
+    engine.forwards = time_forwards(engine)  # type: ignore[attr-defined]
     return engine
 
 
@@ -66,8 +85,7 @@ def _round(engine: DiffusionEngine, args: argparse.Namespace, seed: int) -> tupl
     start = time.perf_counter()
     outputs = engine.generate([f"shape {name}" for name, _ in requests], [p for _, p in requests], use_tqdm=False)
     wall = time.perf_counter() - start
-    spans = engine.forwards
-    gap = max(nxt[0] - prev[1] for prev, nxt in zip(spans, spans[1:]))
+    gap = max(gaps(engine.forwards))
     return gap, wall, [o.images[0] for o in outputs[:args.cohort]]
 
 
