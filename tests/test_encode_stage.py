@@ -308,3 +308,22 @@ def test_max_encode_ahead_must_be_positive():
 
     with pytest.raises(ValueError, match="max_encode_ahead"):
         EngineConfig(model="tiny-shapes", max_encode_ahead=0)
+
+
+FAMILIES = ["sdxl_path", "sd3_path", "flux_path", "qwen_image_path", "z_image_path"]
+
+
+@pytest.mark.parametrize("path_fixture", FAMILIES)
+def test_every_familys_texts_encoded_by_the_stage_give_the_in_loop_images(path_fixture, request, monkeypatch):
+    """Two text encoders and a length (Flux), a chat-template encoder with masks and true CFG (Qwen-Image), ...:
+    the stage runs each family's own encode_prompt, and the images are the stage-off engine's."""
+    path = request.getfixturevalue(path_fixture)
+    size = {"height": 32, "width": 32}
+    first = ("a red circle", P(seed=1, num_inference_steps=5, **size))
+    later = [("a blue square", P(seed=2, negative_prompt="blurry", **size)), ("a green star", P(seed=3, n=2, **size))]
+    want = _run(_engine(path, encode_stage=False), first=first, later=later)
+    engine = _engine(path)
+    calls = _spy(engine, monkeypatch)
+    got = _run(engine, first=first, later=later)
+    assert {text for thread, texts in calls if thread == STAGE for text in texts} >= {"a blue square", "a green star"}
+    _assert_same_images(got, want, ["first", "0", "1"])
