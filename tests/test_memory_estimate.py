@@ -193,6 +193,25 @@ def test_the_decode_stage_reserves_its_vae_beside_the_loops_work_and_its_queue()
     assert "the decode stage's VAE beside the loop's" in render(on)
 
 
+def test_the_encode_stage_reserves_its_encoders_beside_the_loops_work_and_its_ready_texts():
+    """As memory_profile.gpu_pool_bytes reserves it: the text encoders' peak on top of the loop's forward (and the
+    decode stage's VAE), plus max_encode_ahead texts' conditions."""
+    from dvllm.models.loader import load_adapter as load
+
+    off = estimate("tiny-sd", dtype="float32", size=(64, 64), decode_stage=False, **LIMITS)
+    on = estimate("tiny-sd", dtype="float32", size=(64, 64), decode_stage=False, encode_stage=True,
+                  max_encode_ahead=4, **LIMITS)
+    numel = load("tiny-sd", "dummy", torch.device("cpu"), torch.float32).info.text.condition_numel
+    assert on.encode_ahead == 4 * numel * 4 > 0 and off.encode_ahead == 0  # float32 conditions
+    assert on.reserved == max(on.worst["denoise"], on.worst["decode"]) + on.worst["encode"] + on.encode_ahead
+    assert on.reserved > off.reserved
+    both = estimate("tiny-sd", dtype="float32", size=(64, 64), decode_stage=True, max_decode_queue=1,
+                    encode_stage=True, max_encode_ahead=4, **LIMITS)
+    assert both.reserved == both.worst["denoise"] + both.worst["encode"] + both.worst["decode"] \
+        + both.decode_queue + both.encode_ahead
+    assert "the encode stage's encoders beside the loop's" in render(on)
+
+
 def test_auto_turns_the_decode_stage_on_per_card_where_the_pool_keeps_half():
     """As start-up chooses (memory_profile.choose_decode_stage): a card where the stage's reservation leaves the
     pool at least half of what it has without it runs the stage; one where it would take more does not."""

@@ -41,6 +41,7 @@ from dvllm.sampling_params import SamplingParams
 from dvllm.worker.memory_profile import (
     choose_decode_stage,
     decode_queue_bytes,
+    encode_ahead_bytes,
     largest_size,
     step_cache_bytes,
     step_peaks,
@@ -81,6 +82,8 @@ class Estimate:
     # its VAE beside the loop's encode or denoise, and its queue of latents: as asked (None: auto, per card)
     decode_stage: bool | None = None
     decode_queue: int = 0         # bytes: the latents the decode stage may hold
+    encode_stage: bool = False    # its text encoders beside the loop's work, and the texts it holds ready
+    encode_ahead: int = 0         # bytes: those texts' conditions
     cards: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -89,7 +92,8 @@ class Estimate:
 
     def reserved_for(self, decode_stage: bool) -> int:
         """The worst step's transient memory, as memory_profile.gpu_pool_bytes reserves it."""
-        return worst_transient(self.worst, decode_stage) + (self.decode_queue if decode_stage else 0)
+        return (worst_transient(self.worst, decode_stage, self.encode_stage) + self.encode_ahead
+                + (self.decode_queue if decode_stage else 0))
 
     def needed_for(self, decode_stage: bool) -> int:
         """What start-up takes before the pool gets a byte: weights, context and the worst step."""
@@ -118,7 +122,8 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
              gpu_memory_utilization: float = DEFAULTS.gpu_memory_utilization, vae_dtype: str = "auto",
              vae_tiling: bool = False, cards_gib: tuple[float, ...] = CARDS_GIB,
              context_gib: float = CUDA_CONTEXT_GIB, decode_stage: bool | None = DEFAULTS.decode_stage,
-             max_decode_queue: int = DEFAULTS.max_decode_queue) -> Estimate:
+             max_decode_queue: int = DEFAULTS.max_decode_queue, encode_stage: bool = DEFAULTS.encode_stage,
+             max_encode_ahead: int = DEFAULTS.max_encode_ahead) -> Estimate:
     """The estimate for `model` served on one GPU with these engine settings; ValueError for bad ones."""
     if dtype not in ("auto", *DTYPES) or vae_dtype not in ("auto", *DTYPES):
         raise ValueError(f"dtype and vae_dtype must be auto or one of {list(DTYPES)}, got {dtype!r}, {vae_dtype!r}")
@@ -130,7 +135,8 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
         raise ValueError(f"cards must be positive GiB and the context >= 0, got {cards_gib!r}, {context_gib!r}")
     engine = {"max_batch_size": max_batch_size, "max_decode_batch": max_decode_batch,
               "gpu_memory_utilization": gpu_memory_utilization, "max_image_pixels": max_image_pixels,
-              "decode_stage": decode_stage, "max_decode_queue": max_decode_queue}
+              "decode_stage": decode_stage, "max_decode_queue": max_decode_queue, "encode_stage": encode_stage,
+              "max_encode_ahead": max_encode_ahead}
     EngineConfig(**engine)  # the engine's own checks of these values
     spec = parse_spec(quantization) if quantization else None
     with quiet_libraries():
@@ -159,7 +165,8 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
         worst_size=worst_size, worst=worst, attention={k: dict(v) for k, v in memory.attention.items() if v},
         request_bytes=request.max_blocks * block_bytes, request_rows=request.rows, context=int(context_gib * GIB),
         utilization=gpu_memory_utilization, vae_tiling=vae_tiling, decode_stage=decode_stage,
-        decode_queue=decode_queue_bytes(adapter, EngineConfig(**engine), decode_stage is not False))
+        decode_queue=decode_queue_bytes(adapter, EngineConfig(**engine), decode_stage is not False),
+        encode_stage=encode_stage, encode_ahead=encode_ahead_bytes(adapter, EngineConfig(**engine)))
     for card in cards_gib:  # as memory_profile.gpu_pool_bytes: the share of the card, less all that is used
         def pool_bytes(stage: bool, card: float = card) -> int:
             return int(card * GIB * gpu_memory_utilization) - result.needed_for(stage)
@@ -246,7 +253,8 @@ def render(e: Estimate) -> str:
               f"{_parts(e.step)} ({e.decode_batch} images a decode)"),
              (f"worst step reserved ({ww}x{wh})", e.reserved, _parts(e.worst) + (
                  f"; the decode stage's VAE beside the loop's, its queue {_gib(e.decode_queue)}" if e.decode_stage
-                 else "")),
+                 else "") + (f"; the encode stage's encoders beside the loop's, its ready texts {_gib(e.encode_ahead)}"
+                             if e.encode_stage else "")),
              ("needed: weights, context, worst step", e.needed, f"CUDA context assumed {_gib(e.context)}")]
     if e.decode_stage is None:
         rows.append(("needed with the decode stage (auto)", e.needed_for(True),
@@ -286,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULTS.gpu_memory_utilization)
     parser.add_argument("--decode-stage", action=argparse.BooleanOptionalAction, default=DEFAULTS.decode_stage)
     parser.add_argument("--max-decode-queue", type=int, default=DEFAULTS.max_decode_queue)
+    parser.add_argument("--encode-stage", action=argparse.BooleanOptionalAction, default=DEFAULTS.encode_stage)
+    parser.add_argument("--max-encode-ahead", type=int, default=DEFAULTS.max_encode_ahead)
     parser.add_argument("--size", default=None, help="HEIGHTxWIDTH of the typical step (default: the model's)")
     parser.add_argument("--cards", default=",".join(map(str, CARDS_GIB)), help="card sizes in GiB, comma-separated")
     parser.add_argument("--context-gib", type=float, default=CUDA_CONTEXT_GIB)
@@ -301,7 +311,8 @@ def main(argv: list[str] | None = None) -> None:
         size = parse_size(args.size) if args.size else None
         result = estimate(args.model, args.dtype, args.encoder_device, args.quantization, args.max_batch_size, size,
                           args.max_image_pixels, args.max_decode_batch, args.gpu_memory_utilization, args.vae_dtype,
-                          args.vae_tiling, cards, args.context_gib, args.decode_stage, args.max_decode_queue)
+                          args.vae_tiling, cards, args.context_gib, args.decode_stage, args.max_decode_queue,
+                          args.encode_stage, args.max_encode_ahead)
     except ValueError as e:
         parser.error(str(e))
     print(render(result))
