@@ -5,6 +5,7 @@ adapters (encoded in the loop) run beside the stage's encodes without leaking in
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -69,6 +70,22 @@ def _spy(engine: DiffusionEngine, monkeypatch, before=None) -> list[tuple[str, l
     return calls
 
 
+def _stage_done_at(step: int, engine: DiffusionEngine):
+    """A hook that, at `step`, waits until the stage has encoded what it was given (the first request still runs,
+    so the stage's texts are ready before it ends, however loaded the machine)."""
+    def hook(now: int) -> None:
+        if now == step:
+            _wait_for(lambda: engine.executor.worker.runner.encode_stage.pending == 0)
+    return hook
+
+
+def _wait_for(condition) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
 def _assert_same_images(got: dict[str, list], want: dict[str, list], ids) -> None:
     # Requests the stage admits a step later share forwards with other neighbours: equal up to float rounding
     for request_id in ids:
@@ -88,7 +105,7 @@ def test_texts_that_arrive_during_a_batch_are_encoded_off_the_loop_with_the_same
                                                                                         monkeypatch):
     engine = _engine(sd_eps_path)
     calls = _spy(engine, monkeypatch)
-    staged = _run(engine)
+    staged = _run(engine, hook=_stage_done_at(2, engine))
     _assert_same_images(staged, in_loop, ["first", "0", "1", "2"])
     # the first request met an idle engine: admission encoded it at once; nothing later ran a text encoder in the loop
     loop = threading.current_thread().name
@@ -151,16 +168,21 @@ class _ThreadKilled(BaseException):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death, on purpose
 def test_an_encode_thread_that_dies_loses_no_request(sd_eps_path, in_loop, monkeypatch):
     engine = _engine(sd_eps_path)
-    killed = []
+    killed = threading.Event()
 
     def die_once(texts):
-        if threading.current_thread().name == STAGE and not killed:
-            killed.append(texts)
+        if threading.current_thread().name == STAGE and not killed.is_set():
+            killed.set()
             raise _ThreadKilled
 
+    def hook(step):
+        if step == 2:
+            assert killed.wait(WAIT)  # the next step's collect finds the thread dead and starts another
+        _stage_done_at(4, engine)(step)
+
     _spy(engine, monkeypatch, die_once)
-    outputs = _run(engine)
-    assert killed and engine.executor.worker.runner.encode_stage.restarts == 1
+    outputs = _run(engine, hook=hook)
+    assert killed.is_set() and engine.executor.worker.runner.encode_stage.restarts == 1
     _assert_same_images(outputs, in_loop, ["first", "0", "1", "2"])
 
 
@@ -324,6 +346,6 @@ def test_every_familys_texts_encoded_by_the_stage_give_the_in_loop_images(path_f
     want = _run(_engine(path, encode_stage=False), first=first, later=later)
     engine = _engine(path)
     calls = _spy(engine, monkeypatch)
-    got = _run(engine, first=first, later=later)
+    got = _run(engine, first=first, later=later, hook=_stage_done_at(2, engine))
     assert {text for thread, texts in calls if thread == STAGE for text in texts} >= {"a blue square", "a green star"}
     _assert_same_images(got, want, ["first", "0", "1"])
