@@ -5,8 +5,8 @@ import pytest
 
 from dvllm.config import EngineConfig
 from dvllm.core.block_manager import BlockManager
-from dvllm.core.request import Request, RequestStatus, prompt_cache_key
-from dvllm.core.scheduler import Scheduler, check_fits
+from dvllm.core.request import Request, RequestStatus, check_fits, prompt_cache_key
+from dvllm.core.scheduler import Scheduler
 from dvllm.core.scheduler_output import RunnerOutput
 from dvllm.sampling_params import SamplingParams
 

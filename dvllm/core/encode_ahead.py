@@ -79,9 +79,15 @@ class EncodeAhead:
             if key in self.keys:
                 self.keys[key] = True
 
-    def failed(self, key: EncodeKey) -> bool:
-        """Forgets a text the stage could not encode; whether it was still wanted."""
-        return self.keys.pop(key, None) is not None
+    def failed(self, errors: dict[EncodeKey, str], waiting: Iterable[Request]) -> list[tuple[Request, str]]:
+        """Forgets the texts the stage could not encode; returns the waiting requests that needed them, with why."""
+        wanted = {key: message for key, message in errors.items() if self.keys.pop(key, None) is not None}
+        failed = []
+        for request in waiting:
+            message = next((wanted[key] for _, key in encode_keys(request) if key in wanted), None)
+            if message is not None:
+                failed.append((request, message))
+        return failed
 
     def clear(self) -> None:
         self.keys = {}

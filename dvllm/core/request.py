@@ -9,7 +9,7 @@ from functools import cached_property
 from typing import Any
 
 from dvllm.core.block_manager import CachedEntry
-from dvllm.core.scheduler_output import BlockTables
+from dvllm.core.scheduler_output import BlockTables, NewRequestData
 from dvllm.outputs import RequestMetrics, RequestOutput
 from dvllm.sampling_params import SamplingParams, as_images
 
@@ -141,6 +141,20 @@ class Request:
     def is_finished(self) -> bool:
         return self.status not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
+    def new_request_data(self, tables: BlockTables) -> NewRequestData:
+        """What the worker needs of it at admission, with the blocks it was given."""
+        request, p = self, self.params
+        return NewRequestData(
+            request_id=request.request_id, prompt=request.prompt, negative_prompt=p.negative_prompt, n=p.n,
+            height=p.height, width=p.width, seed=p.seed, guidance_scale=p.guidance_scale, cfg=request.cfg,
+            output_type=p.output_type, plan=request.plan, blocks=tables, preview_steps=request.preview_steps,
+            image=p.image, mask=p.mask_image, strength=p.strength, input_numel=request.input_numel,
+            input_grids=request.input_grids, image_key=request.image_key,
+            max_sequence_length=p.max_sequence_length, cache=p.cache,
+            loras=request.row_loras, text_loras=request.text_loras,
+            aesthetic_scores=None if p.aesthetic_score is None else (p.aesthetic_score, p.negative_aesthetic_score),
+        )
+
     def output(self, previews: list[Any] | None = None, preview_step: int | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
@@ -155,4 +169,26 @@ class Request:
             error=self.error,
             previews=previews or [],
             preview_step=preview_step if previews else None,
+        )
+
+
+def check_fits(request: Request, max_batch_size: int, num_blocks: int) -> None:
+    """A request must fit one forward and the whole pool on its own, or it could never run."""
+    if request.rows > max_batch_size:
+        raise ValueError(
+            f"n={request.params.n} needs {request.rows} denoiser rows"
+            f"{' (doubled by CFG)' if request.cfg else ''} but max_batch_size is {max_batch_size}"
+        )
+    if request.max_blocks > num_blocks:
+        if request.cache_blocks and request.max_blocks - request.rows * request.cache_blocks <= num_blocks:
+            method = request.params.cache.method
+            raise ValueError(
+                f"cache: {method}'s state for n={request.params.n} at {request.params.width}x{request.params.height} "
+                f"needs {request.rows * request.cache_blocks} state-pool blocks, more than the pool's {num_blocks} "
+                "leave for it: use a lighter method (first_block or mag), lower n or the size, or raise state_pool_mb"
+            )
+        raise ValueError(
+            f"n={request.params.n} at {request.params.width}x{request.params.height} needs "
+            f"{request.max_blocks} state-pool blocks but the pool has {num_blocks}: "
+            "lower n or the size, or raise state_pool_mb"
         )

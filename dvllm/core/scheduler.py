@@ -22,10 +22,10 @@ from collections import defaultdict
 
 from dvllm.config import EngineConfig
 from dvllm.core.block_manager import BlockManager
-from dvllm.core.encode_ahead import EncodeAhead, EncodeKey, encode_keys
+from dvllm.core.encode_ahead import EncodeAhead, EncodeKey
 from dvllm.core.lora_slots import LoraSlots
 from dvllm.core.request import Request, RequestStatus
-from dvllm.core.scheduler_output import BlockTables, NewRequestData, ResumedRequestData, RunnerOutput, SchedulerOutput
+from dvllm.core.scheduler_output import BlockTables, ResumedRequestData, RunnerOutput, SchedulerOutput
 from dvllm.outputs import RequestOutput
 
 
@@ -278,7 +278,7 @@ class Scheduler:
             out.resumed_requests.append(ResumedRequestData(request.request_id, tables))
             request.swapped = False
         else:
-            out.new_requests.append(_new_request_data(request, tables))
+            out.new_requests.append(request.new_request_data(tables))
             if self.ahead is not None:
                 out.encode_drops += self.ahead.used(request, (tables.write_cond, tables.write_uncond))
 
@@ -389,14 +389,11 @@ class Scheduler:
     def _encode_failed(self, errors: dict[EncodeKey, str], now: float) -> list[RequestOutput]:
         """The waiting requests whose texts the encode stage could not encode fail (they hold nothing yet)."""
         outputs = []
-        for key, message in errors.items():
-            if not self.ahead.failed(key):
-                continue
-            for request in [r for r in self.waiting if key in {k for _, k in encode_keys(r)}]:
-                self.waiting.remove(request)
-                del self.requests[request.request_id]
-                self._finish(request, RequestStatus.FINISHED_ERROR, message, now)
-                outputs.append(request.output())
+        for request, message in self.ahead.failed(errors, self.waiting):
+            self.waiting.remove(request)
+            del self.requests[request.request_id]
+            self._finish(request, RequestStatus.FINISHED_ERROR, message, now)
+            outputs.append(request.output())
         return outputs
 
     def _decoded(self, runner_out: RunnerOutput, scheduled: set[str], now: float) -> list[RequestOutput]:
@@ -440,39 +437,3 @@ class Scheduler:
             "lora_slot_loads": self.lora_slots.loads,
             "loras_resident": self.lora_slots.num_resident,
         }
-
-
-def check_fits(request: Request, max_batch_size: int, num_blocks: int) -> None:
-    """A request must fit one forward and the whole pool on its own, or it could never run."""
-    if request.rows > max_batch_size:
-        raise ValueError(
-            f"n={request.params.n} needs {request.rows} denoiser rows"
-            f"{' (doubled by CFG)' if request.cfg else ''} but max_batch_size is {max_batch_size}"
-        )
-    if request.max_blocks > num_blocks:
-        if request.cache_blocks and request.max_blocks - request.rows * request.cache_blocks <= num_blocks:
-            method = request.params.cache.method
-            raise ValueError(
-                f"cache: {method}'s state for n={request.params.n} at {request.params.width}x{request.params.height} "
-                f"needs {request.rows * request.cache_blocks} state-pool blocks, more than the pool's {num_blocks} "
-                "leave for it: use a lighter method (first_block or mag), lower n or the size, or raise state_pool_mb"
-            )
-        raise ValueError(
-            f"n={request.params.n} at {request.params.width}x{request.params.height} needs "
-            f"{request.max_blocks} state-pool blocks but the pool has {num_blocks}: "
-            "lower n or the size, or raise state_pool_mb"
-        )
-
-
-def _new_request_data(request: Request, tables: BlockTables) -> NewRequestData:
-    p = request.params
-    return NewRequestData(
-        request_id=request.request_id, prompt=request.prompt, negative_prompt=p.negative_prompt, n=p.n,
-        height=p.height, width=p.width, seed=p.seed, guidance_scale=p.guidance_scale, cfg=request.cfg,
-        output_type=p.output_type, plan=request.plan, blocks=tables, preview_steps=request.preview_steps,
-        image=p.image, mask=p.mask_image, strength=p.strength, input_numel=request.input_numel,
-        input_grids=request.input_grids, image_key=request.image_key,
-        max_sequence_length=p.max_sequence_length, cache=p.cache,
-        loras=request.row_loras, text_loras=request.text_loras,
-        aesthetic_scores=None if p.aesthetic_score is None else (p.aesthetic_score, p.negative_aesthetic_score),
-    )

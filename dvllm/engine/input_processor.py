@@ -18,8 +18,7 @@ import diffusers
 import numpy as np
 
 from dvllm.config import EngineConfig
-from dvllm.core.request import Request
-from dvllm.core.scheduler import check_fits
+from dvllm.core.request import Request, check_fits
 from dvllm.engine.result_cache import result_key
 from dvllm.lora.registry import LoraRegistry
 from dvllm.models.base import ModelInfo

@@ -11,14 +11,13 @@ dies, a new one takes over its jobs, the one it was on included: nothing that wa
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections import deque
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from dvllm.worker.stage_thread import StageThread
 
 logger = logging.getLogger(__name__)
 
@@ -63,20 +62,16 @@ class Decoded:
         self.num_images += other.num_images
 
 
-class DecodeStage:
+class DecodeStage(StageThread):
+    kind = "decode"
+
     def __init__(self, decode: DecodeFn, convert: ConvertFn, device: torch.device, max_batch: int,
                  capacity: int) -> None:
+        super().__init__(device)
         self._decode, self._convert = decode, convert
-        self.device, self.max_batch, self.capacity = device, max_batch, capacity
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._cond = threading.Condition()
+        self.max_batch, self.capacity = max_batch, capacity
         self._jobs: deque[DecodeJob] = deque()
-        self._taken: list[DecodeJob] = []  # the jobs the thread is decoding now
         self._done = Decoded()
-        # The thread runs while there are jobs and ends when there are none: an idle stage holds no thread
-        # (nor, through it, the model).
-        self._thread: threading.Thread | None = None
-        self.restarts = 0
 
     # -- the loop's side -----------------------------------------------------------------
     def has_room(self, images: int) -> bool:
@@ -92,8 +87,7 @@ class DecodeStage:
                 job.latents.record_stream(self._stream)
         with self._cond:
             self._jobs.extend(jobs)
-            if self._thread is None and self._jobs:
-                self._thread = self._start()
+            self._wake()
 
     def collect(self, timeout: float = 0.0) -> Decoded:
         """What is done; with a timeout, waits up to it for something to be (while jobs are pending)."""
@@ -120,44 +114,18 @@ class DecodeStage:
         with self._cond:
             if not drain:
                 self._jobs.clear()
-            self._revive()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
+        self._join()
 
     # -- the thread's side -----------------------------------------------------------------
-    def _start(self) -> threading.Thread:
-        thread = threading.Thread(target=self._run, name="dvllm-decode", daemon=True)
-        thread.start()
-        return thread
+    def _work(self, taken: list[DecodeJob]) -> Decoded:
+        return self._decode_jobs(taken)
 
-    def _revive(self) -> None:
-        """A thread that died with jobs left: they (the ones it had taken first) go to a new thread."""
-        if self._thread is None or self._thread.is_alive():
-            return
-        self.restarts += 1
-        logger.error("the decode thread died; a new one takes over its %d job(s)", self.pending)
-        self._jobs.extendleft(reversed(self._taken))
-        self._taken = []
-        self._thread = self._start()
+    def _finish(self, taken: list[DecodeJob], result: Decoded, seconds: float) -> None:
+        result.seconds, result.num_images = seconds, sum(job.n for job in taken)
+        self._done.merge(result)
 
-    def _run(self) -> None:
-        # No torch.set_num_threads here: besides this thread's OpenMP count it resizes process-wide thread pools
-        # the loop may be using at that moment (seen to crash it)
-        with torch.inference_mode(), torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
-            while True:
-                with self._cond:
-                    if not self._jobs:
-                        self._thread = None
-                        return
-                    self._taken = self._take()
-                start = time.perf_counter()
-                done = self._decode_jobs(self._taken)
-                done.seconds, done.num_images = time.perf_counter() - start, sum(job.n for job in self._taken)
-                with self._cond:
-                    self._done.merge(done)
-                    self._taken = []
-                    self._cond.notify_all()
+    def _requeue(self, taken: list[DecodeJob]) -> None:
+        self._jobs.extendleft(reversed(taken))
 
     def _take(self) -> list[DecodeJob]:
         """The first job, and those after it of the same size and kind, up to max_batch images."""

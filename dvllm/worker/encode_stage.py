@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from dvllm.worker.stage_thread import StageThread
 
 logger = logging.getLogger(__name__)
 
@@ -38,21 +38,19 @@ class Encoded:
     num_texts: int = 0
 
 
-class EncodeStage:
+class EncodeStage(StageThread):
+    kind = "encode"
+
     def __init__(self, encode: EncodeFn, device: torch.device, max_batch: int, lock: threading.Lock) -> None:
-        self._encode, self.device, self.max_batch = encode, device, max_batch
+        super().__init__(device)
+        self._encode, self.max_batch = encode, max_batch
         # The text encoders and their tokenizers are shared with the loop, which still encodes some texts itself
         # (adapters, images): one caller at a time (fast tokenizers refuse concurrent use).
         self.lock = lock
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._cond = threading.Condition()
         self._jobs: list[EncodeKey] = []
-        self._taken: list[EncodeKey] = []   # the texts the thread is encoding now
         self._results: dict[EncodeKey, tuple[torch.Tensor, Any]] = {}  # ready: (flat conditions, CUDA event)
         self._dropped: set[EncodeKey] = set()  # dropped while being encoded: not kept when done
         self._done = Encoded()
-        self._thread: threading.Thread | None = None  # runs while there are texts; an idle stage holds none
-        self.restarts = 0
 
     # -- the loop's side -----------------------------------------------------------------
     def submit(self, keys: list[EncodeKey]) -> None:
@@ -61,8 +59,7 @@ class EncodeStage:
                 self._dropped.discard(key)
                 if key not in self._results and key not in self._jobs and key not in self._taken:
                     self._jobs.append(key)
-            if self._thread is None and self._jobs:
-                self._thread = self._start()
+            self._wake()
 
     def drop(self, keys: list[EncodeKey]) -> None:
         """Forgets texts no waiting request needs any more (queued, ready, or done later)."""
@@ -103,52 +100,30 @@ class EncodeStage:
         wait for them are not admitted once the worker closes)."""
         with self._cond:
             self._jobs.clear()
-            self._revive()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
+        self._join()
 
     # -- the thread's side -----------------------------------------------------------------
-    def _start(self) -> threading.Thread:
-        thread = threading.Thread(target=self._run, name="dvllm-encode", daemon=True)
-        thread.start()
-        return thread
+    def _work(self, taken: list[EncodeKey]) -> tuple[dict[EncodeKey, torch.Tensor], dict[EncodeKey, str]]:
+        return self._encode_keys(taken)
 
-    def _revive(self) -> None:
-        """A thread that died with texts left: they (the ones it had taken first) go to a new thread."""
-        if self._thread is None or self._thread.is_alive():
-            return
-        self.restarts += 1
-        logger.error("the encode thread died; a new one takes over its %d text(s)", len(self._jobs) + len(self._taken))
-        self._jobs[:0], self._taken = self._taken, []
-        self._thread = self._start() if self._jobs else None
+    def _finish(self, taken: list[EncodeKey], result: tuple[dict, dict], seconds: float) -> None:
+        results, errors = result
+        for key, conditions in results.items():
+            if key in self._dropped:
+                continue
+            event = None
+            if self._stream is not None:
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            self._results[key] = (conditions, event)
+            self._done.ready.append(key)
+        self._done.errors.update({k: v for k, v in errors.items() if k not in self._dropped})
+        self._done.seconds += seconds
+        self._done.num_texts += len(taken)
+        self._dropped.difference_update(taken)
 
-    def _run(self) -> None:
-        with torch.inference_mode(), torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
-            while True:
-                with self._cond:
-                    if not self._jobs:
-                        self._thread = None
-                        return
-                    self._taken = self._take()
-                start = time.perf_counter()
-                results, errors = self._encode_keys(self._taken)
-                with self._cond:
-                    for key, conditions in results.items():
-                        if key in self._dropped:
-                            continue
-                        event = None
-                        if self._stream is not None:
-                            event = torch.cuda.Event()
-                            event.record(self._stream)
-                        self._results[key] = (conditions, event)
-                        self._done.ready.append(key)
-                    self._done.errors.update({k: v for k, v in errors.items() if k not in self._dropped})
-                    self._done.seconds += time.perf_counter() - start
-                    self._done.num_texts += len(self._taken)
-                    self._dropped.difference_update(self._taken)
-                    self._taken = []
-                    self._cond.notify_all()
+    def _requeue(self, taken: list[EncodeKey]) -> None:
+        self._jobs[:0] = taken
 
     def _take(self) -> list[EncodeKey]:
         """The first text, and those after it of the same max_sequence_length, up to max_batch texts."""

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 import torch
 
@@ -18,19 +17,19 @@ from dvllm.core.stage_stats import StageStats
 from dvllm.models.base import ModelAdapter
 from dvllm.profiler import PhaseTimer
 from dvllm.sampling_params import as_images
-from dvllm.worker.conditions import flatten, unflatten
 from dvllm.worker.decode_stage import DecodeJob, DecodeStage
 from dvllm.worker.denoise_batch import StepParts, StepResult, denoise_step
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage
 from dvllm.worker.lora_layers import LoraLayers
+from dvllm.worker.per_request import per_request
+from dvllm.worker.prompt_writer import PromptWriter
 from dvllm.worker.request_state import RequestState, row_bounds
 from dvllm.worker.row_scope import RowScope
 from dvllm.worker.state_pool import StatePool
 from dvllm.worker.step_cache_hooks import CacheHooks
 from dvllm.worker.step_cache_state import CacheState
 
-T = TypeVar("T")
 logger = logging.getLogger(__name__)
 # How long a step with nothing to run but decodes to await waits for one (the loop comes back for new requests)
 _AWAIT_DECODES_S = 0.02
@@ -43,8 +42,6 @@ class ModelRunner:
         self.adapter = adapter
         self.max_decode_batch = max_decode_batch
         self.decode_stage = decode_stage  # None: the loop decodes
-        self.encode_stage: EncodeStage | None = None  # None: admission encodes every text
-        self.encode_lock = threading.Lock()  # the text encoders: the loop's calls and the encode stage's
         self.pool = pool
         self.denoiser = denoiser
         self.timer = timer
@@ -53,6 +50,11 @@ class ModelRunner:
         self.rows = RowScope()  # which rows step caching runs a module on: LoRA layers follow it
         adapter.narrow_rows = self.rows.narrow  # so do the adapter's per-group calls (edits of other input shapes)
         self.lora = LoraLayers(adapter.pipeline, max_loras, max_lora_rank, self.rows)
+        self.prompts = PromptWriter(adapter, pool, self.lora)
+
+    @property
+    def encode_stage(self) -> EncodeStage | None:
+        return self.prompts.encode_stage
 
     @property
     def cache_hooks(self) -> CacheHooks:
@@ -74,14 +76,14 @@ class ModelRunner:
         # Preempted state leaves the pool before anyone writes into the blocks it frees.
         for request_id in out.preempted_ids:
             if request_id in self.states:
-                _per_request([self.states[request_id]], lambda group: self._swap_out(group[0]), errors, "swap-out")
+                per_request([self.states[request_id]], lambda group: self._swap_out(group[0]), errors, "swap-out")
         with self.timer.phase("encode"), stages.timing("encode"):
             unwritten = _fail_lora_users(out, self.states, failed_loras, errors)
             unwritten.update(self._add_requests([d for d in out.new_requests if d.request_id not in errors], errors))
             for resumed in out.resumed_requests:
                 if resumed.request_id in errors:
                     continue
-                _per_request([resumed], self._swap_in, errors, "swap-in")
+                per_request([resumed], self._swap_in, errors, "swap-in")
                 if resumed.request_id in errors:  # it was to refill shared entries: they hold nothing
                     unwritten.update(dict.fromkeys(_written_conditions(resumed.blocks), errors[resumed.request_id]))
             _fail_readers([*out.new_requests, *out.resumed_requests], unwritten, errors)
@@ -96,7 +98,7 @@ class ModelRunner:
             parts = StepParts(self.adapter, self.denoiser, self.pool, self.timer, self.lora,
                               self.cache_hooks if any(s.cache is not None for s in batch) else None)
             with stages.timing("denoise"):
-                _per_request(batch, lambda group: step.merge(denoise_step(parts, group)), errors, "denoise",
+                per_request(batch, lambda group: step.merge(denoise_step(parts, group)), errors, "denoise",
                              checkpoint=_rng_checkpoint)
             stages.add("denoise", 0.0, out.num_rows)
             errors.update(step.errors)
@@ -150,7 +152,7 @@ class ModelRunner:
         """Encodes and seeds the new requests; returns the condition blocks left unwritten (-> why)."""
         if not new:
             return {}
-        failed = self._write_conditions(new)
+        failed = self.prompts.write(new)
         ready = []
         for d in new:
             # a request fails with the embedding it reads, whoever was to write it
@@ -185,84 +187,9 @@ class ModelRunner:
                 )
 
         if ready:
-            _per_request(ready, prepare, errors, "latent preparation", key=lambda d: d.request_id)
-            self._read_text_lengths([self.states[d.request_id] for d in ready if d.request_id in self.states])
+            per_request(ready, prepare, errors, "latent preparation", key=lambda d: d.request_id)
+            self.prompts.read_text_lengths([self.states[d.request_id] for d in ready if d.request_id in self.states])
         return failed
-
-    def _read_text_lengths(self, states: list[RequestState]) -> None:
-        """Each new request's real text lengths, read from its stored masks once (one read for all of them),
-        so that no step has to read them back from the device."""
-        info = self.adapter.info
-        if not states or "prompt_embeds_mask" not in info.text.condition_shapes:
-            return
-        blocks = [b for s in states for b in (s.blocks.cond, s.blocks.uncond if s.data.cfg else s.blocks.cond)]
-        mask = unflatten(self.pool.read(blocks, info.text.condition_numel), info.text.condition_shapes)["prompt_embeds_mask"]
-        lengths = (mask > 0.5).sum(dim=1).tolist()
-        for i, s in enumerate(states):
-            s.text_lengths = (lengths[2 * i], lengths[2 * i + 1])
-
-    def _write_conditions(self, new: list[NewRequestData]) -> dict[tuple[int, ...], str]:
-        """Encodes every text whose blocks must be filled (one call); returns failed blocks -> message."""
-        # (text, negative, length, text adapters, images an edit model reads the text with), by the blocks to fill
-        targets: dict[tuple[int, ...], tuple[str | None, bool, int | None, tuple, Any]] = {}
-        for d in new:
-            images = _ImageKey(d) if d.input_grids and self.adapter.info.text.reads_images else None
-            if d.blocks.write_cond:
-                targets[tuple(d.blocks.cond)] = (d.prompt, False, d.max_sequence_length, d.text_loras, images)
-            if d.cfg and d.blocks.write_uncond:
-                targets[tuple(d.blocks.uncond)] = (d.negative_prompt, True, d.max_sequence_length, d.text_loras,
-                                                   images)
-        if not targets:
-            return {}
-        shapes = self.adapter.info.text.condition_shapes
-        failed: dict[tuple[int, ...], str] = {}
-
-        def encode(texts: list[tuple[str | None, bool, int | None, tuple, Any]]) -> None:
-            encoded = {}
-            # one encoder call per length, adapters and images
-            for length, loras, images in dict.fromkeys(t[2:] for t in texts):
-                group = [t for t in texts if t[2:] == (length, loras, images)]
-                items = [t[:2] for t in group]
-                # the length and images only where the family takes them: others keep the one-argument call
-                kwargs = {} if length is None else {"max_sequence_length": length}
-                if images is not None:
-                    kwargs["images"] = images.images
-                with self.encode_lock, self.lora.running([loras] * len(items)):  # all of the call take these adapters
-                    conditions = self.adapter.on_device(self.adapter.encode_prompt(items, **kwargs))
-                encoded.update(zip(group, conditions))
-            blocks = [b for b, text in targets.items() if text in encoded]
-            self.pool.write([list(b) for b in blocks], torch.cat([flatten(encoded[targets[b]], shapes) for b in blocks]))
-
-        texts = list(dict.fromkeys(targets.values()))  # identical texts (with the same adapters) are encoded once
-        texts = self._write_encoded_ahead(targets, texts)
-        errors: dict[Any, str] = {}
-        _per_request(texts, encode, errors, "prompt encoding", key=lambda text: text)
-        for b, text in targets.items():
-            if text in errors:
-                failed[b] = errors[text]
-        return failed
-
-    def _write_encoded_ahead(self, targets: dict[tuple[int, ...], tuple], texts: list[tuple]) -> list[tuple]:
-        """Writes the texts the encode stage has ready into their blocks; returns the others, to encode here."""
-        if self.encode_stage is None:
-            return texts
-        ahead = {}
-        for text in texts:
-            if not text[3] and text[4] is None:  # no text adapters, no images: the stage's kind of text
-                flat = self.encode_stage.take(text[:3])
-                if flat is not None:
-                    ahead[text] = flat
-        if ahead:
-            blocks = [b for b, text in targets.items() if text in ahead]
-            self.pool.write([list(b) for b in blocks], torch.stack([ahead[targets[b]] for b in blocks]))
-        return [text for text in texts if text not in ahead]
-
-    def encode_flat(self, texts: list[tuple[str | None, bool]], max_sequence_length: int | None) -> torch.Tensor:
-        """The encode stage's call: texts of one length -> their conditions flattened, [texts, numel]."""
-        kwargs = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
-        conditions = self.adapter.on_device(self.adapter.encode_prompt(texts, **kwargs))
-        shapes = self.adapter.info.text.condition_shapes
-        return torch.cat([flatten(c, shapes) for c in conditions])
 
     # preemption: the request's pool contents go to host memory and come back unchanged
     def _swap_out(self, state: RequestState) -> None:
@@ -375,22 +302,8 @@ class ModelRunner:
                     images[s.request_id] = to_output_type(decoded[lo_img:lo_img + s.n], s.data.output_type)
                     lo_img += s.n
 
-        _per_request(finished, decode, errors, "decode")
+        per_request(finished, decode, errors, "decode")
         return images
-
-
-class _ImageKey:
-    """An edit's images, equal to another request's when their digests are (so identical texts with identical
-    images are encoded once)."""
-
-    def __init__(self, data: NewRequestData) -> None:
-        self.images, self.key = as_images(data.image), data.image_key
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ImageKey) and other.key == self.key
-
-    def __hash__(self) -> int:
-        return hash(self.key)
 
 
 def _fail_lora_users(out: SchedulerOutput, states: dict[str, RequestState], failed: dict[int, tuple[int, str]],
@@ -454,25 +367,3 @@ def to_output_type(images: torch.Tensor, output_type: str) -> list[Any]:
     from diffusers.image_processor import VaeImageProcessor
 
     return VaeImageProcessor.numpy_to_pil(arrays)
-
-
-def _per_request(items: list[T], run: Callable[[list[T]], None], errors: dict, what: str,
-                 key: Callable[[T], Any] = lambda s: s.request_id,
-                 checkpoint: Callable[[list[T]], Callable[[], None]] | None = None) -> None:
-    """Run on the whole group; if that raises, run on each item alone and fail only those that raise.
-    `checkpoint(items)` returns what puts the items back as they were before the failed group run."""
-    restore = checkpoint(items) if checkpoint is not None and len(items) > 1 else None
-    try:
-        run(items)
-        return
-    except Exception as e:
-        if len(items) == 1:
-            errors[key(items[0])] = f"{what} failed: {type(e).__name__}: {e}"
-            return
-    if restore is not None:
-        restore()
-    for item in items:
-        try:
-            run([item])
-        except Exception as e:
-            errors[key(item)] = f"{what} failed: {type(e).__name__}: {e}"

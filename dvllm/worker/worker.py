@@ -49,8 +49,9 @@ class Worker:
             self.runner.decode_stage = DecodeStage(self.runner.decode_chunked, to_output_type, self.device,
                                                    config.max_decode_batch, config.max_decode_queue)
         if config.encode_stage:  # as many texts a call as the memory profile measured (two per row)
-            self.runner.encode_stage = EncodeStage(self.runner.encode_flat, self.device, 2 * config.max_batch_size,
-                                                   self.runner.encode_lock)
+            prompts = self.runner.prompts
+            prompts.encode_stage = EncodeStage(prompts.encode_flat, self.device, 2 * config.max_batch_size,
+                                               prompts.lock)
 
     def model_info(self) -> ModelInfo:
         return self.runner.adapter.info

@@ -1,0 +1,28 @@
+"""Failures pinned on the request that caused them: a batched call that raises is retried item by item."""
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def per_request(items: list[T], run: Callable[[list[T]], None], errors: dict, what: str,
+                 key: Callable[[T], Any] = lambda s: s.request_id,
+                 checkpoint: Callable[[list[T]], Callable[[], None]] | None = None) -> None:
+    """Run on the whole group; if that raises, run on each item alone and fail only those that raise.
+    `checkpoint(items)` returns what puts the items back as they were before the failed group run."""
+    restore = checkpoint(items) if checkpoint is not None and len(items) > 1 else None
+    try:
+        run(items)
+        return
+    except Exception as e:
+        if len(items) == 1:
+            errors[key(items[0])] = f"{what} failed: {type(e).__name__}: {e}"
+            return
+    if restore is not None:
+        restore()
+    for item in items:
+        try:
+            run([item])
+        except Exception as e:
+            errors[key(item)] = f"{what} failed: {type(e).__name__}: {e}"
