@@ -60,16 +60,18 @@ def test_streams_through_a_core_process_match_the_offline_engine(sd_eps_path):
     assert engine.core_process.returncode == 0  # shut down cleanly, not killed
 
 
-def test_prompts_arriving_during_a_batch_go_through_the_cores_encode_stage(sd_eps_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prompts_arriving_during_a_batch_go_through_the_cores_encode_stage(sd_eps_path, async_scheduling):
     """With --encode-stage in the core process: requests that arrive while one runs are encoded on the stage's
-    thread, and every stream's images are the offline engine's."""
+    thread, and every stream's images are the offline engine's; with --async-scheduling too (the worker on its
+    own thread in the core process, a step ahead of the scheduler)."""
     first = ("a long one", P(seed=9, num_inference_steps=30))
     later = [(f"later prompt {i}", P(seed=i, num_inference_steps=3)) for i in range(4)]
     offline = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32").generate(
         [first[0]] + [p for p, _ in later], [first[1]] + [sp for _, sp in later], use_tqdm=False)
 
     async def main():
-        engine = core_engine(sd_eps_path, encode_stage=True)
+        engine = core_engine(sd_eps_path, encode_stage=True, async_scheduling=async_scheduling)
         engine.start()
         started = asyncio.Event()
         long_one = asyncio.create_task(collect(engine, *first, started=started))

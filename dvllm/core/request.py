@@ -57,6 +57,7 @@ class Request:
     loras: tuple[tuple[Any, float], ...] = ()
     status: RequestStatus = RequestStatus.WAITING
     num_steps_done: int = 0
+    steps_in_flight: int = 0  # scheduled and not yet updated (async scheduling: up to two)
     last_scheduled: int = -1  # scheduler iteration it last took a step in
     images: list[Any] = field(default_factory=list)
     error: str | None = None
@@ -74,6 +75,7 @@ class Request:
     def reset(self) -> None:
         """Its worker died: start over from the seed (the images come out the same)."""
         self.status, self.num_steps_done, self.last_scheduled = RequestStatus.WAITING, 0, -1
+        self.steps_in_flight = 0
         self.blocks = self.cond_entry = self.uncond_entry = None
         self.swapped, self.images, self.cached_steps = False, [], 0
 
@@ -136,6 +138,11 @@ class Request:
     @property
     def priority(self) -> int:
         return self.params.priority
+
+    @property
+    def steps_scheduled(self) -> int:
+        """Steps taken or in flight: the next one scheduled is this one (progress is deterministic)."""
+        return self.num_steps_done + self.steps_in_flight
 
     @property
     def is_finished(self) -> bool:

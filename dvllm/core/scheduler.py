@@ -48,7 +48,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.cache_skipped_rows = self.cache_computed_rows = 0  # step caching, over the engine's life
         self._freed: list[str] = []
-        self._writers: dict[str, list] = {}  # request id -> cache entries it must fill this iteration
+        # By iteration, until its update: the requests it stepped, and request id -> the cache entries it filled
+        self._batches: dict[int, list[Request]] = {}
+        self._writers: dict[int, dict[str, list]] = {}
+        # Aborted with a step in flight -> the last iteration that may still report on it (not on a new request
+        # that takes its id meanwhile)
+        self._stale: dict[str, int] = {}
         # With the worker's encode stage: the texts it encodes ahead of admission
         self.ahead = EncodeAhead(config.max_encode_ahead) if config.encode_stage else None
 
@@ -94,7 +99,7 @@ class Scheduler:
         for request in requests:
             request.reset()
         self.requests, self.waiting, self.running, self.decoding = {}, [], [], {}
-        self._freed, self._writers = [], {}
+        self._freed, self._batches, self._writers, self._stale = [], {}, {}, {}
         if self.ahead is not None:
             self.ahead.clear()
         self.lora_slots = LoraSlots(self.lora_slots.num_slots)  # a new worker starts with empty slots
@@ -109,6 +114,8 @@ class Scheduler:
         if self.decoding.pop(request_id, None) is not None:
             self._freed.append(request_id)  # the stage drops its job if it has not begun it
         elif request.status == RequestStatus.RUNNING:
+            if request.steps_in_flight:
+                self._stale[request_id] = self.iteration
             self.running.remove(request)
             self._release(request)
             self._freed.append(request_id)
@@ -131,7 +138,6 @@ class Scheduler:
     # -- one iteration -------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.iteration += 1
-        self._writers = {}
         out = SchedulerOutput(iteration=self.iteration)
         self._admit(out)
         if self.ahead is not None:  # those left waiting behind a running batch: their texts, to the encode stage
@@ -145,8 +151,12 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         out.scheduled_ids = [r.request_id for r in batch]
-        out.step_indices = [r.num_steps_done for r in batch]
-        out.finishing_ids = [r.request_id for r in batch if r.num_steps_done + 1 == r.num_steps]
+        out.step_indices = [r.steps_scheduled for r in batch]
+        out.finishing_ids = [r.request_id for r in batch if r.steps_scheduled + 1 == r.num_steps]
+        for request in batch:
+            request.steps_in_flight += 1
+        if batch:
+            self._batches[self.iteration] = batch
         out.num_rows = sum(r.rows for r in batch)
         out.freed_ids, self._freed = self._freed, []
         out.await_decodes = bool(self.decoding) and not (batch or out.new_requests or out.resumed_requests)
@@ -226,8 +236,9 @@ class Scheduler:
 
     def _preempt_for(self, request: Request, rows: dict, out: SchedulerOutput) -> bool:
         """Preempt the least urgent running requests that rank below `request`, if that makes it fit."""
-        victims = sorted((r for r in self.running if self.urgency(r) > self.urgency(request)),
-                         key=self.urgency, reverse=True)
+        # not one whose last step is in flight (async scheduling): it is leaving
+        victims = sorted((r for r in self.running if self.urgency(r) > self.urgency(request)
+                          and r.steps_scheduled < r.num_steps), key=self.urgency, reverse=True)
         need_rows = rows[request.shape_key] + request.rows - self.max_batch_size
         need_blocks = self._blocks_needed(request) - self.blocks.num_available
         need_slots = self.lora_slots.shortfall(request.lora_adapters)
@@ -301,7 +312,7 @@ class Scheduler:
             writes.append(entry is None)
             if entry is None:
                 entry = self.blocks.insert(key, request.cond_blocks)
-                self._writers.setdefault(request.request_id, []).append(entry)
+                self._writers.setdefault(self.iteration, {}).setdefault(request.request_id, []).append(entry)
             entries.append(entry)
         request.cond_entry, request.uncond_entry = entries
         request.blocks = BlockTables(
@@ -325,7 +336,8 @@ class Scheduler:
     def _pick_batch(self) -> list[Request]:
         groups: dict[tuple[int, int], list[Request]] = defaultdict(list)
         for request in self.running:
-            groups[request.shape_key].append(request)
+            if request.steps_scheduled < request.num_steps:  # else its last step is in flight
+                groups[request.shape_key].append(request)
         if not groups:
             return []
 
@@ -343,11 +355,14 @@ class Scheduler:
         if self.ahead is not None:
             self.ahead.mark_ready(runner_out.encoded)
             outputs += self._encode_failed(runner_out.encode_errors, now)
+        writers, batch = self._writers.pop(sched_out.iteration, {}), self._batches.pop(sched_out.iteration, [])
         for request_id, message in runner_out.errors.items():
+            if self._stale.get(request_id, -1) >= sched_out.iteration:
+                continue  # an aborted request's, from a step scheduled before the abort
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
-            for entry in self._writers.get(request_id, []):
+            for entry in writers.get(request_id, []):
                 self.blocks.invalidate(entry)  # its embedding may never have been written
             if request in self.running:
                 self.running.remove(request)
@@ -360,9 +375,11 @@ class Scheduler:
         cached = set(runner_out.cached_ids)
         self.cache_skipped_rows += runner_out.cache_rows[0]
         self.cache_computed_rows += runner_out.cache_rows[1]
-        for request_id in sched_out.scheduled_ids:
-            request = self.requests.get(request_id)
-            if request is None:  # failed or aborted meanwhile
+        self._stale = {k: last for k, last in self._stale.items() if last > sched_out.iteration}
+        for request in batch:
+            request_id = request.request_id
+            request.steps_in_flight -= 1
+            if self.requests.get(request_id) is not request:  # failed or aborted meanwhile
                 continue
             request.num_steps_done += 1
             request.cached_steps += request_id in cached

@@ -54,7 +54,7 @@ class Coordinator:
         """The single core's step; or a step on every idle worker, then the updates of the steps that are done
         (at least one when any is running: workers step independently, a slow one holds no other back)."""
         if self.single is not None:
-            outputs = self.single.step()
+            outputs = self.single.step_ahead() if self.config.async_scheduling else self.single.step()
             self.last_step = self.single.last_step
             return outputs
         for core in self.live():
@@ -101,7 +101,7 @@ class Coordinator:
 
     def has_unfinished(self) -> bool:
         return bool(self.orphans) or any(
-            core.in_flight is not None or core.scheduler.has_unfinished_requests() for core in self.live())
+            core.stepping or core.scheduler.has_unfinished_requests() for core in self.live())
 
     # -- requests in -------------------------------------------------------------
     def in_use(self, request_id: str) -> bool:

@@ -1,12 +1,17 @@
 """EngineCore: one worker's engine. Its step is the whole loop of one worker: schedule, execute, update.
 
-The in-process engine is one core and steps it as it reads. Data parallelism (engine/coordinator.py)
+The in-process engine is one core and steps it as it reads, or with async scheduling one step ahead: the next
+step is scheduled and queued on the worker's thread while this one runs, and the scheduler counts the steps in
+flight as taken (progress is deterministic). A step's update, and any failure in it, then comes a step later.
+Data parallelism (engine/coordinator.py)
 drives several cores and splits each core's step around the executor (submit, then complete when the
 worker is done) so that its workers step at the same time.
 """
 from __future__ import annotations
 
 import time
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from dvllm.core.scheduler import Scheduler
@@ -33,6 +38,7 @@ class EngineCore:
     submitted_at: float = 0.0
     stages: StageStats = field(default_factory=StageStats)  # busy seconds and items per stage, since start
     last_step: tuple[int, int] = (0, 0)    # the latest step's denoiser rows, and requests that stepped
+    ahead: deque[tuple[SchedulerOutput, Future]] = field(default_factory=deque)  # async: in flight, oldest first
 
     @property
     def alive(self) -> bool:
@@ -43,6 +49,26 @@ class EngineCore:
         sched_out = self.schedule()
         result = self.executor.execute(self.index, sched_out)
         return self.update(sched_out, result)
+
+    def step_ahead(self, depth: int = 2) -> list[RequestOutput]:
+        """Async scheduling: schedules a step and queues it on the worker's thread, then (with `depth` steps in
+        flight, or nothing new to queue) waits for the oldest and returns its update. The worker goes from one
+        step to the next without waiting for the scheduler."""
+        sched_out = self.schedule()
+        self.last_step = (0, 0)  # until a step's update comes back
+        if not sched_out.is_empty:
+            self.ahead.append((sched_out, self.executor.execute_ahead(self.index, sched_out)))
+            if len(self.ahead) < depth:
+                return []
+        if not self.ahead:
+            return []
+        sched_out, done = self.ahead.popleft()
+        return self.update(sched_out, done.result())
+
+    @property
+    def stepping(self) -> bool:
+        """Whether a step is in flight."""
+        return self.in_flight is not None or bool(self.ahead)
 
     def schedule(self) -> SchedulerOutput:
         with self.timer.phase("schedule"):

@@ -8,6 +8,7 @@ time, and workers step independently of each other. A worker that dies comes bac
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,10 @@ class Executor(ABC):
         if isinstance(result, WorkerDied):
             raise RuntimeError(f"worker {worker} died: {result.reason}")
         return result
+
+    def execute_ahead(self, worker: int, scheduler_output: SchedulerOutput) -> Future:
+        """Async scheduling: queues the step behind the one in flight; its result comes in the future."""
+        raise NotImplementedError(f"{type(self).__name__} does not schedule ahead (async_scheduling)")
 
     @abstractmethod
     def wait(self, timeout: float | None = None) -> dict[int, RunnerOutput | WorkerDied]:

@@ -51,6 +51,10 @@ class ModelRunner:
         adapter.narrow_rows = self.rows.narrow  # so do the adapter's per-group calls (edits of other input shapes)
         self.lora = LoraLayers(adapter.pipeline, max_loras, max_lora_rank, self.rows)
         self.prompts = PromptWriter(adapter, pool, self.lora)
+        # The last step's prompt-cache blocks left unwritten and adapter loads that failed: with async scheduling
+        # the driver admitted this step's requests before it heard of them, so they are checked against both
+        self._last_unwritten: dict[tuple[int, ...], str] = {}
+        self._last_failed_loras: dict[int, tuple[int, str]] = {}
 
     @property
     def encode_stage(self) -> EncodeStage | None:
@@ -77,8 +81,11 @@ class ModelRunner:
         for request_id in out.preempted_ids:
             if request_id in self.states:
                 per_request([self.states[request_id]], lambda group: self._swap_out(group[0]), errors, "swap-out")
+        loaded = {weights.uid for _, weights in out.lora_loads}
+        carried = {uid: v for uid, v in self._last_failed_loras.items() if uid not in loaded}
+        self._last_failed_loras = failed_loras
         with self.timer.phase("encode"), stages.timing("encode"):
-            unwritten = _fail_lora_users(out, self.states, failed_loras, errors)
+            unwritten = _fail_lora_users(out, self.states, {**carried, **failed_loras}, errors)
             unwritten.update(self._add_requests([d for d in out.new_requests if d.request_id not in errors], errors))
             for resumed in out.resumed_requests:
                 if resumed.request_id in errors:
@@ -86,7 +93,11 @@ class ModelRunner:
                 per_request([resumed], self._swap_in, errors, "swap-in")
                 if resumed.request_id in errors:  # it was to refill shared entries: they hold nothing
                     unwritten.update(dict.fromkeys(_written_conditions(resumed.blocks), errors[resumed.request_id]))
-            _fail_readers([*out.new_requests, *out.resumed_requests], unwritten, errors)
+            admitted = [*out.new_requests, *out.resumed_requests]
+            written = {b for d in admitted for b in _written_conditions(d.blocks)}
+            stale = {b: why for b, why in self._last_unwritten.items() if b not in written}
+            _fail_readers(admitted, {**stale, **unwritten}, errors)
+            self._last_unwritten = unwritten
         stages.add("encode", 0.0, len(out.new_requests))
         batch = []
         for request_id, step in zip(out.scheduled_ids, out.step_indices):  # the scheduler counts the steps
