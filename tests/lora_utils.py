@@ -67,3 +67,18 @@ def allow_peft_for_transformers(monkeypatch: Any) -> None:
     import transformers.integrations.peft as integration
 
     monkeypatch.setattr(integration, "check_peft_version", lambda **_: None)
+
+
+def fail_first_load(layers: Any, monkeypatch: Any) -> list[str]:
+    """The worker's first adapter load into a slot raises (as running out of device memory would); later loads
+    go through. Returns the names of the adapters loaded, one entry per try."""
+    real_load, calls = layers.load, []
+
+    def failing_once(slot: int, weights: Any) -> None:
+        calls.append(weights.name)
+        if len(calls) == 1:
+            raise RuntimeError("out of device memory (simulated)")
+        real_load(slot, weights)
+
+    monkeypatch.setattr(layers, "load", failing_once)
+    return calls

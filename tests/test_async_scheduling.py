@@ -269,21 +269,12 @@ def test_a_request_reading_a_prompt_embedding_whose_write_failed_in_flight_fails
 def test_a_request_admitted_while_its_adapters_load_fails_in_flight_fails_with_that_error(make, tmp_path,
                                                                                          monkeypatch):
     from conftest import tiny_sd_pipeline
-    from lora_utils import make_lora
+    from lora_utils import fail_first_load, make_lora
 
     folder = make_lora(tiny_sd_pipeline(), str(tmp_path / "style"), seed=5)
     engine = make(async_scheduling=True, enable_lora=True)
     engine.load_lora("style", folder)
-    layers = engine.executor.worker.runner.lora
-    real_load, calls = layers.load, []
-
-    def failing_once(slot, weights):
-        calls.append(weights.name)
-        if len(calls) == 1:
-            raise RuntimeError("out of device memory (simulated)")
-        real_load(slot, weights)
-
-    monkeypatch.setattr(layers, "load", failing_once)
+    calls = fail_first_load(engine.executor.worker.runner.lora, monkeypatch)
     # no CFG: B shares no prompt-cache entry with A, only the adapter
     styled = P(seed=1, guidance_scale=1.0, loras={"style": 1.0})
     engine.add_request("A", "a red circle", styled)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dvllm import DiffusionEngine, SamplingParams
-from lora_utils import allow_peft_for_transformers, make_lora, reference_images
+from lora_utils import allow_peft_for_transformers, fail_first_load, make_lora, reference_images
 
 TOL = 1e-3
 P = SamplingParams
@@ -361,16 +361,7 @@ def test_a_failed_load_does_not_disturb_running_requests(families, tmp_path):
 def test_a_load_that_fails_on_the_worker_fails_its_requests_and_frees_the_slot(families, monkeypatch):
     family = families["sd"]
     engine = _engine(family, max_loras=1)
-    layers = engine.executor.worker.runner.lora
-    real_load, calls = layers.load, []
-
-    def failing_once(slot, weights):
-        calls.append(weights.name)
-        if len(calls) == 1:
-            raise RuntimeError("out of device memory (simulated)")
-        real_load(slot, weights)
-
-    monkeypatch.setattr(layers, "load", failing_once)
+    calls = fail_first_load(engine.executor.worker.runner.lora, monkeypatch)
     p = P(num_inference_steps=2, guidance_scale=4.0, height=32, width=32, output_type="np", seed=1,
           loras={"full": 1.0})
     plain = P(num_inference_steps=2, guidance_scale=4.0, height=32, width=32, output_type="np", seed=2)
