@@ -197,8 +197,9 @@ class EngineConfig:
         default=False,
         metadata={"help": "Encode the texts of waiting requests on a thread of the worker's own (a CUDA stream of its "
                           "own) while the batch runs, and admit a request once they are ready, so the denoise loop "
-                          "never waits for a text encoder (with nothing running, admission encodes at once). Texts "
-                          "with text LoRA adapters and an edit model's image-reading prompts stay with admission. "
+                          "never waits for a text encoder (with nothing running, admission encodes at once); an "
+                          "edit model's prompts go with the images its encoder reads. Texts with text LoRA "
+                          "adapters stay with admission. "
                           "The GPU memory profile reserves the encoders' work beside the loop's."},
     )
     max_encode_ahead: int = field(

@@ -271,58 +271,58 @@ def test_encode_ahead_sends_uncached_texts_once_within_capacity_and_drops_what_n
         return Request(request_id, prompt, params, num_steps=3, cfg=True, plan=None, arrival_time=0.0, arrival_seq=0)
 
     a, b, c = request("a", "cat"), request("b", "cat", negative="ugly"), request("c", "dog")
-    send, drop = ahead.plan([a, b, c], blocks)
-    assert send == [("cat", False, None), (None, True, None), ("ugly", True, None)] and drop == []
+    send, drop, images = ahead.plan([a, b, c], blocks)
+    assert images == {} and send == [("cat", False, None, None), (None, True, None, None), ("ugly", True, None, None)] and drop == []
     assert ahead.must_wait(c, blocks)  # over capacity: "dog" waits its turn, and so does c
-    ahead.mark_ready([("cat", False, None), (None, True, None)])
+    ahead.mark_ready([("cat", False, None, None), (None, True, None, None)])
     assert not ahead.must_wait(a, blocks) and ahead.must_wait(b, blocks)
     assert ahead.ready_cache_keys(a) == set(a.cond_keys)
-    assert ahead.used(a, (True, False)) == [(None, True, None)]  # a's negative was a cache hit after all
-    send, drop = ahead.plan([c], blocks)  # a admitted, b aborted: their texts go, c's comes in
-    assert send == [("dog", False, None), (None, True, None)] and drop == [("ugly", True, None)]
+    assert ahead.used(a, (True, False)) == [(None, True, None, None)]  # a's negative was a cache hit after all
+    send, drop, _ = ahead.plan([c], blocks)  # a admitted, b aborted: their texts go, c's comes in
+    assert send == [("dog", False, None, None), (None, True, None, None)] and drop == [("ugly", True, None, None)]
     swapped = request("d", "bird")
     swapped.swapped = True  # its conditions come back with its state
-    assert ahead.plan([swapped], blocks) == ([], [("dog", False, None), (None, True, None)])
+    assert ahead.plan([swapped], blocks) == ([], [("dog", False, None, None), (None, True, None, None)], {})
     assert config.max_encode_ahead > 0
 
 
 def test_the_stage_retries_a_failed_batch_text_by_text_and_keeps_results_until_taken():
-    def encode(texts, length):
+    def encode(texts, length, images):
         if ("bad", False) in texts:
             raise ValueError("no")
         return torch.stack([torch.full((3,), float(len(text or ""))) for text, _ in texts])
 
     stage = EncodeStage(encode, torch.device("cpu"), max_batch=4, lock=threading.Lock())
-    stage.submit([("good", False, None), ("bad", False, None), ("long text", False, 7)])
+    stage.submit([("good", False, None, None), ("bad", False, None, None), ("long text", False, 7, None)])
     while stage.pending:  # (the thread ends when it has nothing left)
         stage._thread.join(WAIT) if stage._thread is not None else None
     done = stage.collect()
-    assert sorted(done.ready, key=str) == [("good", False, None), ("long text", False, 7)]
-    assert done.errors == {("bad", False, None): "prompt encoding failed: ValueError: no"}
+    assert sorted(done.ready, key=str) == [("good", False, None, None), ("long text", False, 7, None)]
+    assert done.errors == {("bad", False, None, None): "prompt encoding failed: ValueError: no"}
     assert done.num_texts == 3
-    assert stage.take(("good", False, None)).tolist() == [4.0] * 3
-    assert stage.take(("good", False, None)) is None  # taken once
-    stage.drop([("long text", False, 7)])
-    assert stage.take(("long text", False, 7)) is None
+    assert stage.take(("good", False, None, None)).tolist() == [4.0] * 3
+    assert stage.take(("good", False, None, None)) is None  # taken once
+    stage.drop([("long text", False, 7, None)])
+    assert stage.take(("long text", False, 7, None)) is None
 
 
 def test_closing_the_stage_waits_for_the_batch_it_is_on_and_forgets_the_rest():
     entered, release = threading.Event(), threading.Event()
 
-    def encode(texts, length):
+    def encode(texts, length, images):
         entered.set()
         assert release.wait(WAIT)
         return torch.zeros(len(texts), 2)
 
     stage = EncodeStage(encode, torch.device("cpu"), max_batch=1, lock=threading.Lock())
-    stage.submit([("a", False, None), ("b", False, None)])
+    stage.submit([("a", False, None, None), ("b", False, None, None)])
     assert entered.wait(WAIT)
     closer = threading.Thread(target=stage.close)
     closer.start()
     release.set()
     closer.join(WAIT)
     assert not closer.is_alive() and stage.pending == 0
-    assert stage.collect().ready == [("a", False, None)]
+    assert stage.collect().ready == [("a", False, None, None)]
 
 
 def test_max_encode_ahead_must_be_positive():
@@ -349,3 +349,37 @@ def test_every_familys_texts_encoded_by_the_stage_give_the_in_loop_images(path_f
     got = _run(engine, first=first, later=later, hook=_stage_done_at(2, engine))
     assert {text for thread, texts in calls if thread == STAGE for text in texts} >= {"a blue square", "a green star"}
     _assert_same_images(got, want, ["first", "0", "1"])
+
+
+def test_an_edit_models_prompts_are_encoded_with_their_images_by_the_stage(qwen_image_edit_path, monkeypatch):
+    """Qwen-Image-Edit's encoder reads each prompt with the request's images (its VL encoder): those texts go to the
+    stage with their images, once per digest, and the edits are the stage-off engine's."""
+    from PIL import Image
+
+    def picture(seed: int) -> Image.Image:
+        return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (48, 40, 3), dtype=np.uint8))
+
+    size = {"height": 32, "width": 32}
+    first = ("make it red", P(seed=1, num_inference_steps=5, image=picture(1), **size))
+    later = [("make it blue", P(seed=2, image=picture(2), negative_prompt="blurry", **size)),
+             ("make it green", P(seed=3, image=picture(3), **size)),
+             ("make it blue", P(seed=4, image=picture(3), **size))]  # the same text, other images: its own encode
+    want = _run(_engine(qwen_image_edit_path, encode_stage=False), first=first, later=later)
+    engine = _engine(qwen_image_edit_path)
+    adapter, seen = engine.executor.worker.runner.adapter, []
+    real = adapter.encode_prompt
+
+    def encode(texts, **kwargs):
+        seen.append((threading.current_thread().name, [text for text, _ in texts], len(kwargs.get("images") or [])))
+        return real(texts, **kwargs)
+
+    monkeypatch.setattr(adapter, "encode_prompt", encode)
+    got = _run(engine, first=first, later=later, hook=_stage_done_at(2, engine))
+    staged = [(texts, images) for thread, texts, images in seen if thread == STAGE]
+    assert sorted(t for texts, _ in staged for t in texts if t) == ["blurry", "make it blue", "make it blue",
+                                                                   "make it green"]
+    assert all(images == 1 for _, images in staged)  # every stage call read its request's image
+    assert not any(text in ("make it blue", "make it green") for thread, texts, _ in seen if thread != STAGE
+                   for text in texts)
+    _assert_same_images(got, want, ["first", "0", "1", "2"])
+    assert engine.executor.worker.runner.encode_stage._images == {}  # nothing held once encoded

@@ -3,28 +3,30 @@ encodes ahead of admission, and whether a request may be admitted yet.
 
 While a batch runs, a waiting request whose texts the prompt cache lacks is admitted only once the stage has
 encoded them, so that admission never runs a text encoder on the loop. With nothing running there is no one to
-stall: admission encodes at once, as without the stage. Texts with text LoRA adapters, texts an edit model reads
-with its images, and the texts of preempted requests (their conditions come back with their state) are never
-sent. At most `capacity` texts are queued or held ready at a time; the rest wait their turn.
+stall: admission encodes at once, as without the stage. An edit model's prompts, which its encoder reads with the
+request's images, go with those images (once per digest). Texts with text LoRA adapters and the texts of
+preempted requests (their conditions come back with their state) are never sent. At most `capacity` texts are
+queued or held ready at a time; the rest wait their turn.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request
 
-# (text, negative, max_sequence_length), as the worker keys the texts it encodes
-EncodeKey = tuple["str | None", bool, "int | None"]
+# (text, negative, max_sequence_length, digest of the images the encoder reads it with), as the worker keys them
+EncodeKey = tuple["str | None", bool, "int | None", "str | None"]
 
 
 def encode_keys(request: Request) -> list[tuple[bytes, EncodeKey]]:
     """(prompt-cache key, encode key) of each text the stage may encode for the request; none if it may not."""
-    if request.swapped or request.text_loras or request.image_key is not None:
+    if request.swapped or request.text_loras:
         return []
-    length = request.params.max_sequence_length
+    length, images = request.params.max_sequence_length, request.image_key
     texts = ((request.prompt, False), (request.params.negative_prompt, True))
-    return [(cache_key, (text, negative, length))
+    return [(cache_key, (text, negative, length, images))
             for cache_key, (text, negative) in zip(request.cond_keys, texts) if cache_key is not None]
 
 
@@ -33,11 +35,13 @@ class EncodeAhead:
         self.capacity = capacity
         self.keys: dict[EncodeKey, bool] = {}  # sent to the stage and not yet used or dropped -> ready
 
-    def plan(self, waiting: Iterable[Request], blocks: BlockManager) -> tuple[list[EncodeKey], list[EncodeKey]]:
-        """(texts to send, texts to drop) this iteration: the uncached texts of the waiting requests, most urgent
-        first, and what no waiting request needs any more."""
+    def plan(self, waiting: Iterable[Request], blocks: BlockManager
+             ) -> tuple[list[EncodeKey], list[EncodeKey], dict[str, Any]]:
+        """(texts to send, texts to drop, the images those sent are read with, by digest) this iteration: the
+        uncached texts of the waiting requests, most urgent first, and what no waiting request needs any more."""
         needed: set[EncodeKey] = set()
         send: list[EncodeKey] = []
+        images: dict[str, Any] = {}
         for request in waiting:
             for cache_key, key in encode_keys(request):
                 if blocks.is_cached(cache_key) or key in needed:
@@ -47,11 +51,13 @@ class EncodeAhead:
                         continue
                     self.keys[key] = False
                     send.append(key)
+                    if key[3] is not None:
+                        images[key[3]] = request.params.image
                 needed.add(key)
         drop = [key for key in self.keys if key not in needed]
         for key in drop:
             del self.keys[key]
-        return send, drop
+        return send, drop, images
 
     def must_wait(self, request: Request, blocks: BlockManager) -> bool:
         """Whether admission waits for the stage: some text of the request is uncached and not ready."""

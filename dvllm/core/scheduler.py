@@ -142,7 +142,7 @@ class Scheduler:
         self._admit(out)
         if self.ahead is not None:  # those left waiting behind a running batch: their texts, to the encode stage
             waiting = sorted(self.waiting, key=self.urgency) if self.running else []
-            send, drop = self.ahead.plan(waiting, self.blocks)
+            send, drop, out.encode_images = self.ahead.plan(waiting, self.blocks)
             out.encode_jobs, out.encode_drops = send, out.encode_drops + drop
         batch = self._pick_batch()
         now = time.time()

@@ -79,10 +79,11 @@ class SchedulerOutput:
     # Requests are in the worker's decode stage and nothing else is to run: the worker waits (briefly) for
     # their images instead.
     await_decodes: bool = False
-    # The worker's encode stage: texts (text, negative, max_sequence_length) to encode ahead of admission, first
-    # of all; and texts to forget (no waiting request needs them).
+    # The worker's encode stage: texts (text, negative, max_sequence_length, images' digest) to encode ahead of
+    # admission, first of all; and texts to forget (no waiting request needs them).
     encode_jobs: list[tuple] = field(default_factory=list)
     encode_drops: list[tuple] = field(default_factory=list)
+    encode_images: dict[str, Any] = field(default_factory=dict)  # digest -> the images an edit's texts are read with
 
     @property
     def is_empty(self) -> bool:

@@ -3,8 +3,8 @@ the text encoders (on a CUDA stream of its own) while the loop steps the running
 costs the loop a copy of its conditions into the pool instead of a text-encoder call.
 
 The scheduler decides what is encoded ahead (core/encode_ahead.py): texts of waiting requests that the prompt cache
-does not hold, without text LoRA adapters or images the encoder reads (those the loop encodes at admission, as
-without the stage). It admits a request once its texts are ready here; the loop then takes them (`take`) into the
+does not hold, without text LoRA adapters (those the loop encodes at admission, as without the stage); an edit
+model's texts come with the images its encoder reads them with, held here while a text needs them. It admits a request once its texts are ready here; the loop then takes them (`take`) into the
 blocks admission gave them. The same encoder calls on the same texts: the conditions are those the loop would
 have made. An encode that fails fails the requests that wait for it only (a batched call that raises is retried
 text by text); if the thread dies, a new one takes over its texts.
@@ -22,10 +22,12 @@ from dvllm.worker.stage_thread import StageThread
 
 logger = logging.getLogger(__name__)
 
-# (text, negative, max_sequence_length): what the scheduler sends and the loop takes, as the loop keys its texts
-EncodeKey = tuple[str, bool, "int | None"]
-# (texts of one max_sequence_length, that length) -> their conditions, flattened to one row each, on the device
-EncodeFn = Callable[[list[tuple[str, bool]], "int | None"], torch.Tensor]
+# (text, negative, max_sequence_length, images' digest): what the scheduler sends and the loop takes, as the loop
+# keys its texts
+EncodeKey = tuple[str, bool, "int | None", "str | None"]
+# (texts of one max_sequence_length and images, that length, those images or None) -> their conditions, flattened to
+# one row each, on the device
+EncodeFn = Callable[[list[tuple[str, bool]], "int | None", Any], torch.Tensor]
 
 
 @dataclass
@@ -48,13 +50,15 @@ class EncodeStage(StageThread):
         # (adapters, images): one caller at a time (fast tokenizers refuse concurrent use).
         self.lock = lock
         self._jobs: list[EncodeKey] = []
+        self._images: dict[str, Any] = {}  # digest -> images, while a text queued or taken is read with them
         self._results: dict[EncodeKey, tuple[torch.Tensor, Any]] = {}  # ready: (flat conditions, CUDA event)
         self._dropped: set[EncodeKey] = set()  # dropped while being encoded: not kept when done
         self._done = Encoded()
 
     # -- the loop's side -----------------------------------------------------------------
-    def submit(self, keys: list[EncodeKey]) -> None:
+    def submit(self, keys: list[EncodeKey], images: dict[str, Any] | None = None) -> None:
         with self._cond:
+            self._images.update(images or {})
             for key in keys:
                 self._dropped.discard(key)
                 if key not in self._results and key not in self._jobs and key not in self._taken:
@@ -70,6 +74,7 @@ class EncodeStage(StageThread):
                     self._jobs.remove(key)
                 elif key in self._taken:
                     self._dropped.add(key)
+            self._forget_images(self._taken)
 
     def take(self, key: EncodeKey) -> torch.Tensor | None:
         """A ready text's flat conditions (for the loop's stream to read), or None if it is not held."""
@@ -100,6 +105,7 @@ class EncodeStage(StageThread):
         wait for them are not admitted once the worker closes)."""
         with self._cond:
             self._jobs.clear()
+            self._forget_images(self._taken)
         self._join()
 
     # -- the thread's side -----------------------------------------------------------------
@@ -121,21 +127,29 @@ class EncodeStage(StageThread):
         self._done.seconds += seconds
         self._done.num_texts += len(taken)
         self._dropped.difference_update(taken)
+        self._forget_images([])
+
+    def _forget_images(self, taken: list[EncodeKey]) -> None:
+        """Keeps the images only of texts still queued (or being encoded, `taken`)."""
+        needed = {key[3] for key in [*self._jobs, *taken]}
+        self._images = {digest: images for digest, images in self._images.items() if digest in needed}
 
     def _requeue(self, taken: list[EncodeKey]) -> None:
         self._jobs[:0] = taken
 
     def _take(self) -> list[EncodeKey]:
-        """The first text, and those after it of the same max_sequence_length, up to max_batch texts."""
-        length = self._jobs[0][2]
-        taken = [key for key in self._jobs if key[2] == length][:self.max_batch]
+        """The first text, and those after it of the same max_sequence_length and images, up to max_batch texts."""
+        kind = self._jobs[0][2:]
+        taken = [key for key in self._jobs if key[2:] == kind][:self.max_batch]
         self._jobs = [key for key in self._jobs if key not in taken]
         return taken
 
     def _encode_keys(self, keys: list[EncodeKey]) -> tuple[dict[EncodeKey, torch.Tensor], dict[EncodeKey, str]]:
         try:
+            length, digest = keys[0][2:]
+            images = None if digest is None else self._images[digest]  # kept while the batch holds it
             with self.lock:
-                flat = self._encode([key[:2] for key in keys], keys[0][2])
+                flat = self._encode([key[:2] for key in keys], length, images)
             return dict(zip(keys, flat)), {}
         except Exception as e:  # noqa: BLE001 - pinned on the text that fails, below
             if len(keys) == 1:

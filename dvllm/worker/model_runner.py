@@ -71,7 +71,7 @@ class ModelRunner:
         stages = StageStats()
         if self.encode_stage is not None:  # first: what admission below takes may have been sent long ago
             self.encode_stage.drop(out.encode_drops)
-            self.encode_stage.submit(out.encode_jobs)
+            self.encode_stage.submit(out.encode_jobs, out.encode_images)
         for request_id in out.freed_ids:
             self.states.pop(request_id, None)
         if self.decode_stage is not None and out.freed_ids:

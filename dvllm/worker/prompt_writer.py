@@ -85,8 +85,8 @@ class PromptWriter:
             return texts
         ahead = {}
         for text in texts:
-            if not text[3] and text[4] is None:  # no text adapters, no images: the stage's kind of text
-                flat = self.encode_stage.take(text[:3])
+            if not text[3]:  # no text adapters: the stage's kind of text
+                flat = self.encode_stage.take((*text[:3], None if text[4] is None else text[4].key))
                 if flat is not None:
                     ahead[text] = flat
         if ahead:
@@ -94,9 +94,13 @@ class PromptWriter:
             self.pool.write([list(b) for b in blocks], torch.stack([ahead[targets[b]] for b in blocks]))
         return [text for text in texts if text not in ahead]
 
-    def encode_flat(self, texts: list[tuple[str | None, bool]], max_sequence_length: int | None) -> torch.Tensor:
-        """The encode stage's call: texts of one length -> their conditions flattened, [texts, numel]."""
+    def encode_flat(self, texts: list[tuple[str | None, bool]], max_sequence_length: int | None,
+                    images: Any = None) -> torch.Tensor:
+        """The encode stage's call: texts of one length (read with one request's images, for an edit model whose
+        encoder reads them) -> their conditions flattened, [texts, numel]."""
         kwargs = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+        if images is not None:
+            kwargs["images"] = as_images(images)
         conditions = self.adapter.on_device(self.adapter.encode_prompt(texts, **kwargs))
         shapes = self.adapter.info.text.condition_shapes
         return torch.cat([flatten(c, shapes) for c in conditions])
