@@ -198,13 +198,15 @@ class EngineConfig:
         metadata={"help": "Encode the texts of waiting requests on a thread of the worker's own (a CUDA stream of its "
                           "own) while the batch runs, and admit a request once they are ready, so the denoise loop "
                           "never waits for a text encoder (with nothing running, admission encodes at once); an "
-                          "edit model's prompts go with the images its encoder reads. Texts with text LoRA "
-                          "adapters stay with admission. "
+                          "edit model's prompts go with the images its encoder reads, and requests with input "
+                          "images have their VAE encode made there too. Texts with text LoRA adapters stay with "
+                          "admission. "
                           "The GPU memory profile reserves the encoders' work beside the loop's."},
     )
     max_encode_ahead: int = field(
         default=32,
-        metadata={"help": "Most texts the encode stage holds queued or ready at once (the rest wait their turn)."},
+        metadata={"help": "Most items (texts, input-image starts) the encode stage holds queued or ready at once (the "
+                          "rest wait their turn)."},
     )
     async_scheduling: bool = field(
         default=False,

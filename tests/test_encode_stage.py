@@ -271,18 +271,18 @@ def test_encode_ahead_sends_uncached_texts_once_within_capacity_and_drops_what_n
         return Request(request_id, prompt, params, num_steps=3, cfg=True, plan=None, arrival_time=0.0, arrival_seq=0)
 
     a, b, c = request("a", "cat"), request("b", "cat", negative="ugly"), request("c", "dog")
-    send, drop, images = ahead.plan([a, b, c], blocks)
-    assert images == {} and send == [("cat", False, None, None), (None, True, None, None), ("ugly", True, None, None)] and drop == []
+    send, drop, images, starts = ahead.plan([a, b, c], blocks)
+    assert images == {} and starts == [] and send == [("cat", False, None, None), (None, True, None, None), ("ugly", True, None, None)] and drop == []
     assert ahead.must_wait(c, blocks)  # over capacity: "dog" waits its turn, and so does c
     ahead.mark_ready([("cat", False, None, None), (None, True, None, None)])
     assert not ahead.must_wait(a, blocks) and ahead.must_wait(b, blocks)
     assert ahead.ready_cache_keys(a) == set(a.cond_keys)
     assert ahead.used(a, (True, False)) == [(None, True, None, None)]  # a's negative was a cache hit after all
-    send, drop, _ = ahead.plan([c], blocks)  # a admitted, b aborted: their texts go, c's comes in
+    send, drop, _, _ = ahead.plan([c], blocks)  # a admitted, b aborted: their texts go, c's comes in
     assert send == [("dog", False, None, None), (None, True, None, None)] and drop == [("ugly", True, None, None)]
     swapped = request("d", "bird")
     swapped.swapped = True  # its conditions come back with its state
-    assert ahead.plan([swapped], blocks) == ([], [("dog", False, None, None), (None, True, None, None)], {})
+    assert ahead.plan([swapped], blocks) == ([], [("dog", False, None, None), (None, True, None, None)], {}, [])
     assert config.max_encode_ahead > 0
 
 
@@ -383,3 +383,68 @@ def test_an_edit_models_prompts_are_encoded_with_their_images_by_the_stage(qwen_
                    for text in texts)
     _assert_same_images(got, want, ["first", "0", "1", "2"])
     assert engine.executor.worker.runner.encode_stage._images == {}  # nothing held once encoded
+
+
+def _spy_starts(engine: DiffusionEngine, monkeypatch, fail: str | None = None) -> list[tuple[str, str]]:
+    """Records (thread, kind) of every start made of input images; the start of the image whose first pixel
+    reads `fail` raises."""
+    adapter, calls = engine.executor.worker.runner.adapter, []
+    for kind in ("encode_image", "prepare_inpaint"):
+        real = getattr(adapter, kind)
+
+        def spy(image, *args, _real=real, _kind=kind):
+            calls.append((threading.current_thread().name, _kind))
+            if fail is not None and np.asarray(image)[0, 0].tolist() == fail:
+                raise RuntimeError("VAE encode out of memory")
+            return _real(image, *args)
+
+        monkeypatch.setattr(adapter, kind, spy)
+    return calls
+
+
+def _picture(seed: int):
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (24, 32, 3), dtype=np.uint8))
+
+
+def _mask():
+    from PIL import Image
+
+    m = np.zeros((24, 32), np.uint8)
+    m[4:18, 6:26] = 255
+    return Image.fromarray(m)
+
+
+IMAGE_JOBS = [("a blue square", P(seed=2, image=_picture(2), strength=0.7, height=32, width=32)),
+              ("a green star", P(seed=3, image=_picture(3), mask_image=_mask(), height=32, width=32)),
+              ("a yellow moon", P(seed=4, image=_picture(4), mask_image=_mask(), strength=0.6, n=2, height=32,
+                                  width=32))]
+
+
+def test_img2img_and_inpainting_starts_are_made_by_the_stage_with_the_same_images(sd_eps_path, monkeypatch):
+    """The VAE encode of an input image (and the draws of the request's generator around it) run on the stage's
+    thread; the loop takes the start with the generator as they left it, so the images are the stage-off
+    engine's."""
+    first = ("a red circle", P(seed=1, num_inference_steps=6, height=32, width=32))
+    want = _run(_engine(sd_eps_path, encode_stage=False), first=first, later=IMAGE_JOBS)
+    engine = _engine(sd_eps_path)
+    calls = _spy_starts(engine, monkeypatch)
+    got = _run(engine, first=first, later=IMAGE_JOBS, hook=_stage_done_at(2, engine))
+    assert sorted(calls) == [(STAGE, "encode_image"), (STAGE, "prepare_inpaint"), (STAGE, "prepare_inpaint")]
+    _assert_same_images(got, want, ["first", "0", "1", "2"])
+    stage = engine.executor.worker.runner.encode_stage
+    assert stage._starts == {} and stage._results == {}  # nothing held once taken
+
+
+def test_a_start_that_fails_in_the_stage_fails_its_request_only(sd_eps_path, monkeypatch):
+    first = ("a red circle", P(seed=1, num_inference_steps=6, height=32, width=32))
+    want = _run(_engine(sd_eps_path, encode_stage=False), first=first, later=IMAGE_JOBS)
+    engine = _engine(sd_eps_path)
+    calls = _spy_starts(engine, monkeypatch, fail=np.asarray(_picture(3))[0, 0].tolist())
+    got = _run(engine, first=first, later=IMAGE_JOBS, hook=_stage_done_at(2, engine))
+    final = got["1"][-1]
+    assert final.finished and final.images == []
+    assert final.error == "latent preparation failed: RuntimeError: VAE encode out of memory"
+    assert (STAGE, "prepare_inpaint") in calls
+    _assert_same_images(got, want, ["first", "0", "2"])

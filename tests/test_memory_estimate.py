@@ -194,15 +194,19 @@ def test_the_decode_stage_reserves_its_vae_beside_the_loops_work_and_its_queue()
 
 
 def test_the_encode_stage_reserves_its_encoders_beside_the_loops_work_and_its_ready_texts():
-    """As memory_profile.gpu_pool_bytes reserves it: the text encoders' peak on top of the loop's forward (and the
-    decode stage's VAE), plus max_encode_ahead texts' conditions."""
+    """As memory_profile.gpu_pool_bytes reserves it: the text encoders' peak (and, for a family that takes input
+    images, the VAE encode of a start) on top of the loop's forward (and the decode stage's VAE), plus
+    max_encode_ahead items ready, each a text's conditions or a start (n images' latents and inpainting state)."""
     from dvllm.models.loader import load_adapter as load
 
     off = estimate("tiny-sd", dtype="float32", size=(64, 64), decode_stage=False, **LIMITS)
     on = estimate("tiny-sd", dtype="float32", size=(64, 64), decode_stage=False, encode_stage=True,
                   max_encode_ahead=4, **LIMITS)
-    numel = load("tiny-sd", "dummy", torch.device("cpu"), torch.float32).info.text.condition_numel
-    assert on.encode_ahead == 4 * numel * 4 > 0 and off.encode_ahead == 0  # float32 conditions
+    info = load("tiny-sd", "dummy", torch.device("cpu"), torch.float32).info
+    latents = info.latents.numel(64, 64)  # a start at the largest size: latents, then the inpainting state
+    start = 8 * (latents + info.images.inpaint_channels * latents // info.latents.channels)  # n up to 8
+    assert start > info.text.condition_numel
+    assert on.encode_ahead == 4 * start * 4 > 0 and off.encode_ahead == 0  # float32
     assert on.reserved == max(on.worst["denoise"], on.worst["decode"]) + on.worst["encode"] + on.encode_ahead
     assert on.reserved > off.reserved
     both = estimate("tiny-sd", dtype="float32", size=(64, 64), decode_stage=True, max_decode_queue=1,

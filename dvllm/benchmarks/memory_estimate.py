@@ -83,7 +83,7 @@ class Estimate:
     decode_stage: bool | None = None
     decode_queue: int = 0         # bytes: the latents the decode stage may hold
     encode_stage: bool = False    # its text encoders beside the loop's work, and the texts it holds ready
-    encode_ahead: int = 0         # bytes: those texts' conditions
+    encode_ahead: int = 0         # bytes: the texts' conditions and starts it may hold ready
     cards: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -253,8 +253,8 @@ def render(e: Estimate) -> str:
               f"{_parts(e.step)} ({e.decode_batch} images a decode)"),
              (f"worst step reserved ({ww}x{wh})", e.reserved, _parts(e.worst) + (
                  f"; the decode stage's VAE beside the loop's, its queue {_gib(e.decode_queue)}" if e.decode_stage
-                 else "") + (f"; the encode stage's encoders beside the loop's, its ready texts {_gib(e.encode_ahead)}"
-                             if e.encode_stage else "")),
+                 else "") + (f"; the encode stage's encoders beside the loop's, its ready texts and starts "
+                             f"{_gib(e.encode_ahead)}" if e.encode_stage else "")),
              ("needed: weights, context, worst step", e.needed, f"CUDA context assumed {_gib(e.context)}")]
     if e.decode_stage is None:
         rows.append(("needed with the decode stage (auto)", e.needed_for(True),

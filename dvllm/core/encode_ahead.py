@@ -7,6 +7,10 @@ stall: admission encodes at once, as without the stage. An edit model's prompts,
 request's images, go with those images (once per digest). Texts with text LoRA adapters and the texts of
 preempted requests (their conditions come back with their state) are never sent. At most `capacity` texts are
 queued or held ready at a time; the rest wait their turn.
+
+A request with input images (img2img, inpainting, an edit) has its start made ahead too: its VAE encode and the
+draws of its seeded generator, which the loop takes with the generator as those draws left it (`start_key`).
+It counts as one item against the same capacity.
 """
 from __future__ import annotations
 
@@ -15,9 +19,16 @@ from typing import Any
 
 from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request
+from dvllm.core.scheduler_output import StartJob
 
-# (text, negative, max_sequence_length, digest of the images the encoder reads it with), as the worker keys them
-EncodeKey = tuple["str | None", bool, "int | None", "str | None"]
+# (text, negative, max_sequence_length, digest of the images the encoder reads it with), as the worker keys them;
+# a request's start is ("start", request id)
+EncodeKey = tuple
+
+
+def start_keys(request: Request) -> list[EncodeKey]:
+    """The key of the request's start, if the stage may make it (a request with input images, not preempted)."""
+    return [] if request.swapped or request.params.image is None else [("start", request.request_id)]
 
 
 def encode_keys(request: Request) -> list[tuple[bytes, EncodeKey]]:
@@ -36,13 +47,22 @@ class EncodeAhead:
         self.keys: dict[EncodeKey, bool] = {}  # sent to the stage and not yet used or dropped -> ready
 
     def plan(self, waiting: Iterable[Request], blocks: BlockManager
-             ) -> tuple[list[EncodeKey], list[EncodeKey], dict[str, Any]]:
-        """(texts to send, texts to drop, the images those sent are read with, by digest) this iteration: the
-        uncached texts of the waiting requests, most urgent first, and what no waiting request needs any more."""
+             ) -> tuple[list[EncodeKey], list[EncodeKey], dict[str, Any], list[StartJob]]:
+        """(texts to send, texts to drop, the images those sent are read with, by digest, starts to make) this
+        iteration: the uncached texts and the starts of the waiting requests, most urgent first, and what no
+        waiting request needs any more."""
         needed: set[EncodeKey] = set()
         send: list[EncodeKey] = []
         images: dict[str, Any] = {}
+        starts: list[StartJob] = []
         for request in waiting:
+            for key in start_keys(request):
+                if key not in self.keys:
+                    if len(self.keys) >= self.capacity:
+                        continue
+                    self.keys[key] = False
+                    starts.append(request.start_job())
+                needed.add(key)
             for cache_key, key in encode_keys(request):
                 if blocks.is_cached(cache_key) or key in needed:
                     continue
@@ -57,12 +77,14 @@ class EncodeAhead:
         drop = [key for key in self.keys if key not in needed]
         for key in drop:
             del self.keys[key]
-        return send, drop, images
+        return send, drop, images, starts
 
     def must_wait(self, request: Request, blocks: BlockManager) -> bool:
-        """Whether admission waits for the stage: some text of the request is uncached and not ready."""
+        """Whether admission waits for the stage: some text of the request is uncached and not ready, or its
+        start is not."""
         return any(not blocks.is_cached(cache_key) and not self.keys.get(key, False)
-                   for cache_key, key in encode_keys(request))
+                   for cache_key, key in encode_keys(request)) \
+            or any(not self.keys.get(key, False) for key in start_keys(request))
 
     def ready_cache_keys(self, request: Request) -> set[bytes]:
         """The prompt-cache keys of the request's texts that the stage holds ready (admission encodes none)."""
@@ -72,6 +94,8 @@ class EncodeAhead:
         """Admitted: the worker takes its ready texts out of the stage, into the blocks it fills. Returns those it
         will not fill (the prompt cache had them after all), for the stage to drop."""
         write = dict(zip(request.cond_keys, writes))
+        for key in start_keys(request):  # the worker takes it, or drops it if the request fails first
+            self.keys.pop(key, None)
         drops = []
         for cache_key, key in encode_keys(request):
             if self.keys.get(key, False):
@@ -90,7 +114,8 @@ class EncodeAhead:
         wanted = {key: message for key, message in errors.items() if self.keys.pop(key, None) is not None}
         failed = []
         for request in waiting:
-            message = next((wanted[key] for _, key in encode_keys(request) if key in wanted), None)
+            keys = [key for _, key in encode_keys(request)] + start_keys(request)
+            message = next((wanted[key] for key in keys if key in wanted), None)
             if message is not None:
                 failed.append((request, message))
         return failed

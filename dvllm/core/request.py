@@ -9,7 +9,7 @@ from functools import cached_property
 from typing import Any
 
 from dvllm.core.block_manager import CachedEntry
-from dvllm.core.scheduler_output import BlockTables, NewRequestData
+from dvllm.core.scheduler_output import BlockTables, NewRequestData, StartJob
 from dvllm.outputs import RequestMetrics, RequestOutput
 from dvllm.sampling_params import SamplingParams, as_images
 
@@ -147,6 +147,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+    def start_job(self) -> StartJob:
+        """What its start latents are made of (the encode stage may make them ahead of admission)."""
+        p = self.params
+        return StartJob(self.request_id, p.n, p.height, p.width, p.seed, self.plan, p.image, p.mask_image, p.strength,
+                        bool(self.input_grids))
 
     def new_request_data(self, tables: BlockTables) -> NewRequestData:
         """What the worker needs of it at admission, with the blocks it was given."""

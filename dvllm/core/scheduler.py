@@ -142,7 +142,7 @@ class Scheduler:
         self._admit(out)
         if self.ahead is not None:  # those left waiting behind a running batch: their texts, to the encode stage
             waiting = sorted(self.waiting, key=self.urgency) if self.running else []
-            send, drop, out.encode_images = self.ahead.plan(waiting, self.blocks)
+            send, drop, out.encode_images, out.encode_starts = self.ahead.plan(waiting, self.blocks)
             out.encode_jobs, out.encode_drops = send, out.encode_drops + drop
         batch = self._pick_batch()
         now = time.time()
@@ -166,8 +166,9 @@ class Scheduler:
         if self.by_priority:
             self.waiting.sort(key=self.urgency)
         rows = defaultdict(int)
-        for request in self.running:
-            rows[request.shape_key] += request.rows
+        for request in self.running:  # not those whose last step is in flight: they take no row again
+            if request.steps_scheduled < request.num_steps:
+                rows[request.shape_key] += request.rows
         blocked = set()
         # Prompts are tokenized and input images encoded on the step loop when their requests are admitted:
         # bound how much one iteration takes on, so a burst of long prompts or images cannot stall everyone's

@@ -21,6 +21,23 @@ class BlockTables:
     write_uncond: bool = True
 
 
+@dataclass(frozen=True)
+class StartJob:
+    """What a new request's start latents are made of (worker/start_latents.py): at admission, or ahead of it by
+    the encode stage for a request with input images (their VAE encode)."""
+
+    request_id: str
+    n: int
+    height: int
+    width: int
+    seed: int
+    plan: Any
+    image: Any = None
+    mask: Any = None
+    strength: float = 1.0
+    edit: bool = False  # the images condition an edit model instead of setting the start
+
+
 @dataclass
 class NewRequestData:
     """Sent once, when a request is admitted; afterwards the worker knows it by id."""
@@ -49,6 +66,10 @@ class NewRequestData:
     loras: tuple[tuple[int, float], ...] = ()       # (adapter load id, weight): applied to all its rows
     text_loras: tuple[tuple[int, float], ...] = ()  # those that change the text encoders too
     aesthetic_scores: tuple[float, float] | None = None  # (prompt's, negative's), for models that take them
+
+    def start_job(self) -> StartJob:
+        return StartJob(self.request_id, self.n, self.height, self.width, self.seed, self.plan, self.image,
+                        self.mask, self.strength, bool(self.input_grids))
 
 
 @dataclass
@@ -84,11 +105,13 @@ class SchedulerOutput:
     encode_jobs: list[tuple] = field(default_factory=list)
     encode_drops: list[tuple] = field(default_factory=list)
     encode_images: dict[str, Any] = field(default_factory=dict)  # digest -> the images an edit's texts are read with
+    encode_starts: list[StartJob] = field(default_factory=list)  # start latents of waiting requests with images
 
     @property
     def is_empty(self) -> bool:
         return not (self.new_requests or self.resumed_requests or self.scheduled_ids or self.freed_ids
-                    or self.preempted_ids or self.await_decodes or self.encode_jobs or self.encode_drops)
+                    or self.preempted_ids or self.await_decodes or self.encode_jobs or self.encode_drops
+                    or self.encode_starts)
 
 
 @dataclass

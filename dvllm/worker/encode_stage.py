@@ -18,13 +18,24 @@ from typing import Any, Callable
 
 import torch
 
+from dvllm.core.scheduler_output import StartJob
 from dvllm.worker.stage_thread import StageThread
+from dvllm.worker.start_latents import Start
 
 logger = logging.getLogger(__name__)
 
 # (text, negative, max_sequence_length, images' digest): what the scheduler sends and the loop takes, as the loop
-# keys its texts
-EncodeKey = tuple[str, bool, "int | None", "str | None"]
+# keys its texts; a request's start latents are ("start", request id)
+EncodeKey = tuple
+StartFn = Callable[[StartJob], Start]
+
+
+def start_key(request_id: str) -> EncodeKey:
+    return ("start", request_id)
+
+
+def _is_start(key: EncodeKey) -> bool:
+    return len(key) == 2
 # (texts of one max_sequence_length and images, that length, those images or None) -> their conditions, flattened to
 # one row each, on the device
 EncodeFn = Callable[[list[tuple[str, bool]], "int | None", Any], torch.Tensor]
@@ -43,22 +54,29 @@ class Encoded:
 class EncodeStage(StageThread):
     kind = "encode"
 
-    def __init__(self, encode: EncodeFn, device: torch.device, max_batch: int, lock: threading.Lock) -> None:
+    def __init__(self, encode: EncodeFn, device: torch.device, max_batch: int, lock: threading.Lock,
+                 start: StartFn | None = None) -> None:
         super().__init__(device)
-        self._encode, self.max_batch = encode, max_batch
+        self._encode, self._start_fn, self.max_batch = encode, start, max_batch
         # The text encoders and their tokenizers are shared with the loop, which still encodes some texts itself
         # (adapters, images): one caller at a time (fast tokenizers refuse concurrent use).
         self.lock = lock
         self._jobs: list[EncodeKey] = []
         self._images: dict[str, Any] = {}  # digest -> images, while a text queued or taken is read with them
+        self._starts: dict[EncodeKey, StartJob] = {}  # queued or taken start jobs
         self._results: dict[EncodeKey, tuple[torch.Tensor, Any]] = {}  # ready: (flat conditions, CUDA event)
         self._dropped: set[EncodeKey] = set()  # dropped while being encoded: not kept when done
         self._done = Encoded()
 
     # -- the loop's side -----------------------------------------------------------------
-    def submit(self, keys: list[EncodeKey], images: dict[str, Any] | None = None) -> None:
+    def submit(self, keys: list[EncodeKey], images: dict[str, Any] | None = None,
+               starts: list[StartJob] | None = None) -> None:
+        """Texts to encode (with the images edit texts are read with), and requests' starts to make."""
         with self._cond:
             self._images.update(images or {})
+            for job in starts or []:
+                self._starts[start_key(job.request_id)] = job
+                keys = [*keys, start_key(job.request_id)]
             for key in keys:
                 self._dropped.discard(key)
                 if key not in self._results and key not in self._jobs and key not in self._taken:
@@ -76,17 +94,21 @@ class EncodeStage(StageThread):
                     self._dropped.add(key)
             self._forget_images(self._taken)
 
-    def take(self, key: EncodeKey) -> torch.Tensor | None:
-        """A ready text's flat conditions (for the loop's stream to read), or None if it is not held."""
+    def take(self, key: EncodeKey) -> Any:
+        """A ready text's flat conditions, or a request's Start (for the loop's stream to read); None if it is
+        not held."""
         with self._cond:
             held = self._results.pop(key, None)
         if held is None:
             return None
-        conditions, ready = held
+        result, ready = held
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
-            conditions.record_stream(torch.cuda.current_stream())
-        return conditions
+            tensors = [result] if isinstance(result, torch.Tensor) else [result.latents, result.inputs]
+            for tensor in tensors:
+                if tensor is not None:
+                    tensor.record_stream(torch.cuda.current_stream())
+        return result
 
     def collect(self) -> Encoded:
         with self._cond:
@@ -130,21 +152,35 @@ class EncodeStage(StageThread):
         self._forget_images([])
 
     def _forget_images(self, taken: list[EncodeKey]) -> None:
-        """Keeps the images only of texts still queued (or being encoded, `taken`)."""
-        needed = {key[3] for key in [*self._jobs, *taken]}
+        """Keeps the images (and start jobs) only of what is still queued (or being worked on, `taken`)."""
+        keys = [*self._jobs, *taken]
+        needed = {key[3] for key in keys if not _is_start(key)}
         self._images = {digest: images for digest, images in self._images.items() if digest in needed}
+        self._starts = {key: job for key, job in self._starts.items() if key in keys}
+
+    def _make_start(self, key: EncodeKey) -> tuple[dict[EncodeKey, Any], dict[EncodeKey, str]]:
+        try:
+            return {key: self._start_fn(self._starts[key])}, {}
+        except Exception as e:  # noqa: BLE001 - it fails that request only
+            logger.exception("the start latents of %s failed in the encode stage", key[1])
+            return {}, {key: f"latent preparation failed: {type(e).__name__}: {e}"}
 
     def _requeue(self, taken: list[EncodeKey]) -> None:
         self._jobs[:0] = taken
 
     def _take(self) -> list[EncodeKey]:
-        """The first text, and those after it of the same max_sequence_length and images, up to max_batch texts."""
+        """The first text, and those after it of the same max_sequence_length and images, up to max_batch texts;
+        or a request's start, alone."""
+        if _is_start(self._jobs[0]):
+            return [self._jobs.pop(0)]
         kind = self._jobs[0][2:]
-        taken = [key for key in self._jobs if key[2:] == kind][:self.max_batch]
+        taken = [key for key in self._jobs if not _is_start(key) and key[2:] == kind][:self.max_batch]
         self._jobs = [key for key in self._jobs if key not in taken]
         return taken
 
-    def _encode_keys(self, keys: list[EncodeKey]) -> tuple[dict[EncodeKey, torch.Tensor], dict[EncodeKey, str]]:
+    def _encode_keys(self, keys: list[EncodeKey]) -> tuple[dict[EncodeKey, Any], dict[EncodeKey, str]]:
+        if _is_start(keys[0]):
+            return self._make_start(keys[0])
         try:
             length, digest = keys[0][2:]
             images = None if digest is None else self._images[digest]  # kept while the batch holds it

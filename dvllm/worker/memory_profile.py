@@ -111,6 +111,11 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
     def encode() -> None:
         if info.images.edit_grids is None:
             adapter.encode_prompt(texts)
+            if config.encode_stage and info.images.img2img:  # the stage makes img2img starts too, beside the forward
+                from PIL import Image
+
+                adapter.encode_image(Image.new("RGB", (width, height)), config.max_images_per_prompt, height, width,
+                                     torch.Generator("cpu").manual_seed(0), (1.0, 0.0))
             return
         # an edit model encodes its images at admission too, and may read each prompt with them
         from PIL import Image
@@ -146,11 +151,23 @@ def worst_transient(peaks: dict[str, int], decode_stage: bool, encode_stage: boo
 
 
 def encode_ahead_bytes(adapter: ModelAdapter, config: EngineConfig) -> int:
-    """The conditions the encode stage may hold ready (max_encode_ahead texts)."""
+    """What the encode stage may hold ready: max_encode_ahead items, each a text's conditions or the start of a
+    request with input images (its latents and input state, n images at the largest size)."""
     if not config.encode_stage:
         return 0
+    info = adapter.info
     element = torch.empty((), dtype=adapter.dtype).element_size()
-    return config.max_encode_ahead * adapter.info.text.condition_numel * element
+    item = info.text.condition_numel
+    images = info.images
+    if images.img2img or images.inpaint_channels or images.edit_grids is not None:
+        height, width = largest_size(info, config.image_pixel_limit(info.defaults.height, info.defaults.width))
+        latents = info.latents.numel(height, width)
+        grid = latents // info.latents.channels
+        inputs = images.inpaint_channels * grid
+        if images.edit_numel is not None:
+            inputs = max(inputs, images.edit_numel(height, width, None))
+        item = max(item, config.max_images_per_prompt * (latents + inputs))
+    return config.max_encode_ahead * item * element
 
 
 def choose_decode_stage(asked: bool | None, pool_bytes: Callable[[bool], int]) -> bool:

@@ -16,16 +16,16 @@ from dvllm.core.scheduler_output import NewRequestData, ResumedRequestData, Runn
 from dvllm.core.stage_stats import StageStats
 from dvllm.models.base import ModelAdapter
 from dvllm.profiler import PhaseTimer
-from dvllm.sampling_params import as_images
 from dvllm.worker.decode_stage import DecodeJob, DecodeStage
 from dvllm.worker.denoise_batch import StepParts, StepResult, denoise_step
 from dvllm.worker.denoiser import Denoiser
-from dvllm.worker.encode_stage import EncodeStage
+from dvllm.worker.encode_stage import EncodeStage, start_key
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.per_request import per_request
 from dvllm.worker.prompt_writer import PromptWriter
 from dvllm.worker.request_state import RequestState, row_bounds
 from dvllm.worker.row_scope import RowScope
+from dvllm.worker.start_latents import Start, make_start
 from dvllm.worker.state_pool import StatePool
 from dvllm.worker.step_cache_hooks import CacheHooks
 from dvllm.worker.step_cache_state import CacheState
@@ -71,7 +71,7 @@ class ModelRunner:
         stages = StageStats()
         if self.encode_stage is not None:  # first: what admission below takes may have been sent long ago
             self.encode_stage.drop(out.encode_drops)
-            self.encode_stage.submit(out.encode_jobs, out.encode_images)
+            self.encode_stage.submit(out.encode_jobs, out.encode_images, out.encode_starts)
         for request_id in out.freed_ids:
             self.states.pop(request_id, None)
         if self.decode_stage is not None and out.freed_ids:
@@ -176,18 +176,10 @@ class ModelRunner:
 
         def prepare(group: list[NewRequestData]) -> None:
             for d in group:  # new requests may differ in size: one write each
-                generator = torch.Generator("cpu").manual_seed(d.seed)
-                if d.mask is not None:
-                    x, inputs = self.adapter.prepare_inpaint(d.image, d.mask, d.n, d.height, d.width, generator,
-                                                             d.plan, d.strength)
-                    self.pool.write(d.blocks.inputs, inputs.reshape(d.n, -1))
-                elif d.input_grids:  # an edit: its images' latents are its input state
-                    x, inputs = self.adapter.prepare_edit(as_images(d.image), d.n, d.height, d.width, generator)
-                    self.pool.write(d.blocks.inputs, inputs.reshape(d.n, -1))
-                elif d.image is not None:
-                    x = self.adapter.encode_image(d.image, d.n, d.height, d.width, generator, d.plan.start_noise)
-                else:
-                    x = self.adapter.prepare_latents(d.n, d.height, d.width, generator, d.plan.init_noise_sigma)
+                start = self._started_ahead(d) or make_start(self.adapter, d.start_job())
+                x, generator = start.latents, start.generator
+                if start.inputs is not None:
+                    self.pool.write(d.blocks.inputs, start.inputs.reshape(d.n, -1))
                 self.pool.write(d.blocks.latents, x.reshape(d.n, -1))
                 if d.blocks.history:  # multistep history starts at zero (its first step reads it with weight 0)
                     self.pool.write(d.blocks.history, self.pool.data.new_zeros(d.n, x[0].numel()))
@@ -200,7 +192,15 @@ class ModelRunner:
         if ready:
             per_request(ready, prepare, errors, "latent preparation", key=lambda d: d.request_id)
             self.prompts.read_text_lengths([self.states[d.request_id] for d in ready if d.request_id in self.states])
+        if self.encode_stage is not None:  # starts made ahead for requests that failed before theirs was taken
+            self.encode_stage.drop([start_key(d.request_id) for d in new])
         return failed
+
+    def _started_ahead(self, d: NewRequestData) -> Start | None:
+        """The start the encode stage made for the request (one with input images), if it holds one."""
+        if self.encode_stage is None or d.image is None:
+            return None
+        return self.encode_stage.take(start_key(d.request_id))
 
     # preemption: the request's pool contents go to host memory and come back unchanged
     def _swap_out(self, state: RequestState) -> None:

@@ -1,6 +1,7 @@
 """The worker owns the device, the model and every request's state."""
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -16,6 +17,7 @@ from dvllm.worker.decode_stage import DecodeStage
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage
 from dvllm.worker.model_runner import ModelRunner, to_output_type
+from dvllm.worker.start_latents import make_start
 from dvllm.worker.state_pool import create_state_pool
 
 
@@ -51,7 +53,7 @@ class Worker:
         if config.encode_stage:  # as many texts a call as the memory profile measured (two per row)
             prompts = self.runner.prompts
             prompts.encode_stage = EncodeStage(prompts.encode_flat, self.device, 2 * config.max_batch_size,
-                                               prompts.lock)
+                                               prompts.lock, start=functools.partial(make_start, adapter))
 
     def model_info(self) -> ModelInfo:
         return self.runner.adapter.info

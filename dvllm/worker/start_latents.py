@@ -1,0 +1,36 @@
+"""A new request's start: its first latents (and the input state inpainting and edits keep), drawn from a generator
+seeded with its seed, in the order the diffusers pipeline draws them. The loop makes it at admission; for a
+request with input images the encode stage may make it ahead (their VAE encode is the cost), and the loop then
+takes it with the generator as those draws left it, so the request's next draws are the ones it would have made.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dvllm.core.scheduler_output import StartJob
+from dvllm.models.base import ModelAdapter
+from dvllm.sampling_params import as_images
+
+
+@dataclass
+class Start:
+    latents: torch.Tensor        # [n, *latent shape]
+    inputs: torch.Tensor | None  # [n, *input state] (inpainting, edits)
+    generator: torch.Generator
+
+
+def make_start(adapter: ModelAdapter, job: StartJob) -> Start:
+    generator = torch.Generator("cpu").manual_seed(job.seed)
+    inputs = None
+    if job.mask is not None:
+        x, inputs = adapter.prepare_inpaint(job.image, job.mask, job.n, job.height, job.width, generator, job.plan,
+                                            job.strength)
+    elif job.edit:  # an edit: its images' latents are its input state
+        x, inputs = adapter.prepare_edit(as_images(job.image), job.n, job.height, job.width, generator)
+    elif job.image is not None:
+        x = adapter.encode_image(job.image, job.n, job.height, job.width, generator, job.plan.start_noise)
+    else:
+        x = adapter.prepare_latents(job.n, job.height, job.width, generator, job.plan.init_noise_sigma)
+    return Start(x, inputs, generator)
