@@ -389,3 +389,24 @@ def test_one_iteration_encodes_a_bounded_number_of_input_images():
     assert [r.request_id for r in out.new_requests] == ["three"]  # over the budget alone: still admitted
     with pytest.raises(ValueError, match="max_input_images_per_step"):
         EngineConfig(max_input_images_per_step=0)
+
+
+def test_scheduling_ahead_counts_steps_in_flight_and_frees_the_rows_of_a_last_step():
+    """Async scheduling: the scheduler plans while earlier steps are in flight (their updates not yet applied). A
+    step in flight counts as taken; a request whose last step is in flight is not scheduled again, and its rows go
+    to a waiting request at once (its blocks stay until the update)."""
+    s, c = make(max_batch_size=1), Clock()
+    s.add_request(c.request("a", steps=2, cfg=False))
+    s.add_request(c.request("b", steps=2, cfg=False))
+    first = s.schedule()
+    second = s.schedule()  # first in flight
+    assert (first.scheduled_ids, first.step_indices) == (["a"], [0])
+    assert (second.scheduled_ids, second.step_indices, second.finishing_ids) == (["a"], [1], ["a"])
+    third = s.schedule()  # a's last step in flight: b takes its row
+    assert [d.request_id for d in third.new_requests] == ["b"] and third.scheduled_ids == ["b"]
+    assert s.requests["a"].blocks is not None  # a's state is kept until its last step is done
+    s.update_from_output(first, RunnerOutput())
+    _, = [o for o in s.update_from_output(second, RunnerOutput(images={"a": ["img"]})) if o.finished]
+    assert "a" not in s.requests and s.requests["b"].steps_scheduled == 1
+    s.update_from_output(third, RunnerOutput())
+    assert s.requests["b"].num_steps_done == 1 and s.requests["b"].steps_in_flight == 0
