@@ -6,9 +6,9 @@
 # on sdxl: 8 adapters mixed in one batch and the step cost they add (dvllm.benchmarks.lora, throughput --loras),
 # then image editing on qwen-image-edit: dvllm, serial and static on the same edit requests at 3x what serial
 # sustains (dvllm.benchmarks.edit_sweep, one server at a time: three copies of the 20B model do not fit),
-# then the decode stage's loop stall, the encode stage's (a burst of new prompts while a batch runs) and the
-# engine core in its own process against a thread (dvllm.benchmarks.loop_stall, encode_stall,
-# core_process_serving, sd15 at 512x512),
+# then the decode stage's loop stall, the encode stage's (a burst of new prompts while a batch runs), async
+# scheduling off vs on, and the engine core in its own process against a thread (dvllm.benchmarks.loop_stall,
+# encode_stall, async_scheduling, core_process_serving, sd15 at 512x512),
 # then each family's preset loaded as served, bf16/fp16 and quantized (dvllm.benchmarks.preset_load).
 #
 #   benchmarks/gpu/run_suite.sh [--dry-run] [--out DIR]
@@ -53,6 +53,8 @@ if [ $dry = 1 ]; then
   $python -m dvllm.benchmarks.loop_stall --model tiny-sd --size 32 --cohort 4 --rounds 1 --output "$out/loop_stall_dry.json"
   $python -m dvllm.benchmarks.encode_stall --model tiny-sd --size 32 --burst 4 --rounds 1 \
     --output "$out/encode_stall_dry.json"
+  $python -m dvllm.benchmarks.async_scheduling --model tiny-sd --size 32 --requests 6 --steps 2 --max-batch-size 4 \
+    --rounds 1 --output "$out/async_scheduling_dry.json"
   $python -m dvllm.benchmarks.core_process_serving --model tiny-sd --size 16x16 --steps 3 --concurrency 2 \
     --num-requests 4 --rounds 1 --warmup 0 --output-json "$out/core_process_dry.json"
   $python -m dvllm.benchmarks.preset_load --dry-run --only tiny-sd --repeats 1 --output-json "$out/preset_load_dry.json"
@@ -89,6 +91,10 @@ else
   echo "== encode stage: the loop's longest gap when 16 requests with new prompts (CFG) arrive while one runs, on vs off"
   timeout 150 $python -m dvllm.benchmarks.encode_stall --model sd15 --size 512 --burst 16 --rounds 2 --device cuda \
     --output "$out/encode_stall.json" 2>&1 | tee "$out/encode_stall.txt" || echo "encode_stall stopped early"
+  echo "== async scheduling: 32 small requests (8 steps, 8 rows a forward, progress outputs), off vs on (sd15, 512x512)"
+  timeout 180 $python -m dvllm.benchmarks.async_scheduling --model sd15 --size 512 --requests 32 --steps 8 \
+    --max-batch-size 8 --device cuda --output "$out/async_scheduling.json" 2>&1 | tee "$out/async_scheduling.txt" \
+    || echo "async_scheduling stopped early (or its images differ)"
   echo "== the engine core in its own process vs on the server's thread: 32 streaming clients (sd15, 512x512)"
   timeout 300 $python -m dvllm.benchmarks.core_process_serving --model sd15 --size 512x512 --steps 10 \
     --num-requests 64 --output-json "$out/core_process.json" 2>&1 | tee "$out/core_process.txt" \
