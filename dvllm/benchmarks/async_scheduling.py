@@ -45,7 +45,6 @@ once), the worker's queue holds the next batch only if requests wait to take the
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -55,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from dvllm import DiffusionEngine, SamplingParams
-from dvllm.benchmarks.loop_stall import gaps, time_forwards
+from dvllm.benchmarks.loop_stall import gaps, run_off_on, time_forwards
 
 TOLERANCE = 1e-5  # the largest difference allowed between the two engines' images of a request
 
@@ -204,17 +203,7 @@ def _compare(engines: dict[str, DiffusionEngine], args: argparse.Namespace) -> d
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the comparison, prints and writes its figures, and returns them; SystemExit(1) when the two engines'
     images of a request differ by more than TOLERANCE (after writing the figures)."""
-    args = build_parser().parse_args(argv)
-    engines = {"off": _engine(args, False), "on": _engine(args, True)}
-    try:
-        result = _compare(engines, args)
-    finally:
-        for engine in engines.values():
-            engine.shutdown()
-    print(json.dumps(result, indent=2))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
+    result = run_off_on(build_parser().parse_args(argv), _engine, _compare)
     if not result["images_equal"]:
         print(f"FAIL: the engines' images differ by {result['images_max_abs_diff']:.3g} (> {TOLERANCE})",
               file=sys.stderr)

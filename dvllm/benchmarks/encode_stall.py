@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import random
 import statistics
 import time
@@ -50,7 +49,7 @@ import numpy as np
 import transformers
 
 from dvllm import DiffusionEngine, SamplingParams
-from dvllm.benchmarks.loop_stall import gaps, time_forwards
+from dvllm.benchmarks.loop_stall import gaps, run_off_on, time_forwards
 
 WORDS = (
     "red green blue yellow orange purple black white pink golden silver small large tiny huge old young "
@@ -221,17 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
-    engines = {"off": _engine(args, False), "on": _engine(args, True)}
-    try:
-        result = _compare(engines, args)
-    finally:
-        for engine in engines.values():
-            engine.shutdown()
-    print(json.dumps(result, indent=2))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return run_off_on(args, _engine, _compare)
 
 
 def _compare(engines: dict[str, DiffusionEngine], args: argparse.Namespace) -> dict[str, Any]:

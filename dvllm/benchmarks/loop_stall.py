@@ -16,7 +16,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -61,6 +61,23 @@ def time_forwards(engine: DiffusionEngine, sync: bool = False) -> list[tuple[flo
     return forwards
 
 
+def run_off_on(args: argparse.Namespace, make: Callable[[argparse.Namespace, bool], DiffusionEngine],
+               compare: Callable[[dict[str, DiffusionEngine], argparse.Namespace], dict[str, Any]]) -> dict[str, Any]:
+    """The two engines a feature's benchmark compares (made with it off and on), `compare` run on them, both shut
+    down whatever happens; the figures printed, written to args.output if set, and returned."""
+    engines = {"off": make(args, False), "on": make(args, True)}
+    try:
+        result = compare(engines, args)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    print(json.dumps(result, indent=2))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
 def gaps(forwards: list[tuple[float, float]]) -> list[float]:
     """Seconds between consecutive forwards: the end of one to the start of the next."""
     return [nxt[0] - prev[1] for prev, nxt in zip(forwards, forwards[1:])]
@@ -90,8 +107,10 @@ def _round(engine: DiffusionEngine, args: argparse.Namespace, seed: int) -> tupl
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = build_parser().parse_args(argv)
-    engines = {"off": _engine(args, False), "on": _engine(args, True)}
+    return run_off_on(build_parser().parse_args(argv), _engine, _compare)
+
+
+def _compare(engines: dict[str, DiffusionEngine], args: argparse.Namespace) -> dict[str, Any]:
     for engine in engines.values():  # warm up: kernels, the prompt cache
         _round(engine, args, 0)
     gaps: dict[str, list[float]] = {k: [] for k in engines}
@@ -112,14 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     result["gap_ratio_on_off"] = result["longest_gap_s"]["on"] / result["longest_gap_s"]["off"]
     result["wall_ratio_on_off"] = result["wall_s"]["on"] / result["wall_s"]["off"]
-    print(json.dumps(result, indent=2))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
-    for engine in engines.values():
-        engine.shutdown()
     return result
-
 
 if __name__ == "__main__":
     main()
