@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dvllm.config_checks import choice, is_cuda_index, is_number, non_negative, parse_lora_modules, positive_int
+
 if TYPE_CHECKING:
     from dvllm.lora.files import LoraFilePolicy
     from dvllm.models.load_config import LoadConfig
@@ -303,7 +305,7 @@ class EngineConfig:
             from dvllm.models.model_defaults import parse_defaults
 
             self.default_params = parse_defaults(self.default_params, "default_params")
-        self.lora_modules = _parse_lora_modules(self.lora_modules)
+        self.lora_modules = parse_lora_modules(self.lora_modules)
         if self.lora_modules:
             self.enable_lora = True
         if self.quantization is not None:  # a flag's text, JSON or a dict: kept as a checked QuantizationSpec
@@ -313,34 +315,34 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        _choice("load_format", self.load_format, LOAD_FORMATS)
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("vae_dtype", self.vae_dtype, DTYPES)
-        _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
-        _choice("compile", self.compile, COMPILE_MODES)
-        _choice("executor", self.executor, EXECUTORS)
+        choice("load_format", self.load_format, LOAD_FORMATS)
+        choice("dtype", self.dtype, DTYPES)
+        choice("vae_dtype", self.vae_dtype, DTYPES)
+        choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        choice("compile", self.compile, COMPILE_MODES)
+        choice("executor", self.executor, EXECUTORS)
         if self.cuda_graph and self.device == "cpu":
             raise ValueError("cuda_graph needs a CUDA device, but device is 'cpu'")
-        if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
+        if not (self.device in ("auto", "cpu", "cuda") or is_cuda_index(self.device)):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("max_batch_size", "max_num_waiting", "max_inference_steps", "max_images_per_prompt",
                      "max_prompt_chars", "sampler_plan_cache_size", "priority_aging_iterations", "num_workers",
                      "max_decode_batch", "max_decode_queue", "max_encode_ahead", "max_cuda_graphs", "max_loras",
                      "max_lora_rank",
                      "max_input_images_per_step"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         for name in ("max_image_pixels", "max_prompt_chars_per_step", "max_cpu_loras"):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        if not (_is_number(self.max_lora_file_mb) and 0 < self.max_lora_file_mb < float("inf")):
+                positive_int(name, getattr(self, name))
+        if not (is_number(self.max_lora_file_mb) and 0 < self.max_lora_file_mb < float("inf")):
             raise ValueError(f"max_lora_file_mb must be a finite number > 0, got {self.max_lora_file_mb!r}")
-        if not (_is_number(self.max_guidance_scale) and 0 <= self.max_guidance_scale < float("inf")):
+        if not (is_number(self.max_guidance_scale) and 0 <= self.max_guidance_scale < float("inf")):
             raise ValueError(f"max_guidance_scale must be a finite number >= 0, got {self.max_guidance_scale!r}")
         if isinstance(self.result_cache_mb, bool) or not isinstance(self.result_cache_mb, int) \
                 or self.result_cache_mb < 0:
             raise ValueError(f"result_cache_mb must be an integer >= 0 (0: off), got {self.result_cache_mb!r}")
         if self.num_state_blocks is not None:
-            _positive_int("num_state_blocks", self.num_state_blocks)
+            positive_int("num_state_blocks", self.num_state_blocks)
         if self.state_pool_mb is not None and not (isinstance(self.state_pool_mb, (int, float))
                                                    and self.state_pool_mb > 0):
             raise ValueError(f"state_pool_mb must be a number > 0, got {self.state_pool_mb!r}")
@@ -352,11 +354,11 @@ class EngineConfig:
         if self.executor != "ray" and self.ray_address is not None:
             raise ValueError("ray_address is set but executor is not 'ray'")
         if self.worker_num_gpus is not None:
-            _non_negative("worker_num_gpus", self.worker_num_gpus)
-        _non_negative("worker_num_cpus", self.worker_num_cpus)
+            non_negative("worker_num_gpus", self.worker_num_gpus)
+        non_negative("worker_num_cpus", self.worker_num_cpus)
         for name in ("ray_startup_timeout_s", "worker_restart_timeout_s", "worker_heartbeat_s",
                      "worker_heartbeat_timeout_s"):
-            if not (_is_number(getattr(self, name)) and getattr(self, name) > 0):
+            if not (is_number(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be a number > 0, got {getattr(self, name)!r}")
         if not isinstance(self.max_worker_restarts, int) or isinstance(self.max_worker_restarts, bool) \
                 or self.max_worker_restarts < 0:
@@ -373,7 +375,7 @@ class EngineConfig:
         device = self.encoder_device
         if device is None:
             return
-        if not (device in ("cpu", "cuda") or _is_cuda_index(device)):
+        if not (device in ("cpu", "cuda") or is_cuda_index(device)):
             raise ValueError(f"encoder_device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
         if self.enable_lora:
             raise ValueError("encoder_device cannot be combined with LoRA serving: an adapter's text-encoder "
@@ -427,48 +429,3 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {sorted(names)}")
         return cls(**kwargs)
-
-
-def _parse_lora_modules(value: Any) -> dict[str, str]:
-    """{name: path}, or the flag's ["name=path", ...]."""
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        value = [value]
-    if isinstance(value, (list, tuple)):
-        pairs = {}
-        for item in value:
-            name, sep, path = item.partition("=") if isinstance(item, str) else ("", "", "")
-            if not (sep and name and path):
-                raise ValueError(f"lora_modules: expected name=path, got {item!r}")
-            if name in pairs:
-                raise ValueError(f"lora_modules: {name!r} is given twice")
-            pairs[name] = path
-        return pairs
-    if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        return dict(value)
-    raise ValueError(f"lora_modules must map adapter names to paths, got {value!r}")
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _non_negative(name: str, value: Any) -> None:
-    if not (_is_number(value) and value >= 0):
-        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-
-
-def _is_cuda_index(device: str) -> bool:
-    prefix, _, index = device.partition(":")
-    return prefix == "cuda" and index.isdigit()

@@ -24,6 +24,7 @@ from dvllm.config import EngineConfig
 from dvllm.core.block_manager import BlockManager
 from dvllm.core.encode_ahead import EncodeAhead, EncodeKey
 from dvllm.core.lora_slots import LoraSlots
+from dvllm.core.preemption import choose_victims
 from dvllm.core.request import Request, RequestStatus
 from dvllm.core.scheduler_output import BlockTables, ResumedRequestData, RunnerOutput, SchedulerOutput
 from dvllm.outputs import RequestOutput
@@ -238,34 +239,14 @@ class Scheduler:
     def _preempt_for(self, request: Request, rows: dict, out: SchedulerOutput) -> bool:
         """Preempt the least urgent running requests that rank below `request`, if that makes it fit."""
         # not one whose last step is in flight (async scheduling): it is leaving
-        victims = sorted((r for r in self.running if self.urgency(r) > self.urgency(request)
-                          and r.steps_scheduled < r.num_steps), key=self.urgency, reverse=True)
-        need_rows = rows[request.shape_key] + request.rows - self.max_batch_size
-        need_blocks = self._blocks_needed(request) - self.blocks.num_available
-        need_slots = self.lora_slots.shortfall(request.lora_adapters)
-        chosen, freed_rows, freed_blocks, freed_slots = [], 0, 0, 0
-        for victim in victims:
-            if freed_rows >= need_rows and freed_blocks >= need_blocks and freed_slots >= need_slots:
-                break
-            chosen.append(victim)
-            freed_blocks += victim.private_blocks + self._shared_blocks_freed(victim, chosen, request)
-            if victim.shape_key == request.shape_key:
-                freed_rows += victim.rows
-            freed_slots = self.lora_slots.freed_by([a for r in chosen for a in r.lora_adapters])
-        if freed_rows < need_rows or freed_blocks < need_blocks or freed_slots < need_slots:
-            return False
-        for victim in chosen:
+        candidates = sorted((r for r in self.running if self.urgency(r) > self.urgency(request)
+                             and r.steps_scheduled < r.num_steps), key=self.urgency, reverse=True)
+        victims = choose_victims(request, candidates, rows[request.shape_key] + request.rows - self.max_batch_size,
+                                 self._blocks_needed(request) - self.blocks.num_available,
+                                 self.lora_slots.shortfall(request.lora_adapters), self.blocks, self.lora_slots)
+        for victim in victims or []:
             self._preempt(victim, rows, out)
-        return True
-
-    def _shared_blocks_freed(self, victim: Request, chosen: list[Request], wanted: Request) -> int:
-        """Blocks of victim's prompt entries that no one else holds (and `wanted` will not reuse)."""
-        freed = 0
-        for entry in (victim.cond_entry, victim.uncond_entry):
-            if entry is not None and entry.key not in wanted.cond_keys:
-                holders = sum(1 for r in chosen for e in (r.cond_entry, r.uncond_entry) if e is entry)
-                freed += self.blocks.blocks_freed_by(entry, holders)
-        return freed
+        return victims is not None
 
     def _preempt(self, victim: Request, rows: dict, out: SchedulerOutput) -> None:
         self.running.remove(victim)

@@ -1,0 +1,37 @@
+"""Which running requests to preempt for one that does not fit (scheduling_policy="priority"): from the least
+urgent candidate on, only as many as it takes to free what the request lacks in rows of its shape, blocks and
+LoRA slots; none if all of them together would not free enough."""
+from __future__ import annotations
+
+from dvllm.core.block_manager import BlockManager
+from dvllm.core.lora_slots import LoraSlots
+from dvllm.core.request import Request
+
+
+def choose_victims(wanted: Request, candidates: list[Request], need_rows: int, need_blocks: int, need_slots: int,
+                   blocks: BlockManager, slots: LoraSlots) -> list[Request] | None:
+    """The victims, least urgent first (`candidates` come in that order), or None if preempting cannot make
+    `wanted` fit."""
+    chosen: list[Request] = []
+    freed_rows = freed_blocks = freed_slots = 0
+    for victim in candidates:
+        if freed_rows >= need_rows and freed_blocks >= need_blocks and freed_slots >= need_slots:
+            break
+        chosen.append(victim)
+        freed_blocks += victim.private_blocks + _shared_blocks_freed(victim, chosen, wanted, blocks)
+        if victim.shape_key == wanted.shape_key:
+            freed_rows += victim.rows
+        freed_slots = slots.freed_by([a for r in chosen for a in r.lora_adapters])
+    if freed_rows < need_rows or freed_blocks < need_blocks or freed_slots < need_slots:
+        return None
+    return chosen
+
+
+def _shared_blocks_freed(victim: Request, chosen: list[Request], wanted: Request, blocks: BlockManager) -> int:
+    """Blocks of victim's prompt entries that no one else holds (and `wanted` will not reuse)."""
+    freed = 0
+    for entry in (victim.cond_entry, victim.uncond_entry):
+        if entry is not None and entry.key not in wanted.cond_keys:
+            holders = sum(1 for r in chosen for e in (r.cond_entry, r.uncond_entry) if e is entry)
+            freed += blocks.blocks_freed_by(entry, holders)
+    return freed
