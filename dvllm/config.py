@@ -9,7 +9,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dvllm.config_checks import choice, is_cuda_index, is_number, non_negative, parse_lora_modules, positive_int
+from dvllm.config_checks import (
+    check_decode_workers,
+    check_encoder_device,
+    choice,
+    is_cuda_index,
+    is_number,
+    non_negative,
+    parse_lora_modules,
+    positive_int,
+)
 
 if TYPE_CHECKING:
     from dvllm.lora.files import LoraFilePolicy
@@ -195,6 +204,19 @@ class EngineConfig:
         metadata={"help": "Most images handed to the decode stage and not yet decoded; past it the loop decodes "
                           "what finishes itself (backpressure: nothing is refused or lost)."},
     )
+    decode_workers: int = field(
+        default=0,
+        metadata={"help": "Processes of their own that decode for the decode stage, each with a copy of the VAE on "
+                          "--decode-device: the VAE and the conversion to images leave the worker's process (its "
+                          "GIL) and, on GPUs, its device. 0: the stage's thread decodes in the worker's process. A "
+                          "process that dies is started again and its images decoded anew: none is lost."},
+    )
+    decode_device: str | None = field(
+        default=None,
+        metadata={"help": "Where the decode workers run: cpu | cuda:N, or several comma-separated (the workers "
+                          "placed on them in turn). Unset: the worker's device; a GPU worker's decode workers must "
+                          "be on another device."},
+    )
     encode_stage: bool = field(
         default=False,
         metadata={"help": "Encode the texts of waiting requests on a thread of the worker's own (a CUDA stream of its "
@@ -365,24 +387,19 @@ class EngineConfig:
             raise ValueError(f"max_worker_restarts must be an integer >= 0, got {self.max_worker_restarts!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        self._check_encoder_device()
+        check_encoder_device(self)
+        check_decode_workers(self)
         if self.quantization is not None or str(self.model).lower().endswith(".gguf"):
             from dvllm.models.quantization import check_use
 
             check_use(self.quantization, self.model, self.load_format, self.enable_lora)
 
-    def _check_encoder_device(self) -> None:
-        device = self.encoder_device
-        if device is None:
-            return
-        if not (device in ("cpu", "cuda") or is_cuda_index(device)):
-            raise ValueError(f"encoder_device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-        if self.enable_lora:
-            raise ValueError("encoder_device cannot be combined with LoRA serving: an adapter's text-encoder "
-                             "layers read their weights from slot tables on the worker's device")
-        if device != "cpu" and self.num_workers > 1:
-            raise ValueError(f"encoder_device {device!r} with {self.num_workers} workers would put every worker's "
-                             "text encoders on one GPU: use 'cpu', or one worker per engine")
+    @property
+    def decode_devices(self) -> list[str]:
+        """Where the decode workers go, in turn (none given: the worker's device)."""
+        if self.decode_device is None:
+            return []
+        return [device.strip() for device in self.decode_device.split(",")]
 
     @property
     def load_config(self) -> "LoadConfig":

@@ -1,7 +1,13 @@
 """The value checks EngineConfig.validate runs on its fields: each raises ValueError naming the field."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dvllm.config import EngineConfig
+
+# Most decode worker processes one engine may start
+MAX_DECODE_WORKERS = 64
 
 
 def parse_lora_modules(value: Any) -> dict[str, str]:
@@ -47,3 +53,39 @@ def non_negative(name: str, value: Any) -> None:
 def is_cuda_index(device: str) -> bool:
     prefix, _, index = device.partition(":")
     return prefix == "cuda" and index.isdigit()
+
+
+def check_encoder_device(config: EngineConfig) -> None:
+    """encoder_device: a device name, and no combination that cannot work."""
+    device = config.encoder_device
+    if device is None:
+        return
+    if not (device in ("cpu", "cuda") or is_cuda_index(device)):
+        raise ValueError(f"encoder_device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if config.enable_lora:
+        raise ValueError("encoder_device cannot be combined with LoRA serving: an adapter's text-encoder "
+                         "layers read their weights from slot tables on the worker's device")
+    if device != "cpu" and config.num_workers > 1:
+        raise ValueError(f"encoder_device {device!r} with {config.num_workers} workers would put every worker's "
+                         "text encoders on one GPU: use 'cpu', or one worker per engine")
+
+
+def check_decode_workers(config: EngineConfig) -> None:
+    """decode_workers and decode_device: counts, devices, and the executor and stage they need."""
+    if isinstance(config.decode_workers, bool) or not isinstance(config.decode_workers, int) \
+            or not 0 <= config.decode_workers <= MAX_DECODE_WORKERS:
+        raise ValueError(f"decode_workers must be an integer in [0, {MAX_DECODE_WORKERS}], got "
+                         f"{config.decode_workers!r}")
+    if config.decode_device is not None:
+        if not config.decode_workers:
+            raise ValueError("decode_device is set but decode_workers is 0")
+        for device in config.decode_devices:
+            if not (device in ("cpu", "cuda") or is_cuda_index(device)):
+                raise ValueError(f"decode_device must be 'cpu', 'cuda' or 'cuda:N' (or several, comma-"
+                                 f"separated), got {config.decode_device!r}")
+    if config.decode_workers and config.decode_stage is False:
+        raise ValueError("decode_workers decode for the decode stage: they cannot be combined with "
+                         "decode_stage=False")
+    if config.decode_workers and config.executor != "uniproc":
+        raise ValueError("decode_workers: the Ray executor's workers decode on the decode stage's thread; "
+                         "decode worker processes are for the uniproc executor")

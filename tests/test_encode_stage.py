@@ -294,8 +294,7 @@ def test_the_stage_retries_a_failed_batch_text_by_text_and_keeps_results_until_t
 
     stage = EncodeStage(encode, torch.device("cpu"), max_batch=4, lock=threading.Lock())
     stage.submit([("good", False, None, None), ("bad", False, None, None), ("long text", False, 7, None)])
-    while stage.pending:  # (the thread ends when it has nothing left)
-        stage._thread.join(WAIT) if stage._thread is not None else None
+    stage._join()  # (the thread ends when it has nothing left)
     done = stage.collect()
     assert sorted(done.ready, key=str) == [("good", False, None, None), ("long text", False, 7, None)]
     assert done.errors == {("bad", False, None, None): "prompt encoding failed: ValueError: no"}

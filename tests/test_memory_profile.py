@@ -173,3 +173,15 @@ def test_a_forced_decode_stage_that_leaves_nothing_says_how_to_turn_it_off(adapt
     with pytest.raises(ValueError, match=r"decode stage decodes beside the loop.*--no-decode-stage"):
         gpu_pool_bytes(adapter, EngineConfig(decode_stage=True), FakeMemory(recorded, peaks, free=60 * GIB,
                                                                              total=80 * GIB))
+
+
+def test_decode_workers_keep_the_stage_on_with_no_vae_beside_the_loop(adapter, monkeypatch):
+    """Decode worker processes decode on other devices: the stage runs (auto would turn it off here), the VAE's
+    peak counts only as the loop's own decode (when the stage is full), and the queue's latents are reserved."""
+    recorded = Recorded(adapter, monkeypatch)
+    peaks = {"encode_prompt": 1 * GIB, "denoise": 20 * GIB, "decode": 30 * GIB}
+    config = EngineConfig(max_batch_size=2, max_image_pixels=32 * 32, decode_workers=1)
+    budget, stage = gpu_pool_bytes(adapter, config, FakeMemory(recorded, peaks, free=60 * GIB, total=80 * GIB))
+    loop_only = int(80 * GIB * 0.9) - 20 * GIB - 30 * GIB
+    assert stage is True and 0 < loop_only - budget < GIB  # less only the decode queue's latents
+

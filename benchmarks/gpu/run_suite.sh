@@ -6,7 +6,7 @@
 # on sdxl: 8 adapters mixed in one batch and the step cost they add (dvllm.benchmarks.lora, throughput --loras),
 # then image editing on qwen-image-edit: dvllm, serial and static on the same edit requests at 3x what serial
 # sustains (dvllm.benchmarks.edit_sweep, one server at a time: three copies of the 20B model do not fit),
-# then the decode stage's loop stall, the encode stage's (a burst of new prompts while a batch runs), async
+# then the decode stage's loop stall (a thread, then decode processes on the CPU), the encode stage's (a burst of new prompts while a batch runs), async
 # scheduling off vs on, and the engine core in its own process against a thread (dvllm.benchmarks.loop_stall,
 # encode_stall, async_scheduling, core_process_serving, sd15 at 512x512),
 # then each family's preset loaded as served, bf16/fp16 and quantized (dvllm.benchmarks.preset_load).
@@ -51,6 +51,8 @@ if [ $dry = 1 ]; then
     --edit-images 1,2 --steps 2 --num-requests 2 --calibration-requests 1 --sequential \
     --output-dir "$out/edit_dry"
   $python -m dvllm.benchmarks.loop_stall --model tiny-sd --size 32 --cohort 4 --rounds 1 --output "$out/loop_stall_dry.json"
+  $python -m dvllm.benchmarks.loop_stall --model tiny-sd --size 32 --cohort 4 --rounds 1 --decode-workers 1 \
+    --output "$out/loop_stall_workers_dry.json"
   $python -m dvllm.benchmarks.encode_stall --model tiny-sd --size 32 --burst 4 --rounds 1 \
     --output "$out/encode_stall_dry.json"
   $python -m dvllm.benchmarks.async_scheduling --model tiny-sd --size 32 --requests 6 --steps 2 --max-batch-size 4 \
@@ -88,6 +90,10 @@ else
   echo "== decode stage: the loop's longest gap when 16 requests finish together, on vs off (sd15, 512x512)"
   timeout 240 $python -m dvllm.benchmarks.loop_stall --model sd15 --size 512 --cohort 16 --device cuda \
     --output "$out/loop_stall.json" 2>&1 | tee "$out/loop_stall.txt" || echo "loop_stall stopped early"
+  echo "== decode workers: the same with 2 decode processes on the CPU (the GPU runs no VAE), 8 finishing together"
+  timeout 120 $python -m dvllm.benchmarks.loop_stall --model sd15 --size 512 --cohort 8 --rounds 1 --device cuda \
+    --decode-workers 2 --decode-device cpu --output "$out/loop_stall_workers.json" 2>&1 \
+    | tee "$out/loop_stall_workers.txt" || echo "loop_stall with decode workers stopped early"
   echo "== encode stage: the loop's longest gap when 16 requests with new prompts (CFG) arrive while one runs, on vs off"
   timeout 150 $python -m dvllm.benchmarks.encode_stall --model sd15 --size 512 --burst 16 --rounds 2 --device cuda \
     --output "$out/encode_stall.json" 2>&1 | tee "$out/encode_stall.txt" || echo "encode_stall stopped early"

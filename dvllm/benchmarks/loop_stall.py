@@ -4,7 +4,8 @@ One run, the two engines interleaved round by round: a cohort of `--cohort` requ
 step, and `--runners` longer requests submitted with them that keep the loop stepping after the cohort is done.
 The loop's gaps are timed between consecutive denoiser forwards (the end of one to the start of the next); the
 longest gap of a round is where the cohort's decode lands when the loop runs it. With the stage, the loop only
-hands the latents over, and the VAE runs on the stage's thread.
+hands the latents over, and the VAE runs on the stage's thread (or, with --decode-workers N, in N processes of
+its own).
 
     python -m dvllm.benchmarks.loop_stall --model tiny-sd --size 256 --cohort 16
 
@@ -32,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runners", type=int, default=2, help="Longer requests that keep the loop stepping.")
     parser.add_argument("--steps", type=int, default=4, help="The cohort's steps (the runners take 3x).")
     parser.add_argument("--rounds", type=int, default=3, help="Rounds per engine, interleaved.")
+    parser.add_argument("--decode-workers", type=int, default=0,
+                        help="Decode worker processes of the engine with the stage (0: the stage's thread decodes).")
+    parser.add_argument("--decode-device", help="Where the decode workers run (cpu, cuda:N; unset: --device).")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", help="Write the figures as JSON here.")
     return parser
@@ -85,6 +89,8 @@ def gaps(forwards: list[tuple[float, float]]) -> list[float]:
 
 def _engine(args: argparse.Namespace, stage: bool) -> DiffusionEngine:
     engine = DiffusionEngine(model=args.model, load_format="auto", device=args.device, decode_stage=stage,
+                             decode_workers=args.decode_workers if stage else 0,
+                             decode_device=args.decode_device if stage and args.decode_workers else None,
                              max_batch_size=2 * (args.cohort + args.runners), max_image_pixels=args.size ** 2,
                              max_decode_queue=max(32, args.cohort))
     engine.forwards = time_forwards(engine)  # type: ignore[attr-defined]
@@ -125,6 +131,7 @@ def _compare(engines: dict[str, DiffusionEngine], args: argparse.Namespace) -> d
         worst_diff = max(worst_diff, max(float(np.abs(a - b).max()) for a, b in zip(images["on"], images["off"])))
     result = {
         "model": args.model, "size": args.size, "cohort": args.cohort, "runners": args.runners, "steps": args.steps,
+        "decode_workers": args.decode_workers, "decode_device": args.decode_device,
         "longest_gap_s": {k: statistics.median(v) for k, v in gaps.items()},
         "wall_s": {k: statistics.median(v) for k, v in walls.items()},
         "cohort_images_max_abs_diff": worst_diff,

@@ -7,6 +7,11 @@ once) and collects what is done at its next iteration; a finished request's outp
 later than an in-loop decode's, with the same pixels (the same VAE calls on the same latents). A decode that
 fails fails its own requests only (a batched call that raises is retried job by job). If the thread itself
 dies, a new one takes over its jobs, the one it was on included: nothing that was handed over is lost.
+
+With decode workers (decode_worker.py) the stage has a lane per worker process: each lane's thread sends its
+batch to its process, whose VAE copy decodes it and converts the images. A batch whose process died is decoded
+once more as it was (on the process started in its place), then job by job: a job whose process dies twice
+fails its request only.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from dvllm.worker.decode_worker import DecodeWorker, DecodeWorkerLost
 from dvllm.worker.stage_thread import StageThread
 
 logger = logging.getLogger(__name__)
@@ -36,6 +42,7 @@ class DecodeJob:
     preview: bool = False  # an x0 estimate's preview, not the final images
     step: int = 0  # the step count its latents are from
     ready: Any = None  # a CUDA event the latents' copy recorded (None on the CPU)
+    lost: bool = False  # a decode worker died on it once
 
     @property
     def n(self) -> int:
@@ -66,9 +73,10 @@ class DecodeStage(StageThread):
     kind = "decode"
 
     def __init__(self, decode: DecodeFn, convert: ConvertFn, device: torch.device, max_batch: int,
-                 capacity: int) -> None:
-        super().__init__(device)
+                 capacity: int, workers: list[DecodeWorker] | None = None) -> None:
+        super().__init__(device, lanes=len(workers) if workers else 1)
         self._decode, self._convert = decode, convert
+        self.workers = workers or []  # decode processes, one a lane; none: the lane's thread decodes
         self.max_batch, self.capacity = max_batch, capacity
         self._jobs: deque[DecodeJob] = deque()
         self._done = Decoded()
@@ -81,10 +89,11 @@ class DecodeStage(StageThread):
 
     def submit(self, jobs: list[DecodeJob]) -> None:
         if self._stream is not None:
-            for job in jobs:  # the copy was made on the loop's stream: the decode stream waits for it
+            for job in jobs:  # the copy was made on the loop's stream: the decode streams wait for it
                 job.ready = torch.cuda.Event()
                 job.ready.record()
-                job.latents.record_stream(self._stream)
+                for stream in self._streams:
+                    job.latents.record_stream(stream)
         with self._cond:
             self._jobs.extend(jobs)
             self._wake()
@@ -109,16 +118,18 @@ class DecodeStage(StageThread):
             self._jobs = deque(j for j in self._jobs if j.request_id not in request_ids)
 
     def close(self, drain: bool = True) -> None:
-        """Returns once the thread is done: after the jobs handed over are decoded (`drain`), or after the one
-        it is on (their results stay to collect)."""
+        """Returns once the threads are done: after the jobs handed over are decoded (`drain`), or after those
+        they are on (their results stay to collect); the decode processes are stopped then."""
         with self._cond:
             if not drain:
                 self._jobs.clear()
         self._join()
+        for worker in self.workers:
+            worker.close()
 
     # -- the thread's side -----------------------------------------------------------------
-    def _work(self, taken: list[DecodeJob]) -> Decoded:
-        return self._decode_jobs(taken)
+    def _work(self, taken: list[DecodeJob], lane: int) -> Decoded:
+        return self._decode_jobs(taken, lane)
 
     def _finish(self, taken: list[DecodeJob], result: Decoded, seconds: float) -> None:
         result.seconds, result.num_images = seconds, sum(job.n for job in taken)
@@ -128,47 +139,71 @@ class DecodeStage(StageThread):
         self._jobs.extendleft(reversed(taken))
 
     def _take(self) -> list[DecodeJob]:
-        """The first job, and those after it of the same size and kind, up to max_batch images."""
-        first = self._jobs.popleft()
-        taken, images = [first], first.n
+        """The first job free to go, and those after it of the same size and kind, up to max_batch images. A
+        job goes only after every earlier job of its request (none skipped over, none in flight on another
+        lane): a preview never comes back after its request's final images. Nothing free: []."""
+        held = {job.request_id for job in self._taken}
+        taken: list[DecodeJob] = []
+        images = 0
         for job in list(self._jobs):
-            if images + job.n > self.max_batch:
-                break
-            if (job.size, job.preview) == (first.size, first.preview):
+            if job.request_id in held:
+                continue
+            if not taken or ((job.size, job.preview) == (taken[0].size, taken[0].preview)
+                             and images + job.n <= self.max_batch):
                 self._jobs.remove(job)
                 taken.append(job)
                 images += job.n
+            else:
+                held.add(job.request_id)  # skipped: its request's later jobs wait behind it
+            if images >= self.max_batch:
+                break
         return taken
 
-    def _decode_jobs(self, jobs: list[DecodeJob]) -> Decoded:
+    def _decode_jobs(self, jobs: list[DecodeJob], lane: int) -> Decoded:
         done = Decoded()
         try:
-            self._decode_together(jobs, done)
+            self._decode_together(jobs, done, lane)
+        except DecodeWorkerLost as e:
+            if not any(job.lost for job in jobs):  # once more as it was, on the process started in its place
+                for job in jobs:
+                    job.lost = True
+                return self._decode_jobs(jobs, lane)
+            return self._decode_apart(jobs, lane, e)
         except Exception as e:  # noqa: BLE001 - pinned on the job that fails, below
-            if len(jobs) == 1:
-                job = jobs[0]
-                logger.exception("decode failed for %s", job.request_id)
-                if job.preview:
-                    done.previews.pop(job.request_id, None)  # a preview lost is no failure of the request
-                else:
-                    done.errors[job.request_id] = f"decode failed: {type(e).__name__}: {e}"
-                return done
-            for job in jobs:
-                done.merge(self._decode_jobs([job]))
+            return self._decode_apart(jobs, lane, e)
         return done
 
-    def _decode_together(self, jobs: list[DecodeJob], done: Decoded) -> None:
+    def _decode_apart(self, jobs: list[DecodeJob], lane: int, error: Exception) -> Decoded:
+        """After a batch failed: each job on its own; a job that fails alone fails its request."""
+        if len(jobs) > 1:
+            done = Decoded()
+            for job in jobs:
+                done.merge(self._decode_jobs([job], lane))
+            return done
+        job, done = jobs[0], Decoded()
+        logger.error("decode failed for %s: %s: %s", job.request_id, type(error).__name__, error,
+                     exc_info=None if isinstance(error, DecodeWorkerLost) else error)
+        if not job.preview:  # a preview lost is no failure of the request
+            done.errors[job.request_id] = f"decode failed: {type(error).__name__}: {error}"
+        return done
+
+    def _decode_together(self, jobs: list[DecodeJob], done: Decoded, lane: int) -> None:
         for job in jobs:
             if job.ready is not None:
                 torch.cuda.current_stream().wait_event(job.ready)
-        pixels = self._decode(torch.cat([job.latents for job in jobs]), jobs[0].size)
-        lo = 0
-        for job in jobs:
-            images = self._convert(pixels[lo:lo + job.n], job.output_type)  # to the host: synchronizes
+        latents = torch.cat([job.latents for job in jobs])
+        if self.workers:  # the process decodes and converts; the latents travel on the host
+            batch = (latents.cpu(), jobs[0].size, [(job.n, job.output_type) for job in jobs], self.max_batch)
+            outputs = self.workers[lane].decode(batch)
+        else:
+            pixels, outputs, lo = self._decode(latents, jobs[0].size), [], 0
+            for job in jobs:
+                outputs.append(self._convert(pixels[lo:lo + job.n], job.output_type))  # to the host: synchronizes
+                lo += job.n
+        for job, images in zip(jobs, outputs):
             (done.previews if job.preview else done.images)[job.request_id] = images
             if job.preview:
                 done.preview_steps[job.request_id] = job.step
-            lo += job.n
 
     def _queued_images(self) -> int:
         return sum(job.n for job in self._jobs) + sum(job.n for job in self._taken)

@@ -131,7 +131,7 @@ class EncodeStage(StageThread):
         self._join()
 
     # -- the thread's side -----------------------------------------------------------------
-    def _work(self, taken: list[EncodeKey]) -> tuple[dict[EncodeKey, torch.Tensor], dict[EncodeKey, str]]:
+    def _work(self, taken: list[EncodeKey], lane: int) -> tuple[dict[EncodeKey, torch.Tensor], dict[EncodeKey, str]]:
         return self._encode_keys(taken)
 
     def _finish(self, taken: list[EncodeKey], result: tuple[dict, dict], seconds: float) -> None:

@@ -246,14 +246,16 @@ def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMe
     used = total - free  # the weights, the CUDA context, anything else on the device
 
     def transient_bytes(stage: bool) -> int:
-        return (worst_transient(peaks, stage, config.encode_stage) + decode_queue_bytes(adapter, config, stage)
+        beside = stage and not config.decode_workers  # decode worker processes decode on other devices
+        return (worst_transient(peaks, beside, config.encode_stage) + decode_queue_bytes(adapter, config, stage)
                 + encode_ahead_bytes(adapter, config))
 
     def pool_bytes(stage: bool) -> int:
         return int(total * config.gpu_memory_utilization) - used - transient_bytes(stage) - graphs - loras
 
-    stage = choose_decode_stage(config.decode_stage, pool_bytes)
+    stage = choose_decode_stage(True if config.decode_workers else config.decode_stage, pool_bytes)
     transient, budget = transient_bytes(stage), pool_bytes(stage)
+    beside = stage and not config.decode_workers
     gib = 2**30
     if config.decode_stage is None:
         logger.info("decode stage %s: with it the state pool gets %.2f GiB, without it %.2f GiB (auto: on unless "
@@ -261,18 +263,18 @@ def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMe
                     max(pool_bytes(True), 0) / gib, max(pool_bytes(False), 0) / gib)
     logger.info("worst step: %s GiB peak (encode %.2f, denoise %.2f, decode %.2f%s)%s%s; %.2f GiB in use",
                 f"{transient / gib:.2f}", peaks["encode"] / gib, peaks["denoise"] / gib,
-                peaks["decode"] / gib, ", the decode stage's beside the loop's" if stage else "",
+                peaks["decode"] / gib, ", the decode stage's beside the loop's" if beside else "",
                 f", CUDA graphs {graphs / gib:.2f}" if graphs else "",
                 f", LoRA slots {loras / gib:.2f}" if loras else "", used / gib)
     if budget <= 0:
         raise ValueError(
             f"no GPU memory left for the state pool: the model uses {used / gib:.1f} GiB and its worst step "
             f"{transient / gib:.1f} GiB more ({', '.join(f'{k} {v / gib:.1f}' for k, v in peaks.items())}"
-            f"{'; the decode stage decodes beside the loop' if stage else ''})"
+            f"{'; the decode stage decodes beside the loop' if beside else ''})"
             f"{f' plus {graphs / gib:.1f} for CUDA graphs' if graphs else ''}"
             f"{f' plus {loras / gib:.1f} for LoRA slots' if loras else ''}, of {total / gib:.1f} GiB with "
             f"gpu_memory_utilization={config.gpu_memory_utilization}; raise it, or lower max_batch_size, "
             f"max_image_pixels or max_decode_batch{' (or max_loras, max_lora_rank)' if loras else ''}"
-            f"{' (or turn the decode stage off: --no-decode-stage)' if stage else ''}"
+            f"{' (or turn the decode stage off: --no-decode-stage)' if beside else ''}"
         )
     return budget, stage

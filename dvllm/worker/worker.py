@@ -14,6 +14,7 @@ from dvllm.models.load_config import LoadedModel
 from dvllm.models.loader import load_adapter
 from dvllm.profiler import PhaseTimer
 from dvllm.worker.decode_stage import DecodeStage
+from dvllm.worker.decode_worker import start_decode_workers
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage
 from dvllm.worker.model_runner import ModelRunner, to_output_type
@@ -48,8 +49,10 @@ class Worker:
         self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, config.max_decode_batch,
                                   config.max_loras, config.max_lora_rank)
         if decode_stage:
+            workers = start_decode_workers(adapter, config.decode_workers, config.decode_devices or [str(self.device)],
+                                           self.device) if config.decode_workers else None
             self.runner.decode_stage = DecodeStage(self.runner.decode_chunked, to_output_type, self.device,
-                                                   config.max_decode_batch, config.max_decode_queue)
+                                                   config.max_decode_batch, config.max_decode_queue, workers)
         if config.encode_stage:  # as many texts a call as the memory profile measured (two per row)
             prompts = self.runner.prompts
             prompts.encode_stage = EncodeStage(prompts.encode_flat, self.device, 2 * config.max_batch_size,
