@@ -86,6 +86,3 @@ def check_decode_workers(config: EngineConfig) -> None:
     if config.decode_workers and config.decode_stage is False:
         raise ValueError("decode_workers decode for the decode stage: they cannot be combined with "
                          "decode_stage=False")
-    if config.decode_workers and config.executor != "uniproc":
-        raise ValueError("decode_workers: the Ray executor's workers decode on the decode stage's thread; "
-                         "decode worker processes are for the uniproc executor")

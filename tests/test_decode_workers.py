@@ -223,7 +223,6 @@ def test_shutdown_drains_the_stage_and_stops_the_processes(sd_eps_path, in_loop)
     (dict(decode_workers=-1), "decode_workers must be an integer"),
     (dict(decode_workers=True), "decode_workers must be an integer"),
     (dict(decode_workers=1, decode_stage=False), "decode_stage=False"),
-    (dict(decode_workers=1, executor="ray"), "uniproc"),
     (dict(decode_device="cpu"), "decode_workers is 0"),
     (dict(decode_workers=1, decode_device="tpu"), "decode_device must be"),
     (dict(decode_workers=2, decode_device="cpu,cuda:x"), "decode_device must be"),
@@ -231,6 +230,14 @@ def test_shutdown_drains_the_stage_and_stops_the_processes(sd_eps_path, in_loop)
 def test_what_cannot_work_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="tiny-shapes", **kwargs).validate()
+
+
+def test_a_gpu_the_worker_does_not_see_is_no_decode_device(sd_eps_path):
+    from dvllm.worker import decode_worker
+
+    adapter = load_adapter(sd_eps_path, "auto", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="sees 0 GPU"):
+        decode_worker.start_decode_workers(adapter, 1, ["cuda:3"], torch.device("cpu"))
 
 
 def test_a_gpu_workers_own_gpu_is_no_decode_device():

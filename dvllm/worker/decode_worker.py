@@ -211,9 +211,13 @@ def _serve(conn: Connection, device: str, threads: int) -> None:
 
 
 def start_decode_workers(adapter: Any, count: int, devices: list[str], worker_device: torch.device) -> list[DecodeWorker]:
-    """`count` decode processes placed in turn on `devices`; on a GPU worker none may share its GPU (there the
-    decode stage's thread decodes with no second VAE)."""
+    """`count` decode processes placed in turn on `devices` (those this process sees: a Ray worker's are on its
+    node); on a GPU worker none may share its GPU (there the decode stage's thread decodes with no second VAE)."""
     for device in devices:
+        index = torch.device(device).index
+        if index is not None and index >= torch.cuda.device_count():
+            raise ValueError(f"decode_device {device!r}: this worker sees {torch.cuda.device_count()} GPU(s) (a Ray "
+                             "worker sees those it was given)")
         if _same_gpu(torch.device(device), worker_device):
             raise ValueError(f"decode_device {device!r} is the worker's own GPU ({worker_device}): decode workers "
                              "go to the CPU or another GPU (on the worker's GPU the decode stage's thread decodes)")
