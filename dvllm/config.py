@@ -235,8 +235,9 @@ class EngineConfig:
     async_scheduling: bool = field(
         default=False,
         metadata={"help": "Schedule the next step while this one runs: the in-process worker steps on a thread of "
-                          "its own with up to two steps queued, so it never waits for the scheduler's bookkeeping. "
-                          "Outputs, and a request's failure, come one step later. The uniproc executor only."},
+                          "its own with up to two steps queued, and a Ray worker gets its next step submitted behind "
+                          "the one it runs, so no worker waits for the scheduler's bookkeeping (or, with Ray, the "
+                          "round trip). Outputs, and a request's failure, come one step later."},
     )
     engine_core_process: bool | None = field(
         default=None,
@@ -370,9 +371,6 @@ class EngineConfig:
             raise ValueError(f"state_pool_mb must be a number > 0, got {self.state_pool_mb!r}")
         if self.num_workers > 1 and self.executor != "ray":
             raise ValueError(f"num_workers={self.num_workers} needs executor='ray' (the uniproc executor has one)")
-        if self.async_scheduling and self.executor != "uniproc":
-            raise ValueError(f"async_scheduling needs the uniproc executor (one in-process worker), got executor="
-                             f"{self.executor!r}")
         if self.executor != "ray" and self.ray_address is not None:
             raise ValueError("ray_address is set but executor is not 'ray'")
         if self.worker_num_gpus is not None:

@@ -363,15 +363,6 @@ def test_shutdown_with_steps_in_flight_joins_the_worker_thread(make, monkeypatch
     assert worker_thread.name == WORKER and not worker_thread.is_alive()
 
 
-@pytest.mark.parametrize("kwargs", [dict(executor="ray", num_workers=2), dict(executor="ray")])
-def test_async_scheduling_is_refused_with_more_than_the_in_process_worker(kwargs):
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(model="tiny-shapes", async_scheduling=True, **kwargs)
-    with pytest.raises(ValueError, match="async_scheduling"):
-        DiffusionEngine(model="tiny-shapes", async_scheduling=True, **kwargs)
-    EngineConfig(model="tiny-shapes", **kwargs)  # without it, the configuration stands
-
-
 def test_async_scheduling_is_off_by_default_and_a_cli_flag():
     assert EngineConfig(model="tiny-shapes").async_scheduling is False
     parser = argparse.ArgumentParser()

@@ -236,8 +236,9 @@ def test_a_gpu_the_worker_does_not_see_is_no_decode_device(sd_eps_path):
     from dvllm.worker import decode_worker
 
     adapter = load_adapter(sd_eps_path, "auto", torch.device("cpu"), torch.float32)
-    with pytest.raises(ValueError, match="sees 0 GPU"):
-        decode_worker.start_decode_workers(adapter, 1, ["cuda:3"], torch.device("cpu"))
+    for device in ("cuda:3", "cuda"):
+        with pytest.raises(ValueError, match="sees 0 GPU"):
+            decode_worker.start_decode_workers(adapter, 1, ["cpu", device], torch.device("cpu"))
 
 
 def test_a_gpu_workers_own_gpu_is_no_decode_device():

@@ -335,3 +335,36 @@ def test_decode_workers_run_beside_a_ray_worker_on_its_node(sd_eps_path, referen
         assert [c for c in commands if b"dvllm.worker.decode_worker" in c] != []
     finally:
         engine.shutdown()
+
+
+def test_async_scheduling_queues_each_workers_next_step_and_survives_a_killed_worker(sd_eps_path, reference):
+    """With async scheduling each Ray worker gets its next step submitted behind the one it runs: the images are
+    the in-process engine's, and a worker killed with steps queued loses no request."""
+    engine = DiffusionEngine(sd_eps_path, executor="ray", num_workers=2, worker_num_cpus=1, async_scheduling=True)
+    executor, queued = engine.executor, []
+    real_submit = executor.submit
+
+    def submit(worker, scheduler_output):
+        real_submit(worker, scheduler_output)
+        queued.append(sum(1 for w in executor._in_flight.values() if w == worker))
+
+    executor.submit = submit
+    try:
+        _assert_same(engine.generate(PROMPTS, _params(), use_tqdm=False), reference)
+        assert max(queued) == 2  # a step queued behind the running one
+
+        for i, (prompt, params) in enumerate(zip(PROMPTS, _params())):
+            engine.add_request(f"r{i}", prompt, params)
+        victim = None
+        while victim is None:
+            engine.step()
+            for core in engine.coordinator.live():
+                if core.submitted and any(r.num_steps_done > 0 for r in core.scheduler.running):
+                    victim = core.index
+        ray.kill(executor.actors[victim], no_restart=True)
+        finished = _run_to_completion(engine)
+        assert sorted(finished) == sorted(f"r{i}" for i in range(len(PROMPTS)))  # nothing lost
+        _assert_same([finished[f"r{i}"] for i in range(len(PROMPTS))], reference)
+        assert engine.coordinator.cores[victim].restarts == 1
+    finally:
+        engine.shutdown()

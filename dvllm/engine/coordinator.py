@@ -51,25 +51,28 @@ class Coordinator:
 
     # -- one iteration ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """The single core's step; or a step on every idle worker, then the updates of the steps that are done
-        (at least one when any is running: workers step independently, a slow one holds no other back)."""
+        """The single core's step; or a step on every idle worker (with async scheduling, also one queued behind
+        each running step), then the updates of the steps that are done (at least one when any is running:
+        workers step independently, a slow one holds no other back)."""
         if self.single is not None:
             outputs = self.single.step_ahead() if self.config.async_scheduling else self.single.step()
             self.last_step = self.single.last_step
             return outputs
+        depth = 2 if self.config.async_scheduling else 1  # async: the next step queued behind the running one
         for core in self.live():
-            if core.in_flight is None:
-                self.rebalance(core)
+            while len(core.submitted) < depth:
+                if not core.submitted:
+                    self.rebalance(core)
                 sched_out = core.schedule()
-                if not sched_out.is_empty:
-                    core.submit(sched_out)
-        done = self.executor.wait() if any(core.in_flight is not None for core in self.live()) else {}
+                if sched_out.is_empty:
+                    break
+                core.submit(sched_out)
+        done = self.executor.wait() if any(core.submitted for core in self.live()) else {}
         outputs: list[RequestOutput] = []
         rows = requests = 0
         for index, result in done.items():
             core = self.cores[index]
             if isinstance(result, WorkerDied):
-                core.in_flight = None
                 outputs += self.on_death(core, result.reason)
                 continue
             sched_out, updates = core.complete(result)
@@ -179,7 +182,8 @@ class Coordinator:
     # -- faults ----------------------------------------------------------------------
     def on_death(self, core: EngineCore, reason: str) -> list[RequestOutput]:
         requests, outputs = core.scheduler.evacuate(), []
-        core.scheduler, core.in_flight = None, None
+        core.scheduler = None
+        core.submitted.clear()
         logger.error("worker %d died (%s); %d request(s) start over on other workers", core.index, reason,
                      len(requests))
         self._restart(core)
@@ -246,7 +250,7 @@ class Coordinator:
         outputs: list[RequestOutput] = []
         for index, reason in self.executor.check_health().items():
             core = self.cores[index]
-            if core.alive and core.in_flight is None:
+            if core.alive and not core.submitted:
                 outputs += self.on_death(core, reason)
         return outputs
 

@@ -5,7 +5,8 @@ step is scheduled and queued on the worker's thread while this one runs, and the
 flight as taken (progress is deterministic). A step's update, and any failure in it, then comes a step later.
 Data parallelism (engine/coordinator.py)
 drives several cores and splits each core's step around the executor (submit, then complete when the
-worker is done) so that its workers step at the same time.
+worker is done) so that its workers step at the same time; with async scheduling each worker has its next
+step submitted behind the one it runs (`submitted` holds both, oldest first).
 """
 from __future__ import annotations
 
@@ -28,14 +29,14 @@ class EngineCore:
     scheduler: Scheduler | None            # None while the worker is dead
     executor: Executor
     timer: PhaseTimer                      # the driver's phases: scheduling
-    in_flight: SchedulerOutput | None = None
     restarts: int = 0
     restarting: bool = False
     steps: int = 0                         # steps completed, rows in them, seconds they were in flight
     rows: int = 0
     busy_seconds: float = 0.0
     worker_seconds: float = 0.0            # of which the worker ran the step (the rest: transport, waiting)
-    submitted_at: float = 0.0
+    # the coordinator's steps submitted and not yet complete, oldest first, with when each could start running
+    submitted: deque[tuple[SchedulerOutput, float]] = field(default_factory=deque)
     stages: StageStats = field(default_factory=StageStats)  # busy seconds and items per stage, since start
     last_step: tuple[int, int] = (0, 0)    # the latest step's denoiser rows, and requests that stepped
     ahead: deque[tuple[SchedulerOutput, Future]] = field(default_factory=deque)  # async: in flight, oldest first
@@ -68,7 +69,7 @@ class EngineCore:
     @property
     def stepping(self) -> bool:
         """Whether a step is in flight."""
-        return self.in_flight is not None or bool(self.ahead)
+        return bool(self.submitted) or bool(self.ahead)
 
     def schedule(self) -> SchedulerOutput:
         with self.timer.phase("schedule"):
@@ -87,10 +88,14 @@ class EngineCore:
 
     # -- the coordinator's split of the same step ------------------------------------
     def submit(self, sched_out: SchedulerOutput) -> None:
-        self.in_flight, self.submitted_at = sched_out, time.perf_counter()
+        self.submitted.append((sched_out, time.perf_counter()))
         self.executor.submit(self.index, sched_out)
 
     def complete(self, result: RunnerOutput) -> tuple[SchedulerOutput, list[RequestOutput]]:
-        """Its step is done: what was scheduled, and the scheduler's update."""
-        sched_out, self.in_flight = self.in_flight, None
-        return sched_out, self.update(sched_out, result, time.perf_counter() - self.submitted_at)
+        """Its oldest step is done: what was scheduled, and the scheduler's update. The step's time counts from
+        its submission, or from the end of the step it was queued behind."""
+        sched_out, start = self.submitted.popleft()
+        now = time.perf_counter()
+        if self.submitted:  # the next one runs from now on
+            self.submitted[0] = (self.submitted[0][0], max(self.submitted[0][1], now))
+        return sched_out, self.update(sched_out, result, now - start)

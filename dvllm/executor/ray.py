@@ -124,8 +124,14 @@ class RayExecutor(Executor):
         if rest and ready:  # whatever else is done already comes along
             ready += self.ray.wait(rest, num_returns=len(rest), timeout=0)[0]
         done: dict[int, RunnerOutput | WorkerDied] = {}
-        for ref in ready:
-            worker = self._in_flight.pop(ref)
+        ready_refs, behind = set(ready), set()
+        for ref, worker in list(self._in_flight.items()):  # submission order: a worker's oldest step first
+            if worker in done or worker in behind:
+                continue  # one step per worker a call, in order (async scheduling queues two)
+            if ref not in ready_refs:
+                behind.add(worker)
+                continue
+            del self._in_flight[ref]
             try:
                 done[worker] = self.ray.get(ref)
             except Exception as e:  # noqa: BLE001 - actor died, node lost, OOM-killed, or raised
@@ -135,6 +141,8 @@ class RayExecutor(Executor):
 
     def _bury(self, worker: int) -> None:
         self._alive[worker] = False
+        for ref in [ref for ref, w in self._in_flight.items() if w == worker]:  # a step queued behind: gone too
+            del self._in_flight[ref]
         try:
             self.ray.kill(self.actors[worker], no_restart=True)  # it may be alive but broken
         except Exception:  # noqa: BLE001 - already gone

@@ -214,8 +214,8 @@ def start_decode_workers(adapter: Any, count: int, devices: list[str], worker_de
     """`count` decode processes placed in turn on `devices` (those this process sees: a Ray worker's are on its
     node); on a GPU worker none may share its GPU (there the decode stage's thread decodes with no second VAE)."""
     for device in devices:
-        index = torch.device(device).index
-        if index is not None and index >= torch.cuda.device_count():
+        place = torch.device(device)
+        if place.type == "cuda" and (place.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"decode_device {device!r}: this worker sees {torch.cuda.device_count()} GPU(s) (a Ray "
                              "worker sees those it was given)")
         if _same_gpu(torch.device(device), worker_device):
