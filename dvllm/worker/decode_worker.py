@@ -3,8 +3,8 @@ on the CPU or another GPU, that decode the decode stage's batches and convert th
 neither the VAE nor PIL runs in the worker's process (its GIL) or, on GPUs, on its device.
 
 The decode stage gives each process a lane: a thread that sends it a batch (latents on the host, small) and
-waits for the images. The process is spawned when the engine starts (its imports overlap the model's loading)
-and gets its VAE copy with the first batch. A process found dead is spawned again and raises DecodeWorkerLost
+waits for the images. The process is spawned when the worker starts (its imports overlap the engine's first
+steps) and gets its VAE copy with the first batch. A process found dead is spawned again and raises DecodeWorkerLost
 to the lane, which decodes the batch once more: no request is lost to a killed process.
 """
 from __future__ import annotations

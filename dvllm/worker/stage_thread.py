@@ -20,6 +20,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+_JOIN_POLL_S = 0.1
+
 
 class StageThread:
     kind = "stage"  # the thread is named dvllm-<kind>
@@ -49,6 +51,7 @@ class StageThread:
         between = len(self._threads) - len(self._taken_by)
         for lane in idle[:max(len(self._jobs) - between, 0)]:
             self._threads[lane] = self._start(lane)
+        self._cond.notify_all()  # a lane waiting behind another's batch may take the new work
 
     def _revive(self) -> None:
         """A thread that died with work left: its batch goes back first, to a new thread."""
@@ -61,8 +64,7 @@ class StageThread:
             self._requeue(taken)
             del self._threads[lane]
         if dead:
-            self._cond.notify_all()  # lanes waiting behind the dead one's batch
-            self._wake()
+            self._wake()  # (which wakes lanes waiting behind the dead one's batch)
 
     def _join(self) -> None:
         """Waits (not holding the lock) for the threads to run out of work."""
@@ -72,8 +74,8 @@ class StageThread:
                 threads = list(self._threads.values())
             if not threads:
                 return
-            for thread in threads:
-                thread.join()
+            for thread in threads:  # (a bounded wait: a lane may wait behind a dead one's batch, which _revive frees)
+                thread.join(_JOIN_POLL_S)
 
     # -- the thread ----------------------------------------------------------------------------
     def _start(self, lane: int) -> threading.Thread:
