@@ -31,6 +31,30 @@ def test_the_async_scheduling_benchmark_runs_both_engines_on_the_same_requests(s
         assert result[ratio] > 0, ratio
 
 
+@pytest.mark.slow
+def test_the_ray_mode_times_the_wall_and_not_the_worker(tmp_path):
+    ray = pytest.importorskip("ray")
+    had_ray = ray.is_initialized()
+    out = tmp_path / "async_scheduling_ray.json"
+    result = async_scheduling.main([
+        "--model", "tiny-sd", "--size", "16", "--requests", "4", "--steps", "2", "--rounds", "1",
+        "--executor", "ray", "--output", str(out)])
+    assert ray.is_initialized() == had_ray  # the Ray runtime the script started is gone
+    assert json.loads(out.read_text()) == result
+    assert (result["executor"], result["num_workers"], result["worker_num_cpus"]) == ("ray", 1, 1)
+    assert result["worker_timing"] == async_scheduling.NOT_MEASURED
+    assert result["decode_stage"] is None
+    for name in ("off", "on"):
+        engine = result[name]
+        assert len(engine["rounds"]) == 1
+        assert engine["wall_s"] > 0 and engine["request_steps_per_s"] > 0
+        for key in ("forwards", "mean_gap_s", "worker_idle_s", "worker_steps"):  # not measured: absent
+            assert key not in engine, key
+    assert result["images_equal"] is True and result["images_max_abs_diff"] <= 1e-5
+    assert result["wall_ratio_on_off"] > 0
+    assert result["mean_gap_ratio_on_off"] is None and result["worker_idle_ratio_on_off"] is None
+
+
 def test_the_benchmark_exits_non_zero_when_the_images_differ(monkeypatch, tmp_path, capsys):
     shut = []
     monkeypatch.setattr(async_scheduling, "_engine", lambda args, on: SimpleNamespace(shutdown=lambda: shut.append(on)))

@@ -39,15 +39,29 @@ once), the worker's queue holds the next batch only if requests wait to take the
 (the scheduler gives those rows away while the last step is in flight; their blocks stay until its update); with
 `--per-step`, requests finish one at a time and the worker's queue stays full (`worker_idle_longest_s`).
 
+With `--executor ray` both engines run their worker(s) in Ray actors (`--num-workers`, one CPU and one torch
+thread each) on one local Ray runtime the script starts for both and stops after (it joins the process's own if
+there is one). There each step is a round trip to the actor (the step sent, its output back); async scheduling
+hides it by queuing the next step behind the running one, so the worker does not wait for the driver between two
+steps. Measured: the wall time per round, request-steps per
+second, the ratio on/off of the wall time and the images' largest difference (same tolerance). Not measured: the
+gaps between forwards and the worker's idle time (`"worker_timing": "not measured: ..."`, their keys absent and
+their ratios null), nor whether the actor runs the decode stage (`decode_stage` null): the script reads (and
+wraps) them on the worker object, which with Ray lives in the actor's process, not this one.
+
     python -m dvllm.benchmarks.async_scheduling --model tiny-sd --size 64 --requests 32 --steps 8
+    python -m dvllm.benchmarks.async_scheduling --model tiny-sd --size 32 --requests 32 --steps 8 --executor ray
     python -m dvllm.benchmarks.async_scheduling --model sd15 --size 512 --device cuda    # on a GPU
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +71,7 @@ from dvllm import DiffusionEngine, SamplingParams
 from dvllm.benchmarks.loop_stall import gaps, run_off_on, time_forwards
 
 TOLERANCE = 1e-5  # the largest difference allowed between the two engines' images of a request
+NOT_MEASURED = "not measured: the worker runs in a Ray actor"  # the forwards' gaps, the worker's idle time
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Requests submitted before each engine step (0: all at once).")
     parser.add_argument("--rounds", type=int, default=3, help="Rounds per engine, interleaved.")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--executor", default="uniproc", choices=("uniproc", "ray"),
+                        help="uniproc: the worker in this process; ray: in Ray actors (one CPU each), on a local "
+                             "Ray runtime started for both engines.")
+    parser.add_argument("--num-workers", type=int, default=1, help="Ray workers per engine (with --executor ray).")
     parser.add_argument("--output", help="Write the figures as JSON here.")
     return parser
 
@@ -97,23 +116,53 @@ def time_executes(engine: DiffusionEngine) -> list[tuple[float, float]]:
 @dataclass
 class Round:
     wall: float
-    worker_steps: int
-    worker_gaps: list[float]  # between the worker's consecutive steps
-    forwards: int
-    mean_gap: float
-    total_gap: float
-    longest_gap: float
-    mean_forward: float
     images: dict[str, np.ndarray] = field(repr=False)
+    # the in-process worker's timing (None with Ray: the worker runs in an actor)
+    worker_steps: int | None = None
+    worker_gaps: list[float] | None = None  # between the worker's consecutive steps
+    forwards: int | None = None
+    mean_gap: float | None = None
+    total_gap: float | None = None
+    longest_gap: float | None = None
+    mean_forward: float | None = None
 
 
 def _engine(args: argparse.Namespace, on: bool) -> DiffusionEngine:
+    ray = {"executor": "ray", "num_workers": args.num_workers, "worker_num_cpus": 1} if _ray(args) else {}
     engine = DiffusionEngine(model=args.model, load_format=args.load_format, device=args.device,
                              async_scheduling=on, max_batch_size=args.max_batch_size,
-                             max_image_pixels=args.size ** 2)
-    engine.forwards = time_forwards(engine)  # type: ignore[attr-defined]  # no sync: see the docstring
-    engine.executes = time_executes(engine)  # type: ignore[attr-defined]
+                             max_image_pixels=args.size ** 2, **ray)
+    if ray:  # nothing to wrap in this process
+        engine.forwards = engine.executes = None  # type: ignore[attr-defined]
+    else:
+        engine.forwards = time_forwards(engine)  # type: ignore[attr-defined]  # no sync: see the docstring
+        engine.executes = time_executes(engine)  # type: ignore[attr-defined]
     return engine
+
+
+def _ray(args: argparse.Namespace) -> bool:
+    return args.executor == "ray"
+
+
+@contextlib.contextmanager
+def _ray_runtime(args: argparse.Namespace) -> Iterator[None]:
+    """With --executor ray: one local Ray runtime for both engines (a logical CPU for each of their workers), shut
+    down after. Each engine finds it running, joins it and leaves it up (left to the engines, the first would start
+    one sized to the machine's cores, the second join it, and the first's shutdown stop it under the second); a
+    runtime this process already had is used and left up."""
+    if not _ray(args):
+        yield
+        return
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2 * args.num_workers, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def _requests(args: argparse.Namespace, index: int) -> list[tuple[str, str, SamplingParams]]:
@@ -132,8 +181,10 @@ def _round(engine: DiffusionEngine, args: argparse.Namespace, index: int) -> Rou
     pending = {request_id for request_id, _, _ in requests}
     images: dict[str, np.ndarray] = {}
     per_step = args.per_step or len(processed)
-    engine.forwards.clear()
-    engine.executes.clear()
+    timed = engine.forwards is not None
+    if timed:
+        engine.forwards.clear()
+        engine.executes.clear()
     start = time.perf_counter()
     while pending:
         for _ in range(min(per_step, len(processed))):
@@ -145,20 +196,26 @@ def _round(engine: DiffusionEngine, args: argparse.Namespace, index: int) -> Rou
                 pending.discard(out.request_id)
                 images[out.request_id] = out.images[0]
     wall = time.perf_counter() - start
-    spans, executes = list(engine.forwards), list(engine.executes)
+    spans, executes = (list(engine.forwards), list(engine.executes)) if timed else ([], [])
     while engine.has_unfinished_requests():  # the last requests' blocks are freed by the step after their image
         for out in engine.step():
             raise RuntimeError(f"an output after the round's last image: {out.request_id}")
+    images = {request_id.split("-", 1)[1]: image for request_id, image in images.items()}
+    if not timed:
+        return Round(wall=wall, images=images)
     if len(engine.forwards) != len(spans):
         raise RuntimeError("a forward after the round's last image")
     between = gaps(spans)
     return Round(wall=wall, worker_steps=len(executes), worker_gaps=gaps(executes),
                  forwards=len(spans), mean_gap=statistics.fmean(between), total_gap=sum(between),
                  longest_gap=max(between), mean_forward=statistics.fmean(end - begin for begin, end in spans),
-                 images={request_id.split("-", 1)[1]: image for request_id, image in images.items()})
+                 images=images)
 
 
 def _summary(rounds: list[Round], args: argparse.Namespace) -> dict[str, Any]:
+    if _ray(args):  # the wall time alone: the worker's timing is not measured
+        per_round = [{"wall_s": r.wall, "request_steps_per_s": args.requests * args.steps / r.wall} for r in rounds]
+        return {**{key: statistics.median(r[key] for r in per_round) for key in per_round[0]}, "rounds": per_round}
     per_round = [{"wall_s": r.wall, "worker_steps": r.worker_steps, "worker_idle_s": sum(r.worker_gaps),
                   "worker_idle_per_step_s": statistics.fmean(r.worker_gaps),
                   "worker_idle_median_s": statistics.median(r.worker_gaps),
@@ -185,16 +242,23 @@ def _compare(engines: dict[str, DiffusionEngine], args: argparse.Namespace) -> d
             raise RuntimeError("the two engines finished different requests")
         worst_diff = max(worst_diff, max(float(np.abs(images["on"][k] - images["off"][k]).max())
                                          for k in images["off"]))
+    ray = _ray(args)
     result: dict[str, Any] = {
         "model": args.model, "load_format": args.load_format, "size": args.size, "requests": args.requests,
         "steps": args.steps, "guidance": args.guidance, "max_batch_size": args.max_batch_size,
         "per_step": args.per_step, "rounds": args.rounds, "device": args.device,
-        "decode_stage": engines["off"].executor.worker.runner.decode_stage is not None,  # as resolved
+        **({"executor": "ray", "num_workers": args.num_workers, "worker_num_cpus": 1} if ray else {}),
+        # as resolved; unknown here with Ray (the worker, and its decode stage, live in the actor)
+        "decode_stage": None if ray else engines["off"].executor.worker.runner.decode_stage is not None,
+        **({"worker_timing": NOT_MEASURED} if ray else {}),
         **{name: _summary(rounds[name], args) for name in engines},
         "images_max_abs_diff": worst_diff,
     }
     result["images_equal"] = worst_diff <= TOLERANCE
     result["wall_ratio_on_off"] = result["on"]["wall_s"] / result["off"]["wall_s"]
+    if ray:
+        result["mean_gap_ratio_on_off"] = result["worker_idle_ratio_on_off"] = None
+        return result
     result["mean_gap_ratio_on_off"] = result["on"]["mean_gap_s"] / result["off"]["mean_gap_s"]
     result["worker_idle_ratio_on_off"] = result["on"]["worker_idle_s"] / result["off"]["worker_idle_s"]
     return result
@@ -203,7 +267,9 @@ def _compare(engines: dict[str, DiffusionEngine], args: argparse.Namespace) -> d
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the comparison, prints and writes its figures, and returns them; SystemExit(1) when the two engines'
     images of a request differ by more than TOLERANCE (after writing the figures)."""
-    result = run_off_on(build_parser().parse_args(argv), _engine, _compare)
+    args = build_parser().parse_args(argv)
+    with _ray_runtime(args):
+        result = run_off_on(args, _engine, _compare)
     if not result["images_equal"]:
         print(f"FAIL: the engines' images differ by {result['images_max_abs_diff']:.3g} (> {TOLERANCE})",
               file=sys.stderr)
