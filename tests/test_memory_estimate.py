@@ -193,6 +193,18 @@ def test_the_decode_stage_reserves_its_vae_beside_the_loops_work_and_its_queue()
     assert "the decode stage's VAE beside the loop's" in render(on)
 
 
+def test_decode_workers_take_the_stages_vae_off_the_gpu_and_keep_its_queue():
+    """As memory_profile.gpu_pool_bytes reserves it with decode processes on another device: the stage runs (its
+    queue's latents reserved), its VAE is not beside the loop's work (the loop may still decode when the stage is
+    full: the decode peak counts among the loop's)."""
+    workers = estimate("tiny-sd", dtype="float32", size=(64, 64), decode_workers=2, max_decode_queue=8, **LIMITS)
+    assert workers.decode_stage is True and workers.decode_queue > 0
+    assert workers.reserved == max(workers.worst.values()) + workers.decode_queue
+    assert "in 2 decode process(es) off this GPU" in render(workers)
+    with pytest.raises(ValueError, match="decode_stage=False"):
+        estimate("tiny-sd", dtype="float32", size=(64, 64), decode_workers=1, decode_stage=False, **LIMITS)
+
+
 def test_the_encode_stage_reserves_its_encoders_beside_the_loops_work_and_its_ready_texts():
     """As memory_profile.gpu_pool_bytes reserves it: the text encoders' peak (and, for a family that takes input
     images, the VAE encode of a start) on top of the loop's forward (and the decode stage's VAE), plus

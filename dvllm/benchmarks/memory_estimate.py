@@ -82,6 +82,7 @@ class Estimate:
     # its VAE beside the loop's encode or denoise, and its queue of latents: as asked (None: auto, per card)
     decode_stage: bool | None = None
     decode_queue: int = 0         # bytes: the latents the decode stage may hold
+    decode_workers: int = 0       # decode processes off this GPU: the stage's VAE is not beside the loop's
     encode_stage: bool = False    # its text encoders beside the loop's work, and the texts it holds ready
     encode_ahead: int = 0         # bytes: the texts' conditions and starts it may hold ready
     cards: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
@@ -92,7 +93,8 @@ class Estimate:
 
     def reserved_for(self, decode_stage: bool) -> int:
         """The worst step's transient memory, as memory_profile.gpu_pool_bytes reserves it."""
-        return (worst_transient(self.worst, decode_stage, self.encode_stage) + self.encode_ahead
+        beside = decode_stage and not self.decode_workers
+        return (worst_transient(self.worst, beside, self.encode_stage) + self.encode_ahead
                 + (self.decode_queue if decode_stage else 0))
 
     def needed_for(self, decode_stage: bool) -> int:
@@ -123,7 +125,7 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
              vae_tiling: bool = False, cards_gib: tuple[float, ...] = CARDS_GIB,
              context_gib: float = CUDA_CONTEXT_GIB, decode_stage: bool | None = DEFAULTS.decode_stage,
              max_decode_queue: int = DEFAULTS.max_decode_queue, encode_stage: bool = DEFAULTS.encode_stage,
-             max_encode_ahead: int = DEFAULTS.max_encode_ahead) -> Estimate:
+             max_encode_ahead: int = DEFAULTS.max_encode_ahead, decode_workers: int = 0) -> Estimate:
     """The estimate for `model` served on one GPU with these engine settings; ValueError for bad ones."""
     if dtype not in ("auto", *DTYPES) or vae_dtype not in ("auto", *DTYPES):
         raise ValueError(f"dtype and vae_dtype must be auto or one of {list(DTYPES)}, got {dtype!r}, {vae_dtype!r}")
@@ -136,8 +138,10 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
     engine = {"max_batch_size": max_batch_size, "max_decode_batch": max_decode_batch,
               "gpu_memory_utilization": gpu_memory_utilization, "max_image_pixels": max_image_pixels,
               "decode_stage": decode_stage, "max_decode_queue": max_decode_queue, "encode_stage": encode_stage,
-              "max_encode_ahead": max_encode_ahead}
+              "max_encode_ahead": max_encode_ahead, "decode_workers": decode_workers}
     EngineConfig(**engine)  # the engine's own checks of these values
+    if decode_workers:  # the stage runs for them, whatever auto would choose
+        decode_stage = True
     spec = parse_spec(quantization) if quantization else None
     with quiet_libraries():
         adapter, source, modules = _build(model, dtype, vae_dtype, vae_tiling)
@@ -166,6 +170,7 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
         request_bytes=request.max_blocks * block_bytes, request_rows=request.rows, context=int(context_gib * GIB),
         utilization=gpu_memory_utilization, vae_tiling=vae_tiling, decode_stage=decode_stage,
         decode_queue=decode_queue_bytes(adapter, EngineConfig(**engine), decode_stage is not False),
+        decode_workers=decode_workers,
         encode_stage=encode_stage, encode_ahead=encode_ahead_bytes(adapter, EngineConfig(**engine)))
     for card in cards_gib:  # as memory_profile.gpu_pool_bytes: the share of the card, less all that is used
         def pool_bytes(stage: bool, card: float = card) -> int:
@@ -252,7 +257,9 @@ def render(e: Estimate) -> str:
     rows += [(f"step at {w}x{h}, {e.rows} rows", max(e.step.values()),
               f"{_parts(e.step)} ({e.decode_batch} images a decode)"),
              (f"worst step reserved ({ww}x{wh})", e.reserved, _parts(e.worst) + (
-                 f"; the decode stage's VAE beside the loop's, its queue {_gib(e.decode_queue)}" if e.decode_stage
+                 (f"; the decode stage's VAE in {e.decode_workers} decode process(es) off this GPU, its queue "
+                  f"{_gib(e.decode_queue)}" if e.decode_workers else
+                  f"; the decode stage's VAE beside the loop's, its queue {_gib(e.decode_queue)}") if e.decode_stage
                  else "") + (f"; the encode stage's encoders beside the loop's, its ready texts and starts "
                              f"{_gib(e.encode_ahead)}" if e.encode_stage else "")),
              ("needed: weights, context, worst step", e.needed, f"CUDA context assumed {_gib(e.context)}")]
@@ -294,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULTS.gpu_memory_utilization)
     parser.add_argument("--decode-stage", action=argparse.BooleanOptionalAction, default=DEFAULTS.decode_stage)
     parser.add_argument("--max-decode-queue", type=int, default=DEFAULTS.max_decode_queue)
+    parser.add_argument("--decode-workers", type=int, default=0, help="decode processes on another device")
     parser.add_argument("--encode-stage", action=argparse.BooleanOptionalAction, default=DEFAULTS.encode_stage)
     parser.add_argument("--max-encode-ahead", type=int, default=DEFAULTS.max_encode_ahead)
     parser.add_argument("--size", default=None, help="HEIGHTxWIDTH of the typical step (default: the model's)")
@@ -312,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         result = estimate(args.model, args.dtype, args.encoder_device, args.quantization, args.max_batch_size, size,
                           args.max_image_pixels, args.max_decode_batch, args.gpu_memory_utilization, args.vae_dtype,
                           args.vae_tiling, cards, args.context_gib, args.decode_stage, args.max_decode_queue,
-                          args.encode_stage, args.max_encode_ahead)
+                          args.encode_stage, args.max_encode_ahead, args.decode_workers)
     except ValueError as e:
         parser.error(str(e))
     print(render(result))
