@@ -18,6 +18,7 @@ from typing import Any
 from dvllm.lora.files import LoraFile, LoraFilePolicy, check_lora_name, locate_lora
 from dvllm.lora.weights import LoraWeights, read_lora
 
+
 @dataclass(frozen=True)
 class _Entry:
     uid: int

@@ -20,16 +20,28 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from dvllm.models.base import ModelAdapter
 from dvllm.models.attention_backend import set_attention_backend
+from dvllm.models.base import ModelAdapter
+from dvllm.models.byte_tokenizer import (
+    allow_qwen_vl_processor_without_torchvision,
+    byte_clip_tokenizer,
+    byte_qwen_tokenizer,
+    byte_qwen_vl_processor,
+    byte_t5_tokenizer,
+)
 from dvllm.models.load_config import LoadConfig
 from dvllm.models.model_defaults import DEFAULTS_FIELDS, known_defaults, parse_defaults
 from dvllm.models.quantization import finish_quantization, pipeline_config
-from dvllm.models.byte_tokenizer import (allow_qwen_vl_processor_without_torchvision, byte_clip_tokenizer,
-                                         byte_qwen_tokenizer, byte_qwen_vl_processor, byte_t5_tokenizer)
 from dvllm.models.registry import adapter_for
-from dvllm.models.single_file import (check_single_file, header_shapes, inferred_config_repo, is_single_file,
-                                      is_whole_checkpoint, load_single_file, load_vae)
+from dvllm.models.single_file import (
+    check_single_file,
+    header_shapes,
+    inferred_config_repo,
+    is_single_file,
+    is_whole_checkpoint,
+    load_single_file,
+    load_vae,
+)
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "tiny-shapes"  # trained in the repo (scripts/train_tiny_shapes.py), shipped in the package

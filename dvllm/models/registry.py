@@ -6,10 +6,10 @@ from dvllm.models.flux import FluxAdapter
 from dvllm.models.flux_kontext import FluxKontextAdapter
 from dvllm.models.qwen_image import QwenImageAdapter
 from dvllm.models.qwen_image_edit import QwenImageEditAdapter
-from dvllm.models.z_image import ZImageAdapter
 from dvllm.models.stable_diffusion import StableDiffusionAdapter
 from dvllm.models.stable_diffusion_3 import StableDiffusion3Adapter
 from dvllm.models.stable_diffusion_xl import StableDiffusionXLAdapter
+from dvllm.models.z_image import ZImageAdapter
 
 ADAPTERS: tuple[type[ModelAdapter], ...] = (
     StableDiffusionAdapter, StableDiffusionXLAdapter, StableDiffusion3Adapter, FluxAdapter, QwenImageAdapter,
