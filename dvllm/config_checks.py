@@ -71,7 +71,7 @@ def check_encoder_device(config: EngineConfig) -> None:
 
 
 def check_decode_workers(config: EngineConfig) -> None:
-    """decode_workers and decode_device: counts, devices, and the executor and stage they need."""
+    """decode_workers and decode_device: counts, devices, and the stage they decode for."""
     if isinstance(config.decode_workers, bool) or not isinstance(config.decode_workers, int) \
             or not 0 <= config.decode_workers <= MAX_DECODE_WORKERS:
         raise ValueError(f"decode_workers must be an integer in [0, {MAX_DECODE_WORKERS}], got "
