@@ -123,7 +123,9 @@ def test_a_worker_killed_mid_batch_loses_no_request(sd_eps_path, in_loop):
     os.kill(first, signal.SIGSTOP)  # it can answer nothing: the batch it is sent stays in flight
     outputs: dict[str, list] = {}
     _add(engine)
+    deadline = time.monotonic() + _DEADLINE_S
     while not stage._taken:  # step until the lane has handed the process a batch
+        assert time.monotonic() < deadline, "no batch reached the decode process"
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
     os.kill(first, signal.SIGKILL)
@@ -209,7 +211,9 @@ def test_shutdown_drains_the_stage_and_stops_the_processes(sd_eps_path, in_loop)
     processes = [w._process for w in stage.workers]
     outputs: dict[str, list] = {}
     _add(engine)
+    deadline = time.monotonic() + _DEADLINE_S
     while not stage.pending:  # some images handed over, not yet decoded
+        assert time.monotonic() < deadline, "nothing was handed to the decode stage"
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
     handed = stage._queued_images()
