@@ -134,24 +134,26 @@ def test_a_worker_killed_mid_batch_loses_no_request(sd_eps_path, in_loop):
     engine.shutdown()
 
 
-def test_a_core_process_runs_its_decode_workers_and_takes_them_down_with_it(sd_eps_path, in_loop):
+def test_a_core_process_runs_its_decode_workers_and_takes_them_down_with_it(sd_eps_path):
     """dvllm serve's engine core (a process of its own) starts the decode processes as its children; the images
-    stream back as the in-loop decode's, and shutting the engine down leaves no decode process behind."""
+    stream back as a core's in-loop decode's, and shutting the engine down leaves no decode process behind. (The
+    reference is a core process too: a fresh process has torch's default thread count, the test's may not.)"""
     from test_async_engine import collect
     from test_engine_core_process import children_of
 
-    async def main():
+    async def run(**kwargs):
         engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", max_image_pixels=64 * 64,
-                                      engine_core_process=True, decode_workers=1)
+                                      engine_core_process=True, **kwargs)
         decoders = children_of(engine.core_process.pid)
         engine.start()
         results = await asyncio.gather(*(collect(engine, prompt, params) for prompt, params in REQUESTS))
         await engine.shutdown(1)
-        return results, decoders, engine.core_process.returncode
+        return {str(i): outs for i, outs in enumerate(results)}, decoders, engine.core_process.returncode
 
-    results, decoders, returncode = asyncio.run(main())
-    assert len(decoders) == 1 and returncode == 0
-    _assert_same_outputs({str(i): outs for i, outs in enumerate(results)}, in_loop)
+    reference, none, _ = asyncio.run(run(decode_stage=False))
+    results, decoders, returncode = asyncio.run(run(decode_workers=1))
+    assert none == [] and len(decoders) == 1 and returncode == 0
+    _assert_same_outputs(results, reference)
     _wait_until(lambda: not os.path.exists(f"/proc/{decoders[0]}"), "the decode process to exit")
 
 
@@ -278,3 +280,18 @@ def test_a_vae_that_cannot_be_copied_is_refused_at_start(sd_eps_path, monkeypatc
     monkeypatch.setattr(vae, "state_dict", lambda: {"encoder.weight": torch.zeros(2, dtype=torch.int8)})
     with pytest.raises(ValueError, match="not a plain float tensor"):
         decode_worker.start_decode_workers(adapter, 1, ["cpu"], torch.device("cpu"))
+
+
+def test_results_done_between_two_collects_reach_them_one_a_request_in_order():
+    """Two previews of a request finished before the loop collects: both are handed over, a collect apart, and
+    the final images after them (the later preview used to replace the earlier one, final images beside it)."""
+    stage = _stage_with(_FakeWorker(lambda latents: False))
+    stage.submit([DecodeJob("r", torch.full((1, 2), 1.0), (8, 8), "pil", preview=True, step=2),
+                  DecodeJob("o", torch.full((1, 2), 5.0), (8, 8), "np"),
+                  DecodeJob("r", torch.full((1, 2), 2.0), (8, 8), "pil", preview=True, step=4),
+                  DecodeJob("r", torch.full((1, 2), 3.0), (8, 8), "np")])
+    stage.close()  # everything decoded, nothing collected yet
+    first, second, third = stage.collect(), stage.collect(), stage.collect()
+    assert first.preview_steps == {"r": 2} and sorted(first.images) == ["o"] and first.num_images == 4
+    assert second.preview_steps == {"r": 4} and not second.images
+    assert list(third.images) == ["r"] and not third.previews and stage.pending == 0

@@ -60,6 +60,17 @@ class Decoded:
     seconds: float = 0.0  # the thread's time decoding them, and the images it decoded (for the stage metrics)
     num_images: int = 0
 
+    def requests(self) -> set[str]:
+        return {*self.images, *self.previews, *self.errors}
+
+    def split(self) -> list[Decoded]:
+        """One Decoded per request (the time and image count stay with the whole)."""
+        def of(table: dict[str, Any], request_id: str) -> dict[str, Any]:
+            return {request_id: table[request_id]} if request_id in table else {}
+
+        return [Decoded(of(self.images, r), of(self.previews, r), of(self.preview_steps, r), of(self.errors, r))
+                for r in sorted(self.requests())]
+
     def merge(self, other: Decoded) -> None:
         self.images.update(other.images)
         self.previews.update(other.previews)
@@ -80,6 +91,7 @@ class DecodeStage(StageThread):
         self.max_batch, self.capacity = max_batch, capacity
         self._jobs: deque[DecodeJob] = deque()
         self._done = Decoded()
+        self._later: deque[Decoded] = deque()  # a request's results behind the one _done holds for it, in order
 
     # -- the loop's side -----------------------------------------------------------------
     def has_room(self, images: int) -> bool:
@@ -105,17 +117,19 @@ class DecodeStage(StageThread):
             if timeout > 0 and self._empty_done() and self.pending:
                 self._cond.wait(timeout)
             done, self._done = self._done, Decoded()
+            self._bring_forward()
         return done
 
     @property
     def pending(self) -> int:
         """Jobs handed over and not yet collected as done."""
-        return len(self._jobs) + len(self._taken)
+        return len(self._jobs) + len(self._taken) + len(self._later)
 
     def drop(self, request_ids: set[str]) -> None:
         """Forgets queued jobs of requests that are gone (aborted, or their worker state freed)."""
         with self._cond:
             self._jobs = deque(j for j in self._jobs if j.request_id not in request_ids)
+            self._later = deque(d for d in self._later if not d.requests() & request_ids)
 
     def close(self, drain: bool = True) -> None:
         """Returns once the threads are done: after the jobs handed over are decoded (`drain`), or after those
@@ -133,7 +147,10 @@ class DecodeStage(StageThread):
 
     def _finish(self, taken: list[DecodeJob], result: Decoded, seconds: float) -> None:
         result.seconds, result.num_images = seconds, sum(job.n for job in taken)
-        self._done.merge(result)
+        self._done.seconds += seconds
+        self._done.num_images += result.num_images
+        self._later.extend(result.split())
+        self._bring_forward()
 
     def _requeue(self, taken: list[DecodeJob]) -> None:
         self._jobs.extendleft(reversed(taken))
@@ -141,7 +158,8 @@ class DecodeStage(StageThread):
     def _take(self) -> list[DecodeJob]:
         """The first job free to go, and those after it of the same size and kind, up to max_batch images. A
         job goes only after every earlier job of its request (none skipped over, none in flight on another
-        lane): a preview never comes back after its request's final images. Nothing free: []."""
+        lane, none in the same batch): a preview never comes back after its request's final images, nor
+        beside its next preview. Nothing free: []."""
         held = {job.request_id for job in self._taken}
         taken: list[DecodeJob] = []
         images = 0
@@ -153,8 +171,7 @@ class DecodeStage(StageThread):
                 self._jobs.remove(job)
                 taken.append(job)
                 images += job.n
-            else:
-                held.add(job.request_id)  # skipped: its request's later jobs wait behind it
+            held.add(job.request_id)  # taken or skipped, its request's later jobs wait behind this one
             if images >= self.max_batch:
                 break
         return taken
@@ -207,6 +224,19 @@ class DecodeStage(StageThread):
 
     def _queued_images(self) -> int:
         return sum(job.n for job in self._jobs) + sum(job.n for job in self._taken)
+
+    def _bring_forward(self) -> None:
+        """Finished results into what the next collect hands over, at most one a request: two previews of a
+        request done between two collects both reach it (the second a collect later), and its final images
+        never overtake its preview."""
+        behind: deque[Decoded] = deque()
+        for item in self._later:
+            (request_id,) = item.requests()
+            if request_id in self._done.requests() or any(request_id in b.requests() for b in behind):
+                behind.append(item)
+            else:
+                self._done.merge(item)
+        self._later = behind
 
     def _empty_done(self) -> bool:
         return not (self._done.images or self._done.previews or self._done.errors)
