@@ -3,8 +3,9 @@ which runs the VAE (on a CUDA stream of its own) and the conversion to the outpu
 never waits for a decode.
 
 The loop hands over a private copy of the latents (gathered out of the pool, so their blocks are free at
-once) and collects what is done at its next iteration; a finished request's output comes at most one step
-later than an in-loop decode's, with the same pixels (the same VAE calls on the same latents). A decode that
+once) and collects what is done at its next iteration, one result a request a collect (so each preview
+arrives, in order, before the final images); a finished request's output comes a step or so later than an
+in-loop decode's, with the same pixels (the same VAE calls on the same latents). A decode that
 fails fails its own requests only (a batched call that raises is retried job by job). If the thread itself
 dies, a new one takes over its jobs, the one it was on included: nothing that was handed over is lost.
 
