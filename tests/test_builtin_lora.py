@@ -3,8 +3,6 @@ its images equal diffusers' after load_lora_weights, and it does what it claims:
 out blue, their shape kept, while the same prompts without it keep their colour."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -26,11 +24,9 @@ MIN_BLUE_WITH, MAX_BLUE_WITHOUT, MIN_SHAPE = 50, 3, 50
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[DiffusionEngine]:
-    threads = torch.get_num_threads()
+def engine() -> DiffusionEngine:
     torch.set_num_threads(1)
-    yield DiffusionEngine(device="cpu", dtype="float32", lora_modules={"blue": NAME}, max_batch_size=64)
-    torch.set_num_threads(threads)  # the tests after this module's run with the process's own count
+    return DiffusionEngine(device="cpu", dtype="float32", lora_modules={"blue": NAME}, max_batch_size=64)
 
 
 def test_a_bare_name_is_the_shipped_folder(tmp_path, monkeypatch):
