@@ -18,7 +18,8 @@ from test_decode_stage import _stage
 from dvllm import AsyncDiffusionEngine, DiffusionEngine, EngineConfig, SamplingParams
 from dvllm.models.loader import load_adapter
 from dvllm.worker.decode_stage import DecodeJob, DecodeStage
-from dvllm.worker.decode_worker import DecodeWorkerLost, VaeCopy, _same_gpu
+from dvllm.worker.decode_worker import VaeCopy
+from dvllm.worker.stage_process import WorkerProcessLost, same_gpu
 
 # Waiting on another process's progress: generous, as the suite runs on a loaded machine
 _DEADLINE_S = 120
@@ -169,7 +170,7 @@ def test_a_core_process_runs_its_decode_workers_and_takes_them_down_with_it(sd_e
 
 
 class _FakeWorker:
-    """Decodes in the test's process; dies (raises DecodeWorkerLost) as told."""
+    """Decodes in the test's process; dies (raises WorkerProcessLost) as told."""
 
     def __init__(self, dies) -> None:
         self.dies, self.batches = dies, []
@@ -178,7 +179,7 @@ class _FakeWorker:
         latents, size, jobs, _ = batch
         self.batches.append([n for n, _ in jobs])
         if self.dies(latents):
-            raise DecodeWorkerLost("killed")
+            raise WorkerProcessLost("killed")
         out, lo = [], 0
         for n, kind in jobs:
             out.append([kind, latents[lo:lo + n].clone()])
@@ -214,7 +215,7 @@ def test_a_job_whose_worker_dies_twice_fails_its_request_only():
     stage.close()
     done = stage.collect()
     assert sorted(done.images) == ["0", "2"] and "died" not in str(done.images)
-    assert list(done.errors) == ["1"] and "DecodeWorkerLost" in done.errors["1"]
+    assert list(done.errors) == ["1"] and "WorkerProcessLost" in done.errors["1"]
     assert not done.previews  # a preview lost is no failure
 
 
@@ -259,9 +260,9 @@ def test_a_gpu_the_worker_does_not_see_is_no_decode_device(sd_eps_path):
 
 
 def test_a_gpu_workers_own_gpu_is_no_decode_device():
-    assert _same_gpu(torch.device("cuda:1"), torch.device("cuda:1"))
-    assert not _same_gpu(torch.device("cuda:1"), torch.device("cuda:0"))
-    assert not _same_gpu(torch.device("cpu"), torch.device("cuda:0"))
+    assert same_gpu(torch.device("cuda:1"), torch.device("cuda:1"))
+    assert not same_gpu(torch.device("cuda:1"), torch.device("cuda:0"))
+    assert not same_gpu(torch.device("cpu"), torch.device("cuda:0"))
     assert EngineConfig(decode_workers=2, decode_device="cuda:1, cpu").decode_devices == ["cuda:1", "cpu"]
 
 

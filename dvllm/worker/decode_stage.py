@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 import torch
 
-from dvllm.worker.decode_worker import DecodeWorker, DecodeWorkerLost
+from dvllm.worker.decode_worker import DecodeWorker
+from dvllm.worker.stage_process import WorkerProcessLost
 from dvllm.worker.stage_thread import StageThread
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class DecodeStage(StageThread):
         done = Decoded()
         try:
             self._decode_together(jobs, done, lane)
-        except DecodeWorkerLost as e:
+        except WorkerProcessLost as e:
             if not any(job.lost for job in jobs):  # once more as it was, on the process started in its place
                 for job in jobs:
                     job.lost = True
@@ -200,7 +201,7 @@ class DecodeStage(StageThread):
             return done
         job, done = jobs[0], Decoded()
         logger.error("decode failed for %s: %s: %s", job.request_id, type(error).__name__, error,
-                     exc_info=None if isinstance(error, DecodeWorkerLost) else error)
+                     exc_info=None if isinstance(error, WorkerProcessLost) else error)
         if not job.preview:  # a preview lost is no failure of the request
             done.errors[job.request_id] = f"decode failed: {type(error).__name__}: {error}"
         return done

@@ -3,34 +3,21 @@ on the CPU or another GPU, that decode the decode stage's batches and convert th
 neither the VAE nor PIL runs in the worker's process (its GIL) or, on GPUs, on its device.
 
 The decode stage gives each process a lane: a thread that sends it a batch (latents on the host, small) and
-waits for the images. The process is spawned when the worker starts (its imports overlap the engine's first
-steps) and gets its VAE copy with the first batch. A process found dead is spawned again and raises DecodeWorkerLost
-to the lane, which decodes the batch once more: no request is lost to a killed process.
+waits for the images. The process (stage_process.py) is spawned when the worker starts (its imports overlap the
+engine's first steps) and gets its VAE copy with the first batch. A process found dead is spawned again and
+raises WorkerProcessLost to the lane, which decodes the batch once more: no request is lost to a killed process.
 """
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import os
-import pickle
-import signal
-import subprocess
-import sys
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from dvllm.worker.stage_process import StageProcess, check_devices, serve
+
 logger = logging.getLogger(__name__)
-
-# How often a lane waiting for its process checks that the process is still alive
-_ALIVE_POLL_S = 1.0
-_CLOSE_TIMEOUT_S = 10.0
-
-
-class DecodeWorkerLost(RuntimeError):
-    """The decode process died (killed, or crashed) before answering."""
 
 
 @dataclass
@@ -101,126 +88,32 @@ class VaeDecoder:
 Batch = tuple[torch.Tensor, tuple[int, int], list[tuple[int, str]], int]
 
 
-class DecodeWorker:
-    """One decode process and the pipe to it; used by one lane thread at a time."""
+class DecodeWorker(StageProcess):
+    """One decode process: gets its VAE copy with the first batch, answers each with each job's images."""
 
-    def __init__(self, vae_copy: Callable[[], VaeCopy], device: str, threads: int, index: int) -> None:
-        self._vae_copy = vae_copy  # a fresh copy for each process started
-        self.device, self.threads, self.index = device, threads, index
-        self.restarts = 0
-        self._process: subprocess.Popen | None = None
-        self._conn: Connection | None = None
-        self._has_vae = False
-        self._spawn()
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
+    kind = "decode"
+    module = "dvllm.worker.decode_worker"
 
     def decode(self, batch: Batch) -> list[list[Any]]:
-        """Each job's images; raises RuntimeError with the process's error, or DecodeWorkerLost (the process is
-        spawned again before it is raised)."""
-        try:
-            if not self._has_vae:
-                self._call(("vae", self._vae_copy()))
-                self._has_vae = True
-            return self._call(("decode", batch))
-        except (EOFError, OSError, DecodeWorkerLost) as e:
-            pid = self.pid
-            self._respawn()
-            raise DecodeWorkerLost(f"decode worker {self.index} (pid {pid}) died: {type(e).__name__}") from None
-
-    def close(self) -> None:
-        if self._process is None:
-            return
-        try:
-            self._conn.send_bytes(pickle.dumps(None))
-        except OSError:
-            pass
-        try:
-            self._process.wait(_CLOSE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
-        self._conn.close()
-        self._process = self._conn = None
-
-    def _call(self, message: tuple[str, Any]) -> Any:
-        self._conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-        while not self._conn.poll(_ALIVE_POLL_S):
-            if self._process.poll() is not None:
-                raise DecodeWorkerLost("exited")
-        status, value = pickle.loads(self._conn.recv_bytes())
-        if status == "error":
-            raise RuntimeError(value)
-        return value
-
-    def _spawn(self) -> None:
-        # A fresh interpreter, as the engine core process is (never a fork of a process holding CUDA or
-        # threads; not multiprocessing's spawn, which imports the caller's main script again)
-        parent, child = multiprocessing.Pipe()
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "dvllm.worker.decode_worker", str(child.fileno()), self.device, str(self.threads)],
-            pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-            # its OpenMP threads sleep between batches instead of spinning on cores the worker's threads use
-            env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ})
-        child.close()  # the child's end lives in the child alone: its death ends the pipe
-        self._conn = parent
-        self._has_vae = False
-
-    def _respawn(self) -> None:
-        self.restarts += 1
-        logger.error("decode worker %d (pid %s) died; starting it again", self.index, self.pid)
-        if self._process.poll() is None:
-            self._process.kill()
-        self._process.wait()
-        self._conn.close()
-        self._spawn()
+        return self.call(batch)
 
 
-def _serve(conn: Connection, device: str, threads: int) -> None:
-    """The decode process: builds the VAE from the first message, then answers batches until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the engine's to handle: it stops us
+def _decode_batch(decoder: VaeDecoder, batch: Batch, device: torch.device) -> list[list[Any]]:
     from dvllm.worker.model_runner import to_output_type
 
-    torch.set_num_threads(threads)
-    decoder = None
-    while True:
-        try:
-            message = pickle.loads(conn.recv_bytes())
-        except EOFError:  # the engine is gone
-            return
-        if message is None:
-            return
-        kind, payload = message
-        try:
-            with torch.inference_mode():
-                if kind == "vae":
-                    decoder, answer = payload.build(torch.device(device)), None
-                else:
-                    latents, size, jobs, chunk = payload
-                    pixels = torch.cat([decoder.decode(part, size) for part in latents.to(device).split(chunk)])
-                    answer, lo = [], 0
-                    for n, output_type in jobs:
-                        answer.append(to_output_type(pixels[lo:lo + n], output_type))
-                        lo += n
-            reply = ("ok", answer)
-        except Exception as e:  # noqa: BLE001 - the lane decides what a failed batch fails
-            reply = ("error", f"{type(e).__name__}: {e}")
-        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+    latents, size, jobs, chunk = batch
+    pixels = torch.cat([decoder.decode(part, size) for part in latents.to(device).split(chunk)])
+    answer, lo = [], 0
+    for n, output_type in jobs:
+        answer.append(to_output_type(pixels[lo:lo + n], output_type))
+        lo += n
+    return answer
 
 
 def start_decode_workers(adapter: Any, count: int, devices: list[str], worker_device: torch.device) -> list[DecodeWorker]:
     """`count` decode processes placed in turn on `devices` (those this process sees: a Ray worker's are on its
     node); on a GPU worker none may share its GPU (there the decode stage's thread decodes with no second VAE)."""
-    for device in devices:
-        place = torch.device(device)
-        if place.type == "cuda" and (place.index or 0) >= torch.cuda.device_count():
-            raise ValueError(f"decode_device {device!r}: this worker sees {torch.cuda.device_count()} GPU(s) (a Ray "
-                             "worker sees those it was given)")
-        if _same_gpu(torch.device(device), worker_device):
-            raise ValueError(f"decode_device {device!r} is the worker's own GPU ({worker_device}): decode workers "
-                             "go to the CPU or another GPU (on the worker's GPU the decode stage's thread decodes)")
+    check_devices(devices, worker_device, "decode_device", "on its own GPU the decode stage's thread decodes")
     check_copyable(adapter.pipeline.vae)
     # As many intra-op threads as the worker's: the CPU's kernels split their sums by the thread count, and an
     # image must not depend on the process that decoded it
@@ -229,12 +122,5 @@ def start_decode_workers(adapter: Any, count: int, devices: list[str], worker_de
     return [DecodeWorker(lambda: VaeCopy.of(adapter), devices[i % len(devices)], threads, i) for i in range(count)]
 
 
-def _same_gpu(a: torch.device, b: torch.device) -> bool:
-    if a.type != "cuda" or b.type != "cuda":
-        return False
-    return (a.index if a.index is not None else torch.cuda.current_device()) == \
-        (b.index if b.index is not None else torch.cuda.current_device())
-
-
 if __name__ == "__main__":
-    _serve(Connection(int(sys.argv[1])), sys.argv[2], int(sys.argv[3]))
+    serve(lambda copy, device: copy.build(device), _decode_batch)
