@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from dvllm.config_checks import (
     check_decode_workers,
+    check_encode_workers,
     check_encoder_device,
+    check_limits,
+    check_workers,
     choice,
+    device_list,
     is_cuda_index,
-    is_number,
-    non_negative,
     parse_lora_modules,
     positive_int,
 )
@@ -217,15 +219,30 @@ class EngineConfig:
                           "placed on them in turn). Unset: the worker's device; a GPU worker's decode workers must "
                           "be on another device."},
     )
-    encode_stage: bool = field(
-        default=False,
+    encode_stage: bool | None = field(
+        default=None,
         metadata={"help": "Encode the texts of waiting requests on a thread of the worker's own (a CUDA stream of its "
                           "own) while the batch runs, and admit a request once they are ready, so the denoise loop "
                           "never waits for a text encoder (with nothing running, admission encodes at once); an "
                           "edit model's prompts go with the images its encoder reads, and requests with input "
                           "images have their VAE encode made there too. Texts with text LoRA adapters stay with "
                           "admission. "
-                          "The GPU memory profile reserves the encoders' work beside the loop's."},
+                          "The GPU memory profile reserves the encoders' work beside the loop's. Unset: on with "
+                          "--encode-workers, else off."},
+    )
+    encode_workers: int = field(
+        default=0,
+        metadata={"help": "Processes of their own that encode the encode stage's texts, each with a copy of the text "
+                          "encoders and tokenizers on --encode-device: they leave the worker's process (its GIL) and "
+                          "device, and the worker frees its own encoders' weights (every text then waits for the "
+                          "stage, even with nothing running; text LoRA adapters cannot be served). 0: the stage's "
+                          "thread encodes in the worker's process. A process that dies is started again and its "
+                          "texts encoded anew: none is lost."},
+    )
+    encode_device: str | None = field(
+        default=None,
+        metadata={"help": "Where the encode workers run: cpu | cuda:N, or several comma-separated (placed on them in "
+                          "turn). Unset: the CPU."},
     )
     max_encode_ahead: int = field(
         default=32,
@@ -331,6 +348,8 @@ class EngineConfig:
         self.lora_modules = parse_lora_modules(self.lora_modules)
         if self.lora_modules:
             self.enable_lora = True
+        if self.encode_stage is None:
+            self.encode_stage = bool(self.encode_workers)
         if self.quantization is not None:  # a flag's text, JSON or a dict: kept as a checked QuantizationSpec
             from dvllm.models.quantization import parse_quantization
 
@@ -357,36 +376,13 @@ class EngineConfig:
         for name in ("max_image_pixels", "max_prompt_chars_per_step", "max_cpu_loras"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
-        if not (is_number(self.max_lora_file_mb) and 0 < self.max_lora_file_mb < float("inf")):
-            raise ValueError(f"max_lora_file_mb must be a finite number > 0, got {self.max_lora_file_mb!r}")
-        if not (is_number(self.max_guidance_scale) and 0 <= self.max_guidance_scale < float("inf")):
-            raise ValueError(f"max_guidance_scale must be a finite number >= 0, got {self.max_guidance_scale!r}")
-        if isinstance(self.result_cache_mb, bool) or not isinstance(self.result_cache_mb, int) \
-                or self.result_cache_mb < 0:
-            raise ValueError(f"result_cache_mb must be an integer >= 0 (0: off), got {self.result_cache_mb!r}")
-        if self.num_state_blocks is not None:
-            positive_int("num_state_blocks", self.num_state_blocks)
-        if self.state_pool_mb is not None and not (isinstance(self.state_pool_mb, (int, float))
-                                                   and self.state_pool_mb > 0):
-            raise ValueError(f"state_pool_mb must be a number > 0, got {self.state_pool_mb!r}")
-        if self.num_workers > 1 and self.executor != "ray":
-            raise ValueError(f"num_workers={self.num_workers} needs executor='ray' (the uniproc executor has one)")
-        if self.executor != "ray" and self.ray_address is not None:
-            raise ValueError("ray_address is set but executor is not 'ray'")
-        if self.worker_num_gpus is not None:
-            non_negative("worker_num_gpus", self.worker_num_gpus)
-        non_negative("worker_num_cpus", self.worker_num_cpus)
-        for name in ("ray_startup_timeout_s", "worker_restart_timeout_s", "worker_heartbeat_s",
-                     "worker_heartbeat_timeout_s"):
-            if not (is_number(getattr(self, name)) and getattr(self, name) > 0):
-                raise ValueError(f"{name} must be a number > 0, got {getattr(self, name)!r}")
-        if not isinstance(self.max_worker_restarts, int) or isinstance(self.max_worker_restarts, bool) \
-                or self.max_worker_restarts < 0:
-            raise ValueError(f"max_worker_restarts must be an integer >= 0, got {self.max_worker_restarts!r}")
+        check_limits(self)
+        check_workers(self)
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         check_encoder_device(self)
         check_decode_workers(self)
+        check_encode_workers(self)
         if self.quantization is not None or str(self.model).lower().endswith(".gguf"):
             from dvllm.models.quantization import check_use
 
@@ -395,9 +391,12 @@ class EngineConfig:
     @property
     def decode_devices(self) -> list[str]:
         """Where the decode workers go, in turn (none given: the worker's device)."""
-        if self.decode_device is None:
-            return []
-        return [device.strip() for device in self.decode_device.split(",")]
+        return device_list(self.decode_device)
+
+    @property
+    def encode_devices(self) -> list[str]:
+        """Where the encode workers go, in turn (none given: see encode_device)."""
+        return device_list(self.encode_device)
 
     @property
     def load_config(self) -> "LoadConfig":

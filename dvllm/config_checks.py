@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dvllm.config import EngineConfig
 
-# Most decode worker processes one engine may start
-MAX_DECODE_WORKERS = 64
+# Most decode (or encode) worker processes one worker may start
+MAX_STAGE_WORKERS = 64
 
 
 def parse_lora_modules(value: Any) -> dict[str, str]:
@@ -70,19 +70,81 @@ def check_encoder_device(config: EngineConfig) -> None:
                          "text encoders on one GPU: use 'cpu', or one worker per engine")
 
 
+def check_limits(config: EngineConfig) -> None:
+    """The numeric limits that are not plain positive integers."""
+    if not (is_number(config.max_lora_file_mb) and 0 < config.max_lora_file_mb < float("inf")):
+        raise ValueError(f"max_lora_file_mb must be a finite number > 0, got {config.max_lora_file_mb!r}")
+    if not (is_number(config.max_guidance_scale) and 0 <= config.max_guidance_scale < float("inf")):
+        raise ValueError(f"max_guidance_scale must be a finite number >= 0, got {config.max_guidance_scale!r}")
+    if isinstance(config.result_cache_mb, bool) or not isinstance(config.result_cache_mb, int) \
+            or config.result_cache_mb < 0:
+        raise ValueError(f"result_cache_mb must be an integer >= 0 (0: off), got {config.result_cache_mb!r}")
+    if config.num_state_blocks is not None:
+        positive_int("num_state_blocks", config.num_state_blocks)
+    if config.state_pool_mb is not None and not (isinstance(config.state_pool_mb, (int, float))
+                                                 and config.state_pool_mb > 0):
+        raise ValueError(f"state_pool_mb must be a number > 0, got {config.state_pool_mb!r}")
+
+
+def check_workers(config: EngineConfig) -> None:
+    """The executor's workers: counts, Ray's settings, timeouts and restarts."""
+    if config.num_workers > 1 and config.executor != "ray":
+        raise ValueError(f"num_workers={config.num_workers} needs executor='ray' (the uniproc executor has one)")
+    if config.executor != "ray" and config.ray_address is not None:
+        raise ValueError("ray_address is set but executor is not 'ray'")
+    if config.worker_num_gpus is not None:
+        non_negative("worker_num_gpus", config.worker_num_gpus)
+    non_negative("worker_num_cpus", config.worker_num_cpus)
+    for name in ("ray_startup_timeout_s", "worker_restart_timeout_s", "worker_heartbeat_s",
+                 "worker_heartbeat_timeout_s"):
+        if not (is_number(getattr(config, name)) and getattr(config, name) > 0):
+            raise ValueError(f"{name} must be a number > 0, got {getattr(config, name)!r}")
+    if not isinstance(config.max_worker_restarts, int) or isinstance(config.max_worker_restarts, bool) \
+            or config.max_worker_restarts < 0:
+        raise ValueError(f"max_worker_restarts must be an integer >= 0, got {config.max_worker_restarts!r}")
+
+
+def device_list(devices: str | None) -> list[str]:
+    """A comma-separated device list's names ([] for None)."""
+    return [] if devices is None else [device.strip() for device in devices.split(",")]
+
+
+def _check_stage_workers(config: EngineConfig, kind: str) -> None:
+    """<kind>_workers and <kind>_device: a count in range and device names."""
+    count, devices = getattr(config, f"{kind}_workers"), getattr(config, f"{kind}_device")
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_STAGE_WORKERS:
+        raise ValueError(f"{kind}_workers must be an integer in [0, {MAX_STAGE_WORKERS}], got {count!r}")
+    if devices is not None:
+        if not count:
+            raise ValueError(f"{kind}_device is set but {kind}_workers is 0")
+        for device in device_list(devices):
+            if not (device in ("cpu", "cuda") or is_cuda_index(device)):
+                raise ValueError(f"{kind}_device must be 'cpu', 'cuda' or 'cuda:N' (or several, comma-separated), "
+                                 f"got {devices!r}")
+
+
+def check_encode_workers(config: EngineConfig) -> None:
+    """encode_workers and encode_device, and what cannot be combined with encoders that live in processes."""
+    _check_stage_workers(config, "encode")
+    if not config.encode_workers:
+        return
+    if config.encode_stage is False:
+        raise ValueError("encode_workers encode for the encode stage: they cannot be combined with "
+                         "encode_stage=False")
+    if config.enable_lora:
+        raise ValueError("encode_workers cannot be combined with LoRA serving: an adapter's text-encoder layers "
+                         "run in the worker, which holds no text encoders with encode workers")
+    if config.encoder_device is not None:
+        raise ValueError("encoder_device places the worker's own text encoders; with encode_workers they live in "
+                         "the encode processes: use encode_device")
+    if config.max_encode_ahead < 3:  # every text waits for the stage: a request's two texts and start must fit
+        raise ValueError(f"encode_workers needs max_encode_ahead >= 3 (a request's prompt, negative prompt and "
+                         f"input images), got {config.max_encode_ahead}")
+
+
 def check_decode_workers(config: EngineConfig) -> None:
     """decode_workers and decode_device: counts, devices, and the stage they decode for."""
-    if isinstance(config.decode_workers, bool) or not isinstance(config.decode_workers, int) \
-            or not 0 <= config.decode_workers <= MAX_DECODE_WORKERS:
-        raise ValueError(f"decode_workers must be an integer in [0, {MAX_DECODE_WORKERS}], got "
-                         f"{config.decode_workers!r}")
-    if config.decode_device is not None:
-        if not config.decode_workers:
-            raise ValueError("decode_device is set but decode_workers is 0")
-        for device in config.decode_devices:
-            if not (device in ("cpu", "cuda") or is_cuda_index(device)):
-                raise ValueError(f"decode_device must be 'cpu', 'cuda' or 'cuda:N' (or several, comma-"
-                                 f"separated), got {config.decode_device!r}")
+    _check_stage_workers(config, "decode")
     if config.decode_workers and config.decode_stage is False:
         raise ValueError("decode_workers decode for the decode stage: they cannot be combined with "
                          "decode_stage=False")

@@ -228,6 +228,23 @@ def test_the_encode_stage_reserves_its_encoders_beside_the_loops_work_and_its_re
     assert "the encode stage's encoders beside the loop's" in render(on)
 
 
+def test_encode_workers_take_the_text_encoders_off_the_gpu():
+    """As memory_profile.gpu_pool_bytes reserves it with encode processes: the stage runs, the text encoders'
+    weights are not on the GPU and their work not among its peaks (the stage's starts, a VAE encode, still are),
+    and the ready texts and starts are reserved."""
+    limits = LIMITS | {"max_batch_size": 32}  # 64 texts: the text encoders' peak is above the start's
+    threads = estimate("tiny-sd", dtype="float32", size=(64, 64), decode_stage=False, encode_stage=True,
+                       max_encode_ahead=4, **limits)
+    workers = estimate("tiny-sd", dtype="float32", size=(64, 64), decode_stage=False, encode_workers=1,
+                       max_encode_ahead=4, **limits)
+    assert workers.encode_stage is True and workers.encode_ahead == threads.encode_ahead > 0
+    moved = {name for name in threads.weights if name.startswith("text_encoder")}
+    assert moved and moved == set(workers.host_weights) and not moved & set(workers.weights)
+    assert 0 < workers.worst["encode"] < threads.worst["encode"]
+    assert workers.needed < threads.needed - sum(workers.host_weights.values())
+    assert "text encoders in 1 encode process(es) off this GPU" in render(workers)
+
+
 def test_auto_turns_the_decode_stage_on_per_card_where_the_pool_keeps_half():
     """As start-up chooses (memory_profile.choose_decode_stage): a card where the stage's reservation leaves the
     pool at least half of what it has without it runs the stage; one where it would take more does not."""

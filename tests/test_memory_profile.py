@@ -44,7 +44,8 @@ class FakeMemory:
     def measure(self, run) -> int:
         first = len(self.recorded.calls)
         run()
-        return self.peaks[self.recorded.calls[first][0]]
+        called = self.recorded.calls[first:]
+        return self.peaks[called[0][0]] if called else 0  # (nothing of the adapter's ran on this device)
 
     def free_and_total(self) -> tuple[int, int]:
         return self.free, self.total
@@ -185,3 +186,17 @@ def test_decode_workers_keep_the_stage_on_with_no_vae_beside_the_loop(adapter, m
     loop_only = int(80 * GIB * 0.9) - 20 * GIB - 30 * GIB
     assert stage is True and 0 < loop_only - budget < GIB  # less only the decode queue's latents
 
+
+def test_encode_workers_take_the_text_encoders_work_off_the_gpu(adapter, monkeypatch):
+    """With encode workers the profile runs no text encoder here (the worker holds none): their peak is neither
+    beside the loop nor in it; only what the stage holds ready (on this device) is reserved."""
+    recorded = Recorded(adapter, monkeypatch)
+    peaks = {"encode_prompt": 30 * GIB, "denoise": 20 * GIB, "decode": 1 * GIB}
+    limits = dict(max_batch_size=2, max_image_pixels=32 * 32, decode_stage=False)
+    memory = FakeMemory(recorded, peaks, free=60 * GIB, total=80 * GIB)
+    budget, _ = gpu_pool_bytes(adapter, EngineConfig(encode_workers=1, **limits), memory)
+    assert "encode_prompt" not in {name for name, _ in recorded.calls}
+    loop_only = int(80 * GIB * 0.9) - 20 * GIB - 20 * GIB
+    assert 0 < loop_only - budget < GIB  # less only the texts held ready
+    threads, _ = gpu_pool_bytes(adapter, EngineConfig(encode_stage=True, **limits), memory)
+    assert threads <= budget - 30 * GIB  # the stage's thread encodes beside the loop

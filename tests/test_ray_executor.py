@@ -319,20 +319,24 @@ def test_a_worker_that_dies_idle_is_noticed_by_the_heartbeat(sd_eps_path):
     assert engine.engine.coordinator.cores[1].restarts == 1
 
 
-def test_decode_workers_run_beside_a_ray_worker_on_its_node(sd_eps_path, reference):
-    """A Ray worker starts its decode processes on its node: the images are the in-process engine's, every one
-    decoded by the decode stage (not in the loop), and the processes are the actor's children."""
+def test_decode_and_encode_workers_run_beside_a_ray_worker_on_its_node(sd_eps_path, reference):
+    """A Ray worker starts its decode and encode processes on its node: the images are the in-process engine's,
+    every one decoded by the decode stage (not in the loop), every text encoded by the encode stage, and the
+    processes are the actor's children."""
     from test_engine_core_process import children_of
 
-    engine = DiffusionEngine(sd_eps_path, executor="ray", num_workers=1, worker_num_cpus=1, decode_workers=1)
+    engine = DiffusionEngine(sd_eps_path, executor="ray", num_workers=1, worker_num_cpus=1, decode_workers=1,
+                             encode_workers=1)
     try:
         _assert_same(engine.generate(PROMPTS, _params(), use_tqdm=False), reference)
         stats = engine.stats()
         assert stats["stage_items"]["decode_stage"] == sum(p.n for p in _params())
         assert stats["stage_items"]["decode"] == 0
-        decoders = children_of(engine.executor.nodes[0]["pid"])
-        commands = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in decoders]
-        assert [c for c in commands if b"dvllm.worker.decode_worker" in c] != []
+        assert stats["stage_items"]["encode_stage"] > 0
+        children = children_of(engine.executor.nodes[0]["pid"])
+        commands = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children]
+        for module in (b"dvllm.worker.decode_worker", b"dvllm.worker.encode_worker"):
+            assert [c for c in commands if module in c] != []
     finally:
         engine.shutdown()
 

@@ -85,6 +85,7 @@ class Estimate:
     decode_workers: int = 0       # decode processes off this GPU: the stage's VAE is not beside the loop's
     encode_stage: bool = False    # its text encoders beside the loop's work, and the texts it holds ready
     encode_ahead: int = 0         # bytes: the texts' conditions and starts it may hold ready
+    encode_workers: int = 0       # encode processes off this GPU: the text encoders are not on it at all
     cards: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -125,7 +126,8 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
              vae_tiling: bool = False, cards_gib: tuple[float, ...] = CARDS_GIB,
              context_gib: float = CUDA_CONTEXT_GIB, decode_stage: bool | None = DEFAULTS.decode_stage,
              max_decode_queue: int = DEFAULTS.max_decode_queue, encode_stage: bool = DEFAULTS.encode_stage,
-             max_encode_ahead: int = DEFAULTS.max_encode_ahead, decode_workers: int = 0) -> Estimate:
+             max_encode_ahead: int = DEFAULTS.max_encode_ahead, decode_workers: int = 0,
+             encode_workers: int = 0) -> Estimate:
     """The estimate for `model` served on one GPU with these engine settings; ValueError for bad ones."""
     if dtype not in ("auto", *DTYPES) or vae_dtype not in ("auto", *DTYPES):
         raise ValueError(f"dtype and vae_dtype must be auto or one of {list(DTYPES)}, got {dtype!r}, {vae_dtype!r}")
@@ -135,10 +137,12 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
         raise ValueError(f"size must be (height, width) in pixels, got {size!r}")
     if not cards_gib or not all(c > 0 for c in cards_gib) or context_gib < 0:
         raise ValueError(f"cards must be positive GiB and the context >= 0, got {cards_gib!r}, {context_gib!r}")
+    if encode_workers:  # they encode for the stage, which runs for them
+        encode_stage = True
     engine = {"max_batch_size": max_batch_size, "max_decode_batch": max_decode_batch,
               "gpu_memory_utilization": gpu_memory_utilization, "max_image_pixels": max_image_pixels,
               "decode_stage": decode_stage, "max_decode_queue": max_decode_queue, "encode_stage": encode_stage,
-              "max_encode_ahead": max_encode_ahead, "decode_workers": decode_workers}
+              "max_encode_ahead": max_encode_ahead, "decode_workers": decode_workers, "encode_workers": encode_workers}
     EngineConfig(**engine)  # the engine's own checks of these values
     if decode_workers:  # the stage runs for them, whatever auto would choose
         decode_stage = True
@@ -149,7 +153,8 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
         weights, host = {}, {}
         for name, module in modules.items():
             nbytes = quantized_bytes(module, spec) if name in quantized else tensor_bytes(module)
-            (host if encoder_device and name.startswith("text_encoder") else weights)[name] = nbytes
+            off_gpu = (encoder_device or encode_workers) and name.startswith("text_encoder")
+            (host if off_gpu else weights)[name] = nbytes
         with fake_session() as mode:
             for module in modules.values():
                 to_fake(module)
@@ -164,13 +169,14 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
         request, block_bytes = _request(EngineConfig(**engine), adapter, *size)
     result = Estimate(
         model=model, family=info.family, dtype=str(adapter.dtype).removeprefix("torch."),
-        quantization=str(spec) if spec else None, encoder_device=encoder_device or "gpu", weights=weights,
+        quantization=str(spec) if spec else None, weights=weights,
+        encoder_device="encode workers" if encode_workers else encoder_device or "gpu",
         host_weights=host, size=size, rows=max_batch_size, decode_batch=max_decode_batch, step=step,
         worst_size=worst_size, worst=worst, attention={k: dict(v) for k, v in memory.attention.items() if v},
         request_bytes=request.max_blocks * block_bytes, request_rows=request.rows, context=int(context_gib * GIB),
         utilization=gpu_memory_utilization, vae_tiling=vae_tiling, decode_stage=decode_stage,
         decode_queue=decode_queue_bytes(adapter, EngineConfig(**engine), decode_stage is not False),
-        decode_workers=decode_workers,
+        decode_workers=decode_workers, encode_workers=encode_workers,
         encode_stage=encode_stage, encode_ahead=encode_ahead_bytes(adapter, EngineConfig(**engine)))
     for card in cards_gib:  # as memory_profile.gpu_pool_bytes: the share of the card, less all that is used
         def pool_bytes(stage: bool, card: float = card) -> int:
@@ -247,6 +253,12 @@ def _parts(parts: dict[str, int]) -> str:
     return ", ".join(f"{k} {_gib(v)}" for k, v in parts.items())
 
 
+def _encoders_at(e: Estimate) -> str:
+    if e.encode_workers:
+        return f"text encoders in {e.encode_workers} encode process(es) off this GPU"
+    return "encoders beside the loop's"
+
+
 def render(e: Estimate) -> str:
     """A short table for people."""
     (h, w), (wh, ww) = e.size, e.worst_size
@@ -260,7 +272,7 @@ def render(e: Estimate) -> str:
                  (f"; the decode stage's VAE in {e.decode_workers} decode process(es) off this GPU, its queue "
                   f"{_gib(e.decode_queue)}" if e.decode_workers else
                   f"; the decode stage's VAE beside the loop's, its queue {_gib(e.decode_queue)}") if e.decode_stage
-                 else "") + (f"; the encode stage's encoders beside the loop's, its ready texts and starts "
+                 else "") + (f"; the encode stage's {_encoders_at(e)}, its ready texts and starts "
                              f"{_gib(e.encode_ahead)}" if e.encode_stage else "")),
              ("needed: weights, context, worst step", e.needed, f"CUDA context assumed {_gib(e.context)}")]
     if e.decode_stage is None:
@@ -304,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-workers", type=int, default=0, help="decode processes on another device")
     parser.add_argument("--encode-stage", action=argparse.BooleanOptionalAction, default=DEFAULTS.encode_stage)
     parser.add_argument("--max-encode-ahead", type=int, default=DEFAULTS.max_encode_ahead)
+    parser.add_argument("--encode-workers", type=int, default=0, help="encode processes on another device")
     parser.add_argument("--size", default=None, help="HEIGHTxWIDTH of the typical step (default: the model's)")
     parser.add_argument("--cards", default=",".join(map(str, CARDS_GIB)), help="card sizes in GiB, comma-separated")
     parser.add_argument("--context-gib", type=float, default=CUDA_CONTEXT_GIB)
@@ -320,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
         result = estimate(args.model, args.dtype, args.encoder_device, args.quantization, args.max_batch_size, size,
                           args.max_image_pixels, args.max_decode_batch, args.gpu_memory_utilization, args.vae_dtype,
                           args.vae_tiling, cards, args.context_gib, args.decode_stage, args.max_decode_queue,
-                          args.encode_stage, args.max_encode_ahead, args.decode_workers)
+                          args.encode_stage, args.max_encode_ahead, args.decode_workers, args.encode_workers)
     except ValueError as e:
         parser.error(str(e))
     print(render(result))

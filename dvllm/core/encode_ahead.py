@@ -8,6 +8,9 @@ request's images, go with those images (once per digest). Texts with text LoRA a
 preempted requests (their conditions come back with their state) are never sent. At most `capacity` texts are
 queued or held ready at a time; the rest wait their turn.
 
+With encode workers (`always`), the worker has no text encoders: every text waits for the stage, running
+batch or not.
+
 A request with input images (img2img, inpainting, an edit) has its start made ahead too: its VAE encode and the
 draws of its seeded generator, which the loop takes with the generator as those draws left it (`start_key`).
 It counts as one item against the same capacity.
@@ -42,8 +45,11 @@ def encode_keys(request: Request) -> list[tuple[bytes, EncodeKey]]:
 
 
 class EncodeAhead:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, always: bool = False) -> None:
         self.capacity = capacity
+        # Every text waits for the stage, even with nothing running (with encode workers the worker holds no text
+        # encoders of its own)
+        self.always = always
         self.keys: dict[EncodeKey, bool] = {}  # sent to the stage and not yet used or dropped -> ready
 
     def plan(self, waiting: Iterable[Request], blocks: BlockManager

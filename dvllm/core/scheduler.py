@@ -56,7 +56,8 @@ class Scheduler:
         # that takes its id meanwhile)
         self._stale: dict[str, int] = {}
         # With the worker's encode stage: the texts it encodes ahead of admission
-        self.ahead = EncodeAhead(config.max_encode_ahead) if config.encode_stage else None
+        self.ahead = EncodeAhead(config.max_encode_ahead, always=config.encode_workers > 0) \
+            if config.encode_stage else None
 
     # -- requests in and out -------------------------------------------------
     def add_request(self, request: Request, age: int = 0) -> None:
@@ -142,7 +143,7 @@ class Scheduler:
         out = SchedulerOutput(iteration=self.iteration)
         self._admit(out)
         if self.ahead is not None:  # those left waiting behind a running batch: their texts, to the encode stage
-            waiting = sorted(self.waiting, key=self.urgency) if self.running else []
+            waiting = sorted(self.waiting, key=self.urgency) if self.running or self.ahead.always else []
             send, drop, out.encode_images, out.encode_starts = self.ahead.plan(waiting, self.blocks)
             out.encode_jobs, out.encode_drops = send, out.encode_drops + drop
         batch = self._pick_batch()
@@ -160,7 +161,10 @@ class Scheduler:
             self._batches[self.iteration] = batch
         out.num_rows = sum(r.rows for r in batch)
         out.freed_ids, self._freed = self._freed, []
-        out.await_decodes = bool(self.decoding) and not (batch or out.new_requests or out.resumed_requests)
+        idle = not (batch or out.new_requests or out.resumed_requests)
+        out.await_decodes = bool(self.decoding) and idle
+        # Requests wait for texts the encode stage is on and nothing else is to run: the worker waits for them
+        out.await_encodes = idle and self.ahead is not None and not all(self.ahead.keys.values())
         return out
 
     def _admit(self, out: SchedulerOutput) -> None:
@@ -178,7 +182,7 @@ class Scheduler:
         images_budget = self.input_images_per_step
         lora_blocked = False
         # While a batch runs, texts are encoded by the worker's encode stage, not here: wait for them
-        gate = self.ahead is not None and bool(self.running)
+        gate = self.ahead is not None and (bool(self.running) or self.ahead.always)
         for request in list(self.waiting):  # requests preempted below join the queue after this pass
             key = request.shape_key
             if key in blocked:

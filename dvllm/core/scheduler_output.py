@@ -100,6 +100,7 @@ class SchedulerOutput:
     # Requests are in the worker's decode stage and nothing else is to run: the worker waits (briefly) for
     # their images instead.
     await_decodes: bool = False
+    await_encodes: bool = False  # likewise, for texts of waiting requests the encode stage is on
     # The worker's encode stage: texts (text, negative, max_sequence_length, images' digest) to encode ahead of
     # admission, first of all; and texts to forget (no waiting request needs them).
     encode_jobs: list[tuple] = field(default_factory=list)
@@ -110,7 +111,8 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not (self.new_requests or self.resumed_requests or self.scheduled_ids or self.freed_ids
-                    or self.preempted_ids or self.await_decodes or self.encode_jobs or self.encode_drops
+                    or self.preempted_ids or self.await_decodes or self.await_encodes or self.encode_jobs
+                    or self.encode_drops
                     or self.encode_starts)
 
 

@@ -8,6 +8,12 @@ model's texts come with the images its encoder reads them with, held here while 
 blocks admission gave them. The same encoder calls on the same texts: the conditions are those the loop would
 have made. An encode that fails fails the requests that wait for it only (a batched call that raises is retried
 text by text); if the thread dies, a new one takes over its texts.
+
+With encode workers (encode_worker.py) the stage has a lane per worker process: each lane's thread sends its
+texts to its process, whose copy of the text encoders encodes them, and brings their conditions to the device.
+A batch whose process died is encoded once more (on the process started in its place), then text by text: a
+text whose process dies twice fails the requests that wait for it only. Starts (the VAE encode of input images)
+stay with the lanes' threads, in the worker's process.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ from typing import Any, Callable
 import torch
 
 from dvllm.core.scheduler_output import StartJob
+from dvllm.worker.encode_worker import EncodeWorker
+from dvllm.worker.stage_process import WorkerProcessLost
 from dvllm.worker.stage_thread import StageThread
 from dvllm.worker.start_latents import Start
 
@@ -55,9 +63,10 @@ class EncodeStage(StageThread):
     kind = "encode"
 
     def __init__(self, encode: EncodeFn, device: torch.device, max_batch: int, lock: threading.Lock,
-                 start: StartFn | None = None) -> None:
-        super().__init__(device)
+                 start: StartFn | None = None, workers: list[EncodeWorker] | None = None) -> None:
+        super().__init__(device, lanes=len(workers) if workers else 1)
         self._encode, self._start_fn, self.max_batch = encode, start, max_batch
+        self.workers = workers or []  # encode processes, one a lane; none: the lane's thread encodes
         # The text encoders and their tokenizers are shared with the loop, which still encodes some texts itself
         # (adapters, images): one caller at a time (fast tokenizers refuse concurrent use).
         self.lock = lock
@@ -110,9 +119,12 @@ class EncodeStage(StageThread):
                     tensor.record_stream(torch.cuda.current_stream())
         return result
 
-    def collect(self) -> Encoded:
+    def collect(self, timeout: float = 0.0) -> Encoded:
+        """What is done; with a timeout, waits up to it for something to be (while texts are pending)."""
         with self._cond:
             self._revive()
+            if timeout > 0 and not (self._done.ready or self._done.errors) and (self._jobs or self._taken):
+                self._cond.wait(timeout)
             done, self._done = self._done, Encoded()
         return done
 
@@ -123,26 +135,29 @@ class EncodeStage(StageThread):
             return len(self._jobs) + len(self._taken)
 
     def close(self) -> None:
-        """Returns once the thread is done with the texts it is on; those queued are forgotten (the requests that
-        wait for them are not admitted once the worker closes)."""
+        """Returns once the threads are done with the texts they are on; those queued are forgotten (the requests
+        that wait for them are not admitted once the worker closes). The encode processes are stopped then."""
         with self._cond:
             self._jobs.clear()
             self._forget_images(self._taken)
         self._join()
+        for worker in self.workers:
+            worker.close()
 
     # -- the thread's side -----------------------------------------------------------------
-    def _work(self, taken: list[EncodeKey], lane: int) -> tuple[dict[EncodeKey, torch.Tensor], dict[EncodeKey, str]]:
-        return self._encode_keys(taken)
+    def _work(self, taken: list[EncodeKey], lane: int) -> tuple[dict, dict, Any]:
+        results, errors = self._encode_keys(taken, lane)
+        event = None
+        if self.device.type == "cuda":  # what the loop's stream waits for before it reads them
+            event = torch.cuda.Event()
+            event.record()  # (on this lane's stream)
+        return results, errors, event
 
-    def _finish(self, taken: list[EncodeKey], result: tuple[dict, dict], seconds: float) -> None:
-        results, errors = result
+    def _finish(self, taken: list[EncodeKey], result: tuple[dict, dict, Any], seconds: float) -> None:
+        results, errors, event = result
         for key, conditions in results.items():
             if key in self._dropped:
                 continue
-            event = None
-            if self._stream is not None:
-                event = torch.cuda.Event()
-                event.record(self._stream)
             self._results[key] = (conditions, event)
             self._done.ready.append(key)
         self._done.errors.update({k: v for k, v in errors.items() if k not in self._dropped})
@@ -178,14 +193,13 @@ class EncodeStage(StageThread):
         self._jobs = [key for key in self._jobs if key not in taken]
         return taken
 
-    def _encode_keys(self, keys: list[EncodeKey]) -> tuple[dict[EncodeKey, Any], dict[EncodeKey, str]]:
+    def _encode_keys(self, keys: list[EncodeKey], lane: int) -> tuple[dict[EncodeKey, Any], dict[EncodeKey, str]]:
         if _is_start(keys[0]):
             return self._make_start(keys[0])
         try:
             length, digest = keys[0][2:]
             images = None if digest is None else self._images[digest]  # kept while the batch holds it
-            with self.lock:
-                flat = self._encode([key[:2] for key in keys], length, images)
+            flat = self._encode_texts([key[:2] for key in keys], length, images, lane)
             return dict(zip(keys, flat)), {}
         except Exception as e:  # noqa: BLE001 - pinned on the text that fails, below
             if len(keys) == 1:
@@ -193,7 +207,20 @@ class EncodeStage(StageThread):
                 return {}, {keys[0]: f"prompt encoding failed: {type(e).__name__}: {e}"}
         results, errors = {}, {}
         for key in keys:
-            one, failed = self._encode_keys([key])
+            one, failed = self._encode_keys([key], lane)
             results.update(one)
             errors.update(failed)
         return results, errors
+
+    def _encode_texts(self, texts: list[tuple[str, bool]], length: int | None, images: Any, lane: int
+                      ) -> torch.Tensor:
+        if not self.workers:
+            with self.lock:
+                return self._encode(texts, length, images)
+        worker = self.workers[lane]
+        try:
+            flat = worker.encode((texts, length, images))
+        except WorkerProcessLost as e:  # once more, on the process started in its place (then text by text)
+            logger.error("%s; encoding its %d text(s) again", e, len(texts))
+            flat = worker.encode((texts, length, images))
+        return flat.to(self.device)

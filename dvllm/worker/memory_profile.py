@@ -3,7 +3,8 @@ in and the worst step the engine's limits allow has shown its peak.
 
 A step runs three kinds of work, one after another, each with its own transient memory: the text
 encoders on a full admission batch (every new request with a prompt and a negative prompt; nothing on this
-device when encoder_device puts them elsewhere, and their weights are then not here either), the
+device when encoder_device puts them elsewhere or encode workers hold them, and their weights are then not
+here either), the
 denoiser on a full forward (max_batch_size rows, padded up to its bucket when batches are padded) at
 the largest size max_image_pixels allows, and the VAE on a decode chunk (max_decode_batch images at
 that size; the runner never decodes more at once). Each is run once here on zeros and its peak taken;
@@ -109,8 +110,10 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
         adapter.decode(latents, (height, width))
 
     def encode() -> None:
+        texts_here = not config.encode_workers  # encode workers encode them in processes of their own
         if info.images.edit_grids is None:
-            adapter.encode_prompt(texts)
+            if texts_here:
+                adapter.encode_prompt(texts)
             if config.encode_stage and info.images.img2img:  # the stage makes img2img starts too, beside the forward
                 from PIL import Image
 
@@ -121,9 +124,9 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
         from PIL import Image
 
         images = tuple(Image.new("RGB", (height, height)) for _ in range(info.images.max_images))
-        if info.text.reads_images:
+        if texts_here and info.text.reads_images:
             adapter.encode_prompt([("x", False)], images=images)
-        else:
+        elif texts_here:
             adapter.encode_prompt(texts)
         adapter.prepare_edit(images, 1, height, width, torch.Generator("cpu").manual_seed(0))
 

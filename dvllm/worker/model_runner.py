@@ -31,8 +31,9 @@ from dvllm.worker.step_cache_hooks import CacheHooks
 from dvllm.worker.step_cache_state import CacheState
 
 logger = logging.getLogger(__name__)
-# How long a step with nothing to run but decodes to await waits for one (the loop comes back for new requests)
-_AWAIT_DECODES_S = 0.02
+# How long a step with nothing to run but decodes (or encodes) to await waits for one (the loop comes back for new
+# requests)
+_AWAIT_STAGE_S = 0.02
 
 
 class ModelRunner:
@@ -127,14 +128,16 @@ class ModelRunner:
             self.states.pop(request_id, None)
         if self.decode_stage is not None:  # what the stage finished meanwhile (waiting when there is nothing else)
             with self.timer.phase("decode"):
-                done = self.decode_stage.collect(timeout=_AWAIT_DECODES_S if out.await_decodes else 0.0)
+                done = self.decode_stage.collect(timeout=_AWAIT_STAGE_S if out.await_decodes else 0.0)
             images.update(done.images)
             errors.update(done.errors)
             previews.update(done.previews)
             preview_steps.update(done.preview_steps)
             stages.add("decode_stage", done.seconds, done.num_images)
         cached = {k: v for k, v in cached.items() if k not in errors}
-        encoded = self.encode_stage.collect() if self.encode_stage is not None else None
+        encoded = None
+        if self.encode_stage is not None:
+            encoded = self.encode_stage.collect(timeout=_AWAIT_STAGE_S if out.await_encodes else 0.0)
         if encoded is not None:
             stages.add("encode_stage", encoded.seconds, encoded.num_texts)
         return RunnerOutput(images=images, errors=errors, previews=previews, preview_steps=preview_steps,

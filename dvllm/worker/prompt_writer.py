@@ -25,6 +25,7 @@ class PromptWriter:
         self.adapter, self.pool, self.lora = adapter, pool, lora
         self.encode_stage: EncodeStage | None = None  # None: admission encodes every text
         self.lock = threading.Lock()  # the text encoders: the loop's calls and the encode stage's
+        self.encoders_released = False  # encode workers hold the text encoders: every text comes from the stage
 
     def read_text_lengths(self, states: list[RequestState]) -> None:
         """Each new request's real text lengths, read from its stored masks once (one read for all of them),
@@ -55,6 +56,9 @@ class PromptWriter:
         failed: dict[tuple[int, ...], str] = {}
 
         def encode(texts: list[tuple[str | None, bool, int | None, tuple, Any]]) -> None:
+            if self.encoders_released:  # (the scheduler admits no request before the stage has its texts)
+                raise RuntimeError("the worker holds no text encoders (its encode workers do), and the encode "
+                                   "stage has not encoded this text")
             encoded = {}
             # one encoder call per length, adapters and images
             for length, loras, images in dict.fromkeys(t[2:] for t in texts):
@@ -96,14 +100,21 @@ class PromptWriter:
 
     def encode_flat(self, texts: list[tuple[str | None, bool]], max_sequence_length: int | None,
                     images: Any = None) -> torch.Tensor:
-        """The encode stage's call: texts of one length (read with one request's images, for an edit model whose
-        encoder reads them) -> their conditions flattened, [texts, numel]."""
-        kwargs = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
-        if images is not None:
-            kwargs["images"] = as_images(images)
-        conditions = self.adapter.on_device(self.adapter.encode_prompt(texts, **kwargs))
-        shapes = self.adapter.info.text.condition_shapes
-        return torch.cat([flatten(c, shapes) for c in conditions])
+        """The encode stage's call (see encode_flat)."""
+        return encode_flat(self.adapter, texts, max_sequence_length, images)
+
+
+def encode_flat(adapter: ModelAdapter, texts: list[tuple[str | None, bool]], max_sequence_length: int | None,
+                images: Any = None) -> torch.Tensor:
+    """Texts of one length (read with one request's images, for an edit model whose encoder reads them) -> their
+    conditions flattened, [texts, numel], on the adapter's device (the encode stage's call, and an encode
+    worker's)."""
+    kwargs = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+    if images is not None:
+        kwargs["images"] = as_images(images)
+    conditions = adapter.on_device(adapter.encode_prompt(texts, **kwargs))
+    shapes = adapter.info.text.condition_shapes
+    return torch.cat([flatten(c, shapes) for c in conditions])
 
 
 class ImageKey:

@@ -17,6 +17,7 @@ from dvllm.worker.decode_stage import DecodeStage
 from dvllm.worker.decode_worker import start_decode_workers
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage
+from dvllm.worker.encode_worker import start_encode_workers
 from dvllm.worker.model_runner import ModelRunner, to_output_type
 from dvllm.worker.start_latents import make_start
 from dvllm.worker.state_pool import create_state_pool
@@ -43,6 +44,11 @@ class Worker:
                                load=config.load_config)
         self.dtype = adapter.dtype  # "auto" resolved for the model's family
         self.quantization = config.load_config.quantization
+        # Before the memory profile: the worker's own text encoders are freed, and their work is not its device's
+        encode_devices = config.encode_devices or ["cpu"]
+        encoders = start_encode_workers(adapter, config.encode_workers, encode_devices,
+                                        self.device) if config.encode_workers else None
+        self.encoders_at = ",".join(encode_devices) if encoders else None  # None: the adapter's encoder_device
         self.pool, decode_stage = create_state_pool(config, adapter)
         custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step
         self.timer = PhaseTimer(config.profile_steps, self.device)
@@ -56,7 +62,9 @@ class Worker:
         if config.encode_stage:  # as many texts a call as the memory profile measured (two per row)
             prompts = self.runner.prompts
             prompts.encode_stage = EncodeStage(prompts.encode_flat, self.device, 2 * config.max_batch_size,
-                                               prompts.lock, start=functools.partial(make_start, adapter))
+                                               prompts.lock, start=functools.partial(make_start, adapter),
+                                               workers=encoders)
+            prompts.encoders_released = bool(encoders)
 
     def model_info(self) -> ModelInfo:
         return self.runner.adapter.info
@@ -65,7 +73,7 @@ class Worker:
         adapter = self.runner.adapter
         return LoadedModel(name=adapter.name, device=str(self.device), dtype=_dtype_name(self.dtype),
                            vae_dtype=_dtype_name(adapter.pipeline.vae.dtype),
-                           encoder_device=str(adapter.encoder_device),
+                           encoder_device=self.encoders_at or str(adapter.encoder_device),
                            quantization=None if self.quantization is None else str(self.quantization))
 
     def phase_seconds(self) -> dict[str, float]:
