@@ -25,6 +25,21 @@ def test_the_encode_stall_benchmark_runs_both_engines_on_the_same_bursts(sd_eps_
     assert result["gap_ratio_on_off"] > 0 and result["wall_ratio_on_off"] > 0
     assert result["burst_chars"] <= result["prompt_chars_per_step"]
     assert result["burst_images_max_abs_diff"] < 1e-5
+    assert "workers" not in result and "workers_images_max_abs_diff" not in result  # no encode workers: two engines
+
+
+def test_the_encode_stall_benchmark_adds_the_stage_with_encode_workers(sd_eps_path):
+    result = main(["--model", sd_eps_path, "--size", "16", "--burst", "3", "--runners", "1", "--steps", "2",
+                   "--rounds", "1", "--encode-workers", "1"])
+    workers = result["workers"]
+    assert len(workers["rounds"]) == 1
+    assert workers["longest_gap_s"] >= workers["mean_gap_s"] > 0
+    assert workers["wall_s"] >= workers["burst_latency_p95_s"] >= workers["burst_latency_p50_s"] > 0
+    assert workers["admission_steps"] == 1
+    assert result["encode_workers"] == 1 and result["encode_device"] is None
+    assert result["gap_ratio_workers_off"] > 0 and result["wall_ratio_workers_off"] > 0
+    assert result["workers_images_max_abs_diff"] < 1e-5  # against both the stage-off and the in-process stage's
+    assert result["burst_images_max_abs_diff"] < 1e-5
 
 
 def test_burst_texts_are_new_in_every_round_and_the_same_for_both_engines():

@@ -28,6 +28,10 @@ one step: the default setting is the one measured, and the stall without the sta
 (`admission_steps` says over how many it did). The stage may hold `max(32, 2 x burst)` texts, so that it encodes the
 whole burst ahead in one go.
 
+`--encode-workers N` adds a third engine, "workers": the stage with N encode worker processes (on
+`--encode-device`), in the same rounds (off, on, workers, then workers, on, off, ...), with the same figures, its
+ratios to the engine without the stage, and the largest difference between its images and the other two's.
+
     python -m dvllm.benchmarks.encode_stall --model sd15 --size 64 --burst 16
 
 The presets' byte-level CLIP tokenizer reads a prompt's first 75 bytes (77 tokens, a real CLIP tokenizer about 60
@@ -77,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-chars-per-step", type=int, default=None,
                         help="The engines' max_prompt_chars_per_step (default: the engine's, 2 x max_prompt_chars).")
     parser.add_argument("--rounds", type=int, default=3, help="Rounds per engine, interleaved.")
+    parser.add_argument("--encode-workers", type=int, default=0,
+                        help="Also run the stage with this many encode worker processes (0: not run).")
+    parser.add_argument("--encode-device", default=None,
+                        help="The encode workers' device(s), comma-separated (default: the CPU).")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", help="Write the figures as JSON here.")
     return parser
@@ -125,8 +133,9 @@ def _quiet_truncation():
             library.set_verbosity(level)
 
 
-def _engine(args: argparse.Namespace, stage: bool) -> DiffusionEngine:
+def _engine(args: argparse.Namespace, stage: bool, workers: int = 0) -> DiffusionEngine:
     engine = DiffusionEngine(model=args.model, load_format="auto", device=args.device, encode_stage=stage,
+                             encode_workers=workers, encode_device=args.encode_device if workers else None,
                              decode_stage=True,
                              max_batch_size=2 * (args.burst + args.runners), max_image_pixels=args.size ** 2,
                              max_encode_ahead=max(32, 2 * args.burst),
@@ -224,17 +233,36 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _compare(engines: dict[str, DiffusionEngine], args: argparse.Namespace) -> dict[str, Any]:
-    for engine in engines.values():  # warm up: kernels, the runners' text in the prompt cache, the stage's thread
+    if not args.encode_workers:
+        return _compare_all(engines, args)
+    # the third engine, made here so that run_off_on's two stay as they are; shut down whatever happens
+    workers = _engine(args, True, args.encode_workers)
+    try:
+        return _compare_all({**engines, "workers": workers}, args)
+    finally:
+        workers.shutdown()
+
+
+def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+def _compare_all(engines: dict[str, DiffusionEngine], args: argparse.Namespace) -> dict[str, Any]:
+    # warm up: kernels, the runners' text in the prompt cache, the stage's thread (and its encode workers)
+    for engine in engines.values():
         _round(engine, args, 0)
     rounds: dict[str, list[Round]] = {k: [] for k in engines}
-    worst_diff = 0.0
+    worst_diff = worst_workers_diff = 0.0
     for r in range(1, args.rounds + 1):
         images = {}
-        for name in ("off", "on") if r % 2 else ("on", "off"):
+        for name in list(engines) if r % 2 else list(engines)[::-1]:
             result = _round(engines[name], args, r)
             rounds[name].append(result)
             images[name] = result.images
-        worst_diff = max(worst_diff, max(float(np.abs(a - b).max()) for a, b in zip(images["on"], images["off"])))
+        worst_diff = max(worst_diff, _max_diff(images["on"], images["off"]))
+        if "workers" in images:
+            worst_workers_diff = max(worst_workers_diff, _max_diff(images["workers"], images["off"]),
+                                     _max_diff(images["workers"], images["on"]))
     texts = burst_texts(1, args.burst, args.prompt_words)
     result: dict[str, Any] = {
         "model": args.model, "size": args.size, "burst": args.burst, "runners": args.runners, "steps": args.steps,
@@ -246,6 +274,11 @@ def _compare(engines: dict[str, DiffusionEngine], args: argparse.Namespace) -> d
     }
     result["gap_ratio_on_off"] = result["on"]["longest_gap_s"] / result["off"]["longest_gap_s"]
     result["wall_ratio_on_off"] = result["on"]["wall_s"] / result["off"]["wall_s"]
+    if "workers" in engines:
+        result.update(encode_workers=args.encode_workers, encode_device=args.encode_device,
+                      workers_images_max_abs_diff=worst_workers_diff,  # against both other engines' images
+                      gap_ratio_workers_off=result["workers"]["longest_gap_s"] / result["off"]["longest_gap_s"],
+                      wall_ratio_workers_off=result["workers"]["wall_s"] / result["off"]["wall_s"])
     return result
 
 
