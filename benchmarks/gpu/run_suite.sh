@@ -6,7 +6,7 @@
 # on sdxl: 8 adapters mixed in one batch and the step cost they add (dvllm.benchmarks.lora, throughput --loras),
 # then image editing on qwen-image-edit: dvllm, serial and static on the same edit requests at 3x what serial
 # sustains (dvllm.benchmarks.edit_sweep, one server at a time: three copies of the 20B model do not fit),
-# then the decode stage's loop stall (a thread, then decode processes on the CPU), the encode stage's (a burst of new prompts while a batch runs), async
+# then the decode stage's loop stall (a thread, then decode processes on the CPU), the encode stage's (a burst of new prompts while a batch runs; a thread, then an encode process), async
 # scheduling off vs on, and the engine core in its own process against a thread (dvllm.benchmarks.loop_stall,
 # encode_stall, async_scheduling, core_process_serving, sd15 at 512x512),
 # then each family's preset loaded as served, bf16/fp16 and quantized (dvllm.benchmarks.preset_load).
@@ -53,7 +53,7 @@ if [ $dry = 1 ]; then
   $python -m dvllm.benchmarks.loop_stall --model tiny-sd --size 32 --cohort 4 --rounds 1 --output "$out/loop_stall_dry.json"
   $python -m dvllm.benchmarks.loop_stall --model tiny-sd --size 32 --cohort 4 --rounds 1 --decode-workers 1 \
     --output "$out/loop_stall_workers_dry.json"
-  $python -m dvllm.benchmarks.encode_stall --model tiny-sd --size 32 --burst 4 --rounds 1 \
+  $python -m dvllm.benchmarks.encode_stall --model tiny-sd --size 32 --burst 4 --rounds 1 --encode-workers 1 \
     --output "$out/encode_stall_dry.json"
   $python -m dvllm.benchmarks.async_scheduling --model tiny-sd --size 32 --requests 6 --steps 2 --max-batch-size 4 \
     --rounds 1 --output "$out/async_scheduling_dry.json"
@@ -94,9 +94,10 @@ else
   timeout 120 $python -m dvllm.benchmarks.loop_stall --model sd15 --size 512 --cohort 8 --rounds 1 --device cuda \
     --decode-workers 2 --decode-device cpu --output "$out/loop_stall_workers.json" 2>&1 \
     | tee "$out/loop_stall_workers.txt" || echo "loop_stall with decode workers stopped early"
-  echo "== encode stage: the loop's longest gap when 16 requests with new prompts (CFG) arrive while one runs, on vs off"
-  timeout 150 $python -m dvllm.benchmarks.encode_stall --model sd15 --size 512 --burst 16 --rounds 2 --device cuda \
-    --output "$out/encode_stall.json" 2>&1 | tee "$out/encode_stall.txt" || echo "encode_stall stopped early"
+  echo "== encode stage: the loop's longest gap when 16 requests with new prompts (CFG) arrive while one runs, off vs"
+  echo "   on (a thread) vs on with an encode process on the CPU (the GPU holds no text encoder)"
+  timeout 180 $python -m dvllm.benchmarks.encode_stall --model sd15 --size 512 --burst 16 --rounds 2 --device cuda \
+    --encode-workers 1 --encode-device cpu --output "$out/encode_stall.json" 2>&1 | tee "$out/encode_stall.txt" || echo "encode_stall stopped early"
   echo "== async scheduling: 32 small requests (8 steps, 8 rows a forward, progress outputs), off vs on (sd15, 512x512)"
   timeout 180 $python -m dvllm.benchmarks.async_scheduling --model sd15 --size 512 --requests 32 --steps 8 \
     --max-batch-size 8 --device cuda --output "$out/async_scheduling.json" 2>&1 | tee "$out/async_scheduling.txt" \
