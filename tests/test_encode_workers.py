@@ -85,6 +85,28 @@ def test_an_edit_models_copy_reads_its_prompts_with_the_images(qwen_image_edit_p
                                    encode_flat(adapter, TEXTS[:2], None, images), rtol=0, atol=0)
 
 
+def test_an_edit_engines_prompts_go_to_the_process_with_their_images(qwen_image_edit_path):
+    """Qwen-Image-Edit's VL encoder reads each prompt with its request's image: with an encode process the images
+    travel with the texts, and the edits are the stage-off engine's."""
+    from test_encode_stage import P
+
+    def picture(seed: int):
+        from PIL import Image
+
+        return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (48, 40, 3), dtype=np.uint8))
+
+    size = {"height": 32, "width": 32}
+    first = ("make it red", P(seed=1, num_inference_steps=4, image=picture(1), **size))
+    later = [("make it blue", P(seed=2, image=picture(2), negative_prompt="blurry", **size)),
+             ("make it blue", P(seed=3, image=picture(3), **size))]  # the same text, another image
+    want = _run(_engine(qwen_image_edit_path, encode_stage=False), first=first, later=later)
+    engine = _engine(qwen_image_edit_path, encode_workers=1)
+    got = _run(engine, first=first, later=later)
+    assert engine.stats()["stage_items"]["encode_stage"] >= 4  # every prompt (the negatives too), by the process
+    _assert_same_images(got, want, ["first", "0", "1"])
+    engine.shutdown()
+
+
 def test_a_tied_weight_stays_one_tensor_and_buffers_come_along(flux_path):
     """T5's shared embedding is tied to its encoder's: the copy carries it once and the built module ties it
     again; non-persistent buffers (which no state dict holds) are copied too."""
