@@ -133,6 +133,7 @@ def test_a_worker_killed_mid_batch_loses_no_request(sd_eps_path, in_loop):
     os.kill(first, signal.SIGKILL)
     _assert_same_outputs(_finish(engine, outputs), in_loop)
     assert worker.restarts == 1 and worker.pid != first
+    assert engine.stats()["stage_restarts"]["decode_stage.process"] == 1
     engine.shutdown()
 
 

@@ -184,6 +184,12 @@ def test_an_encode_thread_that_dies_loses_no_request(sd_eps_path, in_loop, monke
     outputs = _run(engine, hook=hook)
     assert killed.is_set() and engine.executor.worker.runner.encode_stage.restarts == 1
     _assert_same_images(outputs, in_loop, ["first", "0", "1", "2"])
+    from dvllm.entrypoints.metrics import ServerMetrics
+
+    assert engine.stats()["stage_restarts"] == {"encode_stage.thread": 1, "encode_stage.process": 0,
+                                                "decode_stage.thread": 0, "decode_stage.process": 0}
+    scrape = ServerMetrics(engine.stats, lambda: 0).render().decode()
+    assert 'dvllm_stage_restarts_total{part="thread",stage="encode_stage"} 1.0' in scrape
 
 
 def test_an_abort_while_its_texts_are_encoded_ends_the_request_once(sd_eps_path, in_loop, monkeypatch):

@@ -139,6 +139,7 @@ def test_a_worker_killed_mid_batch_loses_no_request(sd_eps_path, stage_off):
 
     got = _run(engine, hook=kill_once_in_flight)
     assert worker.restarts == 1 and worker.pid != first
+    assert engine.stats()["stage_restarts"]["encode_stage.process"] == 1  # (the metrics' dvllm_stage_restarts)
     _assert_same_images(got, stage_off, ["first", "0", "1", "2"])
     engine.shutdown()
 

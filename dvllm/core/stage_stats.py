@@ -19,6 +19,9 @@ class StageStats:
 
     seconds: dict[str, float] = field(default_factory=dict)
     items: dict[str, int] = field(default_factory=dict)
+    # Restarts of a stage's parts: "<stage>.thread" (a stage thread that died) and "<stage>.process" (a decode or
+    # encode worker process that died), counted where they happen and reported once
+    restarts: dict[str, int] = field(default_factory=dict)
 
     def add(self, stage: str, seconds: float, items: int) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
@@ -27,6 +30,8 @@ class StageStats:
     def merge(self, other: StageStats) -> None:
         for stage, seconds in other.seconds.items():
             self.add(stage, seconds, other.items.get(stage, 0))
+        for part, count in other.restarts.items():
+            self.restarts[part] = self.restarts.get(part, 0) + count
 
     @contextmanager
     def timing(self, stage: str) -> Iterator[None]:

@@ -271,7 +271,9 @@ class Coordinator:
         for core in self.cores:
             stages.merge(core.stages)
         return {**totals, "stage_seconds": {name: stages.seconds.get(name, 0.0) for name in STAGES},
-                "stage_items": {name: stages.items.get(name, 0) for name in STAGES}}
+                "stage_items": {name: stages.items.get(name, 0) for name in STAGES},
+                "stage_restarts": {f"{name}.{part}": stages.restarts.get(f"{name}.{part}", 0)
+                                   for name in ("encode_stage", "decode_stage") for part in ("thread", "process")}}
 
     def worker_stats(self) -> list[dict]:
         """Per worker: liveness, rows per step, steps per second in flight, the time per step the executor

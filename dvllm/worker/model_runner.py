@@ -56,6 +56,7 @@ class ModelRunner:
         # the driver admitted this step's requests before it heard of them, so they are checked against both
         self._last_unwritten: dict[tuple[int, ...], str] = {}
         self._last_failed_loras: dict[int, tuple[int, str]] = {}
+        self._restarts_reported: dict[str, int] = {}
 
     @property
     def encode_stage(self) -> EncodeStage | None:
@@ -140,6 +141,7 @@ class ModelRunner:
             encoded = self.encode_stage.collect(timeout=_AWAIT_STAGE_S if out.await_encodes else 0.0)
         if encoded is not None:
             stages.add("encode_stage", encoded.seconds, encoded.num_texts)
+        self._report_restarts(stages)
         return RunnerOutput(images=images, errors=errors, previews=previews, preview_steps=preview_steps,
                             encoded=encoded.ready if encoded else [], encode_errors=encoded.errors if encoded else {},
                             decoding_ids=sorted(decoding),
@@ -147,6 +149,17 @@ class ModelRunner:
                             cached_ids=[k for k, (step_cached, _, _) in cached.items() if step_cached],
                             cache_rows=(sum(v[1] for v in cached.values()), sum(v[2] for v in cached.values())),
                             stages=stages)
+
+    def _report_restarts(self, stages: StageStats) -> None:
+        """The stages' threads and processes restarted since the last step's report."""
+        for name, stage in (("encode_stage", self.encode_stage), ("decode_stage", self.decode_stage)):
+            if stage is None:
+                continue
+            counts = {f"{name}.thread": stage.restarts, f"{name}.process": sum(w.restarts for w in stage.workers)}
+            for part, count in counts.items():
+                if count > self._restarts_reported.get(part, 0):
+                    stages.restarts[part] = count - self._restarts_reported.get(part, 0)
+                    self._restarts_reported[part] = count
 
     def _load_loras(self, loads: list[tuple[int, Any]]) -> dict[int, tuple[int, str]]:
         """Copies adapters into their slots; returns the load ids that failed -> (their slot, left empty; why)."""
