@@ -142,7 +142,7 @@ def test_a_core_process_runs_its_decode_workers_and_takes_them_down_with_it(sd_e
     and preview streams back, and shutting the engine down leaves no decode process behind. (Pixels against the
     in-loop decode are test_images_equal_...'s, in this process. Here the requests reach a core that is already
     stepping, so on a loaded machine the two runs may batch them differently: one CI run saw 3e-7 between them,
-    the float rounding of other batch neighbours, not the decode.)"""
+    most likely the float rounding of other batch neighbours (2.5e-6 in encode_stall), not the decode.)"""
     from test_async_engine import collect
     from test_engine_core_process import _zombie, children_of
 
