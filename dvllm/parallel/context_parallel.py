@@ -1,0 +1,72 @@
+"""Sequence parallelism for one denoiser forward across a group of processes, through diffusers' own context
+parallelism: each process holds the whole transformer, the model's `_cp_plan` splits its inputs' tokens across
+the group at the forward's entry and gathers the output at its exit, and attention exchanges what it needs
+(Ulysses: an all-to-all that trades a slice of tokens for a slice of heads; Ring: key/value chunks passed
+around). diffusers declares a plan per transformer class (Flux, Qwen-Image, Wan among dvllm's families); one
+without a plan cannot be split, and is refused before the group starts.
+
+The group is a torch.distributed process group (NCCL on GPUs, gloo on the CPU) that the caller initialized.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+
+def has_plan(transformer: torch.nn.Module) -> bool:
+    return bool(getattr(type(transformer), "_cp_plan", None))
+
+
+def check_context_parallel(transformer: torch.nn.Module, ulysses_degree: int, ring_degree: int,
+                           device: torch.device) -> None:
+    """ValueError for a degree that cannot work with this transformer on this device."""
+    for name, degree in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree)):
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {degree!r}")
+    if ulysses_degree * ring_degree == 1:
+        return
+    if not has_plan(transformer):
+        raise ValueError(f"diffusers has no context-parallel plan (_cp_plan) for {type(transformer).__name__}: its "
+                         "forward cannot be split across a group")
+    heads = getattr(transformer.config, "num_attention_heads", None)
+    if heads is not None and heads % ulysses_degree:
+        raise ValueError(f"ulysses_degree {ulysses_degree} must divide the model's {heads} attention heads (Ulysses "
+                         "gives each process a slice of the heads)")
+    if ring_degree > 1 and device.type == "cpu":
+        raise ValueError("ring_degree > 1 needs an attention kernel that returns its log-sum-exp (flash, sage on a "
+                         "GPU); the CPU's native attention does not: use ulysses_degree")
+
+
+def enable_context_parallel(transformer: torch.nn.Module, ulysses_degree: int, ring_degree: int,
+                            device: torch.device) -> None:
+    """Splits the transformer's forwards across the current process group (every member calls it, and then
+    runs the same forwards on the same inputs; each gets the whole output)."""
+    from diffusers import ContextParallelConfig
+
+    check_context_parallel(transformer, ulysses_degree, ring_degree, device)
+    if not torch.distributed.is_initialized():
+        raise RuntimeError("context parallelism needs the group's torch.distributed process group initialized")
+    world = torch.distributed.get_world_size()
+    if ulysses_degree * ring_degree != world:
+        raise ValueError(f"ulysses_degree x ring_degree ({ulysses_degree} x {ring_degree}) must be the group's "
+                         f"size, {world}")
+    with _a_device_count():
+        transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses_degree,
+                                                                    ring_degree=ring_degree))
+
+
+@contextmanager
+def _a_device_count() -> Iterator[None]:
+    """diffusers picks each rank's device as `rank % torch.accelerator.device_count()`, which is a division by
+    zero on a machine with no accelerator: there, for that call only, the count reads 1 (the CPU)."""
+    count = torch.accelerator.device_count
+    if count() > 0:
+        yield
+        return
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = count
