@@ -38,6 +38,18 @@ def reference(sd_eps_path) -> list[list[np.ndarray]]:
     return [out.images for out in engine.generate(PROMPTS, _params(), use_tqdm=False)]
 
 
+def _add_and_find_victim(engine, also=lambda core: True) -> int:
+    """Adds a request per prompt and steps until a live worker (one that `also` picks) runs a request that has
+    taken a step: its index."""
+    for i, (prompt, params) in enumerate(zip(PROMPTS, _params())):
+        engine.add_request(f"r{i}", prompt, params)
+    while True:
+        engine.step()
+        for core in engine.coordinator.live():
+            if also(core) and any(r.num_steps_done > 0 for r in core.scheduler.running):
+                return core.index
+
+
 def _assert_same(outputs, reference) -> None:
     for out, ref in zip(outputs, reference):
         assert out.error is None, out.error
@@ -71,14 +83,7 @@ def test_two_workers_match_in_process_and_survive_a_killed_worker(sd_eps_path, r
         assert all(w["alive"] and w["steps"] > 0 and w["rows_per_step"] > 0 for w in workers)  # both took work
 
         # Mid-run, kill the worker holding requests that have taken steps: they start over elsewhere.
-        for i, (prompt, params) in enumerate(zip(PROMPTS, _params())):
-            engine.add_request(f"r{i}", prompt, params)
-        victim = None
-        while victim is None:
-            engine.step()
-            for lane in engine.coordinator.live():
-                if any(r.num_steps_done > 0 for r in lane.scheduler.running):
-                    victim = lane.index
+        victim = _add_and_find_victim(engine)
         moved = {rid for rid, lane in engine.coordinator.home.items() if lane.index == victim}
         assert moved
         ray.kill(engine.executor.actors[victim], no_restart=True)
@@ -357,14 +362,7 @@ def test_async_scheduling_queues_each_workers_next_step_and_survives_a_killed_wo
         _assert_same(engine.generate(PROMPTS, _params(), use_tqdm=False), reference)
         assert max(queued) == 2  # a step queued behind the running one
 
-        for i, (prompt, params) in enumerate(zip(PROMPTS, _params())):
-            engine.add_request(f"r{i}", prompt, params)
-        victim = None
-        while victim is None:
-            engine.step()
-            for core in engine.coordinator.live():
-                if core.submitted and any(r.num_steps_done > 0 for r in core.scheduler.running):
-                    victim = core.index
+        victim = _add_and_find_victim(engine, lambda core: bool(core.submitted))  # one with steps queued
         ray.kill(executor.actors[victim], no_restart=True)
         finished = _run_to_completion(engine)
         assert sorted(finished) == sorted(f"r{i}" for i in range(len(PROMPTS)))  # nothing lost

@@ -137,9 +137,8 @@ class ModelRunner:
             stages.add("decode_stage", done.seconds, done.num_images)
         cached = {k: v for k, v in cached.items() if k not in errors}
         encoded = None
-        if self.encode_stage is not None:
+        if self.encode_stage is not None:  # (waiting when requests wait for it and there is nothing else)
             encoded = self.encode_stage.collect(timeout=_AWAIT_STAGE_S if out.await_encodes else 0.0)
-        if encoded is not None:
             stages.add("encode_stage", encoded.seconds, encoded.num_texts)
         self._report_restarts(stages)
         return RunnerOutput(images=images, errors=errors, previews=previews, preview_steps=preview_steps,
