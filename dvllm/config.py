@@ -13,6 +13,7 @@ from dvllm.config_checks import (
     check_decode_workers,
     check_encode_workers,
     check_encoder_device,
+    check_group,
     check_limits,
     check_workers,
     choice,
@@ -256,6 +257,31 @@ class EngineConfig:
                           "the one it runs, so no worker waits for the scheduler's bookkeeping (or, with Ray, the "
                           "round trip). Outputs, and a request's failure, come one step later."},
     )
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Processes that run each denoiser forward together (a worker group): the worker and "
+                          "this many minus one members of its own, each with a copy of the denoiser on a device of "
+                          "its own and a slice of every row's tokens (diffusers' context parallelism: transformers "
+                          "it has a plan for, Flux and Qwen-Image among dvllm's). The worker alone holds the "
+                          "requests' state; a member lost is started again and the forward run again. Not yet with "
+                          "step caching, LoRA, compile or cuda_graph."},
+    )
+    ring_degree: int = field(
+        default=1,
+        metadata={"help": "How a group splits attention: 1, Ulysses (an all-to-all trades tokens for heads; the "
+                          "group's size must divide the heads); sequence_parallel_size, Ring (key/value chunks "
+                          "passed around; needs a GPU attention that returns its log-sum-exp)."},
+    )
+    group_devices: str | None = field(
+        default=None,
+        metadata={"help": "Where a group's members run, comma-separated, one each. Unset: a CPU worker's on the CPU, "
+                          "a GPU worker's on the GPUs after its own."},
+    )
+    group_timeout_s: float = field(
+        default=300.0,
+        metadata={"help": "A collective of the group (a forward's exchange, its forming) that waits this long fails "
+                          "(a member hung): the group is formed anew and the forward runs again."},
+    )
     engine_core_process: bool | None = field(
         default=None,
         metadata={"help": "Run the async engine's core (scheduler, workers, decode stage) in a process of its own, "
@@ -383,6 +409,7 @@ class EngineConfig:
         check_encoder_device(self)
         check_decode_workers(self)
         check_encode_workers(self)
+        check_group(self)
         if self.quantization is not None or str(self.model).lower().endswith(".gguf"):
             from dvllm.models.quantization import check_use
 

@@ -148,3 +148,31 @@ def check_decode_workers(config: EngineConfig) -> None:
     if config.decode_workers and config.decode_stage is False:
         raise ValueError("decode_workers decode for the decode stage: they cannot be combined with "
                          "decode_stage=False")
+
+
+def check_group(config: EngineConfig) -> None:
+    """A worker group's size, split, devices and timeout, and what it does not serve yet."""
+    size, ring = config.sequence_parallel_size, config.ring_degree
+    for name, value in (("sequence_parallel_size", size), ("ring_degree", ring)):
+        positive_int(name, value)
+    if not (is_number(config.group_timeout_s) and config.group_timeout_s > 0):
+        raise ValueError(f"group_timeout_s must be a number > 0, got {config.group_timeout_s!r}")
+    if ring not in (1, size):
+        raise ValueError(f"ring_degree must be 1 (Ulysses) or sequence_parallel_size, {size} (Ring), got {ring}: a "
+                         "mix of the two splits only sequences both divide, so it is not served")
+    if size == 1:
+        if config.group_devices is not None:
+            raise ValueError("group_devices is set but sequence_parallel_size is 1")
+        return
+    devices = device_list(config.group_devices)
+    if config.group_devices is not None and len(devices) != size - 1:
+        raise ValueError(f"group_devices names {len(devices)} device(s); a group of {size} has {size - 1} members "
+                         "besides the worker")
+    for device in devices:
+        if not (device == "cpu" or is_cuda_index(device)):
+            raise ValueError(f"group_devices: {device!r} is not 'cpu' or 'cuda:N'")
+    unserved = [name for name, on in (("enable_lora", config.enable_lora), ("default_cache", config.default_cache),
+                                      ("compile", config.compile != "off"), ("cuda_graph", config.cuda_graph)) if on]
+    if unserved:
+        raise ValueError(f"sequence_parallel_size > 1 does not serve {', '.join(unserved)} yet: every member's "
+                         "denoiser would have to run them alike")

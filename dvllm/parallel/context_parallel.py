@@ -52,9 +52,21 @@ def enable_context_parallel(transformer: torch.nn.Module, ulysses_degree: int, r
     if ulysses_degree * ring_degree != world:
         raise ValueError(f"ulysses_degree x ring_degree ({ulysses_degree} x {ring_degree}) must be the group's "
                          f"size, {world}")
+    # One of the two alone splits a sequence of any length (a text of any tokens, an image of any patches)
+    config = ContextParallelConfig(ulysses_degree=ulysses_degree, ring_degree=ring_degree,
+                                   ulysses_anything=ring_degree == 1, ring_anything=ulysses_degree == 1)
     with _a_device_count():
-        transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses_degree,
-                                                                    ring_degree=ring_degree))
+        transformer.enable_parallelism(config=config)
+
+
+def rejoin_context_parallel(transformer: torch.nn.Module) -> None:
+    """Points the transformer's split at the current process group: after the group was formed anew (a member
+    lost), every member calls it in the same order, as it called enable_context_parallel."""
+    config = transformer._parallel_config
+    cp = config.context_parallel_config
+    mesh = torch.distributed.device_mesh.init_device_mesh(torch._C._get_accelerator().type,
+                                                           mesh_shape=cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names)
+    config.setup(torch.distributed.get_rank(), torch.distributed.get_world_size(), config._device, mesh=mesh)
 
 
 @contextmanager

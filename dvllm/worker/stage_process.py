@@ -80,7 +80,14 @@ class StageProcess:
         self._process = self._conn = None
 
     def _call(self, message: tuple[str, Any]) -> Any:
+        self._send(message)
+        return self._receive()
+
+    def _send(self, message: tuple[str, Any]) -> None:
         self._conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _receive(self) -> Any:
+        """The answer to the message sent last; raises as `call` says (WorkerProcessLost: not spawned again)."""
         while not self._conn.poll(_ALIVE_POLL_S):
             if self._process.poll() is not None:
                 raise WorkerProcessLost("exited")

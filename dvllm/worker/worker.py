@@ -9,9 +9,10 @@ import torch
 from dvllm._extension import custom_ops_available
 from dvllm.config import EngineConfig
 from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
-from dvllm.models.base import ModelInfo
+from dvllm.models.base import ModelAdapter, ModelInfo
 from dvllm.models.load_config import LoadedModel
 from dvllm.models.loader import load_adapter
+from dvllm.parallel.group import WorkerGroup
 from dvllm.profiler import PhaseTimer
 from dvllm.worker.decode_stage import DecodeStage
 from dvllm.worker.decode_worker import start_decode_workers
@@ -36,6 +37,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _start_group(config: EngineConfig, adapter: ModelAdapter, device: torch.device) -> WorkerGroup:
+    """The worker's group, its every denoiser call shared with the members (and run again if the group fails)."""
+    pipeline = adapter.pipeline
+    group = WorkerGroup(config, getattr(pipeline, "transformer", None) or pipeline.unet, device)
+    adapter.denoise = group.guard(adapter.denoise)  # the runner reads adapter.denoise per call
+    return group
+
+
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
@@ -49,6 +58,7 @@ class Worker:
         encoders = start_encode_workers(adapter, config.encode_workers, encode_devices,
                                         self.device) if config.encode_workers else None
         self.encoders_at = ",".join(encode_devices) if encoders else None  # None: the adapter's encoder_device
+        self.group = _start_group(config, adapter, self.device) if config.sequence_parallel_size > 1 else None
         self.pool, decode_stage = create_state_pool(config, adapter)
         custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step
         self.timer = PhaseTimer(config.profile_steps, self.device)
@@ -90,6 +100,8 @@ class Worker:
             self.runner.encode_stage.close()
         if self.runner.decode_stage is not None:
             self.runner.decode_stage.close(drain=True)
+        if self.group is not None:
+            self.group.close()
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:

@@ -1,0 +1,183 @@
+"""A worker group: the worker and `sequence_parallel_size - 1` member processes of its own run every denoiser
+forward together, each on its own device with a whole copy of the denoiser and a slice of every row's tokens
+(diffusers' context parallelism, parallel/context_parallel.py).
+
+The worker leads. It alone holds the requests' state, schedules, samples and decodes; a member holds the denoiser
+and nothing else. Each time the worker calls its denoiser, a hook sends the call to the members first (its
+arguments' skeleton over each member's pipe, its tensors by broadcast: parallel/call_broadcast.py), so every
+member makes the same call; the collectives inside the forward split and gather, and every member ends with the
+whole output, of which the worker's is used. So batching, samplers, preemption and every request's state are the
+one worker's as before: only the forward is shared.
+
+A member is stateless between calls, so losing one loses nothing: a forward that fails while a member is dead (or
+with a collective's error) forms the group anew (every member started again, the process group made again) and
+runs again. A forward is a pure function of its inputs, so running it again changes no image.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import tempfile
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from dvllm.config import EngineConfig
+from dvllm.config_checks import device_list
+from dvllm.parallel.call_broadcast import pack, send_tensors
+from dvllm.parallel.context_parallel import check_context_parallel, enable_context_parallel, rejoin_context_parallel
+from dvllm.parallel.group_member import JoinOrder, backend
+from dvllm.worker.stage_process import StageProcess, WorkerProcessLost
+
+logger = logging.getLogger(__name__)
+
+
+class GroupMember(StageProcess):
+    kind = "group member"
+    module = "dvllm.parallel.group_member"
+
+    def load(self) -> None:
+        """Sends the engine's config: the member loads the model (its answer comes later: `loaded`)."""
+        self._send(("build", self._copy()))
+
+    def loaded(self) -> None:
+        self._receive()
+        self._built = True
+
+    def send(self, message: Any) -> None:
+        """A JoinOrder, or a denoiser call's skeleton; `done` waits for its end."""
+        self._send(("run", message))
+
+    def done(self) -> None:
+        self._receive()
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start_again(self) -> None:
+        self._respawn()
+
+
+def member_devices(config: EngineConfig, device: torch.device) -> list[str]:
+    """Where the members go: --group-devices, else the worker's device type (a GPU worker's members on the GPUs
+    after its own)."""
+    if config.group_devices:
+        return device_list(config.group_devices)
+    count = config.sequence_parallel_size - 1
+    if device.type != "cuda":
+        return ["cpu"] * count
+    first = (device.index if device.index is not None else torch.cuda.current_device()) + 1
+    return [f"cuda:{first + i}" for i in range(count)]
+
+
+class WorkerGroup:
+    """The leader's side of a group: its members, the process group, and the hook that shares each call."""
+
+    def __init__(self, config: EngineConfig, denoiser: torch.nn.Module, device: torch.device) -> None:
+        self.size, self.ring = config.sequence_parallel_size, config.ring_degree
+        check_context_parallel(denoiser, self.size // self.ring, self.ring, device)
+        devices = member_devices(config, device)
+        _check_member_devices(devices, device)
+        if dist.is_initialized():
+            raise ValueError("this process already belongs to a torch.distributed group; a process leads one worker "
+                             "group (run another engine in a process of its own)")
+        self.config, self.denoiser, self.device = config, denoiser, device
+        self.restarts = 0  # times the group was formed anew
+        self._dir = tempfile.mkdtemp(prefix="dvllm-group-")
+        self._generation = 0
+        threads = torch.get_num_threads()  # a CPU member runs as many torch threads as the worker
+        self.members = [GroupMember(lambda: config, place, threads, rank) for rank, place in enumerate(devices, 1)]
+        try:
+            self._load()
+            self._form(first=True)
+        except BaseException:
+            self.close()
+            raise
+        self._hooks = [denoiser.register_forward_pre_hook(self._share_call, with_kwargs=True),
+                       denoiser.register_forward_hook(self._call_done)]
+
+    def guard(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """`fn` (a call that runs the denoiser) run again on a group formed anew when the group fails under it."""
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - the group is in an unknown state after any failed forward
+                lost = [m.index for m in self.members if not m.alive]
+                group_failed = lost or isinstance(e, (WorkerProcessLost, dist.DistError, EOFError, OSError))
+                logger.error("a grouped forward failed (%s: %s; members lost: %s); forming the group anew",
+                             type(e).__name__, e, lost or "none")
+                self.reform()
+                if not group_failed:
+                    raise
+            return fn(*args, **kwargs)
+
+        return run
+
+    def reform(self) -> None:
+        """Every member started again and the process group made again: what follows a lost member."""
+        self.restarts += 1
+        for member in self.members:
+            member.start_again()
+        dist.destroy_process_group()
+        self._load()
+        self._form(first=False)
+
+    def close(self) -> None:
+        for member in self.members:
+            member.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _load(self) -> None:
+        for member in self.members:  # all load at once
+            member.load()
+        for member in self.members:
+            member.loaded()
+
+    def _form(self, first: bool) -> None:
+        """The process group made with the members, then the denoiser split across it by each. Each generation
+        meets at a file of its own, so nothing of a lost one is read."""
+        self._generation += 1
+        init_file = os.path.join(self._dir, f"rendezvous-{self._generation}")
+        for member in self.members:
+            member.send(JoinOrder(member.index, self.size, init_file, self.config.group_timeout_s))
+        dist.init_process_group(backend(self.device), init_method=f"file://{init_file}", rank=0,
+                                world_size=self.size, timeout=timedelta(seconds=self.config.group_timeout_s))
+        if first:
+            enable_context_parallel(self.denoiser, self.size // self.ring, self.ring, self.device)
+        else:
+            rejoin_context_parallel(self.denoiser)
+        for member in self.members:
+            member.done()
+
+    def _share_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        tensors: list[torch.Tensor] = []
+        skeleton = pack((args, kwargs), tensors)
+        for member in self.members:
+            member.send(skeleton)
+        send_tensors(tensors)
+
+    def _call_done(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        for member in self.members:
+            member.done()
+
+
+def _check_member_devices(devices: list[str], device: torch.device) -> None:
+    from dvllm.worker.stage_process import check_devices
+
+    for place in devices:
+        if torch.device(place).type != device.type:
+            raise ValueError(f"group_devices {place!r}: a group's members run on the worker's device type "
+                             f"({device.type})")
+    check_devices([d for d in devices if torch.device(d).type == "cuda"], device, "group_devices",
+                  "each member a GPU of its own")
+    if len(set(devices)) != len(devices) and device.type == "cuda":
+        raise ValueError(f"group_devices {devices}: each member needs a GPU of its own")
