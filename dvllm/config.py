@@ -9,29 +9,21 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dvllm.config_checks import (
-    check_decode_workers,
-    check_encode_workers,
-    check_encoder_device,
-    check_group,
-    check_limits,
-    check_workers,
-    choice,
+from dvllm.config_checks import (  # noqa: F401 - the choices are read from here too
+    COMPILE_MODES,
+    DTYPES,
+    EXECUTORS,
+    LOAD_FORMATS,
+    SCHEDULING_POLICIES,
+    check_config,
     device_list,
-    is_cuda_index,
     parse_lora_modules,
-    positive_int,
 )
 
 if TYPE_CHECKING:
     from dvllm.lora.files import LoraFilePolicy
     from dvllm.models.load_config import LoadConfig
 
-LOAD_FORMATS = ("auto", "dummy")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-SCHEDULING_POLICIES = ("fcfs", "priority")
-COMPILE_MODES = ("off", "dynamic", "bucketed")
-EXECUTORS = ("uniproc", "ray")
 CPU_STATE_POOL_MB = 1024
 DEFAULT_PIXELS_FACTOR = 4  # default max_image_pixels: this many times the model's native area
 
@@ -383,37 +375,7 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        choice("load_format", self.load_format, LOAD_FORMATS)
-        choice("dtype", self.dtype, DTYPES)
-        choice("vae_dtype", self.vae_dtype, DTYPES)
-        choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
-        choice("compile", self.compile, COMPILE_MODES)
-        choice("executor", self.executor, EXECUTORS)
-        if self.cuda_graph and self.device == "cpu":
-            raise ValueError("cuda_graph needs a CUDA device, but device is 'cpu'")
-        if not (self.device in ("auto", "cpu", "cuda") or is_cuda_index(self.device)):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        for name in ("max_batch_size", "max_num_waiting", "max_inference_steps", "max_images_per_prompt",
-                     "max_prompt_chars", "sampler_plan_cache_size", "priority_aging_iterations", "num_workers",
-                     "max_decode_batch", "max_decode_queue", "max_encode_ahead", "max_cuda_graphs", "max_loras",
-                     "max_lora_rank",
-                     "max_input_images_per_step"):
-            positive_int(name, getattr(self, name))
-        for name in ("max_image_pixels", "max_prompt_chars_per_step", "max_cpu_loras"):
-            if getattr(self, name) is not None:
-                positive_int(name, getattr(self, name))
-        check_limits(self)
-        check_workers(self)
-        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        check_encoder_device(self)
-        check_decode_workers(self)
-        check_encode_workers(self)
-        check_group(self)
-        if self.quantization is not None or str(self.model).lower().endswith(".gguf"):
-            from dvllm.models.quantization import check_use
-
-            check_use(self.quantization, self.model, self.load_format, self.enable_lora)
+        check_config(self)
 
     @property
     def decode_devices(self) -> list[str]:

@@ -6,6 +6,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dvllm.config import EngineConfig
 
+LOAD_FORMATS = ("auto", "dummy")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+COMPILE_MODES = ("off", "dynamic", "bucketed")
+EXECUTORS = ("uniproc", "ray")
+
 # Most decode (or encode) worker processes one worker may start
 MAX_STAGE_WORKERS = 64
 
@@ -176,3 +182,38 @@ def check_group(config: EngineConfig) -> None:
     if unserved:
         raise ValueError(f"sequence_parallel_size > 1 does not serve {', '.join(unserved)} yet: every member's "
                          "denoiser would have to run them alike")
+
+
+def check_config(config: EngineConfig) -> None:
+    """Every knob in range, and the combinations that cannot work refused."""
+    choice("load_format", config.load_format, LOAD_FORMATS)
+    choice("dtype", config.dtype, DTYPES)
+    choice("vae_dtype", config.vae_dtype, DTYPES)
+    choice("scheduling_policy", config.scheduling_policy, SCHEDULING_POLICIES)
+    choice("compile", config.compile, COMPILE_MODES)
+    choice("executor", config.executor, EXECUTORS)
+    if config.cuda_graph and config.device == "cpu":
+        raise ValueError("cuda_graph needs a CUDA device, but device is 'cpu'")
+    if not (config.device in ("auto", "cpu", "cuda") or is_cuda_index(config.device)):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {config.device!r}")
+    for name in ("max_batch_size", "max_num_waiting", "max_inference_steps", "max_images_per_prompt",
+                 "max_prompt_chars", "sampler_plan_cache_size", "priority_aging_iterations", "num_workers",
+                 "max_decode_batch", "max_decode_queue", "max_encode_ahead", "max_cuda_graphs", "max_loras",
+                 "max_lora_rank",
+                 "max_input_images_per_step"):
+        positive_int(name, getattr(config, name))
+    for name in ("max_image_pixels", "max_prompt_chars_per_step", "max_cpu_loras"):
+        if getattr(config, name) is not None:
+            positive_int(name, getattr(config, name))
+    check_limits(config)
+    check_workers(config)
+    if not (isinstance(config.gpu_memory_utilization, (int, float)) and 0 < config.gpu_memory_utilization <= 1):
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization!r}")
+    check_encoder_device(config)
+    check_decode_workers(config)
+    check_encode_workers(config)
+    check_group(config)
+    if config.quantization is not None or str(config.model).lower().endswith(".gguf"):
+        from dvllm.models.quantization import check_use
+
+        check_use(config.quantization, config.model, config.load_format, config.enable_lora)

@@ -198,6 +198,17 @@ def test_dummy_weights_follow_the_seed(sd_eps_path, real_and_dummy):
     assert not same, f"seeds 0 and 1 gave equal weights for {same}"
 
 
+def test_dummy_models_are_in_eval_mode_so_a_text_encodes_the_same_each_time():
+    """As from_pretrained leaves them: flux-cpu's T5 has dropout 0.1, which in training mode made every encode of
+    the same text (and so every dummy-weight image) differ."""
+    pipeline = load_adapter("flux-cpu", "dummy", torch.device("cpu"), torch.float32).pipeline
+    modules = [m for m in pipeline.components.values() if isinstance(m, torch.nn.Module)]
+    assert modules and not any(m.training for module in modules for m in module.modules())
+    with torch.inference_mode():
+        first, again = (pipeline.encode_prompt("a lighthouse", "a lighthouse", device="cpu")[0] for _ in range(2))
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+
+
 def test_dummy_load_keeps_the_real_scheduler_and_tokenizer(sd_eps_path):
     # Only weights are random: configs and tokenizer files still come from the folder.
     real = load_adapter(sd_eps_path, "auto", CPU, torch.float32)

@@ -4,6 +4,7 @@ for each family diffusers has a plan for, batched with other sizes and step coun
 killed in the middle of a forward, or between requests, loses nothing; what a group does not serve is refused."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -149,3 +150,17 @@ def test_what_a_group_does_not_serve_is_refused(flux_path, sd3_path):
             DiffusionEngine(model=flux_path, device="cpu", sequence_parallel_size=2)
     finally:
         engine.shutdown()
+
+
+def test_the_benchmark_compares_a_group_with_one_worker(flux_path, tmp_path):
+    from dvllm.benchmarks import sequence_parallel
+
+    out = tmp_path / "sp.json"
+    sequence_parallel.main(["--model", flux_path, "--load-format", "auto", "--height", "32", "--width", "32",
+                            "--steps", "2", "--rounds", "2", "--threads", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert set(result["latency_s"]) == set(result["forward_s"]) == {"one worker", "group of 2"}
+    assert all(len(runs) == 2 and min(runs) > 0 for runs in result["forward_s"].values())
+    assert result["latency_ratio"] > 0 and result["forward_ratio"] > 0
+    assert result["max_abs_image_diff"] <= TOL  # the same image from both
+    assert not dist.is_initialized()

@@ -291,6 +291,8 @@ def dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed:
             # each component's own reproducible weights: no two components share a stream
             torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             components[name] = _build_component(cls, name, source)
+        if isinstance(components[name], torch.nn.Module):  # as from_pretrained leaves it: no dropout (T5 has 0.1)
+            components[name].eval()
     for name, value in adapter_cls.load_kwargs.items():
         components.setdefault(name, value)
     return components

@@ -1,0 +1,102 @@
+"""One large request on a worker group (sequence_parallel_size N) vs one worker, in one run.
+
+Two engines serve the same request (same prompt, seed, size), taking turns round by round: one worker, and a
+group of N (the worker and N-1 member processes). Every process runs `--threads` torch threads, so on N cores
+the group has N times the compute of the worker alone, as N GPUs would: the ratio is what the split gains after
+its exchanges (Ulysses: all-to-alls around each attention). Reports each round's latency and the seconds its
+denoiser forwards took (the part a group splits; the text encode and the VAE decode run on the worker alone), the
+median ratios, and how far apart the two engines' images are (the split reorders float sums: ~1e-6 in float32).
+
+    python -m dvllm.benchmarks.sequence_parallel --model flux-cpu --height 1024 --width 1024
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from dvllm.benchmarks.throughput import _machine
+from dvllm.engine.engine import DiffusionEngine
+from dvllm.sampling_params import SamplingParams
+
+
+def _latency(engine: DiffusionEngine, params: SamplingParams) -> tuple[float, np.ndarray]:
+    start = time.perf_counter()
+    out = engine.generate("a lighthouse on a cliff at dusk", params, use_tqdm=False)[0]
+    if out.error is not None:
+        raise RuntimeError(out.error)
+    return time.perf_counter() - start, out.images[0]
+
+
+def _forward_seconds(engine: DiffusionEngine) -> float:
+    return engine.executor.worker.phase_seconds().get("forward", 0.0)
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)  # the worker's threads; a group's members take as many each
+    common = dict(model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+                  profile_steps=True)  # the forwards' seconds (on a GPU it synchronizes each phase: both alike)
+    engines = {"one worker": DiffusionEngine(**common)}
+    try:
+        engines[f"group of {args.degree}"] = DiffusionEngine(**common, sequence_parallel_size=args.degree)
+        params = SamplingParams(num_inference_steps=args.steps, seed=0, height=args.height, width=args.width,
+                                output_type="np")
+        warm = SamplingParams(num_inference_steps=1, seed=0, height=args.height, width=args.width)
+        for engine in engines.values():
+            _latency(engine, warm)
+        seconds: dict[str, list[float]] = {name: [] for name in engines}
+        forwards: dict[str, list[float]] = {name: [] for name in engines}
+        images: dict[str, np.ndarray] = {}
+        for _ in range(args.rounds):
+            for name, engine in engines.items():
+                before = _forward_seconds(engine)
+                took, images[name] = _latency(engine, params)
+                seconds[name].append(took)
+                forwards[name].append(_forward_seconds(engine) - before)
+        worker = engines["one worker"].executor.worker
+        machine = _machine(worker.device, worker.dtype)
+    finally:
+        for engine in reversed(list(engines.values())):
+            engine.shutdown()
+    one, group = (statistics.median(s) for s in seconds.values())
+    one_forward, group_forward = (statistics.median(s) for s in forwards.values())
+    first, second = images.values()
+    return {
+        "model": args.model, "size": f"{args.height}x{args.width}", "steps": args.steps, "degree": args.degree,
+        "threads_per_process": args.threads, "rounds": args.rounds, "machine": machine,
+        "latency_s": {name: [round(s, 3) for s in runs] for name, runs in seconds.items()},
+        "forward_s": {name: [round(s, 3) for s in runs] for name, runs in forwards.items()},
+        "latency_ratio": round(group / one, 3),  # the group's median over one worker's
+        "forward_ratio": round(group_forward / one_forward, 3),
+        "max_abs_image_diff": float(np.abs(first - second).max()),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="flux-cpu")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--height", type=int, default=1024)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--degree", type=int, default=2, help="the group's size (sequence_parallel_size)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", help="also write the result as JSON here")
+    args = parser.parse_args(argv)
+    result = run(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
