@@ -258,6 +258,13 @@ class EngineConfig:
                           "requests' state; a member lost is started again and the forward run again. Not yet with "
                           "step caching, LoRA, compile or cuda_graph."},
     )
+    cfg_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Processes that split each denoiser forward's rows (a worker group, as "
+                          "sequence_parallel_size's; one or the other): a CFG request's conditional and "
+                          "unconditional rows run on two, a larger batch is cut in contiguous slices, and the worker "
+                          "gathers the outputs. Any family; not yet with step caching, LoRA, compile or cuda_graph."},
+    )
     ring_degree: int = field(
         default=1,
         metadata={"help": "How a group splits attention: 1, Ulysses (an all-to-all trades tokens for heads; the "
@@ -376,6 +383,11 @@ class EngineConfig:
 
     def validate(self) -> None:
         check_config(self)
+
+    @property
+    def group_size(self) -> int:
+        """The processes that run each forward: the worker and its group's members."""
+        return self.sequence_parallel_size * self.cfg_parallel_size
 
     @property
     def decode_devices(self) -> list[str]:

@@ -159,29 +159,33 @@ def check_decode_workers(config: EngineConfig) -> None:
 def check_group(config: EngineConfig) -> None:
     """A worker group's size, split, devices and timeout, and what it does not serve yet."""
     size, ring = config.sequence_parallel_size, config.ring_degree
-    for name, value in (("sequence_parallel_size", size), ("ring_degree", ring)):
-        positive_int(name, value)
+    for name in ("sequence_parallel_size", "cfg_parallel_size", "ring_degree"):
+        positive_int(name, getattr(config, name))
     if not (is_number(config.group_timeout_s) and config.group_timeout_s > 0):
         raise ValueError(f"group_timeout_s must be a number > 0, got {config.group_timeout_s!r}")
     if ring not in (1, size):
         raise ValueError(f"ring_degree must be 1 (Ulysses) or sequence_parallel_size, {size} (Ring), got {ring}: a "
                          "mix of the two splits only sequences both divide, so it is not served")
-    if size == 1:
+    if size > 1 and config.cfg_parallel_size > 1:
+        raise ValueError("sequence_parallel_size and cfg_parallel_size cannot both be > 1 yet: a group splits "
+                         "either every row's tokens or the rows")
+    if config.group_size == 1:
         if config.group_devices is not None:
-            raise ValueError("group_devices is set but sequence_parallel_size is 1")
+            raise ValueError("group_devices is set but the group has one process (sequence_parallel_size and "
+                             "cfg_parallel_size are 1)")
         return
     devices = device_list(config.group_devices)
-    if config.group_devices is not None and len(devices) != size - 1:
-        raise ValueError(f"group_devices names {len(devices)} device(s); a group of {size} has {size - 1} members "
-                         "besides the worker")
+    if config.group_devices is not None and len(devices) != config.group_size - 1:
+        raise ValueError(f"group_devices names {len(devices)} device(s); a group of {config.group_size} has "
+                         f"{config.group_size - 1} members besides the worker")
     for device in devices:
         if not (device == "cpu" or is_cuda_index(device)):
             raise ValueError(f"group_devices: {device!r} is not 'cpu' or 'cuda:N'")
     unserved = [name for name, on in (("enable_lora", config.enable_lora), ("default_cache", config.default_cache),
                                       ("compile", config.compile != "off"), ("cuda_graph", config.cuda_graph)) if on]
     if unserved:
-        raise ValueError(f"sequence_parallel_size > 1 does not serve {', '.join(unserved)} yet: every member's "
-                         "denoiser would have to run them alike")
+        raise ValueError(f"a worker group (sequence_parallel_size or cfg_parallel_size > 1) does not serve "
+                         f"{', '.join(unserved)} yet: every member's denoiser would have to run them alike")
 
 
 def check_config(config: EngineConfig) -> None:

@@ -187,7 +187,8 @@ def test_an_encode_thread_that_dies_loses_no_request(sd_eps_path, in_loop, monke
     from dvllm.entrypoints.metrics import ServerMetrics
 
     assert engine.stats()["stage_restarts"] == {"encode_stage.thread": 1, "encode_stage.process": 0,
-                                                "decode_stage.thread": 0, "decode_stage.process": 0}
+                                                "decode_stage.thread": 0, "decode_stage.process": 0,
+                                                "worker_group.members": 0}
     scrape = ServerMetrics(engine.stats, lambda: 0).render().decode()
     assert 'dvllm_stage_restarts_total{part="thread",stage="encode_stage"} 1.0' in scrape
 

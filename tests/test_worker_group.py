@@ -95,6 +95,7 @@ def test_a_member_killed_mid_forward_or_idle_loses_nothing(flux_path):
         member._process.wait()
         _assert_close(_images(engine, PROMPTS, params), want)
         assert group.restarts == 2 and member.alive
+        assert engine.stats()["stage_restarts"]["worker_group.members"] == 2  # (dvllm_stage_restarts)
     finally:
         engine.shutdown()
 

@@ -1,4 +1,5 @@
-"""One large request on a worker group (sequence_parallel_size N) vs one worker, in one run.
+"""One large request on a worker group (sequence_parallel_size N, or cfg_parallel_size N with --split rows) vs
+one worker, in one run.
 
 Two engines serve the same request (same prompt, seed, size), taking turns round by round: one worker, and a
 group of N (the worker and N-1 member processes). Every process runs `--threads` torch threads, so on N cores
@@ -8,6 +9,7 @@ denoiser forwards took (the part a group splits; the text encode and the VAE dec
 median ratios, and how far apart the two engines' images are (the split reorders float sums: ~1e-6 in float32).
 
     python -m dvllm.benchmarks.sequence_parallel --model flux-cpu --height 1024 --width 1024
+    python -m dvllm.benchmarks.sequence_parallel --split rows --model sd15 --height 512 --width 512 --guidance 7.5
 """
 from __future__ import annotations
 
@@ -42,9 +44,10 @@ def run(args: argparse.Namespace) -> dict:
                   profile_steps=True)  # the forwards' seconds (on a GPU it synchronizes each phase: both alike)
     engines = {"one worker": DiffusionEngine(**common)}
     try:
-        engines[f"group of {args.degree}"] = DiffusionEngine(**common, sequence_parallel_size=args.degree)
+        size = {"sequence_parallel_size" if args.split == "tokens" else "cfg_parallel_size": args.degree}
+        engines[f"group of {args.degree}"] = DiffusionEngine(**common, **size)
         params = SamplingParams(num_inference_steps=args.steps, seed=0, height=args.height, width=args.width,
-                                output_type="np")
+                                guidance_scale=args.guidance, output_type="np")
         warm = SamplingParams(num_inference_steps=1, seed=0, height=args.height, width=args.width)
         for engine in engines.values():
             _latency(engine, warm)
@@ -66,7 +69,8 @@ def run(args: argparse.Namespace) -> dict:
     one_forward, group_forward = (statistics.median(s) for s in forwards.values())
     first, second = images.values()
     return {
-        "model": args.model, "size": f"{args.height}x{args.width}", "steps": args.steps, "degree": args.degree,
+        "model": args.model, "size": f"{args.height}x{args.width}", "steps": args.steps, "guidance": args.guidance,
+        "split": args.split, "degree": args.degree,
         "threads_per_process": args.threads, "rounds": args.rounds, "machine": machine,
         "latency_s": {name: [round(s, 3) for s in runs] for name, runs in seconds.items()},
         "forward_s": {name: [round(s, 3) for s in runs] for name, runs in forwards.items()},
@@ -85,7 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--height", type=int, default=1024)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--degree", type=int, default=2, help="the group's size (sequence_parallel_size)")
+    parser.add_argument("--degree", type=int, default=2, help="the group's size")
+    parser.add_argument("--split", choices=("tokens", "rows"), default="tokens",
+                        help="tokens: sequence_parallel_size; rows: cfg_parallel_size (a CFG request's two rows)")
+    parser.add_argument("--guidance", type=float, default=None, help="the request's guidance_scale")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", help="also write the result as JSON here")

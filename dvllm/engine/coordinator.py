@@ -31,6 +31,12 @@ _STAT_KEYS = ("num_running", "num_waiting", "num_decoding", "num_encoding", "num
               "cache_computed_rows", "lora_slot_loads", "loras_resident")
 
 
+# What can die and be started again under a worker: the stages' threads and processes, a group's members (all
+# started again at once: one count per reform)
+RESTART_KEYS = ("encode_stage.thread", "encode_stage.process", "decode_stage.thread", "decode_stage.process",
+                "worker_group.members")
+
+
 class Coordinator:
     def __init__(self, config: EngineConfig, executor: Executor, timer: PhaseTimer) -> None:
         self.config = config
@@ -272,8 +278,7 @@ class Coordinator:
             stages.merge(core.stages)
         return {**totals, "stage_seconds": {name: stages.seconds.get(name, 0.0) for name in STAGES},
                 "stage_items": {name: stages.items.get(name, 0) for name in STAGES},
-                "stage_restarts": {f"{name}.{part}": stages.restarts.get(f"{name}.{part}", 0)
-                                   for name in ("encode_stage", "decode_stage") for part in ("thread", "process")}}
+                "stage_restarts": {key: stages.restarts.get(key, 0) for key in RESTART_KEYS}}
 
     def worker_stats(self) -> list[dict]:
         """Per worker: liveness, rows per step, steps per second in flight, the time per step the executor

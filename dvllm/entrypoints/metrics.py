@@ -161,8 +161,9 @@ def _stage_metrics(s: dict) -> Iterator[Metric]:
         busy.add_metric([stage], seconds.get(stage, 0.0))
         done.add_metric([stage], items.get(stage, 0))
     restarts = CounterMetricFamily("dvllm_stage_restarts", "Parts of a stage that died and were started again: its "
-                                   "thread, or one of its decode or encode worker processes (the work they held was "
-                                   "done anew: nothing is lost).", labels=["stage", "part"])
+                                   "thread, or one of its decode or encode worker processes, or a worker group's "
+                                   "members (the work they held was done anew: nothing is lost).",
+                                   labels=["stage", "part"])
     for key, count in s.get("stage_restarts", {}).items():
         restarts.add_metric(key.split("."), count)
     yield from (queue, busy, done, restarts)

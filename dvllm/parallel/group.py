@@ -1,13 +1,15 @@
-"""A worker group: the worker and `sequence_parallel_size - 1` member processes of its own run every denoiser
-forward together, each on its own device with a whole copy of the denoiser and a slice of every row's tokens
-(diffusers' context parallelism, parallel/context_parallel.py).
+"""A worker group: the worker and `group_size - 1` member processes of its own run every denoiser forward
+together, each on its own device with a whole copy of the denoiser, and either a slice of every row's tokens
+(sequence parallel: diffusers' context parallelism, parallel/context_parallel.py) or a slice of the rows
+(CFG-parallel: parallel/row_split.py).
 
 The worker leads. It alone holds the requests' state, schedules, samples and decodes; a member holds the denoiser
 and nothing else. Each time the worker calls its denoiser, a hook sends the call to the members first (its
 arguments' skeleton over each member's pipe, its tensors by broadcast: parallel/call_broadcast.py), so every
-member makes the same call; the collectives inside the forward split and gather, and every member ends with the
-whole output, of which the worker's is used. So batching, samplers, preemption and every request's state are the
-one worker's as before: only the forward is shared.
+member makes the same call. Sequence parallel: the collectives inside the forward split and gather, and every
+member ends with the whole output, of which the worker's is used. CFG-parallel: each runs its own rows and the
+worker receives the others'. So batching, samplers, preemption and every request's state are the one worker's as
+before: only the forward is shared.
 
 A member is stateless between calls, so losing one loses nothing: a forward that fails while a member is dead (or
 with a collective's error) forms the group anew (every member started again, the process group made again) and
@@ -31,6 +33,7 @@ from dvllm.config_checks import device_list
 from dvllm.parallel.call_broadcast import pack, send_tensors
 from dvllm.parallel.context_parallel import check_context_parallel, enable_context_parallel, rejoin_context_parallel
 from dvllm.parallel.group_member import JoinOrder, backend
+from dvllm.parallel.row_split import call_rows, chunk, cut, gather_rows
 from dvllm.worker.stage_process import StageProcess, WorkerProcessLost
 
 logger = logging.getLogger(__name__)
@@ -68,7 +71,7 @@ def member_devices(config: EngineConfig, device: torch.device) -> list[str]:
     after its own)."""
     if config.group_devices:
         return device_list(config.group_devices)
-    count = config.sequence_parallel_size - 1
+    count = config.group_size - 1
     if device.type != "cuda":
         return ["cpu"] * count
     first = (device.index if device.index is not None else torch.cuda.current_device()) + 1
@@ -79,9 +82,13 @@ class WorkerGroup:
     """The leader's side of a group: its members, the process group, and the hook that shares each call."""
 
     def __init__(self, config: EngineConfig, denoiser: torch.nn.Module, device: torch.device) -> None:
-        self.size, self.ring = config.sequence_parallel_size, config.ring_degree
-        check_context_parallel(denoiser, self.size // self.ring, self.ring, device)
+        self.size, self.ring = config.group_size, config.ring_degree
+        self.split_rows = config.cfg_parallel_size > 1  # else every row's tokens (sequence parallel)
+        if not self.split_rows:
+            check_context_parallel(denoiser, self.size // self.ring, self.ring, device)
         devices = member_devices(config, device)
+        if len(devices) != self.size - 1:
+            raise ValueError(f"a group of {self.size} needs {self.size - 1} member devices, got {devices}")
         _check_member_devices(devices, device)
         if dist.is_initialized():
             raise ValueError("this process already belongs to a torch.distributed group; a process leads one worker "
@@ -151,23 +158,35 @@ class WorkerGroup:
             member.send(JoinOrder(member.index, self.size, init_file, self.config.group_timeout_s))
         dist.init_process_group(backend(self.device), init_method=f"file://{init_file}", rank=0,
                                 world_size=self.size, timeout=timedelta(seconds=self.config.group_timeout_s))
-        if first:
+        if self.split_rows:
+            pass
+        elif first:
             enable_context_parallel(self.denoiser, self.size // self.ring, self.ring, self.device)
         else:
             rejoin_context_parallel(self.denoiser)
         for member in self.members:
             member.done()
 
-    def _share_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def _share_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Sends the call to every member; CFG-parallel: the worker keeps its own slice of the rows."""
         tensors: list[torch.Tensor] = []
         skeleton = pack((args, kwargs), tensors)
         for member in self.members:
             member.send(skeleton)
         send_tensors(tensors)
+        if not self.split_rows:
+            return None
+        rows = call_rows(args, kwargs)
+        self._parts = [chunk(rows, rank, self.size) for rank in range(self.size)]
+        return cut(args, kwargs, rows, self._parts[0])
 
-    def _call_done(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    def _call_done(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        """CFG-parallel: the members' rows after the worker's; then each member's end of the call."""
+        if self.split_rows:
+            output = gather_rows(output, self._parts)
         for member in self.members:
             member.done()
+        return output
 
 
 def _check_member_devices(devices: list[str], device: torch.device) -> None:

@@ -1,8 +1,9 @@
 """A worker group's member: `python -m dvllm.parallel.group_member <pipe fd> <device> <threads>`, started by the
 group's leader (parallel/group.py). It joins the group's process group, loads the model as the leader did and keeps
-its denoiser alone, with the same context-parallel split; then, for each denoiser call the leader makes, it
-receives the call's arguments and runs it with the leader, the collectives inside the forward exchanging what
-each needs. The output is the leader's: a member's is dropped."""
+its denoiser alone; then, for each denoiser call the leader makes, it receives the call's arguments and runs it
+with the leader. Sequence parallel: the whole call, split inside the forward by the same context-parallel plan
+(the output is the leader's; a member's is dropped). CFG-parallel: its own slice of the rows, whose output it
+sends to the leader."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dvllm.parallel.call_broadcast import receive
+from dvllm.parallel.row_split import call_rows, chunk, cut, send_rows
 from dvllm.worker.stage_process import serve
 
 
@@ -25,6 +27,11 @@ class JoinOrder:
     world_size: int
     init_file: str
     timeout_s: float
+
+
+def denoiser_of(pipeline: Any) -> torch.nn.Module:
+    """The pipeline's denoiser: its transformer, or its UNet."""
+    return getattr(pipeline, "transformer", None) or pipeline.unet
 
 
 def backend(device: torch.device) -> str:
@@ -41,7 +48,7 @@ def load_denoiser(config: Any, device: torch.device) -> torch.nn.Module:
     load = dataclasses.replace(config.load_config, encoder_device="cpu")
     adapter = load_adapter(config.model, config.load_format, device, config.dtype, seed=config.dummy_weight_seed,
                            default_params=config.default_params, load=load)
-    denoiser = adapter.pipeline.transformer
+    denoiser = denoiser_of(adapter.pipeline)
     denoiser.group_config = config
     del adapter
     gc.collect()
@@ -51,14 +58,15 @@ def load_denoiser(config: Any, device: torch.device) -> torch.nn.Module:
 
 
 def join(denoiser: torch.nn.Module, order: JoinOrder, device: torch.device) -> None:
-    """Into the process group, then the denoiser split as the leader splits its own."""
+    """Into the process group, then (sequence parallel) the denoiser split as the leader splits its own."""
     from dvllm.parallel.context_parallel import enable_context_parallel
 
     config = denoiser.group_config
     dist.init_process_group(backend(device), init_method=f"file://{order.init_file}", rank=order.rank,
                             world_size=order.world_size, timeout=timedelta(seconds=order.timeout_s))
-    enable_context_parallel(denoiser, config.sequence_parallel_size // config.ring_degree, config.ring_degree,
-                            device)
+    if config.sequence_parallel_size > 1:
+        enable_context_parallel(denoiser, config.sequence_parallel_size // config.ring_degree, config.ring_degree,
+                                device)
 
 
 def run(denoiser: torch.nn.Module, message: Any, device: torch.device) -> None:
@@ -66,7 +74,14 @@ def run(denoiser: torch.nn.Module, message: Any, device: torch.device) -> None:
         join(denoiser, message, device)
         return
     args, kwargs = receive(message, device)
-    denoiser(*args, **kwargs)
+    if denoiser.group_config.cfg_parallel_size == 1:  # the same call: the split is inside the forward
+        denoiser(*args, **kwargs)
+        return
+    rows = call_rows(args, kwargs)
+    part = chunk(rows, dist.get_rank(), dist.get_world_size())
+    if part.stop > part.start:
+        mine_args, mine_kwargs = cut(args, kwargs, rows, part)
+        send_rows(denoiser(*mine_args, **mine_kwargs))
 
 
 if __name__ == "__main__":  # this module's own names, which is what the leader pickles (not __main__'s)

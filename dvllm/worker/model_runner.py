@@ -57,6 +57,7 @@ class ModelRunner:
         self._last_unwritten: dict[tuple[int, ...], str] = {}
         self._last_failed_loras: dict[int, tuple[int, str]] = {}
         self._restarts_reported: dict[str, int] = {}
+        self.group = None  # the worker's group (parallel/group.py), whose reforms are reported as restarts
 
     @property
     def encode_stage(self) -> EncodeStage | None:
@@ -150,15 +151,16 @@ class ModelRunner:
                             stages=stages)
 
     def _report_restarts(self, stages: StageStats) -> None:
-        """The stages' threads and processes restarted since the last step's report."""
+        """The stages' threads and processes, and the group's members, restarted since the last step's report."""
+        counts = {} if self.group is None else {"worker_group.members": self.group.restarts}
         for name, stage in (("encode_stage", self.encode_stage), ("decode_stage", self.decode_stage)):
-            if stage is None:
-                continue
-            counts = {f"{name}.thread": stage.restarts, f"{name}.process": sum(w.restarts for w in stage.workers)}
-            for part, count in counts.items():
-                if count > self._restarts_reported.get(part, 0):
-                    stages.restarts[part] = count - self._restarts_reported.get(part, 0)
-                    self._restarts_reported[part] = count
+            if stage is not None:
+                counts |= {f"{name}.thread": stage.restarts,
+                           f"{name}.process": sum(w.restarts for w in stage.workers)}
+        for part, count in counts.items():
+            if count > self._restarts_reported.get(part, 0):
+                stages.restarts[part] = count - self._restarts_reported.get(part, 0)
+                self._restarts_reported[part] = count
 
     def _load_loras(self, loads: list[tuple[int, Any]]) -> dict[int, tuple[int, str]]:
         """Copies adapters into their slots; returns the load ids that failed -> (their slot, left empty; why)."""

@@ -13,6 +13,7 @@ from dvllm.models.base import ModelAdapter, ModelInfo
 from dvllm.models.load_config import LoadedModel
 from dvllm.models.loader import load_adapter
 from dvllm.parallel.group import WorkerGroup
+from dvllm.parallel.group_member import denoiser_of
 from dvllm.profiler import PhaseTimer
 from dvllm.worker.decode_stage import DecodeStage
 from dvllm.worker.decode_worker import start_decode_workers
@@ -39,8 +40,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _start_group(config: EngineConfig, adapter: ModelAdapter, device: torch.device) -> WorkerGroup:
     """The worker's group, its every denoiser call shared with the members (and run again if the group fails)."""
-    pipeline = adapter.pipeline
-    group = WorkerGroup(config, getattr(pipeline, "transformer", None) or pipeline.unet, device)
+    group = WorkerGroup(config, denoiser_of(adapter.pipeline), device)
     adapter.denoise = group.guard(adapter.denoise)  # the runner reads adapter.denoise per call
     return group
 
@@ -58,12 +58,13 @@ class Worker:
         encoders = start_encode_workers(adapter, config.encode_workers, encode_devices,
                                         self.device) if config.encode_workers else None
         self.encoders_at = ",".join(encode_devices) if encoders else None  # None: the adapter's encoder_device
-        self.group = _start_group(config, adapter, self.device) if config.sequence_parallel_size > 1 else None
+        self.group = _start_group(config, adapter, self.device) if config.group_size > 1 else None
         self.pool, decode_stage = create_state_pool(config, adapter)
         custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step
         self.timer = PhaseTimer(config.profile_steps, self.device)
         self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, config.max_decode_batch,
                                   config.max_loras, config.max_lora_rank)
+        self.runner.group = self.group
         if decode_stage:
             workers = start_decode_workers(adapter, config.decode_workers, config.decode_devices or [str(self.device)],
                                            self.device) if config.decode_workers else None

@@ -1,0 +1,73 @@
+"""CFG-parallel as a split of a forward's rows: each member of a group runs the denoiser call on a contiguous
+slice of the batch's rows, and the leader gathers the slices' outputs in order. A batch puts every conditional row
+first and the unconditional ones after (models/layout.py), so on a group of two a lone CFG request's conditional
+row runs on one member and its unconditional row on the other; a larger batch is split the same way, by rows.
+
+Which arguments are batched is read from the call: a tensor whose first dimension, or a list whose length, is the
+batch's row count, except the positions Flux passes for the whole batch (`img_ids`, `txt_ids`)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Arguments that hold one entry per token (or position), shared by every row
+UNBATCHED = frozenset({"img_ids", "txt_ids", "image_rotary_emb"})
+
+
+def call_rows(args: tuple, kwargs: dict) -> int:
+    """The call's row count: its first positional argument's (UNet, Z-Image) or its `hidden_states`'."""
+    first = args[0] if args else kwargs.get("hidden_states", kwargs.get("sample"))
+    if first is None:
+        raise ValueError("cannot tell a denoiser call's rows: no positional argument and no hidden_states")
+    return len(first)
+
+
+def chunk(rows: int, rank: int, world: int) -> slice:
+    """Member `rank`'s contiguous rows: the first `rows % world` members take one row more."""
+    base, extra = divmod(rows, world)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
+
+
+def cut(args: tuple, kwargs: dict, rows: int, part: slice) -> tuple[tuple, dict]:
+    """The call on the rows `part` only."""
+    def one(name: str | None, value: Any) -> Any:
+        if name in UNBATCHED:
+            return value
+        if torch.is_tensor(value):
+            return value[part] if value.dim() and value.shape[0] == rows else value
+        if isinstance(value, (list, tuple)) and len(value) == rows:
+            return type(value)(value[part])
+        if isinstance(value, dict):
+            return {k: one(k, v) for k, v in value.items()}
+        return value
+
+    return tuple(one(None, a) for a in args), {k: one(k, v) for k, v in kwargs.items()}
+
+
+def _sample(output: Any) -> Any:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def send_rows(output: Any) -> None:
+    """A member's output rows to the leader (a list of per-row tensors, Z-Image's, goes stacked)."""
+    sample = _sample(output)
+    dist.send((torch.stack(list(sample)) if isinstance(sample, list) else sample).contiguous(), dst=0)
+
+
+def gather_rows(output: Any, parts: list[slice]) -> Any:
+    """The leader's output with every other member's rows received after its own, in rank order."""
+    mine = _sample(output)
+    stacked = torch.stack(mine) if isinstance(mine, list) else mine
+    pieces = [stacked]
+    for rank, part in enumerate(parts[1:], start=1):
+        if part.stop > part.start:
+            piece = torch.empty((part.stop - part.start, *stacked.shape[1:]), dtype=stacked.dtype,
+                                device=stacked.device)
+            dist.recv(piece, src=rank)
+            pieces.append(piece)
+    whole = torch.cat(pieces)
+    whole = list(whole.unbind()) if isinstance(mine, list) else whole
+    return (whole, *output[1:]) if isinstance(output, tuple) else whole
