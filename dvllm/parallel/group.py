@@ -34,7 +34,7 @@ from dvllm.parallel.call_broadcast import pack, send_tensors
 from dvllm.parallel.context_parallel import check_context_parallel, enable_context_parallel, rejoin_context_parallel
 from dvllm.parallel.group_member import JoinOrder, backend
 from dvllm.parallel.row_split import call_rows, chunk, cut, gather_rows
-from dvllm.worker.stage_process import StageProcess, WorkerProcessLost
+from dvllm.worker.stage_process import StageProcess, WorkerProcessLost, check_devices
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,8 @@ class WorkerGroup:
         self.restarts += 1
         for member in self.members:
             member.start_again()
-        dist.destroy_process_group()
+        if dist.is_initialized():  # (not after a reform that failed half-way)
+            dist.destroy_process_group()
         self._load()
         self._form(first=False)
 
@@ -158,11 +159,9 @@ class WorkerGroup:
             member.send(JoinOrder(member.index, self.size, init_file, self.config.group_timeout_s))
         dist.init_process_group(backend(self.device), init_method=f"file://{init_file}", rank=0,
                                 world_size=self.size, timeout=timedelta(seconds=self.config.group_timeout_s))
-        if self.split_rows:
-            pass
-        elif first:
+        if not self.split_rows and first:
             enable_context_parallel(self.denoiser, self.size // self.ring, self.ring, self.device)
-        else:
+        elif not self.split_rows:
             rejoin_context_parallel(self.denoiser)
         for member in self.members:
             member.done()
@@ -190,8 +189,6 @@ class WorkerGroup:
 
 
 def _check_member_devices(devices: list[str], device: torch.device) -> None:
-    from dvllm.worker.stage_process import check_devices
-
     for place in devices:
         if torch.device(place).type != device.type:
             raise ValueError(f"group_devices {place!r}: a group's members run on the worker's device type "

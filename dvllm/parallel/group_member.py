@@ -38,7 +38,15 @@ def backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def load_denoiser(config: Any, device: torch.device) -> torch.nn.Module:
+@dataclasses.dataclass
+class Member:
+    """What a member holds: the denoiser and the engine's config."""
+
+    denoiser: torch.nn.Module
+    config: Any  # EngineConfig
+
+
+def load_denoiser(config: Any, device: torch.device) -> Member:
     """The model loaded as the leader loaded it (same weights, dummy ones from the same seed), the denoiser kept."""
     from dvllm.models.loader import load_adapter
 
@@ -49,32 +57,32 @@ def load_denoiser(config: Any, device: torch.device) -> torch.nn.Module:
     adapter = load_adapter(config.model, config.load_format, device, config.dtype, seed=config.dummy_weight_seed,
                            default_params=config.default_params, load=load)
     denoiser = denoiser_of(adapter.pipeline)
-    denoiser.group_config = config
     del adapter
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return denoiser
+    return Member(denoiser, config)
 
 
-def join(denoiser: torch.nn.Module, order: JoinOrder, device: torch.device) -> None:
+def join(member: Member, order: JoinOrder, device: torch.device) -> None:
     """Into the process group, then (sequence parallel) the denoiser split as the leader splits its own."""
     from dvllm.parallel.context_parallel import enable_context_parallel
 
-    config = denoiser.group_config
+    config = member.config
     dist.init_process_group(backend(device), init_method=f"file://{order.init_file}", rank=order.rank,
                             world_size=order.world_size, timeout=timedelta(seconds=order.timeout_s))
     if config.sequence_parallel_size > 1:
-        enable_context_parallel(denoiser, config.sequence_parallel_size // config.ring_degree, config.ring_degree,
-                                device)
+        enable_context_parallel(member.denoiser, config.sequence_parallel_size // config.ring_degree,
+                                config.ring_degree, device)
 
 
-def run(denoiser: torch.nn.Module, message: Any, device: torch.device) -> None:
+def run(member: Member, message: Any, device: torch.device) -> None:
     if isinstance(message, JoinOrder):
-        join(denoiser, message, device)
+        join(member, message, device)
         return
     args, kwargs = receive(message, device)
-    if denoiser.group_config.cfg_parallel_size == 1:  # the same call: the split is inside the forward
+    denoiser = member.denoiser
+    if member.config.cfg_parallel_size == 1:  # the same call: the split is inside the forward
         denoiser(*args, **kwargs)
         return
     rows = call_rows(args, kwargs)
