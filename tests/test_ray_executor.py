@@ -324,14 +324,15 @@ def test_a_worker_that_dies_idle_is_noticed_by_the_heartbeat(sd_eps_path):
     assert engine.engine.coordinator.cores[1].restarts == 1
 
 
-def test_decode_and_encode_workers_run_beside_a_ray_worker_on_its_node(sd_eps_path, reference):
-    """A Ray worker starts its decode and encode processes on its node: the images are the in-process engine's,
-    every one decoded by the decode stage (not in the loop), every text encoded by the encode stage, and the
-    processes are the actor's children."""
+def test_decode_encode_and_group_processes_run_beside_a_ray_worker_on_its_node(sd_eps_path, reference):
+    """A Ray worker starts its decode and encode processes, and its group's member (CFG-parallel: each CFG
+    request's unconditional rows run there), on its node: the images are the in-process engine's, every one
+    decoded by the decode stage (not in the loop), every text encoded by the encode stage, and the processes are
+    the actor's children."""
     from test_engine_core_process import children_of
 
     engine = DiffusionEngine(sd_eps_path, executor="ray", num_workers=1, worker_num_cpus=1, decode_workers=1,
-                             encode_workers=1)
+                             encode_workers=1, cfg_parallel_size=2)
     try:
         _assert_same(engine.generate(PROMPTS, _params(), use_tqdm=False), reference)
         stats = engine.stats()
@@ -340,7 +341,7 @@ def test_decode_and_encode_workers_run_beside_a_ray_worker_on_its_node(sd_eps_pa
         assert stats["stage_items"]["encode_stage"] > 0
         children = children_of(engine.executor.nodes[0]["pid"])
         commands = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children]
-        for module in (b"dvllm.worker.decode_worker", b"dvllm.worker.encode_worker"):
+        for module in (b"dvllm.worker.decode_worker", b"dvllm.worker.encode_worker", b"dvllm.parallel.group_member"):
             assert [c for c in commands if module in c] != []
     finally:
         engine.shutdown()
