@@ -165,3 +165,27 @@ def test_the_benchmark_compares_a_group_with_one_worker(flux_path, tmp_path):
     assert result["latency_ratio"] > 0 and result["forward_ratio"] > 0
     assert result["max_abs_image_diff"] <= TOL  # the same image from both
     assert not dist.is_initialized()
+
+
+def test_a_worker_that_fails_to_start_takes_its_group_down(flux_path, monkeypatch):
+    """The members and the process group started before the failure go with the worker."""
+    import dvllm.parallel.group as group_module
+    import dvllm.worker.worker as worker_module
+
+    groups = []
+    real = group_module.WorkerGroup.__init__
+
+    def init(self, *args):
+        groups.append(self)
+        real(self, *args)
+
+    monkeypatch.setattr(group_module.WorkerGroup, "__init__", init)
+
+    def no_pool(*args):
+        raise RuntimeError("no room for the pool")
+
+    monkeypatch.setattr(worker_module, "create_state_pool", no_pool)
+    with pytest.raises(RuntimeError, match="no room"):
+        DiffusionEngine(model=flux_path, device="cpu", dtype="float32", sequence_parallel_size=2)
+    assert groups and not any(m.alive for m in groups[0].members) and not dist.is_initialized()
+

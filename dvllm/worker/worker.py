@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Any
 
 import torch
 
@@ -59,6 +60,15 @@ class Worker:
                                         self.device) if config.encode_workers else None
         self.encoders_at = ",".join(encode_devices) if encoders else None  # None: the adapter's encoder_device
         self.group = _start_group(config, adapter, self.device) if config.group_size > 1 else None
+        try:
+            self._build(config, adapter, encoders)
+        except BaseException:  # the group's members and process group go with the worker that failed to start
+            if self.group is not None:
+                self.group.close()
+            raise
+
+    def _build(self, config: EngineConfig, adapter: ModelAdapter, encoders: Any) -> None:
+        """The pool (after the memory profile), the runner and the stages."""
         self.pool, decode_stage = create_state_pool(config, adapter)
         custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step
         self.timer = PhaseTimer(config.profile_steps, self.device)
