@@ -81,6 +81,13 @@ class EngineConfig:
         metadata={"help": "Decode (and encode) images in overlapping tiles, as diffusers' enable_vae_tiling: large "
                           "sizes on small GPUs, at a small cost in seams and time; the memory profile measures the "
                           "decode so."})
+    vae_tile_size: int | None = field(
+        default=None,
+        metadata={"help": "With vae_tiling, a tile's side in pixels (a multiple of the VAE's scale factor, 8 for "
+                          "SD, SDXL, SD3, Flux, Z-Image); tiles overlap by a quarter. Smaller tiles bound the "
+                          "decode's memory tighter and give a worker group more tiles to share out. Unset: the "
+                          "VAE's own (its sample_size, 1024 for Flux: a 1024x1024 image is one tile). "
+                          "AutoencoderKL's VAEs."})
     quantization: Any = field(
         default=None,
         metadata={"help": "Quantize weights as they load, through diffusers' PipelineQuantizationConfig: "
@@ -276,6 +283,14 @@ class EngineConfig:
         metadata={"help": "Where a group's members run, comma-separated, one each. Unset: a CPU worker's on the CPU, "
                           "a GPU worker's on the GPUs after its own."},
     )
+    group_decode: bool = field(
+        default=True,
+        metadata={"help": "A worker group also decodes together: the VAE decoder's calls of a decode (its tiles "
+                          "with --vae-tiling, else its images) are shared out across the group, each member holding "
+                          "a copy of the decoder, and the tiles blended by diffusers as on one worker. Forwards wait "
+                          "while the group decodes. AutoencoderKL's VAEs (not Qwen-Image's); not with decode "
+                          "workers, which decode in processes of their own."},
+    )
     group_timeout_s: float = field(
         default=300.0,
         metadata={"help": "A collective of the group (a forward's exchange, its forming) that waits this long fails "
@@ -405,7 +420,7 @@ class EngineConfig:
 
         return LoadConfig(revision=self.revision, variant=self.variant, download_dir=self.download_dir,
                           local_files_only=self.local_files_only, attention_backend=self.attention_backend,
-                          vae_tiling=self.vae_tiling, base_model=self.base_model, vae=self.vae,
+                          vae_tiling=self.vae_tiling, vae_tile_size=self.vae_tile_size, base_model=self.base_model, vae=self.vae,
                           encoder_device=self.encoder_device, vae_dtype=self.vae_dtype, quantization=self.quantization)
 
     @property

@@ -193,6 +193,10 @@ def check_config(config: EngineConfig) -> None:
     choice("load_format", config.load_format, LOAD_FORMATS)
     choice("dtype", config.dtype, DTYPES)
     choice("vae_dtype", config.vae_dtype, DTYPES)
+    if config.vae_tile_size is not None:
+        positive_int("vae_tile_size", config.vae_tile_size)
+        if not config.vae_tiling:
+            raise ValueError("vae_tile_size is set but vae_tiling is off: it sizes the tiles of a tiled decode")
     choice("scheduling_policy", config.scheduling_policy, SCHEDULING_POLICIES)
     choice("compile", config.compile, COMPILE_MODES)
     choice("executor", config.executor, EXECUTORS)

@@ -5,10 +5,13 @@ Two engines serve the same request (same prompt, seed, size), taking turns round
 group of N (the worker and N-1 member processes). Every process runs `--threads` torch threads, so on N cores
 the group has N times the compute of the worker alone, as N GPUs would: the ratio is what the split gains after
 its exchanges (Ulysses: all-to-alls around each attention). Reports each round's latency and the seconds its
-denoiser forwards took (the part a group splits; the text encode and the VAE decode run on the worker alone), the
-median ratios, and how far apart the two engines' images are (the split reorders float sums: ~1e-6 in float32).
+denoiser forwards took (the part a group splits; the text encode runs on the worker alone, and the VAE decode is
+shared out only in tiles, --vae-tile-size, or in rows), the median ratios, and how far apart the two engines'
+images are (the split reorders float sums: ~1e-6 in float32). With --vae-tile-size both engines decode in tiles
+of that size (the same image); the group shares the tiles out (group_decode).
 
     python -m dvllm.benchmarks.sequence_parallel --model flux-cpu --height 1024 --width 1024
+    python -m dvllm.benchmarks.sequence_parallel --model flux-cpu --height 1024 --width 1024 --vae-tile-size 512
     python -m dvllm.benchmarks.sequence_parallel --split rows --model sd15 --height 512 --width 512 --guidance 7.5
 """
 from __future__ import annotations
@@ -42,6 +45,8 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)  # the worker's threads; a group's members take as many each
     common = dict(model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
                   profile_steps=True)  # the forwards' seconds (on a GPU it synchronizes each phase: both alike)
+    if args.vae_tile_size:
+        common.update(vae_tiling=True, vae_tile_size=args.vae_tile_size)
     engines = {"one worker": DiffusionEngine(**common)}
     try:
         size = {"sequence_parallel_size" if args.split == "tokens" else "cfg_parallel_size": args.degree}
@@ -70,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
     first, second = images.values()
     return {
         "model": args.model, "size": f"{args.height}x{args.width}", "steps": args.steps, "guidance": args.guidance,
-        "split": args.split, "degree": args.degree,
+        "split": args.split, "degree": args.degree, "vae_tile_size": args.vae_tile_size,
         "threads_per_process": args.threads, "rounds": args.rounds, "machine": machine,
         "latency_s": {name: [round(s, 3) for s in runs] for name, runs in seconds.items()},
         "forward_s": {name: [round(s, 3) for s in runs] for name, runs in forwards.items()},
@@ -93,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split", choices=("tokens", "rows"), default="tokens",
                         help="tokens: sequence_parallel_size; rows: cfg_parallel_size (a CFG request's two rows)")
     parser.add_argument("--guidance", type=float, default=None, help="the request's guidance_scale")
+    parser.add_argument("--vae-tile-size", type=int, default=None,
+                        help="both engines decode in tiles of this many pixels a side, the group's shared out")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", help="also write the result as JSON here")

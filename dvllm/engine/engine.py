@@ -236,7 +236,8 @@ class DiffusionEngine:
     def _model_key(self) -> str:
         """What identifies the served model's pixels in result-cache keys: what was loaded, and how."""
         c = self.config
-        return repr((self.loaded_model, c.load_format, c.dummy_weight_seed, c.vae, c.vae_tiling, c.revision,
+        return repr((self.loaded_model, c.load_format, c.dummy_weight_seed, c.vae, c.vae_tiling, c.vae_tile_size,
+                     c.revision,
                      c.variant))
 
     def _check_pool_holds_a_default_request(self) -> None:

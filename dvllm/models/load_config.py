@@ -14,6 +14,7 @@ class LoadConfig:
     local_files_only: bool = False   # never reach the Hub: what the cache (or folder) holds, or an error
     attention_backend: str | None = None  # diffusers' attention backend for the denoiser (None: its own)
     vae_tiling: bool = False              # the VAE decodes and encodes in tiles (diffusers' enable_tiling)
+    vae_tile_size: int | None = None      # a tile's side in pixels (None: the VAE's own)
     base_model: str | None = None  # a single-file model's pipeline: the folder or Hub id of its configs and the rest
     vae: str | None = None         # a VAE over the model's own (a file, folder or Hub id)
     encoder_device: str | None = None  # where the text encoders run (None: with the denoiser)

@@ -193,6 +193,8 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     set_attention_backend(pipeline, load.attention_backend)
     if load.vae_tiling:
         pipeline.vae.enable_tiling()
+    if load.vae_tile_size is not None:
+        set_tile_size(pipeline.vae, load.vae_tile_size)
     adapter = adapter_cls(pipeline, source.name, device, dtype)
     if load.vae_dtype != "auto":  # over the adapter's own choice (SDXL's force_upcast)
         adapter.place_vae(DTYPES[load.vae_dtype])
@@ -321,3 +323,18 @@ def _build_component(cls: type, name: str, source: ModelSource) -> Any:
         return cls(cls.config_class.from_pretrained(subfolder))
     allow_qwen_vl_processor_without_torchvision()  # a Qwen2VLProcessor loads only with it where torchvision is missing
     return cls.from_pretrained(subfolder)  # tokenizers, feature extractors: small files, no weights
+
+
+def set_tile_size(vae: Any, pixels: int) -> None:
+    """An AutoencoderKL's tiles `pixels` on a side (their latents that over its scale factor); ValueError for a
+    side the factor does not divide or a VAE that tiles otherwise."""
+    from diffusers import AutoencoderKL
+
+    if not isinstance(vae, AutoencoderKL):
+        raise ValueError(f"vae_tile_size: {type(vae).__name__} tiles its own way; the size is set for "
+                         "AutoencoderKL's VAEs (SD, SDXL, SD3, Flux, Z-Image)")
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    if pixels % factor or pixels < 2 * factor:
+        raise ValueError(f"vae_tile_size must be a multiple of the VAE's scale factor {factor}, at least "
+                         f"{2 * factor}; got {pixels}")
+    vae.tile_sample_min_size, vae.tile_latent_min_size = pixels, pixels // factor

@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -32,6 +33,7 @@ from dvllm.config import EngineConfig
 from dvllm.config_checks import device_list
 from dvllm.parallel.call_broadcast import pack, send_tensors
 from dvllm.parallel.context_parallel import check_context_parallel, enable_context_parallel, rejoin_context_parallel
+from dvllm.parallel.group_decode import DecodeCalls, assign
 from dvllm.parallel.group_member import JoinOrder, backend
 from dvllm.parallel.row_split import call_rows, chunk, cut, gather_rows
 from dvllm.worker.stage_process import StageProcess, WorkerProcessLost, check_devices
@@ -55,8 +57,9 @@ class GroupMember(StageProcess):
         """A JoinOrder, or a denoiser call's skeleton; `done` waits for its end."""
         self._send(("run", message))
 
-    def done(self) -> None:
-        self._receive()
+    def done(self) -> Any:
+        """The member's answer to what was sent last (a DecodeCalls' outputs; None for the rest)."""
+        return self._receive()
 
     @property
     def alive(self) -> bool:
@@ -95,6 +98,9 @@ class WorkerGroup:
                              "group (run another engine in a process of its own)")
         self.config, self.denoiser, self.device = config, denoiser, device
         self.restarts = 0  # times the group was formed anew
+        # One exchange with the members at a time: the step loop's forwards and the decode stage's decodes
+        self.lock = threading.Lock()
+        self.units_decoded = [0] * self.size  # decoder calls each of the group ran for shared decodes, by rank
         self._dir = tempfile.mkdtemp(prefix="dvllm-group-")
         self._generation = 0
         threads = torch.get_num_threads()  # a CPU member runs as many torch threads as the worker
@@ -113,19 +119,49 @@ class WorkerGroup:
 
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> torch.Tensor:
-            try:
+            with self.lock:
+                try:
+                    return fn(*args, **kwargs)
+                except Exception as e:  # noqa: BLE001 - the group is in an unknown state after any failed forward
+                    if not self._recover("forward", e):
+                        raise
                 return fn(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - the group is in an unknown state after any failed forward
-                lost = [m.index for m in self.members if not m.alive]
-                group_failed = lost or isinstance(e, (WorkerProcessLost, dist.DistError, EOFError, OSError))
-                logger.error("a grouped forward failed (%s: %s; members lost: %s); forming the group anew",
-                             type(e).__name__, e, lost or "none")
-                self.reform()
-                if not group_failed:
-                    raise
-            return fn(*args, **kwargs)
 
         return run
+
+    def decode_units(self, units: list[torch.Tensor], run: Callable[[torch.Tensor], torch.Tensor]
+                     ) -> list[torch.Tensor]:
+        """The VAE decoder's outputs for `units` (its inputs), shared out across the group by size (`run` decodes
+        the leader's share); if the group fails under it, it is formed anew and the leader decodes them all."""
+        shares = assign(units, self.size)
+        with self.lock:
+            try:
+                busy = [m for m in self.members if shares[m.index]]
+                for member in busy:
+                    member.send(DecodeCalls([units[i].cpu() for i in shares[member.index]]))
+                outputs: list[Any] = [None] * len(units)
+                for i in shares[0]:
+                    outputs[i] = run(units[i])
+                for member in busy:
+                    for i, output in zip(shares[member.index], member.done(), strict=True):
+                        outputs[i] = output.to(self.device)
+                for rank, share in enumerate(shares):
+                    self.units_decoded[rank] += len(share)
+                return outputs
+            except Exception as e:  # noqa: BLE001 - as guard's
+                if not self._recover("decode", e):
+                    raise
+            self.units_decoded[0] += len(units)
+            return [run(u) for u in units]
+
+    def _recover(self, what: str, error: Exception) -> bool:
+        """The group formed anew after a failed exchange; whether the group caused the failure (a member lost,
+        a collective's or a pipe's error), so that it is worth running again."""
+        lost = [m.index for m in self.members if not m.alive]
+        logger.error("a grouped %s failed (%s: %s; members lost: %s); forming the group anew", what,
+                     type(error).__name__, error, lost or "none")
+        self.reform()
+        return bool(lost) or isinstance(error, (WorkerProcessLost, dist.DistError, EOFError, OSError))
 
     def reform(self) -> None:
         """Every member started again and the process group made again: what follows a lost member."""

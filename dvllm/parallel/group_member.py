@@ -3,7 +3,7 @@ group's leader (parallel/group.py). It joins the group's process group, loads th
 its denoiser alone; then, for each denoiser call the leader makes, it receives the call's arguments and runs it
 with the leader. Sequence parallel: the whole call, split inside the forward by the same context-parallel plan
 (the output is the leader's; a member's is dropped). CFG-parallel: its own slice of the rows, whose output it
-sends to the leader."""
+sends to the leader. It also decodes its share of the leader's VAE decodes (parallel/group_decode.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dvllm.parallel.call_broadcast import receive
+from dvllm.parallel.group_decode import DecodeCalls
 from dvllm.parallel.row_split import call_rows, chunk, cut, send_rows
 from dvllm.worker.stage_process import serve
 
@@ -40,10 +41,12 @@ def backend(device: torch.device) -> str:
 
 @dataclasses.dataclass
 class Member:
-    """What a member holds: the denoiser and the engine's config."""
+    """What a member holds: the denoiser, the engine's config, and the VAE decoder when the group shares its
+    decodes (parallel/group_decode.py)."""
 
     denoiser: torch.nn.Module
     config: Any  # EngineConfig
+    decoder: torch.nn.Module | None = None
 
 
 def load_denoiser(config: Any, device: torch.device) -> Member:
@@ -56,12 +59,15 @@ def load_denoiser(config: Any, device: torch.device) -> Member:
     load = dataclasses.replace(config.load_config, encoder_device="cpu")
     adapter = load_adapter(config.model, config.load_format, device, config.dtype, seed=config.dummy_weight_seed,
                            default_params=config.default_params, load=load)
-    denoiser = denoiser_of(adapter.pipeline)
-    del adapter
+    from dvllm.parallel.group_decode import decodes_in_group
+
+    denoiser, vae = denoiser_of(adapter.pipeline), adapter.pipeline.vae
+    decoder = vae.decoder if decodes_in_group(config, vae) else None
+    del adapter, vae
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return Member(denoiser, config)
+    return Member(denoiser, config, decoder)
 
 
 def join(member: Member, order: JoinOrder, device: torch.device) -> None:
@@ -76,20 +82,25 @@ def join(member: Member, order: JoinOrder, device: torch.device) -> None:
                                 config.ring_degree, device)
 
 
-def run(member: Member, message: Any, device: torch.device) -> None:
+def run(member: Member, message: Any, device: torch.device) -> list[torch.Tensor] | None:
     if isinstance(message, JoinOrder):
         join(member, message, device)
-        return
+        return None
+    if isinstance(message, DecodeCalls):  # the member's share of a decode: the decoder's outputs, to the leader
+        if member.decoder is None:
+            raise RuntimeError("this member holds no VAE decoder (the group does not share its decodes)")
+        return [member.decoder(latents.to(device)).cpu() for latents in message.inputs]
     args, kwargs = receive(message, device)
     denoiser = member.denoiser
     if member.config.cfg_parallel_size == 1:  # the same call: the split is inside the forward
         denoiser(*args, **kwargs)
-        return
+        return None
     rows = call_rows(args, kwargs)
     part = chunk(rows, dist.get_rank(), dist.get_world_size())
     if part.stop > part.start:
         mine_args, mine_kwargs = cut(args, kwargs, rows, part)
         send_rows(denoiser(*mine_args, **mine_kwargs))
+    return None
 
 
 if __name__ == "__main__":  # this module's own names, which is what the leader pickles (not __main__'s)

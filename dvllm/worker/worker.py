@@ -14,6 +14,7 @@ from dvllm.models.base import ModelAdapter, ModelInfo
 from dvllm.models.load_config import LoadedModel
 from dvllm.models.loader import load_adapter
 from dvllm.parallel.group import WorkerGroup
+from dvllm.parallel.group_decode import SharedDecode, decodes_in_group
 from dvllm.parallel.group_member import denoiser_of
 from dvllm.profiler import PhaseTimer
 from dvllm.worker.decode_stage import DecodeStage
@@ -40,9 +41,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _start_group(config: EngineConfig, adapter: ModelAdapter, device: torch.device) -> WorkerGroup:
-    """The worker's group, its every denoiser call shared with the members (and run again if the group fails)."""
+    """The worker's group, its every denoiser call shared with the members (and run again if the group fails), and
+    its decodes shared out when the VAE allows."""
     group = WorkerGroup(config, denoiser_of(adapter.pipeline), device)
     adapter.denoise = group.guard(adapter.denoise)  # the runner reads adapter.denoise per call
+    if decodes_in_group(config, adapter.pipeline.vae):
+        adapter.decode = SharedDecode(group, adapter.pipeline.vae).wrap(adapter.decode)
     return group
 
 
