@@ -283,6 +283,15 @@ class EngineConfig:
         metadata={"help": "Where a group's members run, comma-separated, one each. Unset: a CPU worker's on the CPU, "
                           "a GPU worker's on the GPUs after its own."},
     )
+    group_policy: str = field(
+        default="static",
+        metadata={"help": "static: a group splits every forward one way (tokens with sequence_parallel_size, rows "
+                          "with cfg_parallel_size). elastic (with sequence_parallel_size): each step's forward is "
+                          "split by rows when every process gets as many rows, or at least two, and by tokens "
+                          "otherwise (a lone request spread over the group); and a request that would miss its "
+                          "deadline (deadline_s) at the current step time runs in steps of its own, ahead of the "
+                          "rest, until it would not. docs/design.md, 'Worker groups', states the rule."},
+    )
     group_decode: bool = field(
         default=True,
         metadata={"help": "A worker group also decodes together: the VAE decoder's calls of a decode (its tiles "

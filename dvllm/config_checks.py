@@ -9,6 +9,7 @@ if TYPE_CHECKING:
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+GROUP_POLICIES = ("static", "elastic")
 COMPILE_MODES = ("off", "dynamic", "bucketed")
 EXECUTORS = ("uniproc", "ray")
 
@@ -169,6 +170,11 @@ def check_group(config: EngineConfig) -> None:
     if size > 1 and config.cfg_parallel_size > 1:
         raise ValueError("sequence_parallel_size and cfg_parallel_size cannot both be > 1 yet: a group splits "
                          "either every row's tokens or the rows")
+    choice("group_policy", config.group_policy, GROUP_POLICIES)
+    if config.group_policy == "elastic" and size == 1:
+        raise ValueError("group_policy='elastic' chooses each step between splitting the forward's tokens and its "
+                         "rows: it needs sequence_parallel_size > 1 (a group that can split tokens; any group can "
+                         "split rows)")
     if config.group_size == 1:
         if config.group_devices is not None:
             raise ValueError("group_devices is set but the group has one process (sequence_parallel_size and "

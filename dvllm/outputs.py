@@ -14,6 +14,8 @@ class RequestMetrics:
     cached_steps: int | None = None
     # Its images came from the exact result cache (an identical seeded request served before): no step ran.
     result_cache_hit: bool = False
+    # With a deadline (SamplingParams.deadline_s), once finished: whether its images were done by then
+    deadline_met: bool | None = None
 
     @property
     def queue_time(self) -> float | None:

@@ -72,6 +72,10 @@ class SamplingParams:
     # None: their defaults (6.0 and 2.5). Other models take none.
     aesthetic_score: float | None = None
     negative_aesthetic_score: float | None = None
+    # Seconds after arrival by which its images should be done: whether they were is reported
+    # (RequestOutput.metrics.deadline_met, stats' deadlines_met/missed), and the elastic group policy runs a
+    # request that would miss it ahead of the rest (docs/design.md, "Worker groups"). None: no deadline.
+    deadline_s: float | None = None
 
     def validate(self) -> None:
         """Checks that need no model; raises ValueError naming the field."""
@@ -104,6 +108,10 @@ class SamplingParams:
                 or not -PRIORITY_LIMIT <= self.priority < PRIORITY_LIMIT:
             raise ValueError(f"priority must be an integer in [-2**31, 2**31), got {self.priority!r}")
         _optional_int("num_previews", self.num_previews, low=0)
+        if self.deadline_s is not None and (isinstance(self.deadline_s, bool)
+                                            or not isinstance(self.deadline_s, (int, float))
+                                            or not 0 < self.deadline_s < float("inf")):
+            raise ValueError(f"deadline_s must be a finite number of seconds > 0, got {self.deadline_s!r}")
         _optional_int("max_sequence_length", self.max_sequence_length, low=1)
         if not _is_default(self.cache):
             parse_cache(self.cache)

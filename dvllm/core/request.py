@@ -140,6 +140,20 @@ class Request:
         return self.params.priority
 
     @property
+    def deadline_time(self) -> float | None:
+        """When its images are due (time.time()), or None."""
+        deadline = self.params.deadline_s
+        return None if deadline is None else self.arrival_time + deadline
+
+    @property
+    def deadline_met(self) -> bool | None:
+        """Once finished with a deadline: its images came, in time."""
+        due = self.deadline_time
+        if due is None or not self.is_finished:
+            return None
+        return self.status == RequestStatus.FINISHED and self.finished_time <= due
+
+    @property
     def steps_scheduled(self) -> int:
         """Steps taken or in flight: the next one scheduled is this one (progress is deterministic)."""
         return self.num_steps_done + self.steps_in_flight
@@ -177,7 +191,8 @@ class Request:
             num_steps_done=self.num_steps_done,
             finished=self.is_finished,
             metrics=RequestMetrics(self.arrival_time, self.first_scheduled_time, self.finished_time,
-                                   cached_steps=None if self.params.cache is None else self.cached_steps),
+                                   cached_steps=None if self.params.cache is None else self.cached_steps,
+                                   deadline_met=self.deadline_met),
             images=self.images,
             error=self.error,
             previews=previews or [],

@@ -48,6 +48,7 @@ class Scheduler:
         self.iteration = 0
         self.num_preemptions = 0
         self.cache_skipped_rows = self.cache_computed_rows = 0  # step caching, over the engine's life
+        self.deadlines = {True: 0, False: 0}  # finished requests with a deadline: met, missed
         self._freed: list[str] = []
         # By iteration, until its update: the requests it stepped, and request id -> the cache entries it filled
         self._batches: dict[int, list[Request]] = {}
@@ -422,6 +423,8 @@ class Scheduler:
         request.status = status
         request.error = error
         request.finished_time = now or time.time()
+        if request.deadline_met is not None:
+            self.deadlines[request.deadline_met] += 1
 
     def stats(self) -> dict[str, int]:
         return {
@@ -439,4 +442,6 @@ class Scheduler:
             "prompt_cache_queries": self.blocks.cache_queries,
             "lora_slot_loads": self.lora_slots.loads,
             "loras_resident": self.lora_slots.num_resident,
+            "deadlines_met": self.deadlines[True],
+            "deadlines_missed": self.deadlines[False],
         }

@@ -122,6 +122,11 @@ class _EngineCollector(Collector):
             yield family
         yield CounterMetricFamily("dvllm_preemptions", "Requests preempted (state swapped out).",
                                   value=s["num_preemptions"])
+        deadlines = CounterMetricFamily("dvllm_deadlines", "Finished requests that had a deadline, by whether "
+                                        "their images were done by it.", labels=["met"])
+        deadlines.add_metric(["true"], s.get("deadlines_met", 0))
+        deadlines.add_metric(["false"], s.get("deadlines_missed", 0))
+        yield deadlines
         yield CounterMetricFamily("dvllm_prompt_cache_queries", "Prompt-cache lookups.",
                                   value=s["prompt_cache_queries"])
         yield CounterMetricFamily("dvllm_prompt_cache_hits", "Prompt-cache hits.", value=s["prompt_cache_hits"])

@@ -78,6 +78,7 @@ class ImageGenerationRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     sampler: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS)
     priority: int | None = Field(None, ge=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)
+    deadline: float | None = Field(None, gt=0, allow_inf_nan=False)  # seconds after arrival (deadline_s)
     eta: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # DDIM/TCD's, where the pipeline takes one
     max_sequence_length: int | None = Field(None, ge=1)  # the text encoder's, where the pipeline takes one
     # step caching: {"method": "first_block" | "taylorseer" | "mag", ...}; absent: the server's default; null: none
@@ -139,7 +140,7 @@ class ImageGenerationRequest(BaseModel):
             max_sequence_length=self.max_sequence_length,
             cache=self.cache if "cache" in self.model_fields_set else USE_DEFAULT,
             loras=self.loras, aesthetic_score=self.aesthetic_score,
-            negative_aesthetic_score=self.negative_aesthetic_score,
+            negative_aesthetic_score=self.negative_aesthetic_score, deadline_s=self.deadline,
         )
 
 
@@ -168,7 +169,7 @@ _ENGINE_FIELDS = {"height": "size", "width": "size", "height*width": "size", "nu
                   "priority": "priority", "image": "image", "strength": "strength", "eta": "eta",
                   "max_sequence_length": "max_sequence_length", "cache": "cache", "loras": "loras",
                   "mask_image": "mask", "aesthetic_score": "aesthetic_score",
-                  "negative_aesthetic_score": "negative_aesthetic_score"}  # mask: the edits form's field
+                  "negative_aesthetic_score": "negative_aesthetic_score", "deadline_s": "deadline"}  # mask: the edits form's field
 
 
 def engine_value_error(error: ValueError) -> APIError:

@@ -70,6 +70,34 @@ def rejoin_context_parallel(transformer: torch.nn.Module) -> None:
 
 
 @contextmanager
+def context_parallel_paused(transformer: torch.nn.Module) -> Iterator[None]:
+    """The transformer's split turned off for the calls inside (each process runs its own rows whole), and on
+    again after: the plan's hooks removed and put back, the attention processors told of no split meanwhile."""
+    from diffusers.hooks.context_parallel import apply_context_parallel, remove_context_parallel
+
+    config, plan = transformer._parallel_config, type(transformer)._cp_plan
+    processors = [m.processor for m in transformer.modules()
+                  if getattr(getattr(m, "processor", None), "_parallel_config", None) is config]
+    remove_context_parallel(transformer, plan)
+    for processor in processors:
+        processor._parallel_config = None
+    try:
+        yield
+    finally:
+        apply_context_parallel(transformer, config.context_parallel_config, plan)
+        for processor in processors:
+            processor._parallel_config = config
+
+
+def rows_split_pays(rows: int, size: int) -> bool:
+    """The elastic policy's choice for a forward of `rows` on a group of `size`: rows (each process its rows
+    whole, no exchange inside the forward) when every process gets as many rows, or at least two; tokens
+    otherwise (fewer rows than processes, or a remainder that would leave some a row idle for most of the
+    forward)."""
+    return rows >= size and (rows % size == 0 or rows >= 2 * size)
+
+
+@contextmanager
 def _a_device_count() -> Iterator[None]:
     """diffusers picks each rank's device as `rank % torch.accelerator.device_count()`, which is a division by
     zero on a machine with no accelerator: there, for that call only, the count reads 1 (the CPU)."""

@@ -17,6 +17,7 @@ runs again. A forward is a pure function of its inputs, so running it again chan
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -32,9 +33,15 @@ import torch.distributed as dist
 from dvllm.config import EngineConfig
 from dvllm.config_checks import device_list
 from dvllm.parallel.call_broadcast import pack, send_tensors
-from dvllm.parallel.context_parallel import check_context_parallel, enable_context_parallel, rejoin_context_parallel
+from dvllm.parallel.context_parallel import (
+    check_context_parallel,
+    context_parallel_paused,
+    enable_context_parallel,
+    rejoin_context_parallel,
+    rows_split_pays,
+)
 from dvllm.parallel.group_decode import DecodeCalls, assign
-from dvllm.parallel.group_member import JoinOrder, backend
+from dvllm.parallel.group_member import JoinOrder, SharedCall, backend
 from dvllm.parallel.row_split import call_rows, chunk, cut, gather_rows
 from dvllm.worker.stage_process import StageProcess, WorkerProcessLost, check_devices
 
@@ -86,8 +93,11 @@ class WorkerGroup:
 
     def __init__(self, config: EngineConfig, denoiser: torch.nn.Module, device: torch.device) -> None:
         self.size, self.ring = config.group_size, config.ring_degree
-        self.split_rows = config.cfg_parallel_size > 1  # else every row's tokens (sequence parallel)
-        if not self.split_rows:
+        self.splits_tokens = config.sequence_parallel_size > 1  # the denoiser has the context-parallel plan on
+        self.elastic = config.group_policy == "elastic"  # the split chosen per step (choose_split)
+        self.split_rows = not self.splits_tokens  # this step's split: rows, else every row's tokens
+        self.forwards = {"tokens": 0, "rows": 0}  # denoiser calls shared, by split
+        if self.splits_tokens:
             check_context_parallel(denoiser, self.size // self.ring, self.ring, device)
         devices = member_devices(config, device)
         if len(devices) != self.size - 1:
@@ -114,12 +124,18 @@ class WorkerGroup:
         self._hooks = [denoiser.register_forward_pre_hook(self._share_call, with_kwargs=True),
                        denoiser.register_forward_hook(self._call_done)]
 
+    def choose_split(self, rows: int) -> None:
+        """Before a step's forwards: with the elastic policy, the split its `rows` run best with."""
+        if self.elastic:
+            self.split_rows = rows_split_pays(rows, self.size)
+
     def guard(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """`fn` (a call that runs the denoiser) run again on a group formed anew when the group fails under it."""
 
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> torch.Tensor:
-            with self.lock:
+            paused = self.split_rows and self.splits_tokens  # (elastic) the worker's own split off for a rows step
+            with self.lock, context_parallel_paused(self.denoiser) if paused else contextlib.nullcontext():
                 try:
                     return fn(*args, **kwargs)
                 except Exception as e:  # noqa: BLE001 - the group is in an unknown state after any failed forward
@@ -195,9 +211,9 @@ class WorkerGroup:
             member.send(JoinOrder(member.index, self.size, init_file, self.config.group_timeout_s))
         dist.init_process_group(backend(self.device), init_method=f"file://{init_file}", rank=0,
                                 world_size=self.size, timeout=timedelta(seconds=self.config.group_timeout_s))
-        if not self.split_rows and first:
+        if self.splits_tokens and first:
             enable_context_parallel(self.denoiser, self.size // self.ring, self.ring, self.device)
-        elif not self.split_rows:
+        elif self.splits_tokens:
             rejoin_context_parallel(self.denoiser)
         for member in self.members:
             member.done()
@@ -207,8 +223,9 @@ class WorkerGroup:
         tensors: list[torch.Tensor] = []
         skeleton = pack((args, kwargs), tensors)
         for member in self.members:
-            member.send(skeleton)
+            member.send(SharedCall(self.split_rows, skeleton))
         send_tensors(tensors)
+        self.forwards["rows" if self.split_rows else "tokens"] += 1
         if not self.split_rows:
             return None
         rows = call_rows(args, kwargs)

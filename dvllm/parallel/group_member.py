@@ -6,6 +6,7 @@ with the leader. Sequence parallel: the whole call, split inside the forward by 
 sends to the leader. It also decodes its share of the leader's VAE decodes (parallel/group_decode.py)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 from datetime import timedelta
@@ -28,6 +29,15 @@ class JoinOrder:
     world_size: int
     init_file: str
     timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedCall:
+    """A denoiser call the leader makes (its skeleton; the tensors follow by broadcast), and how it is split:
+    by rows, or (False) by every row's tokens."""
+
+    split_rows: bool
+    skeleton: Any
 
 
 def denoiser_of(pipeline: Any) -> torch.nn.Module:
@@ -90,16 +100,21 @@ def run(member: Member, message: Any, device: torch.device) -> list[torch.Tensor
         if member.decoder is None:
             raise RuntimeError("this member holds no VAE decoder (the group does not share its decodes)")
         return [member.decoder(latents.to(device)).cpu() for latents in message.inputs]
-    args, kwargs = receive(message, device)
+    from dvllm.parallel.context_parallel import context_parallel_paused
+
+    args, kwargs = receive(message.skeleton, device)
     denoiser = member.denoiser
-    if member.config.cfg_parallel_size == 1:  # the same call: the split is inside the forward
+    if not message.split_rows:  # the same call: the split is inside the forward
         denoiser(*args, **kwargs)
         return None
     rows = call_rows(args, kwargs)
     part = chunk(rows, dist.get_rank(), dist.get_world_size())
     if part.stop > part.start:
         mine_args, mine_kwargs = cut(args, kwargs, rows, part)
-        send_rows(denoiser(*mine_args, **mine_kwargs))
+        # (elastic) a rows step on a group that splits tokens: this member's rows run whole
+        paused = member.config.sequence_parallel_size > 1
+        with context_parallel_paused(denoiser) if paused else contextlib.nullcontext():
+            send_rows(denoiser(*mine_args, **mine_kwargs))
     return None
 
 

@@ -109,6 +109,8 @@ class ModelRunner:
                 batch.append(self.states[request_id])
         step = StepResult()
         if batch:
+            if self.group is not None:
+                self.group.choose_split(out.num_rows)
             parts = StepParts(self.adapter, self.denoiser, self.pool, self.timer, self.lora,
                               self.cache_hooks if any(s.cache is not None for s in batch) else None)
             with stages.timing("denoise"):
