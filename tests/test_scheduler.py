@@ -410,3 +410,51 @@ def test_scheduling_ahead_counts_steps_in_flight_and_frees_the_rows_of_a_last_st
     assert "a" not in s.requests and s.requests["b"].steps_scheduled == 1
     s.update_from_output(third, RunnerOutput())
     assert s.requests["b"].num_steps_done == 1 and s.requests["b"].steps_in_flight == 0
+
+
+def _due_in(clock: Clock, rid: str, steps: int, deadline_s: float | None, arrived: float) -> Request:
+    request = clock.request(rid, steps=steps)
+    request.params.deadline_s, request.arrival_time = deadline_s, arrived
+    return request
+
+
+def test_the_elastic_policy_runs_a_late_request_ahead_until_it_is_not_late():
+    import time
+
+    s, c = make(group_policy="elastic", sequence_parallel_size=2), Clock()
+    now = time.time()
+    s.add_request(_due_in(c, "free", 12, None, now))
+    s.add_request(_due_in(c, "late", 12, 60.0, now))  # 12 steps due in a minute
+    s.add_request(_due_in(c, "relaxed", 12, 3600.0, now))
+    s.add_request(_due_in(c, "hopeless", 12, 1.0, now - 10))  # already past due: no use running it first
+    out, _ = iterate(s)
+    assert len(out.scheduled_ids) == 4  # no step time measured yet: nobody is late
+    s.step_seconds = 10.0  # 11 steps left at 10 s each: "late" would end ~110 s after its arrival
+    alone = []
+    while True:
+        out, _ = iterate(s)
+        if out.scheduled_ids != ["late"]:
+            break
+        alone.append(out.scheduled_ids)
+    # alone while its steps left take more than the minute it has (11 down to 6 left), then with the rest again
+    assert len(alone) == 6 and sorted(out.scheduled_ids) == ["free", "hopeless", "late", "relaxed"]
+    while s.has_unfinished_requests():
+        iterate(s)
+    assert (s.stats()["deadlines_met"], s.stats()["deadlines_missed"]) == (2, 1)  # late and relaxed; hopeless
+
+
+def test_the_static_policy_only_reports_deadlines():
+    import time
+
+    s, c = make(), Clock()
+    now = time.time()
+    s.add_request(_due_in(c, "free", 4, None, now))
+    s.add_request(_due_in(c, "late", 4, 60.0, now))
+    s.step_seconds = 100.0
+    out, _ = iterate(s)
+    assert sorted(out.scheduled_ids) == ["free", "late"]
+    outputs = []
+    while s.has_unfinished_requests():
+        outputs += iterate(s)[1]
+    met = {o.request_id: o.metrics.deadline_met for o in outputs if o.finished}
+    assert met == {"free": None, "late": True}

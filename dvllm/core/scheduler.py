@@ -14,6 +14,10 @@ ages: a request of priority p ranks with one of priority 0 that arrived
 p * priority_aging_iterations iterations later, so low priorities are delayed,
 never starved. The ranking never changes over time, so two requests cannot take
 turns preempting each other.
+
+With group_policy="elastic" (a worker group), deadlines count: a running request whose remaining steps, at the
+recent step time, would end after its deadline (while it can still be met) takes steps in a forward of its own
+with the other late requests of its shape, ahead of the rest, until it would not.
 """
 from __future__ import annotations
 
@@ -49,6 +53,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.cache_skipped_rows = self.cache_computed_rows = 0  # step caching, over the engine's life
         self.deadlines = {True: 0, False: 0}  # finished requests with a deadline: met, missed
+        self.deadline_first = config.group_policy == "elastic"
+        self.step_seconds: float | None = None  # the recent steps' time on the worker (a moving average)
         self._freed: list[str] = []
         # By iteration, until its update: the requests it stepped, and request id -> the cache entries it filled
         self._batches: dict[int, list[Request]] = {}
@@ -327,6 +333,10 @@ class Scheduler:
                 groups[request.shape_key].append(request)
         if not groups:
             return []
+        late = self._late([r for group in groups.values() for r in group]) if self.deadline_first else []
+        if late:
+            first = min(late, key=lambda r: r.deadline_time)
+            return [r for r in late if r.shape_key == first.shape_key]
 
         def staleness(group: list[Request]) -> tuple:
             return (min(r.last_scheduled for r in group), -sum(r.rows for r in group),
@@ -334,9 +344,21 @@ class Scheduler:
 
         return min(groups.values(), key=staleness)
 
+    def _late(self, ready: list[Request]) -> list[Request]:
+        """Requests that would miss a deadline they can still meet, if their remaining steps took the recent
+        step time each."""
+        if self.step_seconds is None:
+            return []
+        now = time.time()
+        return [r for r in ready if r.deadline_time is not None
+                and now < r.deadline_time < now + (r.num_steps - r.steps_scheduled) * self.step_seconds]
+
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         now = time.time()
+        if sched_out.scheduled_ids and runner_out.execute_seconds > 0:
+            seconds = runner_out.execute_seconds
+            self.step_seconds = seconds if self.step_seconds is None else 0.5 * (self.step_seconds + seconds)
         for slot in runner_out.failed_lora_slots:
             self.lora_slots.forget(slot)
         if self.ahead is not None:

@@ -3,8 +3,7 @@ slice of the batch's rows, and the leader gathers the slices' outputs in order. 
 first and the unconditional ones after (models/layout.py), so on a group of two a lone CFG request's conditional
 row runs on one member and its unconditional row on the other; a larger batch is split the same way, by rows.
 
-Which arguments are batched is read from the call: a tensor whose first dimension, or a list whose length, is the
-batch's row count, except the positions Flux passes for the whole batch (`img_ids`, `txt_ids`)."""
+Which arguments are batched is read from the call (worker/row_args.py)."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,8 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# Arguments that hold one entry per token (or position), shared by every row
-UNBATCHED = frozenset({"img_ids", "txt_ids", "image_rotary_emb"})
+from dvllm.worker.row_args import cut_rows
 
 
 def call_rows(args: tuple, kwargs: dict) -> int:
@@ -33,18 +31,8 @@ def chunk(rows: int, rank: int, world: int) -> slice:
 
 def cut(args: tuple, kwargs: dict, rows: int, part: slice) -> tuple[tuple, dict]:
     """The call on the rows `part` only."""
-    def one(name: str | None, value: Any) -> Any:
-        if name in UNBATCHED:
-            return value
-        if torch.is_tensor(value):
-            return value[part] if value.dim() and value.shape[0] == rows else value
-        if isinstance(value, (list, tuple)) and len(value) == rows:
-            return type(value)(value[part])
-        if isinstance(value, dict):
-            return {k: one(k, v) for k, v in value.items()}
-        return value
-
-    return tuple(one(None, a) for a in args), {k: one(k, v) for k, v in kwargs.items()}
+    return (tuple(cut_rows(None, a, rows, part) for a in args),
+            {k: cut_rows(k, v, rows, part) for k, v in kwargs.items()})
 
 
 def _sample(output: Any) -> Any:

@@ -8,9 +8,8 @@ from typing import Any, Callable
 
 import torch
 
+from dvllm.worker.row_args import cut_rows
 from dvllm.worker.row_scope import RowScope
-
-UNBATCHED_ARGS = frozenset({"image_rotary_emb"})  # positions, shared by every row
 
 
 @dataclass
@@ -31,20 +30,10 @@ class Call:
         return self.signature.bind(*self.args, **self.kwargs).arguments
 
     def on_rows(self, rows: int, chosen: list[int], index: torch.Tensor) -> Any:
-        """The call on the rows `chosen` only (`index`: the same on the device): every batched tensor (first
-        dimension `rows`) is cut."""
+        """The call on the rows `chosen` only (`index`: the same on the device): every batched argument is cut
+        (worker/row_args.py)."""
         bound = self.signature.bind(*self.args, **self.kwargs)
-
-        def cut(name: str, value: Any) -> Any:
-            if name in UNBATCHED_ARGS:
-                return value
-            if torch.is_tensor(value) and value.dim() and value.shape[0] == rows:
-                return value[index]
-            if isinstance(value, dict):
-                return {k: cut(k, v) for k, v in value.items()}
-            return value
-
         for name, value in list(bound.arguments.items()):
-            bound.arguments[name] = cut(name, value)
+            bound.arguments[name] = cut_rows(name, value, rows, chosen, index)
         with self.rows.narrow(chosen, index):
             return self.fn(*bound.args, **bound.kwargs)
