@@ -429,7 +429,7 @@ def test_the_elastic_policy_runs_a_late_request_ahead_until_it_is_not_late():
     s.add_request(_due_in(c, "hopeless", 12, 1.0, now - 10))  # already past due: no use running it first
     out, _ = iterate(s)
     assert len(out.scheduled_ids) == 4  # no step time measured yet: nobody is late
-    s.step_seconds = 10.0  # 11 steps left at 10 s each: "late" would end ~110 s after its arrival
+    s.row_seconds = {(16, 16): 1.25}  # 8 rows: 10 s a step; 11 steps left: "late" would end ~110 s in
     alone = []
     while True:
         out, _ = iterate(s)
@@ -450,7 +450,7 @@ def test_the_static_policy_only_reports_deadlines():
     now = time.time()
     s.add_request(_due_in(c, "free", 4, None, now))
     s.add_request(_due_in(c, "late", 4, 60.0, now))
-    s.step_seconds = 100.0
+    s.row_seconds = {(16, 16): 50.0}
     out, _ = iterate(s)
     assert sorted(out.scheduled_ids) == ["free", "late"]
     outputs = []
@@ -458,3 +458,20 @@ def test_the_static_policy_only_reports_deadlines():
         outputs += iterate(s)[1]
     met = {o.request_id: o.metrics.deadline_met for o in outputs if o.finished}
     assert met == {"free": None, "late": True}
+
+
+def test_the_pace_counts_every_shapes_steps():
+    """A small request behind a big one of another shape: at the present pace each of its steps waits for a
+    big step too, so it is late; alone it is not."""
+    import time
+
+    s, c = make(group_policy="elastic", sequence_parallel_size=2), Clock()
+    now = time.time()
+    big = c.request("big", steps=20, size=32)
+    big.arrival_time = now
+    s.add_request(big)
+    s.add_request(_due_in(c, "small", 4, 3.0, now))
+    s.row_seconds = {(16, 16): 0.1, (32, 32): 1.0}  # a step: 0.2 s small, 2 s big; 4 small steps at 2.2 s: 8.8 s
+    picked = [iterate(s)[0].scheduled_ids for _ in range(4)]
+    assert picked[0] == ["small"] and picked[1] == ["small"], picked  # first admitted, then ahead of big
+    assert "big" in [rid for ids in picked for rid in ids]  # once its steps left fit the pace, turns again

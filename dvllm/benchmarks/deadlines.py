@@ -1,11 +1,12 @@
-"""Deadlines on a mixed workload: SLO attainment of one worker (static degree 1), a static group of 2 (sequence
-parallel, every forward split by tokens) and an elastic group of 2 (group_policy="elastic": each step's split as
-its rows pay, late requests ahead), in one run, on the same machine's cores.
+"""Deadlines on a mixed workload: SLO attainment of static degree 1 (one worker on every core; and N data-parallel
+Ray workers of one core each, as on N GPUs), a static group of N (sequence parallel, every forward split by
+tokens) and an elastic group of N (group_policy="elastic": each step's split as its rows pay, late requests
+ahead), in one run, on the same machine's cores.
 
 The workload mixes small requests (few steps, a small size) and big ones (more steps, a large size), arriving at
 seeded Poisson times. Each request's deadline is `--slack` times its class's latency alone on the one worker (the
-calibration at the start), so the deadlines are the same for the three. The one worker runs `--degree` torch
-threads (every core); a group's processes run one thread each (one core each): the same compute for all three.
+calibration at the start), so the deadlines are the same for all. The one worker runs `--degree` torch threads
+(every core); a Ray worker and a group's process run one thread each (one core each): the same compute for all.
 Each engine serves the trace alone, one after the other (a process leads one group at a time), `--rounds` times
 in turn.
 
@@ -27,7 +28,9 @@ from dvllm.benchmarks.throughput import _machine
 from dvllm.engine.async_engine import AsyncDiffusionEngine
 from dvllm.sampling_params import SamplingParams
 
-POLICIES = ("static 1", "static 2", "elastic 2")
+# static 1: one worker on every core; data parallel: `--degree` Ray workers of one core each, requests placed on
+# them (static degree 1 as on N GPUs); static and elastic: a group of `--degree` processes of one core each
+POLICIES = ("static 1", "data parallel", "static group", "elastic group")
 
 
 def _params(args: argparse.Namespace, big: bool, seed: int, deadline_s: float | None) -> SamplingParams:
@@ -41,6 +44,8 @@ def _engine_args(args: argparse.Namespace, policy: str) -> dict[str, Any]:
                   engine_core_process=False)
     if policy == "static 1":
         return common
+    if policy == "data parallel":
+        return {**common, "executor": "ray", "num_workers": args.degree, "worker_num_cpus": 1}
     return {**common, "sequence_parallel_size": args.degree,
             "group_policy": "elastic" if policy.startswith("elastic") else "static"}
 
@@ -91,7 +96,8 @@ async def _serve(args: argparse.Namespace, policy: str, solo: dict[bool, float] 
         results = await asyncio.gather(*[
             _one(engine, f"request {i}", _params(args, big, i, args.slack * solo[big]), start, offset)
             for i, (offset, big) in enumerate(trace)])
-        group = engine.engine.executor.worker.group  # (the engine runs in this process: engine_core_process off)
+        # (the engine runs in this process: engine_core_process off)
+        group = getattr(getattr(engine.engine.executor, "worker", None), "group", None)
         forwards = None if group is None else dict(group.forwards)
     finally:
         await engine.shutdown()
@@ -108,13 +114,24 @@ async def _serve(args: argparse.Namespace, policy: str, solo: dict[bool, float] 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    policies = [p.strip() for p in args.policies.split(",")]
+    if policies[0] != "static 1" or not set(policies) <= set(POLICIES):
+        raise ValueError(f"--policies: 'static 1' first (it calibrates the deadlines), then any of {POLICIES[1:]}")
     solo: dict[bool, float] | None = None
-    rounds: dict[str, list[dict[str, Any]]] = {policy: [] for policy in POLICIES}
-    for _ in range(args.rounds):
-        for policy in POLICIES:
-            result = asyncio.run(_serve(args, policy, solo))
-            solo = result.pop("solo_s")
-            rounds[policy].append(result)
+    rounds: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
+    if "data parallel" in policies:
+        import ray
+
+        ray.init(num_cpus=args.degree, include_dashboard=False, logging_level="warning")
+    try:
+        for _ in range(args.rounds):
+            for policy in policies:
+                result = asyncio.run(_serve(args, policy, solo))
+                solo = result.pop("solo_s")
+                rounds[policy].append(result)
+    finally:
+        if "data parallel" in policies:
+            ray.shutdown()
     machine = _machine(torch.device("cpu"), getattr(torch, args.dtype))
     return {
         "model": args.model, "small": f"{args.small}x{args.small}, {args.small_steps} steps",
@@ -143,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
                         "serves alone")
     parser.add_argument("--slack", type=float, default=2.0, help="deadline: this times the class's latency alone")
     parser.add_argument("--degree", type=int, default=2, help="the group's size, and the one worker's threads")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="comma-separated, 'static 1' first: " + ", ".join(POLICIES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", help="also write the result as JSON here")

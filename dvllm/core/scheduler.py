@@ -15,9 +15,10 @@ p * priority_aging_iterations iterations later, so low priorities are delayed,
 never starved. The ranking never changes over time, so two requests cannot take
 turns preempting each other.
 
-With group_policy="elastic" (a worker group), deadlines count: a running request whose remaining steps, at the
-recent step time, would end after its deadline (while it can still be met) takes steps in a forward of its own
-with the other late requests of its shape, ahead of the rest, until it would not.
+With group_policy="elastic" (a worker group), deadlines count: a running request whose remaining steps would end
+after its deadline at the present pace (each of its steps waiting for a step of every shape's ready rows, at the
+recent seconds per row) but not if it stepped alone takes steps in a forward of its own with the other late
+requests of its shape, ahead of the rest, until it would not.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class Scheduler:
         self.cache_skipped_rows = self.cache_computed_rows = 0  # step caching, over the engine's life
         self.deadlines = {True: 0, False: 0}  # finished requests with a deadline: met, missed
         self.deadline_first = config.group_policy == "elastic"
-        self.step_seconds: float | None = None  # the recent steps' time on the worker (a moving average)
+        # Per latent shape: the recent steps' seconds per row on the worker (a moving average)
+        self.row_seconds: dict[tuple[int, int], float] = {}
         self._freed: list[str] = []
         # By iteration, until its update: the requests it stepped, and request id -> the cache entries it filled
         self._batches: dict[int, list[Request]] = {}
@@ -333,7 +335,7 @@ class Scheduler:
                 groups[request.shape_key].append(request)
         if not groups:
             return []
-        late = self._late([r for group in groups.values() for r in group]) if self.deadline_first else []
+        late = self._late(groups) if self.deadline_first else []
         if late:
             first = min(late, key=lambda r: r.deadline_time)
             return [r for r in late if r.shape_key == first.shape_key]
@@ -344,27 +346,35 @@ class Scheduler:
 
         return min(groups.values(), key=staleness)
 
-    def _late(self, ready: list[Request]) -> list[Request]:
-        """Requests that would miss a deadline they can still meet, if their remaining steps took the recent
-        step time each."""
-        if self.step_seconds is None:
+    def _late(self, groups: dict[tuple[int, int], list[Request]]) -> list[Request]:
+        """Requests that would miss their deadline at the present pace (each step of theirs waits for one step
+        of every shape's ready rows, at the recent seconds per row) but would meet it stepping alone."""
+        if not self.row_seconds:
             return []
-        now = time.time()
-        return [r for r in ready if r.deadline_time is not None
-                and now < r.deadline_time < now + (r.num_steps - r.steps_scheduled) * self.step_seconds]
+        known = max(self.row_seconds.values())  # a shape not measured yet: as slow as the slowest
+        per_row = {shape: self.row_seconds.get(shape, known) for shape in groups}
+        pace = sum(per_row[shape] * sum(r.rows for r in group) for shape, group in groups.items())
+        now, late = time.time(), []
+        for shape, group in groups.items():
+            for r in group:
+                due, left = r.deadline_time, r.num_steps - r.steps_scheduled
+                if due is not None and now + left * r.rows * per_row[shape] <= due < now + left * pace:
+                    late.append(r)
+        return late
 
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         now = time.time()
-        if sched_out.scheduled_ids and runner_out.execute_seconds > 0:
-            seconds = runner_out.execute_seconds
-            self.step_seconds = seconds if self.step_seconds is None else 0.5 * (self.step_seconds + seconds)
         for slot in runner_out.failed_lora_slots:
             self.lora_slots.forget(slot)
         if self.ahead is not None:
             self.ahead.mark_ready(runner_out.encoded)
             outputs += self._encode_failed(runner_out.encode_errors, now)
         writers, batch = self._writers.pop(sched_out.iteration, {}), self._batches.pop(sched_out.iteration, [])
+        if batch and sched_out.num_rows and runner_out.execute_seconds > 0:
+            shape, seconds = batch[0].shape_key, runner_out.execute_seconds / sched_out.num_rows
+            last = self.row_seconds.get(shape)
+            self.row_seconds[shape] = seconds if last is None else 0.5 * (last + seconds)
         for request_id, message in runner_out.errors.items():
             if self._stale.get(request_id, -1) >= sched_out.iteration:
                 continue  # an aborted request's, from a step scheduled before the abort

@@ -73,7 +73,7 @@ class GroupMember(StageProcess):
         return self._process is not None and self._process.poll() is None
 
     def start_again(self) -> None:
-        self._respawn()
+        self._respawn("died" if not self.alive else "goes with its group, formed anew")
 
 
 def member_devices(config: EngineConfig, device: torch.device) -> list[str]:

@@ -107,9 +107,9 @@ class StageProcess:
         self._conn = parent
         self._built = False
 
-    def _respawn(self) -> None:
+    def _respawn(self, why: str = "died") -> None:
         self.restarts += 1
-        logger.error("%s worker %d (pid %s) died; starting it again", self.kind, self.index, self.pid)
+        logger.error("%s worker %d (pid %s) %s; starting it again", self.kind, self.index, self.pid, why)
         if self._process.poll() is None:
             self._process.kill()
         self._process.wait()
