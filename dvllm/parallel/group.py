@@ -154,7 +154,8 @@ class WorkerGroup:
             try:
                 busy = [m for m in self.members if shares[m.index]]
                 for member in busy:
-                    member.send(DecodeCalls([units[i].cpu() for i in shares[member.index]]))
+                    # (copies: a tile is a view of the whole latents, all of which a view pickles)
+                    member.send(DecodeCalls([units[i].to("cpu", copy=True) for i in shares[member.index]]))
                 outputs: list[Any] = [None] * len(units)
                 for i in shares[0]:
                     outputs[i] = run(units[i])
