@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if "data parallel" in policies:
             ray.shutdown()
-    machine = _machine(torch.device("cpu"), getattr(torch, args.dtype))
+    torch.set_num_threads(args.degree)  # the label names the one worker's threads; the others run one each
+    machine = _machine(torch.device("cpu"), getattr(torch, args.dtype)) + ", one thread a Ray worker or group process"
     return {
         "model": args.model, "small": f"{args.small}x{args.small}, {args.small_steps} steps",
         "big": f"{args.big}x{args.big}, {args.big_steps} steps", "requests": args.requests,
