@@ -438,6 +438,7 @@ def test_the_elastic_policy_runs_a_late_request_ahead_until_it_is_not_late():
         alone.append(out.scheduled_ids)
     # alone while its steps left take more than the minute it has (11 down to 6 left), then with the rest again
     assert len(alone) == 6 and sorted(out.scheduled_ids) == ["free", "hopeless", "late", "relaxed"]
+    assert s.stats()["late_steps"] == 6
     while s.has_unfinished_requests():
         iterate(s)
     assert (s.stats()["deadlines_met"], s.stats()["deadlines_missed"]) == (2, 1)  # late and relaxed; hopeless

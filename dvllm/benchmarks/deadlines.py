@@ -99,6 +99,7 @@ async def _serve(args: argparse.Namespace, policy: str, solo: dict[bool, float] 
         # (the engine runs in this process: engine_core_process off)
         group = getattr(getattr(engine.engine.executor, "worker", None), "group", None)
         forwards = None if group is None else dict(group.forwards)
+        late_steps = engine.stats().get("late_steps", 0)
     finally:
         await engine.shutdown()
     by_class = {}
@@ -110,7 +111,7 @@ async def _serve(args: argparse.Namespace, policy: str, solo: dict[bool, float] 
                               "p50_s": round(statistics.median(latencies), 3),
                               "p95_s": round(latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))], 3)}
     return {"attainment": round(sum(bool(r["met"]) for r in results) / len(results), 3), "classes": by_class,
-            "group_forwards": forwards, "solo_s": solo}
+            "group_forwards": forwards, "late_steps": late_steps, "solo_s": solo}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

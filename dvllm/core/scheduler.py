@@ -55,6 +55,7 @@ class Scheduler:
         self.cache_skipped_rows = self.cache_computed_rows = 0  # step caching, over the engine's life
         self.deadlines = {True: 0, False: 0}  # finished requests with a deadline: met, missed
         self.deadline_first = config.group_policy == "elastic"
+        self.late_steps = 0  # steps the elastic policy ran for late requests ahead of the rest
         # Per latent shape: the recent steps' seconds per row on the worker (a moving average)
         self.row_seconds: dict[tuple[int, int], float] = {}
         self._freed: list[str] = []
@@ -337,6 +338,7 @@ class Scheduler:
             return []
         late = self._late(groups) if self.deadline_first else []
         if late:
+            self.late_steps += 1
             first = min(late, key=lambda r: r.deadline_time)
             return [r for r in late if r.shape_key == first.shape_key]
 
@@ -476,4 +478,5 @@ class Scheduler:
             "loras_resident": self.lora_slots.num_resident,
             "deadlines_met": self.deadlines[True],
             "deadlines_missed": self.deadlines[False],
+            "late_steps": self.late_steps,
         }

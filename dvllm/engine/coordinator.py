@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 _STAT_KEYS = ("num_running", "num_waiting", "num_decoding", "num_encoding", "num_preemptions", "pool_total_blocks",
               "pool_used_blocks", "pool_cached_blocks", "prompt_cache_hits", "prompt_cache_queries", "cache_skipped_rows",
-              "cache_computed_rows", "lora_slot_loads", "loras_resident", "deadlines_met", "deadlines_missed")
+              "cache_computed_rows", "lora_slot_loads", "loras_resident", "deadlines_met", "deadlines_missed",
+              "late_steps")
 
 
 # What can die and be started again under a worker: the stages' threads and processes, a group's members (all

@@ -127,6 +127,8 @@ class _EngineCollector(Collector):
         deadlines.add_metric(["true"], s.get("deadlines_met", 0))
         deadlines.add_metric(["false"], s.get("deadlines_missed", 0))
         yield deadlines
+        yield CounterMetricFamily("dvllm_late_steps", "Steps the elastic group policy ran for requests about to "
+                                  "miss their deadline, ahead of the rest.", value=s.get("late_steps", 0))
         yield CounterMetricFamily("dvllm_prompt_cache_queries", "Prompt-cache lookups.",
                                   value=s["prompt_cache_queries"])
         yield CounterMetricFamily("dvllm_prompt_cache_hits", "Prompt-cache hits.", value=s["prompt_cache_hits"])
