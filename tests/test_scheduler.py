@@ -429,7 +429,7 @@ def test_the_elastic_policy_runs_a_late_request_ahead_until_it_is_not_late():
     s.add_request(_due_in(c, "hopeless", 12, 1.0, now - 10))  # already past due: no use running it first
     out, _ = iterate(s)
     assert len(out.scheduled_ids) == 4  # no step time measured yet: nobody is late
-    s.row_seconds = {(16, 16): 1.25}  # 8 rows: 10 s a step; 11 steps left: "late" would end ~110 s in
+    s.pace.row_seconds = {(16, 16): 1.25}  # 8 rows: 10 s a step; 11 steps left: "late" would end ~110 s in
     alone = []
     while True:
         out, _ = iterate(s)
@@ -451,7 +451,7 @@ def test_the_static_policy_only_reports_deadlines():
     now = time.time()
     s.add_request(_due_in(c, "free", 4, None, now))
     s.add_request(_due_in(c, "late", 4, 60.0, now))
-    s.row_seconds = {(16, 16): 50.0}
+    assert s.pace is None  # no pace is kept: nobody steps ahead
     out, _ = iterate(s)
     assert sorted(out.scheduled_ids) == ["free", "late"]
     outputs = []
@@ -472,7 +472,40 @@ def test_the_pace_counts_every_shapes_steps():
     big.arrival_time = now
     s.add_request(big)
     s.add_request(_due_in(c, "small", 4, 3.0, now))
-    s.row_seconds = {(16, 16): 0.1, (32, 32): 1.0}  # a step: 0.2 s small, 2 s big; 4 small steps at 2.2 s: 8.8 s
+    s.pace.row_seconds = {(16, 16): 0.1, (32, 32): 1.0}  # a step: 0.2 s small, 2 s big; 4 small steps at 2.2 s: 8.8 s
     picked = [iterate(s)[0].scheduled_ids for _ in range(4)]
     assert picked[0] == ["small"] and picked[1] == ["small"], picked  # first admitted, then ahead of big
     assert "big" in [rid for ids in picked for rid in ids]  # once its steps left fit the pace, turns again
+    assert s.stats()["late_steps"] == 3
+
+
+def test_a_request_its_decode_alone_would_make_miss_is_not_late():
+    import time
+
+    s, c = make(group_policy="elastic", sequence_parallel_size=2), Clock()
+    now = time.time()
+    big = c.request("big", steps=20, size=32)
+    big.arrival_time = now
+    s.add_request(big)
+    s.add_request(_due_in(c, "small", 4, 3.0, now))
+    s.pace.row_seconds = {(16, 16): 0.1, (32, 32): 1.0}
+    s.pace.decode_seconds_per_pixel = 2.5 / (16 * 16)  # 0.8 s of steps alone, then 2.5 s of decode: 3.3 s > 3 s
+    for _ in range(4):
+        iterate(s)
+    assert s.stats()["late_steps"] == 0
+
+
+def test_the_pace_is_measured_from_the_workers_outputs():
+    from dvllm.core.deadlines import Pace
+    from dvllm.core.stage_stats import StageStats
+
+    pace, c = Pace(), Clock()
+    request = c.request("a", steps=4, n=2, size=16)
+    stages = StageStats()
+    stages.add("decode_stage", 2.0, 2)
+    pace.measure([request], 4, RunnerOutput(images={"a": ["x", "y"]}, execute_seconds=0.8, stages=stages),
+                 {"a": request})
+    assert pace.row_seconds == {(16, 16): pytest.approx(0.2)}
+    assert pace.decode_seconds_per_pixel == pytest.approx(2.0 / (2 * 16 * 16))
+    pace.measure([request], 4, RunnerOutput(execute_seconds=0.4), {"a": request})  # a moving average
+    assert pace.row_seconds == {(16, 16): pytest.approx(0.15)}

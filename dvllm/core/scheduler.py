@@ -27,6 +27,7 @@ from collections import defaultdict
 
 from dvllm.config import EngineConfig
 from dvllm.core.block_manager import BlockManager
+from dvllm.core.deadlines import Pace
 from dvllm.core.encode_ahead import EncodeAhead, EncodeKey
 from dvllm.core.lora_slots import LoraSlots
 from dvllm.core.preemption import choose_victims
@@ -54,10 +55,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.cache_skipped_rows = self.cache_computed_rows = 0  # step caching, over the engine's life
         self.deadlines = {True: 0, False: 0}  # finished requests with a deadline: met, missed
-        self.deadline_first = config.group_policy == "elastic"
-        self.late_steps = 0  # steps the elastic policy ran for late requests ahead of the rest
-        # Per latent shape: the recent steps' seconds per row on the worker (a moving average)
-        self.row_seconds: dict[tuple[int, int], float] = {}
+        # The elastic group policy's deadline-first steps (None: deadlines are only reported)
+        self.pace = Pace() if config.group_policy == "elastic" else None
         self._freed: list[str] = []
         # By iteration, until its update: the requests it stepped, and request id -> the cache entries it filled
         self._batches: dict[int, list[Request]] = {}
@@ -336,9 +335,9 @@ class Scheduler:
                 groups[request.shape_key].append(request)
         if not groups:
             return []
-        late = self._late(groups) if self.deadline_first else []
+        late = self.pace.late(groups) if self.pace is not None else []
         if late:
-            self.late_steps += 1
+            self.pace.late_steps += 1
             first = min(late, key=lambda r: r.deadline_time)
             return [r for r in late if r.shape_key == first.shape_key]
 
@@ -347,22 +346,6 @@ class Scheduler:
                     min(self.urgency(r) for r in group))
 
         return min(groups.values(), key=staleness)
-
-    def _late(self, groups: dict[tuple[int, int], list[Request]]) -> list[Request]:
-        """Requests that would miss their deadline at the present pace (each step of theirs waits for one step
-        of every shape's ready rows, at the recent seconds per row) but would meet it stepping alone."""
-        if not self.row_seconds:
-            return []
-        known = max(self.row_seconds.values())  # a shape not measured yet: as slow as the slowest
-        per_row = {shape: self.row_seconds.get(shape, known) for shape in groups}
-        pace = sum(per_row[shape] * sum(r.rows for r in group) for shape, group in groups.items())
-        now, late = time.time(), []
-        for shape, group in groups.items():
-            for r in group:
-                due, left = r.deadline_time, r.num_steps - r.steps_scheduled
-                if due is not None and now + left * r.rows * per_row[shape] <= due < now + left * pace:
-                    late.append(r)
-        return late
 
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -373,10 +356,8 @@ class Scheduler:
             self.ahead.mark_ready(runner_out.encoded)
             outputs += self._encode_failed(runner_out.encode_errors, now)
         writers, batch = self._writers.pop(sched_out.iteration, {}), self._batches.pop(sched_out.iteration, [])
-        if batch and sched_out.num_rows and runner_out.execute_seconds > 0:
-            shape, seconds = batch[0].shape_key, runner_out.execute_seconds / sched_out.num_rows
-            last = self.row_seconds.get(shape)
-            self.row_seconds[shape] = seconds if last is None else 0.5 * (last + seconds)
+        if self.pace is not None:
+            self.pace.measure(batch, sched_out.num_rows, runner_out, self.requests)
         for request_id, message in runner_out.errors.items():
             if self._stale.get(request_id, -1) >= sched_out.iteration:
                 continue  # an aborted request's, from a step scheduled before the abort
@@ -478,5 +459,5 @@ class Scheduler:
             "loras_resident": self.lora_slots.num_resident,
             "deadlines_met": self.deadlines[True],
             "deadlines_missed": self.deadlines[False],
-            "late_steps": self.late_steps,
+            "late_steps": 0 if self.pace is None else self.pace.late_steps,
         }

@@ -123,6 +123,10 @@ async def _serve(request: Request, ctx: ServerContext,
         raise APIError(400, "priority is set by the server on this deployment; start it with "
                             "--allow-client-priority to honour clients' priorities.", param="priority",
                        code="invalid_value")
+    if req.deadline is not None and not ctx.allow_client_priority:  # (an elastic group runs a late one first)
+        raise APIError(400, "deadline moves a request ahead on this deployment's terms only; start the server "
+                            "with --allow-client-priority to honour clients' deadlines.", param="deadline",
+                       code="invalid_value")
     params = req.sampling_params()
     params.loras = loras
     if ctx.max_in_flight is not None and ctx.in_flight >= ctx.max_in_flight:
