@@ -2,41 +2,12 @@
 from __future__ import annotations
 
 import pytest
+from scheduler_utils import Clock, iterate, make
 
 from dvllm.config import EngineConfig
-from dvllm.core.block_manager import BlockManager
-from dvllm.core.request import Request, RequestStatus, check_fits, prompt_cache_key
+from dvllm.core.request import RequestStatus, check_fits, prompt_cache_key
 from dvllm.core.scheduler import Scheduler
 from dvllm.core.scheduler_output import RunnerOutput
-from dvllm.sampling_params import SamplingParams
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.seq = 0
-
-    def request(self, rid: str, steps: int, n: int = 1, cfg: bool = True, size: int = 16, priority: int = 0,
-                prompt: str | None = None, latent_blocks: int = 1, cond_blocks: int = 1,
-                history: bool = False) -> Request:
-        self.seq += 1
-        params = SamplingParams(num_inference_steps=steps, guidance_scale=5.0 if cfg else 1.0, height=size,
-                                width=size, seed=0, n=n, priority=priority)
-        return Request(request_id=rid, prompt=prompt or rid, params=params, num_steps=steps, cfg=cfg, plan=None,
-                       arrival_time=float(self.seq), arrival_seq=self.seq, latent_blocks=latent_blocks,
-                       cond_blocks=cond_blocks, uses_history=history)
-
-
-def iterate(scheduler: Scheduler):
-    """One engine iteration with a fake worker that finishes whoever took its last step."""
-    out = scheduler.schedule()
-    done = [rid for rid in out.scheduled_ids
-            if scheduler.requests[rid].num_steps_done + 1 == scheduler.requests[rid].num_steps]
-    outputs = scheduler.update_from_output(out, RunnerOutput(images={rid: ["img"] for rid in done}))
-    return out, outputs
-
-
-def make(num_blocks: int = 1000, cache: bool = True, **kwargs) -> Scheduler:
-    return Scheduler(EngineConfig(**kwargs), BlockManager(num_blocks, cache))
 
 
 def test_requests_join_at_the_next_step_and_leave_when_done():
@@ -410,102 +381,3 @@ def test_scheduling_ahead_counts_steps_in_flight_and_frees_the_rows_of_a_last_st
     assert "a" not in s.requests and s.requests["b"].steps_scheduled == 1
     s.update_from_output(third, RunnerOutput())
     assert s.requests["b"].num_steps_done == 1 and s.requests["b"].steps_in_flight == 0
-
-
-def _due_in(clock: Clock, rid: str, steps: int, deadline_s: float | None, arrived: float) -> Request:
-    request = clock.request(rid, steps=steps)
-    request.params.deadline_s, request.arrival_time = deadline_s, arrived
-    return request
-
-
-def test_the_elastic_policy_runs_a_late_request_ahead_until_it_is_not_late():
-    import time
-
-    s, c = make(group_policy="elastic", sequence_parallel_size=2), Clock()
-    now = time.time()
-    s.add_request(_due_in(c, "free", 12, None, now))
-    s.add_request(_due_in(c, "late", 12, 60.0, now))  # 12 steps due in a minute
-    s.add_request(_due_in(c, "relaxed", 12, 3600.0, now))
-    s.add_request(_due_in(c, "hopeless", 12, 1.0, now - 10))  # already past due: no use running it first
-    out, _ = iterate(s)
-    assert len(out.scheduled_ids) == 4  # no step time measured yet: nobody is late
-    s.pace.row_seconds = {(16, 16): 1.25}  # 8 rows: 10 s a step; 11 steps left: "late" would end ~110 s in
-    alone = []
-    while True:
-        out, _ = iterate(s)
-        if out.scheduled_ids != ["late"]:
-            break
-        alone.append(out.scheduled_ids)
-    # alone while its steps left take more than the minute it has (11 down to 6 left), then with the rest again
-    assert len(alone) == 6 and sorted(out.scheduled_ids) == ["free", "hopeless", "late", "relaxed"]
-    assert s.stats()["late_steps"] == 6
-    while s.has_unfinished_requests():
-        iterate(s)
-    assert (s.stats()["deadlines_met"], s.stats()["deadlines_missed"]) == (2, 1)  # late and relaxed; hopeless
-
-
-def test_the_static_policy_only_reports_deadlines():
-    import time
-
-    s, c = make(), Clock()
-    now = time.time()
-    s.add_request(_due_in(c, "free", 4, None, now))
-    s.add_request(_due_in(c, "late", 4, 60.0, now))
-    assert s.pace is None  # no pace is kept: nobody steps ahead
-    out, _ = iterate(s)
-    assert sorted(out.scheduled_ids) == ["free", "late"]
-    outputs = []
-    while s.has_unfinished_requests():
-        outputs += iterate(s)[1]
-    met = {o.request_id: o.metrics.deadline_met for o in outputs if o.finished}
-    assert met == {"free": None, "late": True}
-
-
-def test_the_pace_counts_every_shapes_steps():
-    """A small request behind a big one of another shape: at the present pace each of its steps waits for a
-    big step too, so it is late; alone it is not."""
-    import time
-
-    s, c = make(group_policy="elastic", sequence_parallel_size=2), Clock()
-    now = time.time()
-    big = c.request("big", steps=20, size=32)
-    big.arrival_time = now
-    s.add_request(big)
-    s.add_request(_due_in(c, "small", 4, 3.0, now))
-    s.pace.row_seconds = {(16, 16): 0.1, (32, 32): 1.0}  # a step: 0.2 s small, 2 s big; 4 small steps at 2.2 s: 8.8 s
-    picked = [iterate(s)[0].scheduled_ids for _ in range(4)]
-    assert picked[0] == ["small"] and picked[1] == ["small"], picked  # first admitted, then ahead of big
-    assert "big" in [rid for ids in picked for rid in ids]  # once its steps left fit the pace, turns again
-    assert s.stats()["late_steps"] == 3
-
-
-def test_a_request_its_decode_alone_would_make_miss_is_not_late():
-    import time
-
-    s, c = make(group_policy="elastic", sequence_parallel_size=2), Clock()
-    now = time.time()
-    big = c.request("big", steps=20, size=32)
-    big.arrival_time = now
-    s.add_request(big)
-    s.add_request(_due_in(c, "small", 4, 3.0, now))
-    s.pace.row_seconds = {(16, 16): 0.1, (32, 32): 1.0}
-    s.pace.decode_seconds_per_pixel = 2.5 / (16 * 16)  # 0.8 s of steps alone, then 2.5 s of decode: 3.3 s > 3 s
-    for _ in range(4):
-        iterate(s)
-    assert s.stats()["late_steps"] == 0
-
-
-def test_the_pace_is_measured_from_the_workers_outputs():
-    from dvllm.core.deadlines import Pace
-    from dvllm.core.stage_stats import StageStats
-
-    pace, c = Pace(), Clock()
-    request = c.request("a", steps=4, n=2, size=16)
-    stages = StageStats()
-    stages.add("decode_stage", 2.0, 2)
-    pace.measure([request], 4, RunnerOutput(images={"a": ["x", "y"]}, execute_seconds=0.8, stages=stages),
-                 {"a": request})
-    assert pace.row_seconds == {(16, 16): pytest.approx(0.2)}
-    assert pace.decode_seconds_per_pixel == pytest.approx(2.0 / (2 * 16 * 16))
-    pace.measure([request], 4, RunnerOutput(execute_seconds=0.4), {"a": request})  # a moving average
-    assert pace.row_seconds == {(16, 16): pytest.approx(0.15)}

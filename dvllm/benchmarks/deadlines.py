@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import time
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dvllm.benchmarks.report import emit_json
 from dvllm.benchmarks.throughput import _machine
 from dvllm.engine.async_engine import AsyncDiffusionEngine
 from dvllm.sampling_params import SamplingParams
@@ -168,12 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", help="also write the result as JSON here")
     args = parser.parse_args(argv)
-    result = run(args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(run(args), args.out)
 
 
 if __name__ == "__main__":

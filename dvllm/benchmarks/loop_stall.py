@@ -14,7 +14,6 @@ Also reported: each round's wall time (the whole workload), and the cohort's ima
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any, Callable
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from dvllm import DiffusionEngine, SamplingParams
+from dvllm.benchmarks.report import emit_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,10 +75,7 @@ def run_off_on(args: argparse.Namespace, make: Callable[[argparse.Namespace, boo
     finally:
         for engine in engines.values():
             engine.shutdown()
-    print(json.dumps(result, indent=2))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
+    emit_json(result, args.output)
     return result
 
 

@@ -1,6 +1,7 @@
 """Per-request records of a serving benchmark, and the summary, table and JSON made from them."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +11,15 @@ import numpy as np
 from dvllm.benchmarks.server_usage import format_stages
 
 MAX_ERRORS_SHOWN = 5
+
+
+def emit_json(result: dict[str, Any], path: str | None) -> None:
+    """A benchmark's result printed as JSON, and written to `path` too when given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
 
 
 @dataclass

@@ -17,13 +17,13 @@ of that size (the same image); the group shares the tiles out (group_decode).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import numpy as np
 import torch
 
+from dvllm.benchmarks.report import emit_json
 from dvllm.benchmarks.throughput import _machine
 from dvllm.engine.engine import DiffusionEngine
 from dvllm.sampling_params import SamplingParams
@@ -104,12 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", help="also write the result as JSON here")
     args = parser.parse_args(argv)
-    result = run(args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(run(args), args.out)
 
 
 if __name__ == "__main__":
