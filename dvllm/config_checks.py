@@ -187,7 +187,7 @@ def check_group(config: EngineConfig) -> None:
     for device in devices:
         if not (device == "cpu" or is_cuda_index(device)):
             raise ValueError(f"group_devices: {device!r} is not 'cpu' or 'cuda:N'")
-    unserved = [name for name, on in (("enable_lora", config.enable_lora), ("default_cache", config.default_cache),
+    unserved = [name for name, on in (("default_cache", config.default_cache),
                                       ("compile", config.compile != "off"), ("cuda_graph", config.cuda_graph)) if on]
     if unserved:
         raise ValueError(f"a worker group (sequence_parallel_size or cfg_parallel_size > 1) does not serve "

@@ -128,7 +128,6 @@ def test_a_grouped_request_preempted_comes_back_with_the_same_image(flux_path):
 
 def test_what_a_group_does_not_serve_is_refused(flux_path, sd3_path):
     for kwargs, match in [
-            (dict(enable_lora=True), "does not serve enable_lora"),
             (dict(default_cache="first_block"), "does not serve default_cache"),
             (dict(compile="dynamic"), "does not serve compile"),
             (dict(sequence_parallel_size=4, ring_degree=2), "ring_degree must be 1"),

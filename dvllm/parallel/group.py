@@ -11,7 +11,11 @@ member ends with the whole output, of which the worker's is used. CFG-parallel: 
 worker receives the others'. So batching, samplers, preemption and every request's state are the one worker's as
 before: only the forward is shared.
 
-A member is stateless between calls, so losing one loses nothing: a forward that fails while a member is dead (or
+LoRA: the members hold the worker's adapter slots (their denoiser layers), loaded as the worker loads them, and
+each call names its rows' adapters by slot; a CFG-parallel call's rows are cut with them, the worker's own slice
+run in a narrowed row scope (worker/row_scope.py), as step caching narrows.
+
+A member holds nothing else between calls (its slots are the worker's, sent again), so losing one loses nothing: a forward that fails while a member is dead (or
 with a collective's error) forms the group anew (every member started again, the process group made again) and
 runs again. A forward is a pure function of its inputs, so running it again changes no image.
 """
@@ -32,6 +36,7 @@ import torch.distributed as dist
 
 from dvllm.config import EngineConfig
 from dvllm.config_checks import device_list
+from dvllm.lora.weights import LoraWeights
 from dvllm.parallel.call_broadcast import pack, send_tensors
 from dvllm.parallel.context_parallel import (
     check_context_parallel,
@@ -41,8 +46,9 @@ from dvllm.parallel.context_parallel import (
     rows_split_pays,
 )
 from dvllm.parallel.group_decode import DecodeCalls, assign
-from dvllm.parallel.group_member import JoinOrder, SharedCall, backend
+from dvllm.parallel.group_member import JoinOrder, LoraSlot, SharedCall, backend, denoiser_lora
 from dvllm.parallel.row_split import call_rows, chunk, cut, gather_rows
+from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.stage_process import StageProcess, WorkerProcessLost, check_devices
 
 logger = logging.getLogger(__name__)
@@ -111,6 +117,9 @@ class WorkerGroup:
         # One exchange with the members at a time: the step loop's forwards and the decode stage's decodes
         self.lock = threading.Lock()
         self.units_decoded = [0] * self.size  # decoder calls each of the group ran for shared decodes, by rank
+        self.lora: LoraLayers | None = None  # the worker's adapter slots (share_loras)
+        self.lora_slots: dict[int, LoraWeights] = {}  # what the members' slots hold (denoiser layers), to resend
+        self._call_scope = contextlib.ExitStack()  # CFG-parallel with LoRA: the worker's rows narrowed for a call
         self._dir = tempfile.mkdtemp(prefix="dvllm-group-")
         self._generation = 0
         threads = torch.get_num_threads()  # a CPU member runs as many torch threads as the worker
@@ -123,6 +132,25 @@ class WorkerGroup:
             raise
         self._hooks = [denoiser.register_forward_pre_hook(self._share_call, with_kwargs=True),
                        denoiser.register_forward_hook(self._call_done)]
+
+    def share_loras(self, lora: LoraLayers, component: str) -> None:
+        """Calls name the rows' adapters of `lora` (the worker's slots); loads go to the members' `component`."""
+        self.lora, self._lora_component = lora, component
+
+    def load_lora(self, slot: int, weights: LoraWeights | None) -> None:
+        """The members' slot made the worker's (after the worker loaded it; None: emptied). A group that fails
+        under it is formed anew, which loads every slot again."""
+        if weights is None:
+            self.lora_slots.pop(slot, None)
+        else:
+            self.lora_slots[slot] = denoiser_lora(weights, self._lora_component)
+        with self.lock:
+            try:
+                self._send_lora(slot)
+            except Exception as e:  # noqa: BLE001 - as guard's
+                if not self._recover("LoRA load", e):
+                    self.lora_slots.pop(slot, None)
+                    raise
 
     def choose_split(self, rows: int) -> None:
         """Before a step's forwards: with the elastic policy, the split its `rows` run best with."""
@@ -139,9 +167,13 @@ class WorkerGroup:
                 try:
                     return fn(*args, **kwargs)
                 except Exception as e:  # noqa: BLE001 - the group is in an unknown state after any failed forward
+                    self._call_scope.close()  # (a call that failed inside never reached _call_done)
                     if not self._recover("forward", e):
                         raise
-                return fn(*args, **kwargs)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self._call_scope.close()
 
         return run
 
@@ -189,6 +221,8 @@ class WorkerGroup:
             dist.destroy_process_group()
         self._load()
         self._form(first=False)
+        for slot in self.lora_slots:
+            self._send_lora(slot)
 
     def close(self) -> None:
         for member in self.members:
@@ -219,22 +253,43 @@ class WorkerGroup:
         for member in self.members:
             member.done()
 
+    def _send_lora(self, slot: int) -> None:
+        for member in self.members:
+            member.send(LoraSlot(slot, self.lora_slots.get(slot)))
+        for member in self.members:
+            member.done()
+
+    def _call_loras(self) -> tuple | None:
+        """The LoRA adapters of the call's rows, as (slot, weight) pairs: the running plan's rows, or those of the
+        row scope the call runs in (an adapter's per-shape calls)."""
+        plan = self.lora.current if self.lora is not None else None
+        if plan is None:
+            return None
+        rows = plan.scope.rows
+        return tuple(plan.sets) if rows is None else tuple(plan.sets[r] for r in rows)
+
     def _share_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Sends the call to every member; CFG-parallel: the worker keeps its own slice of the rows."""
         tensors: list[torch.Tensor] = []
         skeleton = pack((args, kwargs), tensors)
+        loras = self._call_loras()
         for member in self.members:
-            member.send(SharedCall(self.split_rows, skeleton))
+            member.send(SharedCall(self.split_rows, skeleton, loras))
         send_tensors(tensors)
         self.forwards["rows" if self.split_rows else "tokens"] += 1
         if not self.split_rows:
             return None
         rows = call_rows(args, kwargs)
         self._parts = [chunk(rows, rank, self.size) for rank in range(self.size)]
-        return cut(args, kwargs, rows, self._parts[0])
+        mine = self._parts[0]
+        if loras is not None and mine.stop - mine.start < rows:  # the worker's LoRA layers see its rows only
+            self._call_scope.enter_context(self.lora.scope.narrow(
+                list(range(mine.start, mine.stop)), torch.arange(mine.start, mine.stop, device=self.device)))
+        return cut(args, kwargs, rows, mine)
 
     def _call_done(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         """CFG-parallel: the members' rows after the worker's; then each member's end of the call."""
+        self._call_scope.close()
         if self.split_rows:
             output = gather_rows(output, self._parts)
         for member in self.members:

@@ -3,21 +3,28 @@ group's leader (parallel/group.py). It joins the group's process group, loads th
 its denoiser alone; then, for each denoiser call the leader makes, it receives the call's arguments and runs it
 with the leader. Sequence parallel: the whole call, split inside the forward by the same context-parallel plan
 (the output is the leader's; a member's is dropped). CFG-parallel: its own slice of the rows, whose output it
-sends to the leader. It also decodes its share of the leader's VAE decodes (parallel/group_decode.py)."""
+sends to the leader. It also decodes its share of the leader's VAE decodes (parallel/group_decode.py).
+
+LoRA: a member holds the same adapter slots as the leader (their denoiser layers only: the leader encodes), each
+load sent to it as the leader loads (`LoraSlot`), and each call names its rows' adapters by slot."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import gc
+import types
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dvllm.lora.weights import LoraWeights
 from dvllm.parallel.call_broadcast import receive
 from dvllm.parallel.group_decode import DecodeCalls
 from dvllm.parallel.row_split import call_rows, chunk, cut, send_rows
+from dvllm.worker.lora_layers import LoraLayers, LoraPlan
+from dvllm.worker.row_scope import RowScope
 from dvllm.worker.stage_process import serve
 
 
@@ -33,16 +40,36 @@ class JoinOrder:
 
 @dataclasses.dataclass(frozen=True)
 class SharedCall:
-    """A denoiser call the leader makes (its skeleton; the tensors follow by broadcast), and how it is split:
-    by rows, or (False) by every row's tokens."""
+    """A denoiser call the leader makes (its skeleton; the tensors follow by broadcast), how it is split: by rows,
+    or (False) by every row's tokens, and each of its rows' LoRA adapters as (slot, weight) pairs (None: no row has
+    any)."""
 
     split_rows: bool
     skeleton: Any
+    lora_rows: tuple[tuple[tuple[int, float], ...], ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSlot:
+    """An adapter's denoiser layers put into a slot of the member's (None: the slot emptied)."""
+
+    slot: int
+    weights: LoraWeights | None
+
+
+def denoiser_component(pipeline: Any) -> str:
+    """The name of the pipeline's denoiser: "transformer", or "unet"."""
+    return "transformer" if getattr(pipeline, "transformer", None) is not None else "unet"
 
 
 def denoiser_of(pipeline: Any) -> torch.nn.Module:
     """The pipeline's denoiser: its transformer, or its UNet."""
-    return getattr(pipeline, "transformer", None) or pipeline.unet
+    return getattr(pipeline, denoiser_component(pipeline))
+
+
+def denoiser_lora(weights: LoraWeights, component: str) -> LoraWeights:
+    """The adapter's layers in the denoiser `component` only: what a member applies."""
+    return dataclasses.replace(weights, layers={c: v for c, v in weights.layers.items() if c == component})
 
 
 def backend(device: torch.device) -> str:
@@ -51,12 +78,19 @@ def backend(device: torch.device) -> str:
 
 @dataclasses.dataclass
 class Member:
-    """What a member holds: the denoiser, the engine's config, and the VAE decoder when the group shares its
-    decodes (parallel/group_decode.py)."""
+    """What a member holds: the denoiser, the engine's config, the VAE decoder when the group shares its decodes
+    (parallel/group_decode.py), and the LoRA slots over its denoiser when LoRA is on."""
 
     denoiser: torch.nn.Module
     config: Any  # EngineConfig
     decoder: torch.nn.Module | None = None
+    lora: LoraLayers | None = None
+
+    def lora_plan(self, rows: tuple | None) -> LoraPlan | None:
+        """The call's rows' adapters as a plan over the member's slots (None: no row has an adapter here)."""
+        if rows is None or self.lora is None or not self.lora.tables or not any(rows):
+            return None
+        return LoraPlan(list(rows), self.lora)
 
 
 def load_denoiser(config: Any, device: torch.device) -> Member:
@@ -71,13 +105,18 @@ def load_denoiser(config: Any, device: torch.device) -> Member:
                            default_params=config.default_params, load=load)
     from dvllm.parallel.group_decode import decodes_in_group
 
-    denoiser, vae = denoiser_of(adapter.pipeline), adapter.pipeline.vae
+    component, vae = denoiser_component(adapter.pipeline), adapter.pipeline.vae
+    denoiser = getattr(adapter.pipeline, component)
     decoder = vae.decoder if decodes_in_group(config, vae) else None
+    lora = None
+    if config.enable_lora:  # slots over the denoiser alone, as many and as wide as the leader's
+        lora = LoraLayers(types.SimpleNamespace(**{component: denoiser}), config.max_loras, config.max_lora_rank,
+                          RowScope())
     del adapter, vae
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return Member(denoiser, config, decoder)
+    return Member(denoiser, config, decoder, lora)
 
 
 def join(member: Member, order: JoinOrder, device: torch.device) -> None:
@@ -100,20 +139,32 @@ def run(member: Member, message: Any, device: torch.device) -> list[torch.Tensor
         if member.decoder is None:
             raise RuntimeError("this member holds no VAE decoder (the group does not share its decodes)")
         return [member.decoder(latents.to(device)).cpu() for latents in message.inputs]
+    if isinstance(message, LoraSlot):
+        if member.lora is None:
+            raise RuntimeError("this member holds no LoRA slots (enable_lora is off)")
+        if message.weights is None:
+            member.lora.evict(message.slot)
+        else:
+            member.lora.load(message.slot, message.weights)
+        return None
     from dvllm.parallel.context_parallel import context_parallel_paused
 
     args, kwargs = receive(message.skeleton, device)
     denoiser = member.denoiser
     if not message.split_rows:  # the same call: the split is inside the forward
-        denoiser(*args, **kwargs)
+        plan = member.lora_plan(message.lora_rows)
+        with plan.running() if plan is not None else contextlib.nullcontext():
+            denoiser(*args, **kwargs)
         return None
     rows = call_rows(args, kwargs)
     part = chunk(rows, dist.get_rank(), dist.get_world_size())
     if part.stop > part.start:
         mine_args, mine_kwargs = cut(args, kwargs, rows, part)
+        plan = member.lora_plan(None if message.lora_rows is None else message.lora_rows[part])
         # (elastic) a rows step on a group that splits tokens: this member's rows run whole
         paused = member.config.sequence_parallel_size > 1
-        with context_parallel_paused(denoiser) if paused else contextlib.nullcontext():
+        with context_parallel_paused(denoiser) if paused else contextlib.nullcontext(), \
+                plan.running() if plan is not None else contextlib.nullcontext():
             send_rows(denoiser(*mine_args, **mine_kwargs))
     return None
 

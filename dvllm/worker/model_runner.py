@@ -170,9 +170,13 @@ class ModelRunner:
         for slot, weights in loads:
             try:
                 self.lora.load(slot, weights)
+                if self.group is not None:  # the group's members hold the same slots
+                    self.group.load_lora(slot, weights)
             except Exception as e:
                 logger.exception("LoRA adapter %r could not be loaded into slot %d", weights.name, slot)
                 self.lora.evict(slot)
+                if self.group is not None:
+                    self.group.lora_slots.pop(slot, None)
                 failed[weights.uid] = (slot, f"LoRA adapter {weights.name!r} could not be loaded on the worker: "
                                              f"{type(e).__name__}: {e}")
         return failed

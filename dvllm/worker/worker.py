@@ -15,7 +15,7 @@ from dvllm.models.load_config import LoadedModel
 from dvllm.models.loader import load_adapter
 from dvllm.parallel.group import WorkerGroup
 from dvllm.parallel.group_decode import SharedDecode, decodes_in_group
-from dvllm.parallel.group_member import denoiser_of
+from dvllm.parallel.group_member import denoiser_component, denoiser_of
 from dvllm.profiler import PhaseTimer
 from dvllm.worker.decode_stage import DecodeStage
 from dvllm.worker.decode_worker import start_decode_workers
@@ -79,6 +79,8 @@ class Worker:
         self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, config.max_decode_batch,
                                   config.max_loras, config.max_lora_rank)
         self.runner.group = self.group
+        if self.group is not None and config.enable_lora:
+            self.group.share_loras(self.runner.lora, denoiser_component(adapter.pipeline))
         if decode_stage:
             workers = start_decode_workers(adapter, config.decode_workers, config.decode_devices or [str(self.device)],
                                            self.device) if config.decode_workers else None
