@@ -262,15 +262,19 @@ class EngineConfig:
                           "this many minus one members of its own, each with a copy of the denoiser on a device of "
                           "its own and a slice of every row's tokens (diffusers' context parallelism: transformers "
                           "it has a plan for, Flux and Qwen-Image among dvllm's). The worker alone holds the "
-                          "requests' state; a member lost is started again and the forward run again. Not yet with "
-                          "step caching, LoRA, compile or cuda_graph."},
+                          "requests' state; a member lost is started again and the forward run again. With "
+                          "cfg_parallel_size C too, the group is C row groups of this many processes each. LoRA "
+                          "rows are split too; a forward with step-cached rows runs on the worker alone. Not with "
+                          "compile or cuda_graph."},
     )
     cfg_parallel_size: int = field(
         default=1,
-        metadata={"help": "Processes that split each denoiser forward's rows (a worker group, as "
-                          "sequence_parallel_size's; one or the other): a CFG request's conditional and "
-                          "unconditional rows run on two, a larger batch is cut in contiguous slices, and the worker "
-                          "gathers the outputs. Any family; not yet with step caching, LoRA, compile or cuda_graph."},
+        metadata={"help": "Row groups that split each denoiser forward's rows (a worker group, as "
+                          "sequence_parallel_size's): a CFG request's conditional and unconditional rows run on "
+                          "two, a larger batch is cut in contiguous slices, and the worker gathers the outputs. With "
+                          "sequence_parallel_size S too, each row group is S processes that split its rows' tokens "
+                          "(S x this many in all). Any family; as sequence_parallel_size's for LoRA, step caching, "
+                          "compile and cuda_graph."},
     )
     ring_degree: int = field(
         default=1,
@@ -286,7 +290,8 @@ class EngineConfig:
     group_policy: str = field(
         default="static",
         metadata={"help": "static: a group splits every forward one way (tokens with sequence_parallel_size, rows "
-                          "with cfg_parallel_size). elastic (with sequence_parallel_size): each step's forward is "
+                          "with cfg_parallel_size, both on a mesh with both). elastic (with sequence_parallel_size, "
+                          "cfg_parallel_size 1): each step's forward is "
                           "split by rows when every process gets as many rows, or at least two, and by tokens "
                           "otherwise (a lone request spread over the group); and a request that would miss its "
                           "deadline (deadline_s) at the current step time runs in steps of its own, ahead of the "

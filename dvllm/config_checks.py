@@ -167,14 +167,11 @@ def check_group(config: EngineConfig) -> None:
     if ring not in (1, size):
         raise ValueError(f"ring_degree must be 1 (Ulysses) or sequence_parallel_size, {size} (Ring), got {ring}: a "
                          "mix of the two splits only sequences both divide, so it is not served")
-    if size > 1 and config.cfg_parallel_size > 1:
-        raise ValueError("sequence_parallel_size and cfg_parallel_size cannot both be > 1 yet: a group splits "
-                         "either every row's tokens or the rows")
     choice("group_policy", config.group_policy, GROUP_POLICIES)
-    if config.group_policy == "elastic" and size == 1:
+    if config.group_policy == "elastic" and (size == 1 or config.cfg_parallel_size > 1):
         raise ValueError("group_policy='elastic' chooses each step between splitting the forward's tokens and its "
                          "rows: it needs sequence_parallel_size > 1 (a group that can split tokens; any group can "
-                         "split rows)")
+                         "split rows) and cfg_parallel_size 1 (a static split of the rows)")
     if config.group_size == 1:
         if config.group_devices is not None:
             raise ValueError("group_devices is set but the group has one process (sequence_parallel_size and "
@@ -187,8 +184,7 @@ def check_group(config: EngineConfig) -> None:
     for device in devices:
         if not (device == "cpu" or is_cuda_index(device)):
             raise ValueError(f"group_devices: {device!r} is not 'cpu' or 'cuda:N'")
-    unserved = [name for name, on in (("default_cache", config.default_cache),
-                                      ("compile", config.compile != "off"), ("cuda_graph", config.cuda_graph)) if on]
+    unserved = [name for name, on in (("compile", config.compile != "off"), ("cuda_graph", config.cuda_graph)) if on]
     if unserved:
         raise ValueError(f"a worker group (sequence_parallel_size or cfg_parallel_size > 1) does not serve "
                          f"{', '.join(unserved)} yet: every member's denoiser would have to run them alike")

@@ -153,9 +153,6 @@ class SamplingParams:
         if cache is not None and info.cache_layout is None:
             raise ValueError(f"cache: the {info.family} family serves no step caching (it is served for the "
                              f"transformer families: flux, qwen-image, stable-diffusion-3, z-image)")
-        if cache is not None and config.group_size > 1:
-            raise ValueError("cache: step caching is not served by a worker group yet (each member would decide on "
-                             "its own slice of the tokens or rows)")
         if self.strength is not None and not info.images.sets_start:
             raise ValueError(f"strength: {info.pipeline_class} conditions on its images; it takes no strength")
         image = _load_images(self.image, info, max_pixels)

@@ -63,7 +63,7 @@ def test_an_elastic_group_gives_the_one_worker_images_and_reports_deadlines(flux
         for out, image in zip(outs, want, strict=True):
             assert float(np.abs(out.images[0] - image).max()) <= TOL
         group = engine.executor.worker.group
-        assert group.forwards == {"rows": 3, "tokens": 2} and group.restarts == 0
+        assert group.forwards == {"rows": 3, "tokens": 2, "alone": 0} and group.restarts == 0
         assert [o.metrics.deadline_met for o in outs] == [None, True, False, None]
         stats = engine.stats()
         assert (stats["deadlines_met"], stats["deadlines_missed"]) == (1, 1)

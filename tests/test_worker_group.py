@@ -128,7 +128,6 @@ def test_a_grouped_request_preempted_comes_back_with_the_same_image(flux_path):
 
 def test_what_a_group_does_not_serve_is_refused(flux_path, sd3_path):
     for kwargs, match in [
-            (dict(default_cache="first_block"), "does not serve default_cache"),
             (dict(compile="dynamic"), "does not serve compile"),
             (dict(sequence_parallel_size=4, ring_degree=2), "ring_degree must be 1"),
             (dict(group_devices="cpu,cpu"), "names 2 device"),
@@ -144,8 +143,6 @@ def test_what_a_group_does_not_serve_is_refused(flux_path, sd3_path):
     assert not dist.is_initialized()
     engine = DiffusionEngine(model=flux_path, device="cpu", dtype="float32", sequence_parallel_size=2)
     try:
-        with pytest.raises(ValueError, match="step caching is not served"):
-            engine.add_request("cached", "a cat", SamplingParams(cache={"method": "first_block"}))
         with pytest.raises(ValueError, match="leads one worker group"):  # one torch.distributed group a process
             DiffusionEngine(model=flux_path, device="cpu", sequence_parallel_size=2)
     finally:

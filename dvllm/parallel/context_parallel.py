@@ -40,20 +40,23 @@ def check_context_parallel(transformer: torch.nn.Module, ulysses_degree: int, ri
 
 
 def enable_context_parallel(transformer: torch.nn.Module, ulysses_degree: int, ring_degree: int,
-                            device: torch.device) -> None:
+                            device: torch.device, row_groups: int = 1) -> None:
     """Splits the transformer's forwards across the current process group (every member calls it, and then
-    runs the same forwards on the same inputs; each gets the whole output)."""
+    runs the same forwards on the same inputs; each gets the whole output). With `row_groups` > 1 the group is
+    a mesh [row_groups, ring, ulysses]: consecutive ranks split tokens among themselves, and each such run of
+    ranks (a row group) runs its own slice of the rows (CFG-parallel and sequence parallel at once)."""
     from diffusers import ContextParallelConfig
 
     check_context_parallel(transformer, ulysses_degree, ring_degree, device)
     if not torch.distributed.is_initialized():
         raise RuntimeError("context parallelism needs the group's torch.distributed process group initialized")
     world = torch.distributed.get_world_size()
-    if ulysses_degree * ring_degree != world:
-        raise ValueError(f"ulysses_degree x ring_degree ({ulysses_degree} x {ring_degree}) must be the group's "
-                         f"size, {world}")
+    if ulysses_degree * ring_degree * row_groups != world:
+        raise ValueError(f"ulysses_degree x ring_degree x row_groups ({ulysses_degree} x {ring_degree} x "
+                         f"{row_groups}) must be the group's size, {world}")
+    mesh = _mesh((row_groups, ring_degree, ulysses_degree)) if row_groups > 1 else None
     # One of the two alone splits a sequence of any length (a text of any tokens, an image of any patches)
-    config = ContextParallelConfig(ulysses_degree=ulysses_degree, ring_degree=ring_degree,
+    config = ContextParallelConfig(ulysses_degree=ulysses_degree, ring_degree=ring_degree, mesh=mesh,
                                    ulysses_anything=ring_degree == 1, ring_anything=ulysses_degree == 1)
     with _a_device_count():
         transformer.enable_parallelism(config=config)
@@ -64,9 +67,19 @@ def rejoin_context_parallel(transformer: torch.nn.Module) -> None:
     lost), every member calls it in the same order, as it called enable_context_parallel."""
     config = transformer._parallel_config
     cp = config.context_parallel_config
-    mesh = torch.distributed.device_mesh.init_device_mesh(torch._C._get_accelerator().type,
-                                                           mesh_shape=cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names)
+    if cp.mesh is not None:  # a row-grouped mesh, made anew in its own shape
+        mesh = cp.mesh = _mesh(tuple(cp.mesh.mesh.shape))
+    else:
+        mesh = torch.distributed.device_mesh.init_device_mesh(torch._C._get_accelerator().type,
+                                                               mesh_shape=cp.mesh_shape,
+                                                               mesh_dim_names=cp.mesh_dim_names)
     config.setup(torch.distributed.get_rank(), torch.distributed.get_world_size(), config._device, mesh=mesh)
+
+
+def _mesh(shape: tuple[int, int, int]) -> torch.distributed.device_mesh.DeviceMesh:
+    """[row groups, ring, ulysses] over the group's ranks in order: a row group's ranks are consecutive."""
+    return torch.distributed.device_mesh.init_device_mesh(torch._C._get_accelerator().type, mesh_shape=shape,
+                                                          mesh_dim_names=("rows", "ring", "ulysses"))
 
 
 @contextmanager

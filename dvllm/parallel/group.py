@@ -15,6 +15,9 @@ LoRA: the members hold the worker's adapter slots (their denoiser layers), loade
 each call names its rows' adapters by slot; a CFG-parallel call's rows are cut with them, the worker's own slice
 run in a narrowed row scope (worker/row_scope.py), as step caching narrows.
 
+Step caching: a forward with cached rows runs on the worker alone (the split paused), since its per-row skip
+decisions read each row's whole tokens and its state lives in the worker's pool; the rest go on splitting.
+
 A member holds nothing else between calls (its slots are the worker's, sent again), so losing one loses nothing: a forward that fails while a member is dead (or
 with a collective's error) forms the group anew (every member started again, the process group made again) and
 runs again. A forward is a pure function of its inputs, so running it again changes no image.
@@ -101,10 +104,18 @@ class WorkerGroup:
         self.size, self.ring = config.group_size, config.ring_degree
         self.splits_tokens = config.sequence_parallel_size > 1  # the denoiser has the context-parallel plan on
         self.elastic = config.group_policy == "elastic"  # the split chosen per step (choose_split)
-        self.split_rows = not self.splits_tokens  # this step's split: rows, else every row's tokens
-        self.forwards = {"tokens": 0, "rows": 0}  # denoiser calls shared, by split
+        # Row groups: runs of consecutive ranks, each running a slice of a call's rows (its ranks splitting the
+        # tokens between them). Static: cfg_parallel_size of sequence_parallel_size ranks each. Elastic: this step's
+        # choice, every rank its own rows (the split paused) or one group that splits every row's tokens.
+        self.cfg_groups = config.cfg_parallel_size
+        self.row_groups = self.cfg_groups
+        self.forwards = {"tokens": 0, "rows": 0, "alone": 0}  # denoiser calls, by split (alone: not shared)
+        # Whether the forward about to run must run on the worker alone: one with step-cached rows, whose skip
+        # decisions read every row's whole tokens and whose state lives in the worker's pool (set by the worker)
+        self.runs_alone: Callable[[], bool] = lambda: False
+        self._alone = False
         if self.splits_tokens:
-            check_context_parallel(denoiser, self.size // self.ring, self.ring, device)
+            check_context_parallel(denoiser, config.sequence_parallel_size // self.ring, self.ring, device)
         devices = member_devices(config, device)
         if len(devices) != self.size - 1:
             raise ValueError(f"a group of {self.size} needs {self.size - 1} member devices, got {devices}")
@@ -155,20 +166,23 @@ class WorkerGroup:
     def choose_split(self, rows: int) -> None:
         """Before a step's forwards: with the elastic policy, the split its `rows` run best with."""
         if self.elastic:
-            self.split_rows = rows_split_pays(rows, self.size)
+            self.row_groups = self.size if rows_split_pays(rows, self.size) else 1
 
     def guard(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """`fn` (a call that runs the denoiser) run again on a group formed anew when the group fails under it."""
 
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> torch.Tensor:
-            paused = self.split_rows and self.splits_tokens  # (elastic) the worker's own split off for a rows step
+            alone = self.runs_alone()
+            # the worker's split off: a forward alone, or (elastic) a rows step
+            paused = self.splits_tokens and (alone or self.row_groups == self.size)
             with self.lock, context_parallel_paused(self.denoiser) if paused else contextlib.nullcontext():
+                self._alone = alone
                 try:
                     return fn(*args, **kwargs)
                 except Exception as e:  # noqa: BLE001 - the group is in an unknown state after any failed forward
                     self._call_scope.close()  # (a call that failed inside never reached _call_done)
-                    if not self._recover("forward", e):
+                    if alone or not self._recover("forward", e):  # (alone, the members were not in it)
                         raise
                 try:
                     return fn(*args, **kwargs)
@@ -247,7 +261,8 @@ class WorkerGroup:
         dist.init_process_group(backend(self.device), init_method=f"file://{init_file}", rank=0,
                                 world_size=self.size, timeout=timedelta(seconds=self.config.group_timeout_s))
         if self.splits_tokens and first:
-            enable_context_parallel(self.denoiser, self.size // self.ring, self.ring, self.device)
+            span = self.size // self.cfg_groups
+            enable_context_parallel(self.denoiser, span // self.ring, self.ring, self.device, self.cfg_groups)
         elif self.splits_tokens:
             rejoin_context_parallel(self.denoiser)
         for member in self.members:
@@ -270,17 +285,21 @@ class WorkerGroup:
 
     def _share_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Sends the call to every member; CFG-parallel: the worker keeps its own slice of the rows."""
+        if self._alone:
+            self.forwards["alone"] += 1
+            return None
         tensors: list[torch.Tensor] = []
         skeleton = pack((args, kwargs), tensors)
         loras = self._call_loras()
+        groups = self.row_groups
         for member in self.members:
-            member.send(SharedCall(self.split_rows, skeleton, loras))
+            member.send(SharedCall(groups, skeleton, loras))
         send_tensors(tensors)
-        self.forwards["rows" if self.split_rows else "tokens"] += 1
-        if not self.split_rows:
+        self.forwards["rows" if groups > 1 else "tokens"] += 1
+        if groups == 1:
             return None
         rows = call_rows(args, kwargs)
-        self._parts = [chunk(rows, rank, self.size) for rank in range(self.size)]
+        self._parts = [chunk(rows, group, groups) for group in range(groups)]
         mine = self._parts[0]
         if loras is not None and mine.stop - mine.start < rows:  # the worker's LoRA layers see its rows only
             self._call_scope.enter_context(self.lora.scope.narrow(
@@ -290,8 +309,10 @@ class WorkerGroup:
     def _call_done(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         """CFG-parallel: the members' rows after the worker's; then each member's end of the call."""
         self._call_scope.close()
-        if self.split_rows:
-            output = gather_rows(output, self._parts)
+        if self._alone:
+            return output
+        if self.row_groups > 1:
+            output = gather_rows(output, self._parts, self.size // self.row_groups)
         for member in self.members:
             member.done()
         return output

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
+import os
 import types
 from datetime import timedelta
 from typing import Any
@@ -27,6 +29,8 @@ from dvllm.worker.lora_layers import LoraLayers, LoraPlan
 from dvllm.worker.row_scope import RowScope
 from dvllm.worker.stage_process import serve
 
+logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class JoinOrder:
@@ -40,11 +44,11 @@ class JoinOrder:
 
 @dataclasses.dataclass(frozen=True)
 class SharedCall:
-    """A denoiser call the leader makes (its skeleton; the tensors follow by broadcast), how it is split: by rows,
-    or (False) by every row's tokens, and each of its rows' LoRA adapters as (slot, weight) pairs (None: no row has
-    any)."""
+    """A denoiser call the leader makes (its skeleton; the tensors follow by broadcast), how many row groups
+    split its rows (runs of consecutive ranks that split their slice's tokens; 1: one group, every row's tokens
+    split), and each of its rows' LoRA adapters as (slot, weight) pairs (None: no row has any)."""
 
-    split_rows: bool
+    row_groups: int
     skeleton: Any
     lora_rows: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
@@ -128,7 +132,7 @@ def join(member: Member, order: JoinOrder, device: torch.device) -> None:
                             world_size=order.world_size, timeout=timedelta(seconds=order.timeout_s))
     if config.sequence_parallel_size > 1:
         enable_context_parallel(member.denoiser, config.sequence_parallel_size // config.ring_degree,
-                                config.ring_degree, device)
+                                config.ring_degree, device, config.cfg_parallel_size)
 
 
 def run(member: Member, message: Any, device: torch.device) -> list[torch.Tensor] | None:
@@ -147,25 +151,41 @@ def run(member: Member, message: Any, device: torch.device) -> list[torch.Tensor
         else:
             member.lora.load(message.slot, message.weights)
         return None
+    try:
+        return shared_call(member, message, device)
+    except Exception:
+        # A shared call that failed leaves its collectives half done: the member leaves, so that every peer
+        # waiting on it (the leader for its rows, a token partner) fails now rather than at group_timeout_s, and
+        # the leader forms the group anew.
+        logger.exception("group member %d: a shared denoiser call failed; leaving the group", dist.get_rank())
+        os._exit(1)
+
+
+def shared_call(member: Member, message: SharedCall, device: torch.device) -> None:
+    """The leader's denoiser call, run with it: whole (its tokens split inside), or this member's row group's rows
+    (whose first rank sends the output to the leader)."""
     from dvllm.parallel.context_parallel import context_parallel_paused
 
     args, kwargs = receive(message.skeleton, device)
     denoiser = member.denoiser
-    if not message.split_rows:  # the same call: the split is inside the forward
+    groups = message.row_groups
+    if groups == 1:  # the same call: the split is inside the forward
         plan = member.lora_plan(message.lora_rows)
         with plan.running() if plan is not None else contextlib.nullcontext():
             denoiser(*args, **kwargs)
         return None
-    rows = call_rows(args, kwargs)
-    part = chunk(rows, dist.get_rank(), dist.get_world_size())
+    rows, rank, span = call_rows(args, kwargs), dist.get_rank(), dist.get_world_size() // groups
+    part = chunk(rows, rank // span, groups)  # this member's row group's rows
     if part.stop > part.start:
         mine_args, mine_kwargs = cut(args, kwargs, rows, part)
         plan = member.lora_plan(None if message.lora_rows is None else message.lora_rows[part])
-        # (elastic) a rows step on a group that splits tokens: this member's rows run whole
-        paused = member.config.sequence_parallel_size > 1
+        # (elastic) a rows step on a group that splits tokens: each rank's rows run whole
+        paused = member.config.sequence_parallel_size > 1 and span == 1
         with context_parallel_paused(denoiser) if paused else contextlib.nullcontext(), \
                 plan.running() if plan is not None else contextlib.nullcontext():
-            send_rows(denoiser(*mine_args, **mine_kwargs))
+            output = denoiser(*mine_args, **mine_kwargs)
+        if rank % span == 0:  # the row group's first rank answers for it (its ranks end with the same output)
+            send_rows(output)
     return None
 
 

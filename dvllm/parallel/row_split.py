@@ -1,5 +1,6 @@
-"""CFG-parallel as a split of a forward's rows: each member of a group runs the denoiser call on a contiguous
-slice of the batch's rows, and the leader gathers the slices' outputs in order. A batch puts every conditional row
+"""CFG-parallel as a split of a forward's rows: each row group of a worker group (one process, or with sequence
+parallel too, a run of consecutive ranks that split the tokens) runs the denoiser call on a contiguous slice of
+the batch's rows, and the leader gathers the slices' outputs in order. A batch puts every conditional row
 first and the unconditional ones after (models/layout.py), so on a group of two a lone CFG request's conditional
 row runs on one member and its unconditional row on the other; a larger batch is split the same way, by rows.
 
@@ -45,16 +46,17 @@ def send_rows(output: Any) -> None:
     dist.send((torch.stack(list(sample)) if isinstance(sample, list) else sample).contiguous(), dst=0)
 
 
-def gather_rows(output: Any, parts: list[slice]) -> Any:
-    """The leader's output with every other member's rows received after its own, in rank order."""
+def gather_rows(output: Any, parts: list[slice], span: int = 1) -> Any:
+    """The leader's output with every other row group's rows received after its own, in order: row group g's
+    from its first rank, g * span (its `span` ranks split its rows' tokens and end with the same output)."""
     mine = _sample(output)
     stacked = torch.stack(mine) if isinstance(mine, list) else mine
     pieces = [stacked]
-    for rank, part in enumerate(parts[1:], start=1):
+    for group, part in enumerate(parts[1:], start=1):
         if part.stop > part.start:
             piece = torch.empty((part.stop - part.start, *stacked.shape[1:]), dtype=stacked.dtype,
                                 device=stacked.device)
-            dist.recv(piece, src=rank)
+            dist.recv(piece, src=group * span)
             pieces.append(piece)
     whole = torch.cat(pieces)
     whole = list(whole.unbind()) if isinstance(mine, list) else whole

@@ -69,6 +69,10 @@ class ModelRunner:
             self._cache_hooks = CacheHooks(self.adapter.cache_spec(), self.rows)
         return self._cache_hooks
 
+    def caching_now(self) -> bool:
+        """Whether the forward running now runs under step caching (a worker group runs it alone)."""
+        return self._cache_hooks is not None and self._cache_hooks.current is not None
+
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         errors: dict[str, str] = {}
         stages = StageStats()

@@ -79,6 +79,8 @@ class Worker:
         self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, config.max_decode_batch,
                                   config.max_loras, config.max_lora_rank)
         self.runner.group = self.group
+        if self.group is not None:
+            self.group.runs_alone = self.runner.caching_now
         if self.group is not None and config.enable_lora:
             self.group.share_loras(self.runner.lora, denoiser_component(adapter.pipeline))
         if decode_stage:
