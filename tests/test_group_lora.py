@@ -63,6 +63,8 @@ def _assert_close(got: list, want: list) -> None:
 @pytest.mark.parametrize("fixture, family, guidance, group", [
     ("sd_eps_path", "sd", 5.0, dict(cfg_parallel_size=2)),
     ("flux_path", "flux", 3.5, dict(sequence_parallel_size=2)),
+    # 4 rows, every step: the rows split on a group that splits tokens, its plan paused, each its LoRA rows
+    ("flux_path", "flux", 3.5, dict(sequence_parallel_size=2, group_policy="elastic")),
 ])
 def test_lora_rows_in_a_group_give_the_one_worker_images(fixture, family, guidance, group, adapters, request):
     model, seeds = request.getfixturevalue(fixture), [1, 1, 2, 3]  # rows 0 and 1: one seed, with and without

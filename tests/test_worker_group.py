@@ -154,12 +154,13 @@ def test_the_benchmark_compares_a_group_with_one_worker(flux_path, tmp_path):
 
     out = tmp_path / "sp.json"
     sequence_parallel.main(["--model", flux_path, "--load-format", "auto", "--height", "32", "--width", "32",
-                            "--steps", "2", "--rounds", "2", "--threads", "1", "--out", str(out)])
+                            "--steps", "2", "--rounds", "2", "--threads", "1", "--lora-rank", "4", "--out", str(out)])
     result = json.loads(out.read_text())
+    assert result["lora_rank"] == 4  # the request took an adapter on both engines
     assert set(result["latency_s"]) == set(result["forward_s"]) == {"one worker", "group of 2"}
     assert all(len(runs) == 2 and min(runs) > 0 for runs in result["forward_s"].values())
     assert result["latency_ratio"] > 0 and result["forward_ratio"] > 0
-    assert result["max_abs_image_diff"] <= TOL  # the same image from both
+    assert result["max_abs_image_diff"] <= TOL  # the same image from both, the adapter applied alike
     assert not dist.is_initialized()
 
 
