@@ -3,6 +3,8 @@ its images equal diffusers' after load_lora_weights, and it does what it claims:
 out blue, their shape kept, while the same prompts without it keep their colour."""
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -24,9 +26,15 @@ MIN_BLUE_WITH, MAX_BLUE_WITHOUT, MIN_SHAPE = 50, 3, 50
 
 
 @pytest.fixture(scope="module")
-def engine() -> DiffusionEngine:
-    torch.set_num_threads(1)
-    return DiffusionEngine(device="cpu", dtype="float32", lora_modules={"blue": NAME}, max_batch_size=64)
+def engine() -> Iterator[DiffusionEngine]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as this module has always run; the rest of the suite gets its count back after
+    engine = DiffusionEngine(device="cpu", dtype="float32", lora_modules={"blue": NAME}, max_batch_size=64)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+        torch.set_num_threads(threads)
 
 
 def test_a_bare_name_is_the_shipped_folder(tmp_path, monkeypatch):
