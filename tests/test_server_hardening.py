@@ -110,7 +110,6 @@ def test_more_steps_than_the_sampler_runs_is_400_saying_how_many_it_runs(client)
     ({"guidance_scale": 100.5}, "guidance_scale"),
     ({"priority": 10**30}, "priority"),
     ({"priority": 3}, "priority"),  # clients' priorities are off unless the server allows them
-    ({"deadline": 30}, "deadline"),  # and so are their deadlines (the elastic policy runs a late one first)
     ({"deadline": 0}, "deadline"),
     ({"size": " 16x16"}, "size"),
     ({"size": "16X16"}, "size"),
@@ -127,10 +126,24 @@ def test_client_priority_is_honoured_when_the_server_allows_it(client, app_engin
     client.app.state.ctx.allow_client_priority = True
     try:
         assert post(client, {"prompt": "a", **FAST, "priority": -5}).status_code == 200
+    finally:
+        client.app.state.ctx.allow_client_priority = False
+
+
+def test_a_deadline_is_taken_where_it_reports_and_gated_where_it_moves_a_request_ahead(client):
+    ctx = client.app.state.ctx
+    assert not ctx.deadlines_reorder  # a static engine: the deadline is only reported
+    answer = post(client, {"prompt": "a", **FAST, "deadline": 3600})
+    assert answer.status_code == 200, answer.text
+    ctx.deadlines_reorder = True  # as on an elastic group
+    try:
+        assert "--group-policy elastic" in assert_400(post(client, {"prompt": "a", **FAST, "deadline": 30}),
+                                                      "deadline")
+        ctx.allow_client_priority = True
         answer = post(client, {"prompt": "a", **FAST, "deadline": 3600})
         assert answer.status_code == 200, answer.text
     finally:
-        client.app.state.ctx.allow_client_priority = False
+        ctx.deadlines_reorder = ctx.allow_client_priority = False
 
 
 # -- responses ----------------------------------------------------------------------------------

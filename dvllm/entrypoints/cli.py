@@ -131,8 +131,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         help="Where clients reach this server, e.g. https://images.example.com: image URLs start "
                              "with it (default: the address bound, never the request's Host header).")
     server.add_argument("--allow-client-priority", action="store_true",
-                        help="Honour requests' `priority` and `deadline` (otherwise a non-zero priority or "
-                             "a deadline is a 400).")
+                        help="Honour requests' `priority` and, with --group-policy elastic (where it moves a "
+                             "request ahead), `deadline` (otherwise a non-zero priority, or such a deadline, is a "
+                             "400; a deadline that is only reported is always taken).")
     server.add_argument("--allow-runtime-lora-updating", action="store_true",
                         help="Serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, with which "
                              "any client (holding the API key, when one is set) makes the server read LoRA "

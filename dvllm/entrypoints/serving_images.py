@@ -49,6 +49,8 @@ class ServerContext:
     api_key: str | None = None
     public_url: str = "http://127.0.0.1:8000"  # image URLs start with it (never with a client's Host header)
     allow_client_priority: bool = False
+    # Whether a deadline moves a request ahead (an elastic group runs late requests first); elsewhere it is reported
+    deadlines_reorder: bool = False
     max_in_flight: int | None = None
     request_timeout: float | None = None
     body_limits: BodyLimits = field(default_factory=BodyLimits)
@@ -123,10 +125,10 @@ async def _serve(request: Request, ctx: ServerContext,
         raise APIError(400, "priority is set by the server on this deployment; start it with "
                             "--allow-client-priority to honour clients' priorities.", param="priority",
                        code="invalid_value")
-    if req.deadline is not None and not ctx.allow_client_priority:  # (an elastic group runs a late one first)
-        raise APIError(400, "deadline moves a request ahead on this deployment's terms only; start the server "
-                            "with --allow-client-priority to honour clients' deadlines.", param="deadline",
-                       code="invalid_value")
+    if req.deadline is not None and ctx.deadlines_reorder and not ctx.allow_client_priority:
+        raise APIError(400, "deadline moves a request ahead on this deployment (--group-policy elastic), on its "
+                            "terms only; start the server with --allow-client-priority to honour clients' "
+                            "deadlines.", param="deadline", code="invalid_value")
     params = req.sampling_params()
     params.loras = loras
     if ctx.max_in_flight is not None and ctx.in_flight >= ctx.max_in_flight:
