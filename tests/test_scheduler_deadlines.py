@@ -95,9 +95,13 @@ def test_the_pace_is_measured_from_the_workers_outputs():
     request = c.request("a", steps=4, n=2, size=16)
     stages = StageStats()
     stages.add("decode_stage", 2.0, 2)
-    pace.measure([request], 4, RunnerOutput(images={"a": ["x", "y"]}, execute_seconds=0.8, stages=stages),
+    stages.add("denoise", 0.8, 4)
+    stages.add("encode", 0.5, 1)  # the step's encode (and an in-loop decode) is not the denoise's pace
+    pace.measure([request], 4, RunnerOutput(images={"a": ["x", "y"]}, execute_seconds=1.5, stages=stages),
                  {"a": request})
     assert pace.row_seconds == {(16, 16): pytest.approx(0.2)}
     assert pace.decode_seconds_per_pixel == pytest.approx(2.0 / (2 * 16 * 16))
-    pace.measure([request], 4, RunnerOutput(execute_seconds=0.4), {"a": request})  # a moving average
+    stages = StageStats()
+    stages.add("denoise", 0.4, 4)
+    pace.measure([request], 4, RunnerOutput(execute_seconds=0.4, stages=stages), {"a": request})  # a moving average
     assert pace.row_seconds == {(16, 16): pytest.approx(0.15)}

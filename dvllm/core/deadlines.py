@@ -21,11 +21,13 @@ class Pace:
         self.late_steps = 0  # steps run for late requests ahead of the rest
 
     def measure(self, batch: list[Request], rows: int, runner_out: RunnerOutput, requests: dict[str, Any]) -> None:
-        """A step's seconds per row (for its shape), and the decode's seconds per pixel from the images this output
-        brings and the decode time it reports."""
-        if batch and rows and runner_out.execute_seconds > 0:
+        """A step's seconds per row (for its shape: its denoise stage's seconds, without the step's encodes and
+        decodes, which the decode's own rate counts), and the decode's seconds per pixel from the images this
+        output brings and the decode time it reports."""
+        denoise = runner_out.stages.seconds.get("denoise", 0.0)
+        if batch and rows and denoise > 0:
             shape = batch[0].shape_key
-            self.row_seconds[shape] = _average(self.row_seconds.get(shape), runner_out.execute_seconds / rows)
+            self.row_seconds[shape] = _average(self.row_seconds.get(shape), denoise / rows)
         seconds = sum(runner_out.stages.seconds.get(stage, 0.0) for stage in ("decode", "decode_stage"))
         pixels = sum(r.params.height * r.params.width * len(images) for r, images in
                      ((requests.get(rid), images) for rid, images in runner_out.images.items()) if r is not None)
