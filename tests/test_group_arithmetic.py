@@ -1,0 +1,43 @@
+"""The group arithmetic (dvllm.benchmarks.group_arithmetic): the presets' real shapes, the all-to-all volume a
+rank sends, and the bound it gives, labelled as arithmetic."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dvllm.benchmarks.group_arithmetic import (
+    Shape,
+    forward_flops,
+    main,
+    predict,
+    transformer_shape,
+    ulysses_bytes_per_rank,
+)
+
+
+def test_the_presets_shapes_are_their_architectures():
+    flux = transformer_shape("flux-dev", 1024, 512)
+    assert (flux.tokens, flux.layers, flux.width) == (64 * 64 + 512, 19 + 38, 24 * 128)
+    assert 11.8e9 < flux.parameters < 12.0e9  # FLUX.1-dev's published 12B
+    qwen = transformer_shape("qwen-image", 2048, 128)
+    assert (qwen.tokens, qwen.layers) == (128 * 128 + 128, 60) and 20.0e9 < qwen.parameters < 20.6e9  # 20B
+
+
+def test_the_exchange_is_four_all_to_alls_a_layer():
+    shape = Shape(tokens=1000, layers=3, width=64, parameters=10)
+    assert ulysses_bytes_per_rank(shape, 1) == 0
+    # each rank: 4 tensors of 500 x 64 bf16 a layer, half of each sent
+    assert ulysses_bytes_per_rank(shape, 2) == 3 * 4 * 500 * 64 * 2 / 2
+    assert forward_flops(shape) == 2 * 10 * 1000 + 4 * 1000 ** 2 * 64 * 3
+    rows = predict(shape, [1, 2], tflops=1e-6, link_gbps=1.0)
+    assert rows[0]["speedup_bound"] == pytest.approx(1.0) and 1.0 < rows[1]["speedup_bound"] < 2.0
+
+
+def test_the_report_says_it_is_arithmetic(tmp_path, capsys):
+    out = tmp_path / "a.json"
+    main(["--preset", "flux-dev", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["kind"] == "arithmetic, not measured"
+    assert [r["gpus"] for r in result["sequence_parallel"]] == [1, 2, 4, 8]
+    assert "not measured" in capsys.readouterr().out
