@@ -18,9 +18,10 @@ run in a narrowed row scope (worker/row_scope.py), as step caching narrows.
 Step caching: a forward with cached rows runs on the worker alone (the split paused), since its per-row skip
 decisions read each row's whole tokens and its state lives in the worker's pool; the rest go on splitting.
 
-A member holds nothing else between calls (its slots are the worker's, sent again), so losing one loses nothing: a forward that fails while a member is dead (or
-with a collective's error) forms the group anew (every member started again, the process group made again) and
-runs again. A forward is a pure function of its inputs, so running it again changes no image.
+A member holds nothing else between calls (its slots are the worker's, sent again), so losing one loses nothing:
+a forward that fails while a member is dead (or with a collective's error) forms the group anew (every member
+started again, the process group made again) and runs again. A forward is a pure function of its inputs, so
+running it again changes no image.
 """
 from __future__ import annotations
 
@@ -129,6 +130,7 @@ class WorkerGroup:
         self.lock = threading.Lock()
         self.units_decoded = [0] * self.size  # decoder calls each of the group ran for shared decodes, by rank
         self.lora: LoraLayers | None = None  # the worker's adapter slots (share_loras)
+        self._lora_component = "transformer"  # the denoiser's name in the pipeline, which adapters' layers use
         self.lora_slots: dict[int, LoraWeights] = {}  # what the members' slots hold (denoiser layers), to resend
         self._call_scope = contextlib.ExitStack()  # CFG-parallel with LoRA: the worker's rows narrowed for a call
         self._dir = tempfile.mkdtemp(prefix="dvllm-group-")
