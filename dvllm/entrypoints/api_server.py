@@ -63,7 +63,8 @@ def build_app(engine: AsyncDiffusionEngine, args: argparse.Namespace) -> FastAPI
         api_key=getattr(args, "api_key", None) or None,
         public_url=public_url(args),
         allow_client_priority=getattr(args, "allow_client_priority", False),
-        deadlines_reorder=getattr(engine.config, "group_policy", "static") == "elastic",
+        # (an engine that is no DiffusionEngine, a test's, has no config: as _served_model_facts)
+        deadlines_reorder=getattr(getattr(engine, "config", None), "group_policy", "static") == "elastic",
         max_in_flight=getattr(args, "max_queue_len", None),
         request_timeout=getattr(args, "request_timeout", None),
         body_limits=BodyLimits(max_bytes=int(getattr(args, "max_body_mb", 1.0) * (1 << 20)),
