@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dvllm import DiffusionEngine, SamplingParams
+from dvllm.entrypoints.metrics import ServerMetrics
 
 TOL = 1e-5
 PROMPTS = ["a red circle", "a blue square on a green field", "a star"]
@@ -28,6 +29,10 @@ def _run(model: str, guidance: float, **config) -> tuple[list[np.ndarray], list[
         outs = engine.generate(PROMPTS, _params(guidance), use_tqdm=False)
         assert all(o.error is None for o in outs), [o.error for o in outs]
         group = engine.executor.worker.group
+        if group is not None:  # reported as the engine's stats and metrics too
+            assert engine.stats()["group_forwards"] == group.forwards
+            scrape = ServerMetrics(engine.stats, lambda: 0).render().decode()
+            assert f'dvllm_group_forwards_total{{split="alone"}} {float(group.forwards["alone"])}' in scrape
         return ([o.images[0] for o in outs], [o.metrics.cached_steps for o in outs],
                 None if group is None else dict(group.forwards))
     finally:

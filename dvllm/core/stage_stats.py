@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 # work the loop ran itself, "encode_stage" and "decode_stage" what the worker's threads ran
 # (dvllm.worker.encode_stage, dvllm.worker.decode_stage).
 STAGES = ("encode", "encode_stage", "denoise", "decode", "decode_stage")
+# How a worker group ran its denoiser forwards: every row's tokens split, the rows split (CFG-parallel, an elastic
+# rows step, or a mesh's row groups), or on the worker alone (a forward with step-cached rows)
+GROUP_SPLITS = ("tokens", "rows", "alone")
 
 
 @dataclass
@@ -22,6 +25,7 @@ class StageStats:
     # Restarts of a stage's parts: "<stage>.thread" (a stage thread that died) and "<stage>.process" (a decode or
     # encode worker process that died), counted where they happen and reported once
     restarts: dict[str, int] = field(default_factory=dict)
+    group_forwards: dict[str, int] = field(default_factory=dict)  # a worker group's forwards, by GROUP_SPLITS
 
     def add(self, stage: str, seconds: float, items: int) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
@@ -30,8 +34,9 @@ class StageStats:
     def merge(self, other: StageStats) -> None:
         for stage, seconds in other.seconds.items():
             self.add(stage, seconds, other.items.get(stage, 0))
-        for part, count in other.restarts.items():
-            self.restarts[part] = self.restarts.get(part, 0) + count
+        for counts, more in ((self.restarts, other.restarts), (self.group_forwards, other.group_forwards)):
+            for part, count in more.items():
+                counts[part] = counts.get(part, 0) + count
 
     @contextmanager
     def timing(self, stage: str) -> Iterator[None]:

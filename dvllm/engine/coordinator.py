@@ -17,7 +17,7 @@ from dvllm.config import EngineConfig
 from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request, RequestStatus
 from dvllm.core.scheduler import Scheduler
-from dvllm.core.stage_stats import STAGES, StageStats
+from dvllm.core.stage_stats import GROUP_SPLITS, STAGES, StageStats
 from dvllm.engine.core import EngineCore
 from dvllm.errors import NoWorkerError, QueueFullError
 from dvllm.executor.base import Executor, WorkerDied
@@ -279,7 +279,8 @@ class Coordinator:
             stages.merge(core.stages)
         return {**totals, "stage_seconds": {name: stages.seconds.get(name, 0.0) for name in STAGES},
                 "stage_items": {name: stages.items.get(name, 0) for name in STAGES},
-                "stage_restarts": {key: stages.restarts.get(key, 0) for key in RESTART_KEYS}}
+                "stage_restarts": {key: stages.restarts.get(key, 0) for key in RESTART_KEYS},
+                "group_forwards": {split: stages.group_forwards.get(split, 0) for split in GROUP_SPLITS}}
 
     def worker_stats(self) -> list[dict]:
         """Per worker: liveness, rows per step, steps per second in flight, the time per step the executor

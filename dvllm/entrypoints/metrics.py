@@ -173,4 +173,9 @@ def _stage_metrics(s: dict) -> Iterator[Metric]:
                                    labels=["stage", "part"])
     for key, count in s.get("stage_restarts", {}).items():
         restarts.add_metric(key.split("."), count)
-    yield from (queue, busy, done, restarts)
+    forwards = CounterMetricFamily("dvllm_group_forwards", "A worker group's denoiser forwards, by how they ran: "
+                                   "every row's tokens split, the rows split, or on the worker alone (forwards with "
+                                   "step-cached rows).", labels=["split"])
+    for split, count in s.get("group_forwards", {}).items():
+        forwards.add_metric([split], count)
+    yield from (queue, busy, done, restarts, forwards)

@@ -56,7 +56,7 @@ class ModelRunner:
         # the driver admitted this step's requests before it heard of them, so they are checked against both
         self._last_unwritten: dict[tuple[int, ...], str] = {}
         self._last_failed_loras: dict[int, tuple[int, str]] = {}
-        self._restarts_reported: dict[str, int] = {}
+        self._reported: dict[str, int] = {}  # running counts (restarts, group forwards) as last reported
         self.group = None  # the worker's group (parallel/group.py), whose reforms are reported as restarts
 
     @property
@@ -157,16 +157,24 @@ class ModelRunner:
                             stages=stages)
 
     def _report_restarts(self, stages: StageStats) -> None:
-        """The stages' threads and processes, and the group's members, restarted since the last step's report."""
+        """The stages' threads and processes, and the group's members, restarted since the last step's report; the
+        group's forwards, by split, since then."""
         counts = {} if self.group is None else {"worker_group.members": self.group.restarts}
         for name, stage in (("encode_stage", self.encode_stage), ("decode_stage", self.decode_stage)):
             if stage is not None:
                 counts |= {f"{name}.thread": stage.restarts,
                            f"{name}.process": sum(w.restarts for w in stage.workers)}
+        self._report_new(counts, stages.restarts, "")
+        if self.group is not None:
+            self._report_new(self.group.forwards, stages.group_forwards, "forwards.")
+
+    def _report_new(self, counts: dict[str, int], into: dict[str, int], prefix: str) -> None:
+        """What each of the running `counts` grew by since it was last reported, into `into`."""
         for part, count in counts.items():
-            if count > self._restarts_reported.get(part, 0):
-                stages.restarts[part] = count - self._restarts_reported.get(part, 0)
-                self._restarts_reported[part] = count
+            last = self._reported.get(prefix + part, 0)
+            if count > last:
+                into[part] = count - last
+                self._reported[prefix + part] = count
 
     def _load_loras(self, loads: list[tuple[int, Any]]) -> dict[int, tuple[int, str]]:
         """Copies adapters into their slots; returns the load ids that failed -> (their slot, left empty; why)."""
