@@ -3,6 +3,7 @@ python tests/cp_member.py RANK WORLD INIT_FILE MODEL_PATH ULYSSES OUT. Loads the
 does, runs a forward alone, then split across the group, and (rank 0) writes both outputs to OUT."""
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -47,3 +48,9 @@ def main(rank: int, world: int, init_file: str, model: str, ulysses: int, out: s
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6])
+    # The work is done and saved. Now and then (2 runs of 10 here), the teardown then aborted ("terminate
+    # called without an active exception": a collective's thread still joinable), which failed the test on
+    # its return code alone: leave without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
