@@ -35,9 +35,10 @@ from typing import Any
 import diffusers
 import torch
 
-from dvllm.benchmarks.lora_adapters import denoiser_name, make_adapters
+from dvllm.benchmarks.lora_adapters import make_adapters
 from dvllm.benchmarks.throughput import Job, _machine, _timed, make_engine, make_jobs, static_batches
 from dvllm.engine.engine import DiffusionEngine
+from dvllm.models.base import denoiser_component
 from dvllm.sampling_params import SamplingParams
 
 NO_LORA, MIXED, GROUPED = "dvllm (no LoRA)", "dvllm+LoRA mixed batch", "dvllm+LoRA one adapter at a time"
@@ -168,7 +169,7 @@ def _steps(engine: DiffusionEngine, prefix: str, rows: int, steps: int,
 
 def _baseline_pipeline(pipe: Any) -> Any:
     """The engine's pipeline with its own copy of the denoiser (peft rewrites the modules it adapts)."""
-    component = denoiser_name(pipe)
+    component = denoiser_component(pipe)
     base = type(pipe)(**{**pipe.components, component: copy.deepcopy(getattr(pipe, component))})
     base.set_progress_bar_config(disable=True)
     return base

@@ -11,12 +11,10 @@ from typing import Any
 
 import torch
 
+from dvllm.models.base import denoiser_component
+
 # The attention projections: self-attention everywhere, and the text stream of the DiT families.
 ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
-
-
-def denoiser_name(pipe: Any) -> str:
-    return "unet" if hasattr(pipe, "unet") else "transformer"
 
 
 def make_adapter(pipe: Any, folder: str, seed: int, rank: int = 16, targets: tuple[str, ...] = ATTENTION_TARGETS,
@@ -26,7 +24,7 @@ def make_adapter(pipe: Any, folder: str, seed: int, rank: int = 16, targets: tup
     unit-scale activation, non-trivial yet far from overflowing in half precision."""
     from peft import LoraConfig
 
-    component = denoiser_name(pipe)
+    component = denoiser_component(pipe)
     model = getattr(pipe, component)
     generator = torch.Generator().manual_seed(seed)
     dtype = next(model.parameters()).dtype

@@ -47,6 +47,16 @@ def transformer_cache_spec(blocks: list[torch.nn.Module], attention: list[tuple[
                      attention_kinds=[kinds for _, kinds in attention], **spec)
 
 
+def denoiser_component(pipeline: Any) -> str:
+    """The name of a pipeline's denoiser: "transformer", or "unet" (what LoRA files name its layers by)."""
+    return "transformer" if getattr(pipeline, "transformer", None) is not None else "unet"
+
+
+def denoiser_of(pipeline: Any) -> torch.nn.Module:
+    """A pipeline's denoiser: its transformer, or its UNet."""
+    return getattr(pipeline, denoiser_component(pipeline))
+
+
 class ModelAdapter(ABC):
     """Wraps one diffusers pipeline; its modules stay black boxes."""
 

@@ -66,20 +66,19 @@ def rejoin_context_parallel(transformer: torch.nn.Module) -> None:
     """Points the transformer's split at the current process group: after the group was formed anew (a member
     lost), every member calls it in the same order, as it called enable_context_parallel."""
     config = transformer._parallel_config
-    cp = config.context_parallel_config
-    if cp.mesh is not None:  # a row-grouped mesh, made anew in its own shape
-        mesh = cp.mesh = _mesh(tuple(cp.mesh.mesh.shape))
-    else:
-        mesh = torch.distributed.device_mesh.init_device_mesh(torch._C._get_accelerator().type,
-                                                               mesh_shape=cp.mesh_shape,
-                                                               mesh_dim_names=cp.mesh_dim_names)
+    cp, old = config.context_parallel_config, config.context_parallel_config._mesh
+    mesh = _mesh(tuple(old.mesh.shape), old.mesh_dim_names)  # the same shape (with row groups or not), anew
+    if cp.mesh is not None:  # (a mesh of row groups was given, not made by diffusers: it is read from there too)
+        cp.mesh = mesh
     config.setup(torch.distributed.get_rank(), torch.distributed.get_world_size(), config._device, mesh=mesh)
 
 
-def _mesh(shape: tuple[int, int, int]) -> torch.distributed.device_mesh.DeviceMesh:
-    """[row groups, ring, ulysses] over the group's ranks in order: a row group's ranks are consecutive."""
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...] = ("rows", "ring", "ulysses")
+          ) -> torch.distributed.device_mesh.DeviceMesh:
+    """A device mesh over the group's ranks in order ([row groups, ring, ulysses]: a row group's ranks are
+    consecutive)."""
     return torch.distributed.device_mesh.init_device_mesh(torch._C._get_accelerator().type, mesh_shape=shape,
-                                                          mesh_dim_names=("rows", "ring", "ulysses"))
+                                                          mesh_dim_names=names)
 
 
 @contextmanager

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dvllm.lora.weights import LoraWeights
+from dvllm.models.base import denoiser_component
 from dvllm.parallel.call_broadcast import receive
 from dvllm.parallel.group_decode import DecodeCalls
 from dvllm.parallel.row_split import call_rows, chunk, cut, send_rows
@@ -59,16 +60,6 @@ class LoraSlot:
 
     slot: int
     weights: LoraWeights | None
-
-
-def denoiser_component(pipeline: Any) -> str:
-    """The name of the pipeline's denoiser: "transformer", or "unet"."""
-    return "transformer" if getattr(pipeline, "transformer", None) is not None else "unet"
-
-
-def denoiser_of(pipeline: Any) -> torch.nn.Module:
-    """The pipeline's denoiser: its transformer, or its UNet."""
-    return getattr(pipeline, denoiser_component(pipeline))
 
 
 def denoiser_lora(weights: LoraWeights, component: str) -> LoraWeights:

@@ -10,12 +10,11 @@ import torch
 from dvllm._extension import custom_ops_available
 from dvllm.config import EngineConfig
 from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
-from dvllm.models.base import ModelAdapter, ModelInfo
+from dvllm.models.base import ModelAdapter, ModelInfo, denoiser_component, denoiser_of
 from dvllm.models.load_config import LoadedModel
 from dvllm.models.loader import load_adapter
 from dvllm.parallel.group import WorkerGroup
 from dvllm.parallel.group_decode import SharedDecode, decodes_in_group
-from dvllm.parallel.group_member import denoiser_component, denoiser_of
 from dvllm.profiler import PhaseTimer
 from dvllm.worker.decode_stage import DecodeStage
 from dvllm.worker.decode_worker import start_decode_workers
