@@ -23,6 +23,7 @@ from dvllm.config_checks import (  # noqa: F401 - the choices are read from here
 if TYPE_CHECKING:
     from dvllm.lora.files import LoraFilePolicy
     from dvllm.models.load_config import LoadConfig
+    from dvllm.models.model_info import ModelInfo
 
 CPU_STATE_POOL_MB = 1024
 DEFAULT_PIXELS_FACTOR = 4  # default max_image_pixels: this many times the model's native area
@@ -110,9 +111,15 @@ class EngineConfig:
     max_image_pixels: int | None = field(
         default=None,
         metadata={"help": "Largest height*width accepted (images and img2img uploads). "
-                          f"Default: {DEFAULT_PIXELS_FACTOR}x the model's native area."},
+                          f"Default: {DEFAULT_PIXELS_FACTOR}x the model's native area (video models: their native "
+                          "area, per frame)."},
     )
     max_images_per_prompt: int = field(default=8, metadata={"help": "Largest n accepted."})
+    max_num_frames: int = field(
+        default=129,
+        metadata={"help": "Video models: the most frames one video may have (num_frames), past Wan 2.2's 121. "
+                          "A video's latents and its forward grow with its frames; max_image_pixels bounds each "
+                          "frame."})
     max_prompt_chars: int = field(
         default=10000,
         metadata={"help": "Longest prompt or negative_prompt accepted, in characters. Every text encoder "
@@ -462,9 +469,11 @@ class EngineConfig:
     def prompt_chars_per_step(self) -> int:
         return self.max_prompt_chars_per_step or 2 * self.max_prompt_chars
 
-    def image_pixel_limit(self, default_height: int, default_width: int) -> int:
-        """max_image_pixels, or its default for a model of this native size."""
-        return self.max_image_pixels or DEFAULT_PIXELS_FACTOR * default_height * default_width
+    def pixel_limit(self, info: "ModelInfo") -> int:
+        """max_image_pixels, or its default for the model: a few times an image model's native area; a video
+        model's native area (each frame of a video costs what an image does)."""
+        factor = 1 if info.video is not None else DEFAULT_PIXELS_FACTOR
+        return self.max_image_pixels or factor * info.defaults.height * info.defaults.width
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

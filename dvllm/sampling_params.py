@@ -31,6 +31,7 @@ MAX_LORA_WEIGHT = 100.0  # as ComfyUI's LoRA strength; far past it the images ar
 # Adapters one request may name: far more than any engine's max_loras (resident slots, checked in resolve),
 # so that a body naming thousands is refused before each name is looked at.
 MAX_REQUEST_LORAS = 256
+MAX_FPS = 240.0
 
 
 @dataclass
@@ -76,6 +77,14 @@ class SamplingParams:
     # (RequestOutput.metrics.deadline_met, stats' deadlines_met/missed), and the elastic group policy runs a
     # request that would miss it ahead of the rest (docs/design.md, "Worker groups"). None: no deadline.
     deadline_s: float | None = None
+    # Video models (Wan): the video's frames (num_frames - 1 a multiple of the VAE's temporal compression,
+    # 4) and the frame rate its MP4 is written at. None: the model's defaults. Image models take neither.
+    num_frames: int | None = None
+    fps: float | None = None
+
+    @property
+    def size(self) -> tuple[int, ...]:
+        return size_of(self.height, self.width, self.num_frames)
 
     def validate(self) -> None:
         """Checks that need no model; raises ValueError naming the field."""
@@ -83,6 +92,10 @@ class SamplingParams:
         _optional_int("height", self.height, low=1)
         _optional_int("width", self.width, low=1)
         _optional_int("n", self.n, low=1)
+        _optional_int("num_frames", self.num_frames, low=1)
+        if self.fps is not None and (isinstance(self.fps, bool) or not isinstance(self.fps, (int, float))
+                                     or not 0 < self.fps <= MAX_FPS):
+            raise ValueError(f"fps must be a number in (0, {MAX_FPS}], got {self.fps!r}")
         if self.seed is not None:
             _optional_int("seed", self.seed, low=0)
             if self.seed >= SEED_LIMIT:
@@ -138,7 +151,7 @@ class SamplingParams:
     def resolve(self, info: "ModelInfo", config: "EngineConfig") -> "SamplingParams":
         """A copy with every default filled from the model, checked against the engine's limits."""
         self.validate()
-        max_pixels = config.image_pixel_limit(info.defaults.height, info.defaults.width)
+        max_pixels = config.pixel_limit(info)
         if self.negative_prompt is not None and len(self.negative_prompt) > config.max_prompt_chars:
             raise ValueError(f"negative_prompt must be at most {config.max_prompt_chars} characters, "
                              f"got {len(self.negative_prompt)}")
@@ -148,6 +161,10 @@ class SamplingParams:
         if self.eta is not None and info.schedule.eta is None:
             raise ValueError(f"eta: the {info.family} pipeline takes no eta")
         _check_aesthetic_scores(self, info)
+        if info.video is None:
+            given = next((name for name in ("num_frames", "fps") if getattr(self, name) is not None), None)
+            if given:
+                raise ValueError(f"{given}: this model ({info.pipeline_class}) makes images, not videos")
         _check_sequence_length(self.max_sequence_length, info)
         cache = parse_cache(config.default_cache if _is_default(self.cache) else self.cache)
         if cache is not None and info.cache_layout is None:
@@ -177,6 +194,8 @@ class SamplingParams:
             max_sequence_length=self.max_sequence_length or info.text.max_sequence_length,
             cache=cache,
             loras={name: float(w) for name, w in sorted(self.loras.items())} if self.loras else None,
+            num_frames=_frames(self.num_frames, info, config),
+            fps=None if info.video is None else float(self.fps or info.video.fps),
             aesthetic_score=_score(self.aesthetic_score, AESTHETIC_SCORE, info),
             negative_aesthetic_score=_score(self.negative_aesthetic_score, NEGATIVE_AESTHETIC_SCORE, info),
         )
@@ -207,7 +226,30 @@ class SamplingParams:
         return resolved
 
 
+def size_of(height: int, width: int, num_frames: int | None) -> tuple[int, ...]:
+    """What fixes a request's latents' shape, and what its decode takes: (height, width), and a video's frames
+    after them. Requests share a forward only if theirs are equal."""
+    return (height, width) if num_frames is None else (height, width, num_frames)
+
+
 AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE = 6.0, 2.5  # the SDXL img2img and inpainting pipelines' defaults
+
+
+def _frames(frames: int | None, info: "ModelInfo", config: "EngineConfig") -> int | None:
+    """A video request's frame count (the model's default if it names none); None for an image model."""
+    video = info.video
+    if video is None:
+        return None
+    frames = frames or video.frames
+    if frames > config.max_num_frames:
+        raise ValueError(f"num_frames must be at most {config.max_num_frames} (max_num_frames), got {frames}")
+    step = video.frame_multiple
+    if (frames - 1) % step:
+        lower = (frames - 1) // step * step + 1
+        raise ValueError(f"num_frames - 1 must be a multiple of {step} for this model (its VAE keeps the first "
+                         f"frame and packs each {step} after it into one): got {frames}; {lower} or {lower + step} "
+                         "would do")
+    return frames
 
 
 def _check_aesthetic_scores(params: SamplingParams, info: "ModelInfo") -> None:

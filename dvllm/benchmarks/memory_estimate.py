@@ -199,9 +199,9 @@ def _steps(adapter: ModelAdapter, engine: dict[str, Any], size: tuple[int, int],
     step_size = largest_size(info, height * width)
     step = step_peaks(adapter, EngineConfig(**(engine | {"max_image_pixels": height * width})), memory)
     config = EngineConfig(**engine)
-    worst_size = largest_size(info, config.image_pixel_limit(info.defaults.height, info.defaults.width))
+    worst_size = largest_size(info, config.pixel_limit(info))
     worst = dict(step) if worst_size == step_size else step_peaks(adapter, config, memory)
-    step["denoise"] -= step_cache_bytes(info, engine["max_batch_size"], *step_size, adapter.dtype)
+    step["denoise"] -= step_cache_bytes(info, engine["max_batch_size"], *step_size[:2], adapter.dtype)
     return step, worst_size, worst
 
 

@@ -2,6 +2,7 @@
 and alone, from the worker's recent step and decode times, and so which requests are late."""
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -29,7 +30,7 @@ class Pace:
             shape = batch[0].shape_key
             self.row_seconds[shape] = _average(self.row_seconds.get(shape), denoise / rows)
         seconds = sum(runner_out.stages.seconds.get(stage, 0.0) for stage in ("decode", "decode_stage"))
-        pixels = sum(r.params.height * r.params.width * len(images) for r, images in
+        pixels = sum(math.prod(r.params.size) * len(images) for r, images in
                      ((requests.get(rid), images) for rid, images in runner_out.images.items()) if r is not None)
         if seconds > 0 and pixels:
             self.decode_seconds_per_pixel = _average(self.decode_seconds_per_pixel, seconds / pixels)

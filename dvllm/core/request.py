@@ -131,9 +131,9 @@ class Request:
         return frozenset((j + 1) * self.num_steps // (count + 1) for j in range(count))
 
     @property
-    def shape_key(self) -> tuple[int, int]:
-        """Requests share a forward only if their latents have one shape."""
-        return (self.params.height, self.params.width)
+    def shape_key(self) -> tuple[int, ...]:
+        """Requests share a forward only if their latents have one shape: one size (and a video's frames)."""
+        return self.params.size
 
     @property
     def priority(self) -> int:
@@ -166,14 +166,14 @@ class Request:
         """What its start latents are made of (the encode stage may make them ahead of admission)."""
         p = self.params
         return StartJob(self.request_id, p.n, p.height, p.width, p.seed, self.plan, p.image, p.mask_image, p.strength,
-                        bool(self.input_grids))
+                        bool(self.input_grids), p.num_frames)
 
     def new_request_data(self, tables: BlockTables) -> NewRequestData:
         """What the worker needs of it at admission, with the blocks it was given."""
         request, p = self, self.params
         return NewRequestData(
             request_id=request.request_id, prompt=request.prompt, negative_prompt=p.negative_prompt, n=p.n,
-            height=p.height, width=p.width, seed=p.seed, guidance_scale=p.guidance_scale, cfg=request.cfg,
+            height=p.height, width=p.width, num_frames=p.num_frames, seed=p.seed, guidance_scale=p.guidance_scale, cfg=request.cfg,
             output_type=p.output_type, plan=request.plan, blocks=tables, preview_steps=request.preview_steps,
             image=p.image, mask=p.mask_image, strength=p.strength, input_numel=request.input_numel,
             input_grids=request.input_grids, image_key=request.image_key,

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dvllm.core.stage_stats import StageStats
+from dvllm.sampling_params import size_of
 
 
 @dataclass
@@ -36,6 +37,11 @@ class StartJob:
     mask: Any = None
     strength: float = 1.0
     edit: bool = False  # the images condition an edit model instead of setting the start
+    num_frames: int | None = None  # a video's frames (None: an image)
+
+    @property
+    def size(self) -> tuple[int, ...]:
+        return size_of(self.height, self.width, self.num_frames)
 
 
 @dataclass
@@ -66,10 +72,15 @@ class NewRequestData:
     loras: tuple[tuple[int, float], ...] = ()       # (adapter load id, weight): applied to all its rows
     text_loras: tuple[tuple[int, float], ...] = ()  # those that change the text encoders too
     aesthetic_scores: tuple[float, float] | None = None  # (prompt's, negative's), for models that take them
+    num_frames: int | None = None  # a video's frames (None: an image)
+
+    @property
+    def size(self) -> tuple[int, ...]:
+        return size_of(self.height, self.width, self.num_frames)
 
     def start_job(self) -> StartJob:
         return StartJob(self.request_id, self.n, self.height, self.width, self.seed, self.plan, self.image,
-                        self.mask, self.strength, bool(self.input_grids))
+                        self.mask, self.strength, bool(self.input_grids), self.num_frames)
 
 
 @dataclass

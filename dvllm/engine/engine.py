@@ -244,7 +244,7 @@ class DiffusionEngine:
         """One image at the default size, with history (multistep samplers) and both prompts (CFG)."""
         info, loaded, total = self.model_info, self.loaded_model, self.coordinator.num_blocks
         blocks, (height, width) = self.processor.blocks, (info.defaults.height, info.defaults.width)
-        need = 2 * blocks(info.latents.numel(height, width)) + 2 * blocks(info.text.condition_numel)
+        need = 2 * blocks(info.latents.numel(*info.default_size)) + 2 * blocks(info.text.condition_numel)
         if need > total:
             raise ValueError(f"the state pool is too small for even one default request: it needs {need} "
                              f"blocks and the pool has {total}; raise state_pool_mb")

@@ -63,7 +63,7 @@ class InputProcessor:
             request_id=request_id, prompt=prompt, params=resolved, num_steps=plan.num_steps,
             cfg=info.guidance.uses_cfg(resolved.guidance_scale, resolved.negative_prompt), plan=plan,
             arrival_time=time.time() if arrival_time is None else arrival_time, arrival_seq=next(self._arrivals),
-            latent_blocks=self.blocks(info.latents.numel(resolved.height, resolved.width)),
+            latent_blocks=self.blocks(info.latents.numel(*resolved.size)),
             cond_blocks=self.blocks(info.text.condition_numel), uses_history=plan.uses_history,
             input_blocks=self.blocks(input_numel), input_numel=input_numel,
             input_grids=info.input_grids(resolved.image),

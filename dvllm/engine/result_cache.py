@@ -103,7 +103,7 @@ def result_key(model: str, prompt: str, params: SamplingParams, row_loras: tuple
     fields = {
         "model": model, "prompt": prompt, "negative_prompt": params.negative_prompt,
         "steps": params.num_inference_steps, "guidance": float(params.guidance_scale),
-        "size": [params.height, params.width], "seed": params.seed, "n": params.n, "sampler": params.sampler,
+        "size": list(params.size), "seed": params.seed, "n": params.n, "sampler": params.sampler,
         "output_type": params.output_type, "strength": _number(params.strength), "eta": _number(params.eta),
         "max_sequence_length": params.max_sequence_length,
         "cache": None if cache is None else [type(cache).__name__, dataclasses.asdict(cache)],

@@ -204,7 +204,7 @@ def _served_model_facts(engine: AsyncDiffusionEngine) -> dict[str, Any] | None:
     if config is None:
         return None
     info = engine.model_info
-    return model_facts(info, config.image_pixel_limit(info.defaults.height, info.defaults.width),
+    return model_facts(info, config.pixel_limit(info),
                        engine.valid_samplers(), engine.loaded_model)
 
 

@@ -60,7 +60,7 @@ async def create_edit(request: Request, ctx: ServerContext) -> Response:
         _check_files(images, masks, info)
         fields = {k: v for k, v in form.multi_items() if k not in _FILE_FIELDS}
         req = ImageEditRequest.parse(_typed(fields))
-        max_pixels = ctx.engine.config.image_pixel_limit(info.defaults.height, info.defaults.width)
+        max_pixels = ctx.engine.config.pixel_limit(info)
         opened = [_open(await image.read(), max_pixels) for image in images]
         req.image = opened[0] if len(opened) == 1 else opened
         if masks:

@@ -153,6 +153,11 @@ class ModelAdapter(ABC):
                         init_noise_sigma: float) -> torch.Tensor:
         """Initial noise for n images, drawn exactly as the diffusers pipeline draws it."""
 
+    def prepare_video_latents(self, n: int, height: int, width: int, frames: int, generator: torch.Generator,
+                              init_noise_sigma: float) -> torch.Tensor:
+        """A video family's initial noise for n videos of `frames` frames, drawn as its pipeline draws it."""
+        raise ValueError(f"the {self.info.family} family makes images, not videos")
+
     def encode_image(self, image: Any, n: int, height: int, width: int, generator: torch.Generator,
                      start_noise: tuple[float, float]) -> torch.Tensor:
         """Image-to-image start latents: the image through the VAE, noised as the img2img pipeline does."""
@@ -178,8 +183,9 @@ class ModelAdapter(ABC):
         return uncond + scale * (cond - uncond)
 
     @abstractmethod
-    def decode(self, latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
-        """Batched VAE decode to [B, 3, H, W] images in [0, 1]."""
+    def decode(self, latents: torch.Tensor, image_size: tuple[int, ...]) -> torch.Tensor:
+        """Batched VAE decode to [B, 3, H, W] images in [0, 1]; a video family's, of image_size (height, width,
+        frames), to [B, frames, 3, H, W]."""
 
     def cache_spec(self) -> CacheSpec | None:
         """The transformer's parts step caching hooks; None: the family serves no step caching."""

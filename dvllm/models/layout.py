@@ -20,7 +20,7 @@ Grids = tuple[int, ...]  # an edit row's input images' token grids, flat: (rows,
 
 @dataclass(frozen=True)
 class BatchLayout:
-    image_size: tuple[int, int]                        # (height, width): one size per forward
+    image_size: tuple[int, ...]  # (height, width), and a video's frames after them: one size per forward
     counts: tuple[int, ...] = (1,)                     # images per request, in row order
     num_cfg_requests: int = 0                          # the first ones also run unconditionally
     guidance: tuple[float, ...] = ()                   # per request: its guidance scale
@@ -61,7 +61,7 @@ class BatchLayout:
             object.__setattr__(self, name, value)
 
     @classmethod
-    def single(cls, image_size: tuple[int, int], rows: int, **per_row: Any) -> "BatchLayout":
+    def single(cls, image_size: tuple[int, ...], rows: int, **per_row: Any) -> "BatchLayout":
         """`rows` independent conditional rows (one image each): for callers outside step batching."""
         return cls(image_size=image_size, counts=(1,) * rows, **per_row)
 

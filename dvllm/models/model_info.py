@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dvllm.sampling_params import image_sizes
+from dvllm.sampling_params import image_sizes, size_of
 from dvllm.step_cache import CacheLayout
 
 # (input images' (width, height)s) -> ...; module-level functions or partials of them, so that they pickle
@@ -73,21 +73,41 @@ class Latents:
     # Packed latents (Flux, Qwen-Image): patches of patch x patch latent pixels become one token of
     # channels * patch**2 features. 0: unpacked [C, h, w] latents.
     patch: int = 0
+    # Video latents (Wan): [C, frames, h, w], the VAE keeping the first frame and compressing each
+    # `temporal_scale` after it into one latent frame. 0: image latents.
+    temporal_scale: int = 0
 
-    def shape(self, height: int, width: int) -> tuple[int, ...]:
-        """One image's latents as the denoiser takes them (no batch dimension)."""
+    def shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
+        """One image's (or one video's: its frames) latents as the denoiser takes them (no batch dimension)."""
         c, h, w = self.channels, height // self.scale, width // self.scale
+        if self.temporal_scale:
+            return (c, latent_frames(frames or 1, self.temporal_scale), h, w)
         if self.patch:
             p = self.patch
             return ((h // p) * (w // p), c * p * p)
         return (c, h, w)
 
-    def numel(self, height: int, width: int) -> int:
-        return math.prod(self.shape(height, width))
+    def numel(self, height: int, width: int, frames: int | None = None) -> int:
+        return math.prod(self.shape(height, width, frames))
 
     def plane_numel(self, height: int, width: int) -> int:
         """Numbers in one channel at latent resolution."""
         return (height // self.scale) * (width // self.scale)
+
+
+def latent_frames(frames: int, temporal_scale: int) -> int:
+    """A video's latent frames: its first frame, then one for each `temporal_scale` after it."""
+    return (frames - 1) // temporal_scale + 1
+
+
+@dataclass(frozen=True)
+class Video:
+    """What a video family's requests get and may ask for (SamplingParams.num_frames, fps)."""
+
+    frames: int  # the pipeline's num_frames default
+    fps: float   # the model's published frame rate: what its MP4s are written at unless a request says
+    # num_frames - 1 must be a multiple of this (the VAE's temporal compression)
+    frame_multiple: int = 4
 
 
 @dataclass(frozen=True)
@@ -152,6 +172,12 @@ class ModelInfo:
     guidance: Guidance = field(default_factory=Guidance)
     images: ImageInputs = field(default_factory=ImageInputs)
     cache_layout: CacheLayout | None = None  # step caching (SamplingParams.cache); None: the family serves none
+    video: Video | None = None  # a video family's frames and rate; None: the family makes images
+
+    @property
+    def default_size(self) -> tuple[int, ...]:
+        """A request's size when it names none: (height, width), and a video model's frames."""
+        return size_of(self.defaults.height, self.defaults.width, None if self.video is None else self.video.frames)
 
     def input_numel(self, height: int, width: int, image: Any, inpaint: bool) -> int:
         """Numbers per image of what a request's input image(s) leave in its private state: inpainting's

@@ -39,7 +39,7 @@ ConvertFn = Callable[[torch.Tensor, str], list[Any]]
 class DecodeJob:
     request_id: str
     latents: torch.Tensor  # [n, *latent shape], the job's own
-    size: tuple[int, int]  # (height, width)
+    size: tuple[int, ...]  # (height, width), and a video's frames
     output_type: str
     preview: bool = False  # an x0 estimate's preview, not the final images
     step: int = 0  # the step count its latents are from

@@ -121,7 +121,7 @@ def batch_layout(adapter: ModelAdapter, states: list[RequestState]) -> BatchLayo
     """The forward's rows as the host knows them (states: CFG requests first)."""
     info, first = adapter.info, states[0].data
     return BatchLayout(
-        image_size=(first.height, first.width), counts=tuple(s.n for s in states),
+        image_size=first.size, counts=tuple(s.n for s in states),
         num_cfg_requests=sum(1 for s in states if s.data.cfg),
         guidance=tuple(s.data.guidance_scale for s in states),
         text_lengths=tuple(s.text_lengths for s in states) if states[0].text_lengths is not None else None,
@@ -134,7 +134,7 @@ def batch_layout(adapter: ModelAdapter, states: list[RequestState]) -> BatchLayo
 def gather(adapter: ModelAdapter, pool: StatePool, states: list[RequestState]) -> Batch:
     """The batch's latents out of the pool, its step table, and its noise: everything the host knows ahead is
     built on the host and copied without a wait, before the forward is queued."""
-    shape = adapter.info.latents.shape(states[0].data.height, states[0].data.width)
+    shape = adapter.info.latents.shape(*states[0].data.size)
     rows = [s.plan.steps[s.step] for s in states]
     table = to_device(_step_table(states, rows), pool.device)
     latent_table = pool.table([r for s in states for r in s.blocks.latents])
@@ -209,7 +209,7 @@ def renoise_known_region(adapter: ModelAdapter, pool: StatePool, states: list[Re
     for s in states:
         if s.data.mask is None or info.images.denoiser_takes_inputs or s.request_id in errors:
             continue
-        shape = info.latents.shape(s.data.height, s.data.width)
+        shape = info.latents.shape(*s.data.size)
         c = shape[0]
         latents = pool.read(s.blocks.latents, math.prod(shape)).view(s.n, *shape)
         inputs = pool.read(s.blocks.inputs, s.input_numel).view(s.n, 1 + 2 * c, *shape[1:])

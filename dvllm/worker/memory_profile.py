@@ -58,32 +58,40 @@ class DeviceMemory:
         return torch.cuda.mem_get_info(self.device)
 
 
-def largest_size(info: ModelInfo, max_pixels: int) -> tuple[int, int]:
-    """The largest square (height, width) in multiples of the size factor that max_pixels allows."""
+def largest_size(info: ModelInfo, max_pixels: int, max_frames: int | None = None) -> tuple[int, ...]:
+    """The largest square (height, width) in multiples of the size factor that max_pixels allows; a video
+    model's with the most frames max_frames allows after them."""
     side = max(info.latents.size_factor, math.isqrt(max_pixels) // info.latents.size_factor * info.latents.size_factor)
-    return side, side
+    if info.video is None:
+        return side, side
+    step = info.video.frame_multiple
+    return side, side, (max(1, max_frames or info.video.frames) - 1) // step * step + 1
 
 
-def worst_forward(adapter: ModelAdapter, config: EngineConfig) -> tuple[int, int, int]:
-    """(rows, height, width) of the largest forward the engine's limits allow."""
-    info = adapter.info
-    height, width = largest_size(info, config.image_pixel_limit(info.defaults.height, info.defaults.width))
+def worst_size(info: ModelInfo, config: EngineConfig) -> tuple[int, ...]:
+    """The largest request the engine's limits allow."""
+    return largest_size(info, config.pixel_limit(info), config.max_num_frames)
+
+
+def worst_forward(adapter: ModelAdapter, config: EngineConfig) -> tuple[int, tuple[int, ...]]:
+    """(rows, size) of the largest forward the engine's limits allow."""
     rows = config.max_batch_size
     if config.compile == "bucketed" or config.cuda_graph:  # batches are padded up to their bucket
         rows = next(b for b in batch_buckets(2 * rows) if b >= rows)
-    return rows, height, width
+    return rows, worst_size(adapter.info, config)
 
 
 def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory) -> dict[str, int]:
     """Peak transient bytes of each kind of work in the worst step."""
     info = adapter.info
-    rows, height, width = worst_forward(adapter, config)
+    rows, size = worst_forward(adapter, config)
+    height, width = size[:2]
     texts = [(_PROBE_TEXT[:config.max_prompt_chars], negative) for _ in range(config.max_batch_size)
              for negative in (False, True)]
     device, dtype = adapter.device, adapter.dtype
 
     def denoise() -> None:
-        latents = torch.zeros((rows, *info.latents.shape(height, width)), dtype=dtype, device=device)
+        latents = torch.zeros((rows, *info.latents.shape(*size)), dtype=dtype, device=device)
         # masks all ones: every text at its longest, the worst case (zeros would cut the text to nothing)
         conditions = {k: (torch.ones if k.endswith("_mask") else torch.zeros)((rows, *shape), dtype=dtype,
                                                                                device=device)
@@ -98,16 +106,15 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
         if info.images.edit_grids is not None:  # as many square images as it takes, at the pipeline's VAE area
             grids = info.images.edit_grids(((height, height),) * info.images.max_images)
             per_row["image_grids"] = (tuple(x for g in grids for x in g),) * rows
-        layout = BatchLayout.single((height, width), rows, **per_row)
+        layout = BatchLayout.single(size, rows, **per_row)
         for key, value in adapter.step_conditions(layout, dtype).items():
             conditions[key] = value.to(device)
         ones = torch.ones(rows, device=device)
         adapter.denoise(latents, ones * 500, conditions, ones * info.defaults.guidance, layout)
 
     def decode() -> None:
-        latents = torch.zeros((config.max_decode_batch, *info.latents.shape(height, width)), dtype=dtype,
-                              device=device)
-        adapter.decode(latents, (height, width))
+        latents = torch.zeros((config.max_decode_batch, *info.latents.shape(*size)), dtype=dtype, device=device)
+        adapter.decode(latents, size)
 
     def encode() -> None:
         texts_here = not config.encode_workers  # encode workers encode them in processes of their own
@@ -163,7 +170,7 @@ def encode_ahead_bytes(adapter: ModelAdapter, config: EngineConfig) -> int:
     item = info.text.condition_numel
     images = info.images
     if images.img2img or images.inpaint_channels or images.edit_grids is not None:
-        height, width = largest_size(info, config.image_pixel_limit(info.defaults.height, info.defaults.width))
+        height, width = largest_size(info, config.pixel_limit(info))[:2]
         latents = info.latents.numel(height, width)
         grid = latents // info.latents.channels
         inputs = images.inpaint_channels * grid
@@ -187,14 +194,14 @@ def decode_queue_bytes(adapter: ModelAdapter, config: EngineConfig, decode_stage
     if not decode_stage:
         return 0
     info = adapter.info
-    height, width = largest_size(info, config.image_pixel_limit(info.defaults.height, info.defaults.width))
     element = torch.empty((), dtype=adapter.dtype).element_size()
-    return config.max_decode_queue * info.latents.numel(height, width) * element
+    return config.max_decode_queue * info.latents.numel(*worst_size(info, config)) * element
 
 
-def _forward_input_bytes(info: ModelInfo, rows: int, height: int, width: int, dtype: torch.dtype) -> int:
+def _forward_input_bytes(info: ModelInfo, rows: int, size: tuple[int, ...], dtype: torch.dtype) -> int:
     """A forward's inputs: what a captured graph keeps as its static buffers."""
-    numel = math.prod(info.latents.shape(height, width)) + sum(math.prod(s) for s in info.text.condition_shapes.values())
+    height, width = size[:2]
+    numel = math.prod(info.latents.shape(*size)) + sum(math.prod(s) for s in info.text.condition_shapes.values())
     if info.images.denoiser_takes_inputs:
         numel += info.most_input_numel(height, width)
     return rows * (numel * torch.empty((), dtype=dtype).element_size() + 2 * 4)  # and the float32 step columns
@@ -241,8 +248,8 @@ def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMe
     peaks = step_peaks(adapter, config, memory)
     graphs = 0
     if config.cuda_graph:  # their shared pool (one forward's activations) and each one's static inputs
-        rows, height, width = worst_forward(adapter, config)
-        inputs = _forward_input_bytes(adapter.info, rows, height, width, adapter.dtype)
+        rows, size = worst_forward(adapter, config)
+        inputs = _forward_input_bytes(adapter.info, rows, size, adapter.dtype)
         graphs = peaks["denoise"] + config.max_cuda_graphs * inputs
     loras = lora_table_bytes(adapter, config)
     free, total = memory.free_and_total()

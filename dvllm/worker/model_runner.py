@@ -10,6 +10,7 @@ import logging
 import math
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from dvllm.core.scheduler_output import NewRequestData, ResumedRequestData, RunnerOutput, SchedulerOutput
@@ -240,7 +241,7 @@ class ModelRunner:
     # preemption: the request's pool contents go to host memory and come back unchanged
     def _swap_out(self, state: RequestState) -> None:
         blocks, pool = state.blocks, self.pool
-        numel = self.adapter.info.latents.numel(state.data.height, state.data.width)
+        numel = self.adapter.info.latents.numel(*state.data.size)
         host = {"latents": pool.read(blocks.latents, numel)}
         if blocks.history is not None:
             host["history"] = pool.read(blocks.history, numel)
@@ -284,7 +285,7 @@ class ModelRunner:
         for request_id, latents in list(x0.items()):
             data = self.states[request_id].data
             if stage.has_room(sum(j.n for j in jobs) + len(latents)):
-                jobs.append(DecodeJob(request_id, latents.to(self.adapter.dtype), (data.height, data.width),
+                jobs.append(DecodeJob(request_id, latents.to(self.adapter.dtype), data.size,
                                       "pil" if data.output_type == "latent" else data.output_type, preview=True,
                                       step=self.states[request_id].step + 1))
                 del x0[request_id]
@@ -295,7 +296,7 @@ class ModelRunner:
                 takers.append(s)
                 images += s.n
         if takers:  # one forward's finishers: one size
-            size = (takers[0].data.height, takers[0].data.width)
+            size = takers[0].data.size
             shape = self.adapter.info.latents.shape(*size)
             latents = self.pool.read([r for s in takers for r in s.blocks.latents], math.prod(shape))
             latents = latents.view(-1, *shape)
@@ -304,7 +305,7 @@ class ModelRunner:
         stage.submit(jobs)
         return {s.request_id for s in takers}
 
-    def decode_chunked(self, latents: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    def decode_chunked(self, latents: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
         """At most max_decode_batch images a VAE call: the decode's memory is bounded (and profiled)."""
         return torch.cat([self.adapter.decode(part, size) for part in latents.split(self.max_decode_batch)])
 
@@ -314,7 +315,7 @@ class ModelRunner:
             return {}
         try:
             first = self.states[next(iter(x0))].data  # one forward, one size
-            decoded = self.adapter.decode(torch.cat(list(x0.values())).to(self.adapter.dtype), (first.height, first.width))
+            decoded = self.adapter.decode(torch.cat(list(x0.values())).to(self.adapter.dtype), first.size)
         except Exception:
             logger.exception("preview decode failed for %s; skipping these previews", sorted(x0))
             return {}
@@ -331,14 +332,14 @@ class ModelRunner:
         if not finished:
             return images
         info = self.adapter.info
-        shape = info.latents.shape(finished[0].data.height, finished[0].data.width)
+        shape = info.latents.shape(*finished[0].data.size)
 
         def decode(group: list[RequestState]) -> None:
             latents = self.pool.read([r for s in group for r in s.blocks.latents], math.prod(shape))
             latents = latents.view(-1, *shape)
             bounds = row_bounds(group)
             pixels = [latents[lo:hi] for s, (lo, hi) in zip(group, bounds) if s.data.output_type != "latent"]
-            size = (group[0].data.height, group[0].data.width)
+            size = group[0].data.size
             decoded = self.decode_chunked(torch.cat(pixels), size) if pixels else None
             lo_img = 0
             for s, (lo, hi) in zip(group, bounds):
@@ -404,7 +405,14 @@ def _rng_checkpoint(states: list[RequestState]) -> Callable[[], None]:
 
 
 def to_output_type(images: torch.Tensor, output_type: str) -> list[Any]:
-    """[B, 3, H, W] in [0, 1] -> the output type, as diffusers' VaeImageProcessor.postprocess does."""
+    """[B, 3, H, W] in [0, 1] -> the output type, as diffusers' VaeImageProcessor.postprocess does. Videos,
+    [B, frames, 3, H, W], as its VideoProcessor.postprocess_video: each a [frames, 3, H, W] tensor, a
+    [frames, H, W, 3] array or a list of PIL frames."""
+    if images.dim() == 5:
+        videos = [to_output_type(video, output_type) for video in images]
+        if output_type == "pil":
+            return videos
+        return [torch.stack(v) if output_type == "pt" else np.stack(v) for v in videos]
     if output_type == "pt":
         return [x.cpu() for x in images]
     arrays = images.cpu().permute(0, 2, 3, 1).float().numpy()

@@ -30,7 +30,7 @@ def choose_block_numel(info: ModelInfo) -> int:
     not single elements. SD 1.5: 4096 elements (a 64x64x4 latent is 4 blocks, a
     77x768 embedding 15).
     """
-    target = max(1, info.latents.numel(info.defaults.height, info.defaults.width) // 4)
+    target = max(1, info.latents.numel(*info.default_size) // 4)
     return min(65536, max(256, 1 << (target.bit_length() - 1)))
 
 

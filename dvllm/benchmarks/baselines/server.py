@@ -111,7 +111,7 @@ def build_app(runner: PipelineRunner, worker: ThreadPoolExecutor, mode: str, max
             raise APIError(400, f"Send 1 to {runner.info.images.max_images} image files as 'image' or 'image[]'.",
                            param="image")
         req = ImageEditRequest.parse(_typed({k: v for k, v in form.multi_items() if k not in ("image", "image[]")}))
-        max_pixels = runner.config.image_pixel_limit(runner.info.defaults.height, runner.info.defaults.width)
+        max_pixels = runner.config.pixel_limit(runner.info)
         opened = [_open(await f.read(), max_pixels) for f in files]
         req.image = opened[0] if len(opened) == 1 else opened
         return await serve(req)

@@ -1,0 +1,92 @@
+"""Wan 2.1 / 2.2 text-to-video: a UMT5 text encoder, a 3D DiT over [C, frames, h, w] latents, a causal 3D VAE.
+
+A video is a request like an image, with frames: its latents hold the first frame and one latent frame for
+each `vae_scale_factor_temporal` frames after it, and rows of one size and frame count share a forward.
+The pipeline runs cond and uncond in two calls; here they are rows of one call, as for every family (each
+row's output depends on its own inputs only). The text is padded with zeros to max_sequence_length and
+attended unmasked, as the pipeline does: every prompt has the one shape, so only the default length is served.
+
+Wan 2.2 TI2V (expand_timesteps) takes the timestep per latent token; it is the row's one timestep in text-to-
+video. Wan 2.2 A14B's two experts (boundary_ratio, transformer_2) are not served yet: loading one says so.
+"""
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from dvllm.models.base import Conditions, ModelAdapter
+from dvllm.models.layout import BatchLayout
+from dvllm.models.model_info import Defaults, Latents, ModelInfo, Schedule, Text, Video
+
+MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s max_sequence_length
+WAN21_FPS, WAN22_FPS = 16.0, 24.0  # the rates the models' cards export their videos at (TI2V-5B: 24)
+
+
+class WanAdapter(ModelAdapter):
+    pipeline_classes = ("WanPipeline",)
+    half_dtype = torch.bfloat16  # its pipelines' documented dtype
+
+    def __init__(self, pipeline: Any, name: str, device: torch.device, dtype: torch.dtype) -> None:
+        if pipeline.config.boundary_ratio is not None or getattr(pipeline, "transformer_2", None) is not None:
+            raise ValueError(f"{name}: Wan 2.2 A14B's two experts (boundary_ratio, transformer_2) are not "
+                             "served yet; Wan 2.1 and Wan 2.2 TI2V-5B are")
+        super().__init__(pipeline, name, device, dtype)
+
+    @cached_property
+    def info(self) -> ModelInfo:
+        pipe = self.pipeline
+        config = pipe.transformer.config
+        spatial = pipe.vae_scale_factor_spatial
+        expand = bool(pipe.config.expand_timesteps)
+        return ModelInfo(
+            family="wan", pipeline_class=type(pipe).__name__,
+            # WanPipeline.__call__'s defaults
+            defaults=Defaults(steps=50, guidance=5.0, height=480, width=832),
+            schedule=Schedule(self.scheduler_config()),
+            latents=Latents(channels=config.in_channels, scale=spatial, size_factor=spatial * config.patch_size[1],
+                            temporal_scale=pipe.vae_scale_factor_temporal),
+            text=Text(self.probe_condition_shapes(), max_sequence_length=MAX_SEQUENCE_LENGTH),
+            video=Video(frames=81, fps=WAN22_FPS if expand else WAN21_FPS,
+                        frame_multiple=pipe.vae_scale_factor_temporal),
+        )
+
+    def encode_prompt(self, texts: list[tuple[str | None, bool]],
+                      max_sequence_length: int | None = None) -> list[Conditions]:
+        embeds, _ = self.pipeline.encode_prompt(
+            [text or "" for text, _ in texts], do_classifier_free_guidance=False,
+            max_sequence_length=max_sequence_length or MAX_SEQUENCE_LENGTH, device=self.encoder_device)
+        embeds = embeds.to(self.dtype)  # as the pipeline casts them to the transformer's dtype
+        return [{"prompt_embeds": e} for e in embeds.split(1)]
+
+    def prepare_latents(self, n: int, height: int, width: int, generator: torch.Generator,
+                        init_noise_sigma: float) -> torch.Tensor:
+        return self.prepare_video_latents(n, height, width, 1, generator, init_noise_sigma)
+
+    def prepare_video_latents(self, n: int, height: int, width: int, frames: int, generator: torch.Generator,
+                              init_noise_sigma: float) -> torch.Tensor:
+        # The pipeline draws them in float32 and steps them in float32.
+        channels = self.pipeline.transformer.config.in_channels
+        latents = self.pipeline.prepare_latents(n, channels, height, width, frames, torch.float32, self.device,
+                                                generator)
+        return (latents * init_noise_sigma).to(self.dtype)
+
+    def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
+                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        transformer = self.pipeline.transformer
+        timestep = timesteps.to(torch.float32)
+        if self.pipeline.config.expand_timesteps:  # one timestep per latent token (TI2V): here all the row's
+            _, p_h, p_w = transformer.config.patch_size
+            tokens = latents.shape[2] * (latents.shape[3] // p_h) * (latents.shape[4] // p_w)
+            timestep = timestep[:, None].expand(-1, tokens)
+        return transformer(hidden_states=latents.to(transformer.dtype), timestep=timestep,
+                           encoder_hidden_states=conditions["prompt_embeds"], return_dict=False)[0]
+
+    def decode(self, latents: torch.Tensor, image_size: tuple[int, ...]) -> torch.Tensor:
+        pipe, config = self.pipeline, self.pipeline.vae.config
+        latents = latents.to(pipe.vae.dtype)
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        video = pipe.vae.decode(latents / std + mean, return_dict=False)[0]  # [B, 3, frames, H, W] in [-1, 1]
+        return pipe.video_processor.postprocess_video(video, output_type="pt")  # [B, frames, 3, H, W] in [0, 1]
