@@ -80,7 +80,10 @@ class ResultCache:
 
 
 def image_nbytes(image: Any) -> int:
-    """Host bytes of one output image: a PIL image, a numpy array or a torch tensor."""
+    """Host bytes of one output image: a PIL image, a numpy array or a torch tensor (a video's frames in PIL: a
+    list of them)."""
+    if isinstance(image, list):
+        return sum(image_nbytes(frame) for frame in image)
     if isinstance(image, torch.Tensor):
         return image.numel() * image.element_size()
     if isinstance(image, np.ndarray):
@@ -91,6 +94,8 @@ def image_nbytes(image: Any) -> int:
 
 
 def copy_image(image: Any) -> Any:
+    if isinstance(image, list):  # a video's PIL frames
+        return [frame.copy() for frame in image]
     return image.clone() if isinstance(image, torch.Tensor) else image.copy()  # numpy and PIL copy()
 
 

@@ -1,0 +1,157 @@
+"""Wan text-to-video: every video equals the diffusers pipeline's for the same seed, frame by frame, alone, in a
+batch of other sizes and frame counts, and preempted; the frames' rules and the output types."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import _saved, tiny_wan_pipeline
+from diffusers import WanPipeline
+
+from dvllm import DiffusionEngine, SamplingParams
+
+TOL = 1e-3
+P = SamplingParams
+
+
+def reference(pipe, prompt: str, p: SamplingParams) -> np.ndarray:
+    """[n, frames, H, W, 3]: WanPipeline's videos."""
+    return pipe(prompt, negative_prompt=p.negative_prompt, num_inference_steps=p.num_inference_steps,
+                height=p.height, width=p.width, num_frames=p.num_frames, guidance_scale=p.guidance_scale,
+                num_videos_per_prompt=p.n, generator=torch.Generator("cpu").manual_seed(p.seed),
+                output_type="np").frames
+
+
+def mixed() -> list[tuple[str, SamplingParams]]:
+    """Videos of two sizes and three frame counts, with and without CFG, n=2, other step counts."""
+    return [
+        ("a red circle moving to the right", P(num_inference_steps=4, guidance_scale=5.0, seed=1, height=16,
+                                                width=16, num_frames=9, output_type="np")),
+        ("a blue square", P(num_inference_steps=6, guidance_scale=1.0, seed=2, height=32, width=16, num_frames=5,
+                            output_type="np")),
+        ("a green star", P(num_inference_steps=5, guidance_scale=4.0, seed=3, height=16, width=16, num_frames=9,
+                           negative_prompt="blurry", n=2, output_type="np")),
+        ("a yellow moon", P(num_inference_steps=3, guidance_scale=3.0, seed=4, height=16, width=16, num_frames=1,
+                            output_type="np")),
+    ]
+
+
+@pytest.fixture(scope="module")
+def wan(wan_path):
+    pipe = WanPipeline.from_pretrained(wan_path)
+    pipe.set_progress_bar_config(disable=True)
+    return DiffusionEngine(model=wan_path, device="cpu", dtype="float32"), pipe
+
+
+def assert_video_equals(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.shape == want.shape, what
+    diff = float(np.abs(got - want).max())
+    assert diff <= TOL, f"{what}: max abs diff {diff}"
+
+
+def test_mixed_videos_equal_the_pipeline_and_each_alone(wan):
+    engine, pipe = wan
+    batch = mixed()
+    outs = engine.generate([q for q, _ in batch], [p for _, p in batch], use_tqdm=False)
+    for (prompt, p), out in zip(batch, outs):
+        assert out.error is None, out.error
+        want = reference(pipe, prompt, p)
+        assert len(out.images) == p.n
+        for i, video in enumerate(out.images):
+            assert_video_equals(video, want[i], f"{prompt!r} video {i}")
+    alone = engine.generate(batch[0][0], batch[0][1], use_tqdm=False)[0]
+    np.testing.assert_allclose(alone.images[0], outs[0].images[0], atol=1e-6, rtol=0)
+    # the check can fail: another seed gives another video, frame by frame
+    other = engine.generate(batch[0][0], P(**{**vars(batch[0][1]), "seed": 99}), use_tqdm=False)[0]
+    assert float(np.abs(other.images[0] - outs[0].images[0]).max()) > 20 * TOL
+
+
+def test_timesteps_per_token_match_the_pipeline(tmp_path_factory):
+    """Wan 2.2 TI2V's expand_timesteps: the transformer takes one timestep per latent token."""
+    path = _saved(tmp_path_factory, "tiny-wan-ti2v", tiny_wan_pipeline(expand_timesteps=True))
+    pipe = WanPipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    engine = DiffusionEngine(model=path, device="cpu", dtype="float32")
+    assert engine.model_info.video.fps == 24.0
+    batch = mixed()[:2]
+    outs = engine.generate([q for q, _ in batch], [p for _, p in batch], use_tqdm=False)
+    for (prompt, p), out in zip(batch, outs):
+        assert out.error is None, out.error
+        assert_video_equals(out.images[0], reference(pipe, prompt, p)[0], prompt)
+
+
+def test_a_preempted_video_comes_back_the_same(wan_path):
+    engine = DiffusionEngine(model=wan_path, device="cpu", dtype="float32", max_batch_size=2,
+                             scheduling_policy="priority")
+    low = P(num_inference_steps=6, seed=1, height=16, width=16, num_frames=9, output_type="np", priority=5)
+    alone = engine.generate(["x"], [low], use_tqdm=False)[0].images[0]
+    engine.add_request("low", "x", low)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("urgent", "y", P(num_inference_steps=3, seed=2, height=16, width=16, num_frames=9,
+                                         output_type="np", priority=0))
+    outs = {}
+    while len(outs) < 2:
+        for out in engine.step():
+            if out.finished:
+                assert out.error is None, out.error
+                outs[out.request_id] = out
+    assert engine.stats()["num_preemptions"] >= 1
+    assert float(np.abs(outs["low"].images[0] - alone).max()) <= 1e-6
+
+
+def test_output_types_and_defaults(wan):
+    engine, _ = wan
+    common = dict(num_inference_steps=2, seed=5, height=16, width=32, num_frames=5)
+    np_video = engine.generate("x", P(output_type="np", **common), use_tqdm=False)[0].images[0]
+    assert np_video.shape == (5, 16, 32, 3)
+    pt_video = engine.generate("x", P(output_type="pt", **common), use_tqdm=False)[0].images[0]
+    assert tuple(pt_video.shape) == (5, 3, 16, 32)
+    np.testing.assert_allclose(pt_video.permute(0, 2, 3, 1).numpy(), np_video, atol=1e-6)
+    frames = engine.generate("x", P(output_type="pil", **common), use_tqdm=False)[0].images[0]
+    assert len(frames) == 5 and frames[0].size == (32, 16)
+    latents = engine.generate("x", P(output_type="latent", **common), use_tqdm=False)[0].images[0]
+    assert tuple(latents.shape) == (16, 2, 2, 4)  # the first frame, then one latent frame for 4
+    resolved = P().resolve(engine.model_info, engine.config)
+    assert (resolved.num_frames, resolved.fps, resolved.height, resolved.width) == (81, 16.0, 480, 832)
+
+
+@pytest.mark.parametrize("params, message", [
+    (P(num_frames=10), r"num_frames - 1 must be a multiple of 4.*9 or 13 would do"),
+    (P(num_frames=133), r"at most 129 \(max_num_frames\)"),
+    (P(num_frames=0), "num_frames"),
+    (P(fps=0), "fps"),
+    (P(fps=float("nan")), "fps"),
+    (P(height=24, width=16), "multiple of 16"),
+])
+def test_bad_video_parameters_are_refused(wan, params, message):
+    engine, _ = wan
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", "x", params)
+    assert not engine.has_unfinished_requests()
+
+
+def test_image_models_refuse_frames(flux_path):
+    engine = DiffusionEngine(model=flux_path, device="cpu", dtype="float32")
+    for params in (P(num_frames=9), P(fps=24)):
+        with pytest.raises(ValueError, match="makes images, not videos"):
+            engine.add_request("v", "x", params)
+
+
+def test_two_experts_are_refused_at_load_with_the_reason(tmp_path_factory):
+    pipe = tiny_wan_pipeline()
+    pipe.register_to_config(boundary_ratio=0.875)
+    path = _saved(tmp_path_factory, "tiny-wan-a14b", pipe)
+    with pytest.raises(ValueError, match="two experts"):
+        DiffusionEngine(model=path, device="cpu", dtype="float32")
+
+
+def test_the_result_cache_serves_a_repeated_video(wan_path):
+    engine = DiffusionEngine(model=wan_path, device="cpu", dtype="float32", result_cache_mb=16)
+    params = P(num_inference_steps=2, seed=7, height=16, width=16, num_frames=5)
+    first = engine.generate("x", params, use_tqdm=False)[0]
+    again = engine.generate("x", params, use_tqdm=False)[0]
+    assert again.metrics.result_cache_hit and len(again.images[0]) == 5
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(again.images[0], first.images[0]))
+    other = engine.generate("x", P(**{**vars(params), "num_frames": 9}), use_tqdm=False)[0]
+    assert not other.metrics.result_cache_hit and len(other.images[0]) == 9
