@@ -81,6 +81,9 @@ class SamplingParams:
     # 4) and the frame rate its MP4 is written at. None: the model's defaults. Image models take neither.
     num_frames: int | None = None
     fps: float | None = None
+    # Two-expert models (Wan 2.2 A14B): the guidance scale while the second, low-noise expert runs. None: the
+    # guidance_scale, as the pipeline's default. Other models take none.
+    guidance_scale_2: float | None = None
 
     @property
     def size(self) -> tuple[int, ...]:
@@ -100,11 +103,14 @@ class SamplingParams:
             _optional_int("seed", self.seed, low=0)
             if self.seed >= SEED_LIMIT:
                 raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.guidance_scale is not None:
-            if isinstance(self.guidance_scale, bool) or not isinstance(self.guidance_scale, (int, float)):
-                raise ValueError(f"guidance_scale must be a number >= 0, got {self.guidance_scale!r}")
-            if not self.guidance_scale >= 0 or self.guidance_scale == float("inf"):
-                raise ValueError(f"guidance_scale must be a finite number >= 0, got {self.guidance_scale!r}")
+        for name in ("guidance_scale", "guidance_scale_2"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            if not value >= 0 or value == float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.negative_prompt is not None:
             check_text("negative_prompt", self.negative_prompt)
         if self.sampler is not None:
@@ -155,9 +161,14 @@ class SamplingParams:
         if self.negative_prompt is not None and len(self.negative_prompt) > config.max_prompt_chars:
             raise ValueError(f"negative_prompt must be at most {config.max_prompt_chars} characters, "
                              f"got {len(self.negative_prompt)}")
-        if self.guidance_scale is not None and self.guidance_scale > config.max_guidance_scale:
-            raise ValueError(f"guidance_scale must be at most {config.max_guidance_scale} (max_guidance_scale), "
-                             f"got {self.guidance_scale!r}")
+        for name in ("guidance_scale", "guidance_scale_2"):
+            value = getattr(self, name)
+            if value is not None and value > config.max_guidance_scale:
+                raise ValueError(f"{name} must be at most {config.max_guidance_scale} (max_guidance_scale), "
+                                 f"got {value!r}")
+        if self.guidance_scale_2 is not None and info.expert_boundary is None:
+            raise ValueError(f"guidance_scale_2: this model ({info.pipeline_class}) has one denoiser; the scale "
+                             "of a second expert is for two-expert models (Wan 2.2 A14B)")
         if self.eta is not None and info.schedule.eta is None:
             raise ValueError(f"eta: the {info.family} pipeline takes no eta")
         _check_aesthetic_scores(self, info)
@@ -177,11 +188,14 @@ class SamplingParams:
         if info.images.requires_mask and mask is None:
             raise ValueError(f"mask_image: this model ({info.pipeline_class}) only inpaints: send an image and a mask")
         image_h, image_w = default_size(info, image, mask is not None)
+        guidance = info.defaults.guidance if self.guidance_scale is None else float(self.guidance_scale)
         default_strength = info.defaults.inpaint_strength if mask is not None else info.defaults.strength
         resolved = dataclasses.replace(
             self,
             num_inference_steps=self.num_inference_steps or info.defaults.steps,
-            guidance_scale=info.defaults.guidance if self.guidance_scale is None else float(self.guidance_scale),
+            guidance_scale=guidance,
+            guidance_scale_2=None if info.expert_boundary is None else
+            (guidance if self.guidance_scale_2 is None else float(self.guidance_scale_2)),
             height=self.height or image_h,
             width=self.width or image_w,
             seed=secrets.randbelow(RANDOM_SEED_LIMIT) if self.seed is None else self.seed,

@@ -264,9 +264,9 @@ def z_image_path(tmp_path_factory) -> str:
     return _saved(tmp_path_factory, "tiny-z-image", tiny_z_image_pipeline())
 
 
-def tiny_wan_pipeline(expand_timesteps: bool = False):
-    """Wan 2.1 text-to-video (Wan 2.2 TI2V's timesteps with expand_timesteps) at diffusers' test sizes, with the
-    real checkpoints' scheduler: UniPC over flow sigmas."""
+def tiny_wan_pipeline(expand_timesteps: bool = False, two_experts: bool = False):
+    """Wan 2.1 text-to-video (Wan 2.2 TI2V's timesteps with expand_timesteps, A14B's two experts with
+    two_experts) at diffusers' test sizes, with the real checkpoints' scheduler: UniPC over flow sigmas."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -275,17 +275,20 @@ def tiny_wan_pipeline(expand_timesteps: bool = False):
     torch.manual_seed(0)
     vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                            temperal_downsample=[False, True, True])
-    torch.manual_seed(1)
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32)
+    experts = []
+    for seed in (1, 3) if two_experts else (1,):
+        torch.manual_seed(seed)
+        experts.append(WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+            text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32))
     torch.manual_seed(2)
     text_encoder = UMT5EncoderModel(UMT5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                                                vocab_size=300, decoder_start_token_id=0))
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
     pipe = WanPipeline(tokenizer=byte_t5_tokenizer(512), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                       transformer=transformer, expand_timesteps=expand_timesteps)
+                       transformer=experts[0], transformer_2=experts[1] if two_experts else None,
+                       boundary_ratio=0.875 if two_experts else None, expand_timesteps=expand_timesteps)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -173,7 +173,7 @@ class Request:
         request, p = self, self.params
         return NewRequestData(
             request_id=request.request_id, prompt=request.prompt, negative_prompt=p.negative_prompt, n=p.n,
-            height=p.height, width=p.width, num_frames=p.num_frames, seed=p.seed, guidance_scale=p.guidance_scale, cfg=request.cfg,
+            height=p.height, width=p.width, num_frames=p.num_frames, seed=p.seed, guidance_scale=p.guidance_scale, guidance_scale_2=p.guidance_scale_2, cfg=request.cfg,
             output_type=p.output_type, plan=request.plan, blocks=tables, preview_steps=request.preview_steps,
             image=p.image, mask=p.mask_image, strength=p.strength, input_numel=request.input_numel,
             input_grids=request.input_grids, image_key=request.image_key,

@@ -73,6 +73,7 @@ class NewRequestData:
     text_loras: tuple[tuple[int, float], ...] = ()  # those that change the text encoders too
     aesthetic_scores: tuple[float, float] | None = None  # (prompt's, negative's), for models that take them
     num_frames: int | None = None  # a video's frames (None: an image)
+    guidance_scale_2: float | None = None  # a two-expert model's scale while its second expert runs
 
     @property
     def size(self) -> tuple[int, ...]:

@@ -108,6 +108,7 @@ def result_key(model: str, prompt: str, params: SamplingParams, row_loras: tuple
     fields = {
         "model": model, "prompt": prompt, "negative_prompt": params.negative_prompt,
         "steps": params.num_inference_steps, "guidance": float(params.guidance_scale),
+        "guidance_2": _number(params.guidance_scale_2),
         "size": list(params.size), "seed": params.seed, "n": params.n, "sampler": params.sampler,
         "output_type": params.output_type, "strength": _number(params.strength), "eta": _number(params.eta),
         "max_sequence_length": params.max_sequence_length,

@@ -29,6 +29,7 @@ class BatchLayout:
     loras: tuple[RowAdapters, ...] = ()                # per request (empty: no request has adapters)
     aesthetic_scores: tuple[tuple[float, float], ...] = ()  # per request: (prompt's, negative's) (SDXL refiner)
     pad: int = 0                                       # rows appended as copies of the last (bucketing)
+    experts: tuple[int, ...] = ()                      # per request: its step's expert (two-expert models)
 
     # derived in __post_init__ (plain attributes, not cached properties: torch.compile traces reads of them)
     num_cond: int = field(init=False)
@@ -40,6 +41,7 @@ class BatchLayout:
     row_text_lengths: tuple[int, ...] | None = field(init=False)  # each row's real text tokens (None: no mask)
     row_grids: tuple[Grids, ...] = field(init=False)
     row_loras: tuple[RowAdapters, ...] = field(init=False)   # empty: no row has adapters
+    row_experts: tuple[int, ...] = field(init=False)  # empty: one expert
 
     def __post_init__(self) -> None:
         derived: dict[str, Any] = {"num_cond": sum(self.counts), "num_cfg": sum(self.counts[:self.num_cfg_requests])}
@@ -57,6 +59,7 @@ class BatchLayout:
             self.text_lengths[r][neg] for r, neg in zip(requests, negative))
         derived["row_grids"] = tuple(self.image_grids[r] for r in requests) if self.image_grids else ()
         derived["row_loras"] = tuple(self.loras[r] for r in requests) if any(self.loras) else ()
+        derived["row_experts"] = tuple(self.experts[r] for r in requests) if self.experts else ()
         for name, value in derived.items():
             object.__setattr__(self, name, value)
 

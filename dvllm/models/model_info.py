@@ -173,6 +173,13 @@ class ModelInfo:
     images: ImageInputs = field(default_factory=ImageInputs)
     cache_layout: CacheLayout | None = None  # step caching (SamplingParams.cache); None: the family serves none
     video: Video | None = None  # a video family's frames and rate; None: the family makes images
+    # Two experts (Wan 2.2 A14B): the timestep at and above which the first (high-noise) denoiser runs a row, the
+    # second below it, each with its own guidance scale (SamplingParams.guidance_scale_2). None: one denoiser.
+    expert_boundary: float | None = None
+
+    def expert(self, timestep: float) -> int:
+        """The expert that runs a step at `timestep`: 0, or 1 below a two-expert model's boundary."""
+        return int(self.expert_boundary is not None and timestep < self.expert_boundary)
 
     @property
     def default_size(self) -> tuple[int, ...]:

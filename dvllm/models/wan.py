@@ -7,7 +7,9 @@ row's output depends on its own inputs only). The text is padded with zeros to m
 attended unmasked, as the pipeline does: every prompt has the one shape, so only the default length is served.
 
 Wan 2.2 TI2V (expand_timesteps) takes the timestep per latent token; it is the row's one timestep in text-to-
-video. Wan 2.2 A14B's two experts (boundary_ratio, transformer_2) are not served yet: loading one says so.
+video. Wan 2.2 A14B has two experts: `transformer` for timesteps at and above boundary_ratio * the training
+steps, `transformer_2` below, each with its guidance scale (guidance_scale_2). Rows on either side of the
+boundary in one step run one call per expert; both stay resident.
 """
 from __future__ import annotations
 
@@ -29,10 +31,14 @@ class WanAdapter(ModelAdapter):
     half_dtype = torch.bfloat16  # its pipelines' documented dtype
 
     def __init__(self, pipeline: Any, name: str, device: torch.device, dtype: torch.dtype) -> None:
-        if pipeline.config.boundary_ratio is not None or getattr(pipeline, "transformer_2", None) is not None:
-            raise ValueError(f"{name}: Wan 2.2 A14B's two experts (boundary_ratio, transformer_2) are not "
-                             "served yet; Wan 2.1 and Wan 2.2 TI2V-5B are")
+        if pipeline.transformer is None:
+            raise ValueError(f"{name}: a Wan pipeline without its first transformer is not served")
+        two = pipeline.config.boundary_ratio is not None
+        if two and getattr(pipeline, "transformer_2", None) is None:
+            raise ValueError(f"{name}: boundary_ratio names a second expert, but the pipeline has no transformer_2")
         super().__init__(pipeline, name, device, dtype)
+        # the pipeline runs transformer_2 only below a boundary: without one, the first expert runs every step
+        self.experts = (pipeline.transformer, pipeline.transformer_2) if two else (pipeline.transformer,)
 
     @cached_property
     def info(self) -> ModelInfo:
@@ -50,6 +56,8 @@ class WanAdapter(ModelAdapter):
             text=Text(self.probe_condition_shapes(), max_sequence_length=MAX_SEQUENCE_LENGTH),
             video=Video(frames=81, fps=WAN22_FPS if expand else WAN21_FPS,
                         frame_multiple=pipe.vae_scale_factor_temporal),
+            expert_boundary=None if len(self.experts) == 1 else
+            pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps,
         )
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],
@@ -74,14 +82,22 @@ class WanAdapter(ModelAdapter):
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                 guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        transformer = self.pipeline.transformer
-        timestep = timesteps.to(torch.float32)
+        timestep, embeds = timesteps.to(torch.float32), conditions["prompt_embeds"]
         if self.pipeline.config.expand_timesteps:  # one timestep per latent token (TI2V): here all the row's
-            _, p_h, p_w = transformer.config.patch_size
+            _, p_h, p_w = self.pipeline.transformer.config.patch_size
             tokens = latents.shape[2] * (latents.shape[3] // p_h) * (latents.shape[4] // p_w)
             timestep = timestep[:, None].expand(-1, tokens)
-        return transformer(hidden_states=latents.to(transformer.dtype), timestep=timestep,
-                           encoder_hidden_states=conditions["prompt_embeds"], return_dict=False)[0]
+        experts = layout.row_experts or (0,) * len(latents)
+
+        def call(rows: list[int], index: Any) -> torch.Tensor:
+            model = self.experts[experts[rows[0]]]
+            return model(hidden_states=latents[index].to(model.dtype), timestep=timestep[index],
+                         encoder_hidden_states=embeds[index], return_dict=False)[0]
+
+        return self.call_per_group(list(experts), latents, call)
+
+    def graph_key(self, layout: BatchLayout) -> Any:
+        return layout.image_size, layout.row_experts  # one call per expert among the rows
 
     def decode(self, latents: torch.Tensor, image_size: tuple[int, ...]) -> torch.Tensor:
         pipe, config = self.pipeline, self.pipeline.vae.config

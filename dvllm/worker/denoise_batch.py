@@ -15,7 +15,7 @@ import torch
 
 from dvllm import ops
 from dvllm.host_copy import copy_to, device_index, to_device
-from dvllm.models.base import ModelAdapter
+from dvllm.models.base import ModelAdapter, ModelInfo
 from dvllm.models.layout import BatchLayout
 from dvllm.ops import CLIP
 from dvllm.profiler import PhaseTimer
@@ -117,13 +117,14 @@ def denoise_step(parts: StepParts, states: list[RequestState]) -> StepResult:
     return result
 
 
-def batch_layout(adapter: ModelAdapter, states: list[RequestState]) -> BatchLayout:
-    """The forward's rows as the host knows them (states: CFG requests first)."""
+def batch_layout(adapter: ModelAdapter, states: list[RequestState], rows: list[StepRow]) -> BatchLayout:
+    """The forward's rows as the host knows them (states: CFG requests first; rows: their steps)."""
     info, first = adapter.info, states[0].data
     return BatchLayout(
         image_size=first.size, counts=tuple(s.n for s in states),
         num_cfg_requests=sum(1 for s in states if s.data.cfg),
-        guidance=tuple(s.data.guidance_scale for s in states),
+        guidance=tuple(_guidance(info, s, row) for s, row in zip(states, rows)),
+        experts=tuple(info.expert(row.timestep) for row in rows) if info.expert_boundary is not None else (),
         text_lengths=tuple(s.text_lengths for s in states) if states[0].text_lengths is not None else None,
         image_grids=tuple(tuple(x for grid in s.data.input_grids for x in grid) for s in states)
         if info.images.edit_grids is not None else (),
@@ -136,7 +137,7 @@ def gather(adapter: ModelAdapter, pool: StatePool, states: list[RequestState]) -
     built on the host and copied without a wait, before the forward is queued."""
     shape = adapter.info.latents.shape(*states[0].data.size)
     rows = [s.plan.steps[s.step] for s in states]
-    table = to_device(_step_table(states, rows), pool.device)
+    table = to_device(_step_table(adapter.info, states, rows), pool.device)
     latent_table = pool.table([r for s in states for r in s.blocks.latents])
     sample = ops.gather_blocks(pool.data, latent_table, math.prod(shape)).view(-1, *shape)
     fused = [s.fallback is None for s in states]
@@ -144,7 +145,7 @@ def gather(adapter: ModelAdapter, pool: StatePool, states: list[RequestState]) -
     noise = None
     if any(r.draws_noise for _, r in drawing):
         noise = to_device(_noise(drawing, shape, sample.dtype), pool.device)
-    return Batch(states=states, layout=batch_layout(adapter, states), rows=rows, sample=sample,
+    return Batch(states=states, layout=batch_layout(adapter, states, rows), rows=rows, sample=sample,
                  latent_table=latent_table, timesteps=table[:, 0], c_in=table[:, 1], guidance=table[:, 2],
                  coeffs=table[:, 3:], fused=fused, noise=noise)
 
@@ -269,9 +270,14 @@ def _fused_update(pool: StatePool, batch: Batch, out: torch.Tensor, fused: list[
                        None if noise is None else noise.reshape(len(sample), -1), clip)
 
 
-def _step_table(states: list[RequestState], rows: list[StepRow]) -> torch.Tensor:
+def _guidance(info: ModelInfo, state: RequestState, row: StepRow) -> float:
+    """A request's guidance scale at this step: a two-expert model's second scale while its second expert runs."""
+    return state.data.guidance_scale_2 if info.expert(row.timestep) else state.data.guidance_scale
+
+
+def _step_table(info: ModelInfo, states: list[RequestState], rows: list[StepRow]) -> torch.Tensor:
     """[R, 3 + NUM_COEFFS] float32: timestep, input scale, guidance, update coefficients per model row."""
-    per_request = torch.tensor([(r.timestep, r.c_in, s.data.guidance_scale, *r.coeffs)
+    per_request = torch.tensor([(r.timestep, r.c_in, _guidance(info, s, r), *r.coeffs)
                                 for r, s in zip(rows, states)], dtype=torch.float32)
     return per_request.repeat_interleave(torch.tensor([s.n for s in states]), dim=0)
 

@@ -42,6 +42,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _start_group(config: EngineConfig, adapter: ModelAdapter, device: torch.device) -> WorkerGroup:
     """The worker's group, its every denoiser call shared with the members (and run again if the group fails), and
     its decodes shared out when the VAE allows."""
+    if adapter.info.expert_boundary is not None:  # the members would hold and run only the first expert
+        raise ValueError(f"{adapter.name}: a two-expert model (Wan 2.2 A14B) is not served in a worker group yet: "
+                         "use sequence_parallel_size=1 and cfg_parallel_size=1")
     group = WorkerGroup(config, denoiser_of(adapter.pipeline), device)
     adapter.denoise = group.guard(adapter.denoise)  # the runner reads adapter.denoise per call
     if decodes_in_group(config, adapter.pipeline.vae):
