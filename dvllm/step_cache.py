@@ -242,6 +242,9 @@ class CacheLayout:
     # pipeline's template (its bytes less the tokens it drops); the state keeps no more text tokens than
     # that (the worker checks it).
     text_bytes_extra: int | None = None
+    # Video (Wan): image tokens are per latent frame, the VAE keeping the first frame and packing each
+    # temporal_scale after it into one. 0: images.
+    temporal_scale: int = 0
 
     def text_tokens_for(self, max_sequence_length: int | None, texts: tuple[str | None, ...]) -> int:
         """Text tokens a request's state keeps per text output: the family's fixed length, or its
@@ -254,22 +257,24 @@ class CacheLayout:
             tokens = min(tokens, longest + self.text_bytes_extra)
         return tokens
 
-    def image_tokens(self, height: int, width: int) -> int:
-        return (height // self.pixels_per_token) * (width // self.pixels_per_token)
+    def image_tokens(self, height: int, width: int, frames: int | None = None) -> int:
+        plane = (height // self.pixels_per_token) * (width // self.pixels_per_token)
+        return plane * ((max(frames or 1, 1) - 1) // self.temporal_scale + 1 if self.temporal_scale else 1)
 
-    def tokens(self, kind: str, height: int, width: int, text: int) -> int:
-        image = self.image_tokens(height, width)
+    def tokens(self, kind: str, height: int, width: int, text: int, frames: int | None = None) -> int:
+        image = self.image_tokens(height, width, frames)
         if kind == "unified":
             return _round_up(image, self.token_multiple) + _round_up(text, self.token_multiple)
         return {"image": image, "text": text, "joint": text + image}[kind]
 
     def request_row(self, config: CacheConfig, height: int, width: int, max_sequence_length: int | None,
-                    texts: tuple[str | None, ...]) -> tuple[int, int]:
+                    texts: tuple[str | None, ...], frames: int | None = None) -> tuple[int, int]:
         """A request's text tokens kept per text stream, and the pool elements one of its rows takes."""
         text_tokens = self.text_tokens_for(max_sequence_length, texts)
-        return text_tokens, self.row_numel(config, height, width, text_tokens)
+        return text_tokens, self.row_numel(config, height, width, text_tokens, frames)
 
-    def row_numel(self, config: CacheConfig, height: int, width: int, text_tokens: int) -> int:
+    def row_numel(self, config: CacheConfig, height: int, width: int, text_tokens: int,
+                  frames: int | None = None) -> int:
         """Pool elements one model row's cache state takes (text_tokens: `text_tokens_for` the request).
 
         first_block keeps two hidden-stream tensors per row: the head block's last computed residual and
@@ -278,8 +283,8 @@ class CacheLayout:
         """
         if config.method in ("first_block", "mag"):
             residuals = 2 if config.method == "first_block" else 1
-            return residuals * self.tokens(self.hidden_kind, height, width, text_tokens) * self.inner_dim
-        values = sum(self.tokens(kind, height, width, text_tokens) for kind in self.attention_outputs)
+            return residuals * self.tokens(self.hidden_kind, height, width, text_tokens, frames) * self.inner_dim
+        values = sum(self.tokens(kind, height, width, text_tokens, frames) for kind in self.attention_outputs)
         values *= (config.max_order + 1) * self.inner_dim
         return values * pool_elements_per_factor(config.taylor_factors_dtype, self.element_bytes)
 

@@ -201,7 +201,7 @@ def _steps(adapter: ModelAdapter, engine: dict[str, Any], size: tuple[int, int],
     config = EngineConfig(**engine)
     worst_size = largest_size(info, config.pixel_limit(info))
     worst = dict(step) if worst_size == step_size else step_peaks(adapter, config, memory)
-    step["denoise"] -= step_cache_bytes(info, engine["max_batch_size"], *step_size[:2], adapter.dtype)
+    step["denoise"] -= step_cache_bytes(info, engine["max_batch_size"], step_size, adapter.dtype)
     return step, worst_size, worst
 
 

@@ -70,7 +70,7 @@ class InputProcessor:
             image_key=image_digest(resolved.image) if info.text.reads_images else None,
             cache_blocks=0 if resolved.cache is None else self.blocks(info.cache_layout.request_row(
                 resolved.cache, resolved.height, resolved.width, resolved.max_sequence_length,
-                (prompt, resolved.negative_prompt))[1]),
+                (prompt, resolved.negative_prompt), resolved.num_frames)[1]),
         )
         check_fits(request, self.config.max_batch_size, self.pool_blocks)
         # Only a seed the user chose can repeat: a drawn one would never hit, so it is not stored either.

@@ -38,11 +38,12 @@ class CacheSpec:
 def transformer_cache_spec(blocks: list[torch.nn.Module], attention: list[tuple[torch.nn.Module, tuple[str, ...]]],
                            inner_dim: int, pixels_per_token: int, dtype: torch.dtype, text_tokens: int | None,
                            hidden_kind: str = "image", token_multiple: int = 1, text_bytes_extra: int | None = None,
-                           **spec: Any) -> CacheSpec:
+                           temporal_scale: int = 0, **spec: Any) -> CacheSpec:
     layout = CacheLayout(inner_dim=inner_dim, pixels_per_token=pixels_per_token,
                          attention_outputs=tuple(kind for _, kinds in attention for kind in kinds),
                          text_tokens=text_tokens, element_bytes=torch.empty((), dtype=dtype).element_size(),
-                         hidden_kind=hidden_kind, token_multiple=token_multiple, text_bytes_extra=text_bytes_extra)
+                         hidden_kind=hidden_kind, token_multiple=token_multiple, text_bytes_extra=text_bytes_extra,
+                         temporal_scale=temporal_scale)
     return CacheSpec(layout=layout, blocks=blocks, attention=[m for m, _ in attention],
                      attention_kinds=[kinds for _, kinds in attention], **spec)
 

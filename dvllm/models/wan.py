@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dvllm.models.base import Conditions, ModelAdapter
+from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, transformer_cache_spec
 from dvllm.models.layout import BatchLayout
 from dvllm.models.model_info import Defaults, Latents, ModelInfo, Schedule, Text, Video
 
@@ -58,6 +58,7 @@ class WanAdapter(ModelAdapter):
                         frame_multiple=pipe.vae_scale_factor_temporal),
             expert_boundary=None if len(self.experts) == 1 else
             pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps,
+            cache_layout=self.cache_layout(),
         )
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],
@@ -95,6 +96,22 @@ class WanAdapter(ModelAdapter):
                          encoder_hidden_states=embeds[index], return_dict=False)[0]
 
         return self.call_per_group(list(experts), latents, call)
+
+    def cache_spec(self) -> CacheSpec | None:
+        # The pipeline calls cond and uncond apart, each in its own cache_context: each branch decides alone.
+        # A block's output is its hidden stream, the video's tokens; both its attentions (self and cross) give
+        # video tokens, and TaylorSeer predicts both (diffusers' default patterns, "^blocks.*attn" matched whole,
+        # match neither attn1 nor attn2: there it predicts nothing). Two experts are not cached: the hooks sit on
+        # one transformer's blocks.
+        if len(self.experts) > 1:
+            return None
+        t, pipe = self.pipeline.transformer, self.pipeline
+        return transformer_cache_spec(
+            list(t.blocks), [(attn, ("image",)) for b in t.blocks for attn in (b.attn1, b.attn2)],
+            inner_dim=t.config.num_attention_heads * t.config.attention_head_dim,
+            pixels_per_token=pipe.vae_scale_factor_spatial * t.config.patch_size[1], dtype=self.dtype,
+            text_tokens=MAX_SEQUENCE_LENGTH, temporal_scale=pipe.vae_scale_factor_temporal, hidden_index=None,
+            separate_cfg_branches=True)
 
     def graph_key(self, layout: BatchLayout) -> Any:
         return layout.image_size, layout.row_experts  # one call per expert among the rows

@@ -147,7 +147,7 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
                     f"the worst step this engine's limits allow does not fit the GPU: {name} ran out of memory "
                     f"({rows} rows at {width}x{height}, {config.max_decode_batch} images a decode); lower "
                     "max_batch_size, max_image_pixels or max_decode_batch") from None
-    peaks["denoise"] += step_cache_bytes(info, rows, height, width, dtype)
+    peaks["denoise"] += step_cache_bytes(info, rows, size, dtype)
     return peaks
 
 
@@ -207,7 +207,7 @@ def _forward_input_bytes(info: ModelInfo, rows: int, size: tuple[int, ...], dtyp
     return rows * (numel * torch.empty((), dtype=dtype).element_size() + 2 * 4)  # and the float32 step columns
 
 
-def step_cache_bytes(info: ModelInfo, rows: int, height: int, width: int, dtype: torch.dtype) -> int:
+def step_cache_bytes(info: ModelInfo, rows: int, size: tuple[int, ...], dtype: torch.dtype) -> int:
     """What a caching forward holds beyond a plain one (0 where the family serves no step caching): two
     hidden-stream tensors of every row, at the longest text the family keeps."""
     layout = info.cache_layout
@@ -215,7 +215,8 @@ def step_cache_bytes(info: ModelInfo, rows: int, height: int, width: int, dtype:
         return 0
     shapes = info.text.condition_shapes
     text = layout.text_tokens or (shapes["prompt_embeds"][0] if "prompt_embeds" in shapes else 0)
-    tokens = layout.tokens(layout.hidden_kind, height, width, text)
+    height, width, *frames = size
+    tokens = layout.tokens(layout.hidden_kind, height, width, text, *frames)
     return 2 * rows * tokens * layout.inner_dim * torch.empty((), dtype=dtype).element_size()
 
 

@@ -32,7 +32,7 @@ class CacheState:
     def sized(cls, config: CacheConfig, layout: CacheLayout, data: Any) -> "CacheState":
         """For a request (NewRequestData), sized once as admission sized its blocks."""
         text_tokens, numel = layout.request_row(config, data.height, data.width, data.max_sequence_length,
-                                                (data.prompt, data.negative_prompt))
+                                                (data.prompt, data.negative_prompt), data.num_frames)
         return cls(config, text_tokens=text_tokens, numel=numel)
 
     def __post_init__(self) -> None:
