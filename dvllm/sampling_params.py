@@ -373,7 +373,8 @@ def _load_images(image: Any, info: "ModelInfo", max_pixels: int) -> Any:
     """One RGB PIL image, or a tuple of them for models that take several; None for none."""
     if image is None:
         if info.images.required:
-            raise ValueError(f"image: this model ({info.pipeline_class}) edits images: send an image")
+            raise ValueError(f"image: this model ({info.pipeline_class}) "
+                             f"{'animates an image' if info.video else 'edits images'}: send an image")
         return None
     if not isinstance(image, (list, tuple)):
         return _load_image(image, info, max_pixels)

@@ -296,3 +296,40 @@ def tiny_wan_pipeline(expand_timesteps: bool = False, two_experts: bool = False)
 @pytest.fixture(scope="session")
 def wan_path(tmp_path_factory) -> str:
     return _saved(tmp_path_factory, "tiny-wan", tiny_wan_pipeline())
+
+
+def tiny_wan_i2v_pipeline(two_experts: bool = False, image_encoder: bool = True):
+    """Wan 2.1 image-to-video (36 input channels: the latents, a 4-channel frame mask and the image's encoded
+    frames) with a tiny CLIP vision encoder; Wan 2.2 I2V A14B's shape with two_experts and no image encoder."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
+
+    from dvllm.models.byte_tokenizer import byte_t5_tokenizer
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True])
+    experts = []
+    for seed in (1, 3) if two_experts else (1,):
+        torch.manual_seed(seed)
+        experts.append(WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=36, out_channels=16,
+            text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32, image_dim=4 if image_encoder else None))
+    torch.manual_seed(2)
+    text_encoder = UMT5EncoderModel(UMT5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                               vocab_size=300, decoder_start_token_id=0))
+    encoder = processor = None
+    if image_encoder:
+        torch.manual_seed(4)
+        encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=4, projection_dim=4, num_hidden_layers=2,
+                                                   num_attention_heads=2, image_size=32, intermediate_size=16,
+                                                   patch_size=4))
+        processor = CLIPImageProcessor(crop_size=32, size=32)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanImageToVideoPipeline(
+        tokenizer=byte_t5_tokenizer(512), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+        image_processor=processor, image_encoder=encoder, transformer=experts[0],
+        transformer_2=experts[1] if two_experts else None, boundary_ratio=0.9 if two_experts else None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -57,7 +57,8 @@ class InputProcessor:
         resolved = (params or SamplingParams()).resolve(self.info, self.config)
         info = self.info
         plan = self.plan(resolved)
-        input_numel = info.input_numel(resolved.height, resolved.width, resolved.image, resolved.mask_image is not None)
+        input_numel = info.input_numel(resolved.height, resolved.width, resolved.image, resolved.mask_image is not None,
+                                       resolved.num_frames)
         request = Request(
             loras=self._loras(resolved.loras),
             request_id=request_id, prompt=prompt, params=resolved, num_steps=plan.num_steps,

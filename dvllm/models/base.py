@@ -159,6 +159,11 @@ class ModelAdapter(ABC):
         """A video family's initial noise for n videos of `frames` frames, drawn as its pipeline draws it."""
         raise ValueError(f"the {self.info.family} family makes images, not videos")
 
+    def prepare_image_to_video(self, image: Any, n: int, height: int, width: int, frames: int,
+                               generator: torch.Generator, init_noise_sigma: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """An image-to-video family's start: (initial noise, [n, numbers] of the state the image leaves)."""
+        raise ValueError(f"the {self.info.family} family does not animate images")
+
     def encode_image(self, image: Any, n: int, height: int, width: int, generator: torch.Generator,
                      start_noise: tuple[float, float]) -> torch.Tensor:
         """Image-to-image start latents: the image through the VAE, noised as the img2img pipeline does."""

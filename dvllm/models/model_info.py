@@ -157,6 +157,9 @@ class ImageInputs:
     # SDXL UNets trained with an aesthetic score in their time ids (the refiner; requires_aesthetics_score):
     # image requests only, each with a score for its prompt rows and one for its negative rows.
     aesthetic_scores: bool = False
+    # Image-to-video (Wan I2V): (height, width, frames) -> numbers per video of the state its image leaves (the
+    # encoded condition frames, the image encoder's embedding); None: not an image-to-video model
+    video_numel: Callable[[int, int, int], int] | None = None
 
 
 @dataclass(frozen=True)
@@ -186,9 +189,12 @@ class ModelInfo:
         """A request's size when it names none: (height, width), and a video model's frames."""
         return size_of(self.defaults.height, self.defaults.width, None if self.video is None else self.video.frames)
 
-    def input_numel(self, height: int, width: int, image: Any, inpaint: bool) -> int:
+    def input_numel(self, height: int, width: int, image: Any, inpaint: bool, frames: int | None = None) -> int:
         """Numbers per image of what a request's input image(s) leave in its private state: inpainting's
-        mask and latents, an edit model's image latents (0: nothing, text-to-image and img2img)."""
+        mask and latents, an edit model's image latents, an image-to-video model's condition (0: nothing,
+        text-to-image and img2img)."""
+        if image is not None and self.images.video_numel is not None:
+            return self.images.video_numel(height, width, frames or 1)
         if inpaint:
             return self.images.inpaint_channels * self.latents.plane_numel(height, width)
         if image is None or self.images.edit_numel is None:
@@ -201,8 +207,9 @@ class ModelInfo:
             return ()
         return self.images.edit_grids(image_sizes(image))
 
-    def most_input_numel(self, height: int, width: int) -> int:
-        """The most numbers per image a request of this size can bring as input state."""
+    def most_input_numel(self, height: int, width: int, frames: int | None = None) -> int:
+        """The most numbers per image a request of this size (and frames) can bring as input state."""
         inpaint = self.input_numel(height, width, None, True)
         edit = self.images.edit_numel(height, width, None) if self.images.edit_numel is not None else 0
-        return max(inpaint, edit)
+        video = self.images.video_numel(height, width, frames or 1) if self.images.video_numel is not None else 0
+        return max(inpaint, edit, video)

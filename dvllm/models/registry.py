@@ -10,11 +10,12 @@ from dvllm.models.stable_diffusion import StableDiffusionAdapter
 from dvllm.models.stable_diffusion_3 import StableDiffusion3Adapter
 from dvllm.models.stable_diffusion_xl import StableDiffusionXLAdapter
 from dvllm.models.wan import WanAdapter
+from dvllm.models.wan_i2v import WanImageToVideoAdapter
 from dvllm.models.z_image import ZImageAdapter
 
 ADAPTERS: tuple[type[ModelAdapter], ...] = (
     StableDiffusionAdapter, StableDiffusionXLAdapter, StableDiffusion3Adapter, FluxAdapter, QwenImageAdapter,
-    QwenImageEditAdapter, ZImageAdapter, FluxKontextAdapter, WanAdapter,
+    QwenImageEditAdapter, ZImageAdapter, FluxKontextAdapter, WanAdapter, WanImageToVideoAdapter,
 )
 
 

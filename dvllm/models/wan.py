@@ -51,7 +51,7 @@ class WanAdapter(ModelAdapter):
             # WanPipeline.__call__'s defaults
             defaults=Defaults(steps=50, guidance=5.0, height=480, width=832),
             schedule=Schedule(self.scheduler_config()),
-            latents=Latents(channels=config.in_channels, scale=spatial, size_factor=spatial * config.patch_size[1],
+            latents=Latents(channels=pipe.vae.config.z_dim, scale=spatial, size_factor=spatial * config.patch_size[1],
                             temporal_scale=pipe.vae_scale_factor_temporal),
             text=Text(self.probe_condition_shapes(), max_sequence_length=MAX_SEQUENCE_LENGTH),
             video=Video(frames=81, fps=WAN22_FPS if expand else WAN21_FPS,
@@ -76,7 +76,7 @@ class WanAdapter(ModelAdapter):
     def prepare_video_latents(self, n: int, height: int, width: int, frames: int, generator: torch.Generator,
                               init_noise_sigma: float) -> torch.Tensor:
         # The pipeline draws them in float32 and steps them in float32.
-        channels = self.pipeline.transformer.config.in_channels
+        channels = self.pipeline.vae.config.z_dim  # the transformer may take more: an image's condition (I2V)
         latents = self.pipeline.prepare_latents(n, channels, height, width, frames, torch.float32, self.device,
                                                 generator)
         return (latents * init_noise_sigma).to(self.dtype)
@@ -89,13 +89,20 @@ class WanAdapter(ModelAdapter):
             tokens = latents.shape[2] * (latents.shape[3] // p_h) * (latents.shape[4] // p_w)
             timestep = timestep[:, None].expand(-1, tokens)
         experts = layout.row_experts or (0,) * len(latents)
+        hidden, extra = self.transformer_inputs(latents, conditions)
 
         def call(rows: list[int], index: Any) -> torch.Tensor:
             model = self.experts[experts[rows[0]]]
-            return model(hidden_states=latents[index].to(model.dtype), timestep=timestep[index],
-                         encoder_hidden_states=embeds[index], return_dict=False)[0]
+            return model(hidden_states=hidden[index].to(model.dtype), timestep=timestep[index],
+                         encoder_hidden_states=embeds[index], return_dict=False,
+                         **{key: value[index].to(model.dtype) for key, value in extra.items()})[0]
 
         return self.call_per_group(list(experts), latents, call)
+
+    def transformer_inputs(self, latents: torch.Tensor, conditions: Conditions
+                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The transformer's hidden states for these rows, and its other per-row inputs (image-to-video's)."""
+        return latents, {}
 
     def cache_spec(self) -> CacheSpec | None:
         # The pipeline calls cond and uncond apart, each in its own cache_context: each branch decides alone.

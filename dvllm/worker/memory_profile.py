@@ -97,7 +97,7 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
                                                                                device=device)
                       for k, shape in info.text.condition_shapes.items()}
         if info.images.denoiser_takes_inputs:  # the most input state a row can bring
-            conditions["image_inputs"] = torch.zeros((rows, info.most_input_numel(height, width)), dtype=dtype,
+            conditions["image_inputs"] = torch.zeros((rows, info.most_input_numel(*size)), dtype=dtype,
                                                      device=device)
         per_row = {"guidance": (info.defaults.guidance,) * rows}
         if "prompt_embeds_mask" in info.text.condition_shapes:
@@ -118,6 +118,14 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
 
     def encode() -> None:
         texts_here = not config.encode_workers  # encode workers encode them in processes of their own
+        if info.images.video_numel is not None:  # image-to-video: the VAE encodes the image's condition frames
+            from PIL import Image
+
+            if texts_here:
+                adapter.encode_prompt(texts)
+            adapter.prepare_image_to_video(Image.new("RGB", (width, height)), config.max_images_per_prompt, height,
+                                           width, size[2], torch.Generator("cpu").manual_seed(0), 1.0)
+            return
         if info.images.edit_grids is None:
             if texts_here:
                 adapter.encode_prompt(texts)
@@ -169,14 +177,9 @@ def encode_ahead_bytes(adapter: ModelAdapter, config: EngineConfig) -> int:
     element = torch.empty((), dtype=adapter.dtype).element_size()
     item = info.text.condition_numel
     images = info.images
-    if images.img2img or images.inpaint_channels or images.edit_grids is not None:
-        height, width = largest_size(info, config.pixel_limit(info))[:2]
-        latents = info.latents.numel(height, width)
-        grid = latents // info.latents.channels
-        inputs = images.inpaint_channels * grid
-        if images.edit_numel is not None:
-            inputs = max(inputs, images.edit_numel(height, width, None))
-        item = max(item, config.max_images_per_prompt * (latents + inputs))
+    if images.img2img or images.inpaint_channels or images.edit_grids is not None or images.video_numel is not None:
+        size = worst_size(info, config)  # a start made ahead: the latents and the input state of each image
+        item = max(item, config.max_images_per_prompt * (info.latents.numel(*size) + info.most_input_numel(*size)))
     return config.max_encode_ahead * item * element
 
 
@@ -203,7 +206,7 @@ def _forward_input_bytes(info: ModelInfo, rows: int, size: tuple[int, ...], dtyp
     height, width = size[:2]
     numel = math.prod(info.latents.shape(*size)) + sum(math.prod(s) for s in info.text.condition_shapes.values())
     if info.images.denoiser_takes_inputs:
-        numel += info.most_input_numel(height, width)
+        numel += info.most_input_numel(*size)
     return rows * (numel * torch.empty((), dtype=dtype).element_size() + 2 * 4)  # and the float32 step columns
 
 

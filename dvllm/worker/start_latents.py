@@ -29,6 +29,9 @@ def make_start(adapter: ModelAdapter, job: StartJob) -> Start:
                                             job.strength)
     elif job.edit:  # an edit: its images' latents are its input state
         x, inputs = adapter.prepare_edit(as_images(job.image), job.n, job.height, job.width, generator)
+    elif job.num_frames is not None and job.image is not None:  # a video from an image: its condition is the state
+        x, inputs = adapter.prepare_image_to_video(job.image, job.n, job.height, job.width, job.num_frames, generator,
+                                                   job.plan.init_noise_sigma)
     elif job.num_frames is not None:  # a video
         x = adapter.prepare_video_latents(job.n, job.height, job.width, job.num_frames, generator,
                                           job.plan.init_noise_sigma)
