@@ -204,3 +204,36 @@ def test_the_result_cache_serves_a_repeated_video(wan_path):
 
 def pipe_of(engine: DiffusionEngine):
     return engine.executor.worker.runner.adapter.pipeline
+
+
+@pytest.mark.parametrize("decode_stage", [False, True])
+def test_previews_are_the_pipelines_x0_estimates_decoded(wan_path, decode_stage):
+    """UniPC reports no x0: a preview is the solver's converted model output (its x0 estimate) of that step,
+    decoded, whether the loop or the decode stage decodes it."""
+    pipe = WanPipeline.from_pretrained(wan_path)
+    pipe.set_progress_bar_config(disable=True)
+    estimates = {}
+
+    def keep_x0(pipeline, i, t, kwargs):
+        estimates[i + 1] = pipeline.scheduler.model_outputs[-1].clone()
+        return {}
+
+    params = P(num_inference_steps=6, seed=1, height=16, width=16, num_frames=5, num_previews=2, output_type="np")
+    pipe("x", num_inference_steps=6, height=16, width=16, num_frames=5, guidance_scale=5.0,
+         generator=torch.Generator("cpu").manual_seed(1), callback_on_step_end=keep_x0)
+    engine = DiffusionEngine(model=wan_path, device="cpu", dtype="float32", decode_stage=decode_stage)
+    engine.add_request("v", "x", params)
+    previews = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.previews:
+                previews[out.preview_step] = out.previews[0]
+    assert sorted(previews) == [2, 4]
+    assert float(np.abs(previews[2] - previews[4]).max()) > 10 * TOL  # each step's own estimate
+    adapter = engine.executor.worker.runner.adapter
+    for step, video in previews.items():
+        with torch.no_grad():
+            want = adapter.decode(estimates[step], (16, 16, 5))[0].permute(0, 2, 3, 1).numpy()
+        assert_video_equals(video, want, f"preview after step {step}")
+    engine.shutdown()

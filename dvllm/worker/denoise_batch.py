@@ -247,6 +247,8 @@ def update(pool: StatePool, batch: Batch, out: torch.Tensor, errors: dict[str, s
                 result = s.fallback.step(out[lo:hi], t, sample[lo:hi], **s.plan.step_kwargs(s.generator))
                 pool.write(s.blocks.latents, result.prev_sample)
                 x0 = getattr(result, "pred_original_sample", None)  # not every scheduler reports one
+                if x0 is None:
+                    x0 = multistep_x0(s.fallback)
                 if x0 is not None and s.step + 1 in s.data.preview_steps:
                     previews[s.request_id] = x0
             except Exception as e:  # this request's sampler failed: only it fails
@@ -268,6 +270,16 @@ def _fused_update(pool: StatePool, batch: Batch, out: torch.Tensor, fused: list[
         history_table = pool.table([r for s in states for r in s.history_rows(len(s.blocks.latents[0]))])
     ops.scatter_update(pool.data, latent_table, out, coeffs, history_table,
                        None if noise is None else noise.reshape(len(sample), -1), clip)
+
+
+def multistep_x0(scheduler: object) -> torch.Tensor | None:
+    """The x0 estimate a multistep solver kept of its last step, for those that report none (UniPC, Wan's own):
+    each step's model output converted, which is x0 where the solver predicts x0 (UniPC's predict_x0,
+    DPM-Solver++); None otherwise."""
+    outputs = getattr(scheduler, "model_outputs", None)
+    config = getattr(scheduler, "config", {})
+    predicts_x0 = config.get("predict_x0", False) or config.get("algorithm_type") in ("dpmsolver++", "sde-dpmsolver++")
+    return outputs[-1] if predicts_x0 and outputs and outputs[-1] is not None else None
 
 
 def _guidance(info: ModelInfo, state: RequestState, row: StepRow) -> float:
