@@ -237,3 +237,23 @@ def test_previews_are_the_pipelines_x0_estimates_decoded(wan_path, decode_stage)
             want = adapter.decode(estimates[step], (16, 16, 5))[0].permute(0, 2, 3, 1).numpy()
         assert_video_equals(video, want, f"preview after step {step}")
     engine.shutdown()
+
+
+@pytest.mark.parametrize("sampler", [None, "FlowMatchEulerDiscreteScheduler"])
+def test_bfloat16_keeps_the_pipelines_float32_latents(wan_path, sampler):
+    """WanPipeline draws and steps its latents in float32 beside a bfloat16 transformer; so does the pool (with
+    bfloat16 latents the frames moved by 0.05-0.08). Alone, with and without CFG, through diffusers' UniPC and
+    through the fused update."""
+    import diffusers
+
+    pipe = WanPipeline.from_pretrained(wan_path, torch_dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    if sampler is not None:
+        pipe.scheduler = getattr(diffusers, sampler).from_config(pipe.scheduler.config)
+    engine = DiffusionEngine(model=wan_path, device="cpu", dtype="bfloat16")
+    for guidance in (1.0, 5.0):
+        params = P(num_inference_steps=5, seed=1, height=32, width=32, num_frames=9, guidance_scale=guidance,
+                   sampler=sampler, output_type="np")
+        got = engine.generate("a red circle", params, use_tqdm=False)[0].images[0]
+        assert_video_equals(got, reference(pipe, "a red circle", params)[0], f"bfloat16, guidance {guidance}")
+    engine.shutdown()

@@ -131,7 +131,7 @@ class InputProcessor:
     def _build(self, sampler: str | None, steps: int, params: SamplingParams) -> SamplerPlan:
         plan = build_plan(self.info.schedule.config, sampler, steps, params.strength, params.eta,
                           self.info.schedule.step_kwargs, renoise=params.mask_image is not None,
-                          **self._timestep_kwargs(params.height, params.width, steps))
+                          fused=self.info.schedule.fused_update, **self._timestep_kwargs(params.height, params.width, steps))
         probe_plan(plan, self._probe_shape())
         return plan
 

@@ -86,6 +86,12 @@ class ModelAdapter(ABC):
     @abstractmethod
     def info(self) -> ModelInfo: ...
 
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """What the state pool keeps latents (and everything else) in: the dtype the pipeline steps its latents
+        in. Most pipelines keep them in the denoiser's dtype; Wan's keep float32 beside a bfloat16 transformer."""
+        return self.dtype
+
     def place_text_encoders(self, device: torch.device) -> None:
         """The text encoders on `device` (EngineConfig.encoder_device): encode_prompt runs them there, and
         `on_device` brings their conditions to the denoiser's device."""

@@ -45,6 +45,10 @@ class Schedule:
     # SD and SDXL's prepare_extra_step_kwargs pass eta and generator; the DiT pipelines pass nothing.
     step_kwargs: tuple[str, ...] = ()
     eta: float | None = None  # the pipeline's eta default (None: it takes no eta)
+    # False: every sampler is stepped by diffusers per request, never by the fused update. Where the pipeline
+    # keeps float32 latents beside a half-precision denoiser (Wan), its schedulers round each step through the
+    # output's dtype in their own way, which a float32 update would not repeat.
+    fused_update: bool = True
 
 
 @dataclass(frozen=True)

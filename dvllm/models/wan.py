@@ -40,6 +40,10 @@ class WanAdapter(ModelAdapter):
         # the pipeline runs transformer_2 only below a boundary: without one, the first expert runs every step
         self.experts = (pipeline.transformer, pipeline.transformer_2) if two else (pipeline.transformer,)
 
+    @property
+    def state_dtype(self) -> torch.dtype:
+        return torch.float32  # the pipeline draws and steps its latents in float32, whatever the transformer's
+
     @cached_property
     def info(self) -> ModelInfo:
         pipe = self.pipeline
@@ -50,7 +54,7 @@ class WanAdapter(ModelAdapter):
             family="wan", pipeline_class=type(pipe).__name__,
             # WanPipeline.__call__'s defaults
             defaults=Defaults(steps=50, guidance=5.0, height=480, width=832),
-            schedule=Schedule(self.scheduler_config()),
+            schedule=Schedule(self.scheduler_config(), fused_update=self.dtype == self.state_dtype),
             latents=Latents(channels=pipe.vae.config.z_dim, scale=spatial, size_factor=spatial * config.patch_size[1],
                             temporal_scale=pipe.vae_scale_factor_temporal),
             text=Text(self.probe_condition_shapes(), max_sequence_length=MAX_SEQUENCE_LENGTH),
@@ -75,11 +79,10 @@ class WanAdapter(ModelAdapter):
 
     def prepare_video_latents(self, n: int, height: int, width: int, frames: int, generator: torch.Generator,
                               init_noise_sigma: float) -> torch.Tensor:
-        # The pipeline draws them in float32 and steps them in float32.
         channels = self.pipeline.vae.config.z_dim  # the transformer may take more: an image's condition (I2V)
         latents = self.pipeline.prepare_latents(n, channels, height, width, frames, torch.float32, self.device,
                                                 generator)
-        return (latents * init_noise_sigma).to(self.dtype)
+        return latents * init_noise_sigma
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                 guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
@@ -93,8 +96,9 @@ class WanAdapter(ModelAdapter):
 
         def call(rows: list[int], index: Any) -> torch.Tensor:
             model = self.experts[experts[rows[0]]]
+            # the pool keeps float32: the inputs in the transformer's dtype, as the pipeline casts them
             return model(hidden_states=hidden[index].to(model.dtype), timestep=timestep[index],
-                         encoder_hidden_states=embeds[index], return_dict=False,
+                         encoder_hidden_states=embeds[index].to(model.dtype), return_dict=False,
                          **{key: value[index].to(model.dtype) for key, value in extra.items()})[0]
 
         return self.call_per_group(list(experts), latents, call)
@@ -116,7 +120,7 @@ class WanAdapter(ModelAdapter):
         return transformer_cache_spec(
             list(t.blocks), [(attn, ("image",)) for b in t.blocks for attn in (b.attn1, b.attn2)],
             inner_dim=t.config.num_attention_heads * t.config.attention_head_dim,
-            pixels_per_token=pipe.vae_scale_factor_spatial * t.config.patch_size[1], dtype=self.dtype,
+            pixels_per_token=pipe.vae_scale_factor_spatial * t.config.patch_size[1], dtype=self.state_dtype,
             text_tokens=MAX_SEQUENCE_LENGTH, temporal_scale=pipe.vae_scale_factor_temporal, hidden_index=None,
             separate_cfg_branches=True)
 

@@ -77,7 +77,7 @@ class WanImageToVideoAdapter(WanAdapter):
         state = [condition.flatten(1)]
         if self._embed_shape() is not None:
             state.append(pipe.encode_image(image, self.device).flatten(1).expand(n, -1))
-        return (latents * init_noise_sigma).to(self.dtype), torch.cat(state, dim=1).to(self.dtype)
+        return latents * init_noise_sigma, torch.cat(state, dim=1).to(self.state_dtype)
 
     def transformer_inputs(self, latents: torch.Tensor, conditions: Conditions
                            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -49,18 +49,18 @@ _VECTORIZED: dict[str, tuple[Callable[[Any], bool], Callable[[Any], list[StepRow
 
 def build_plan(model_scheduler_config: dict[str, Any], sampler: str | None, num_steps: int,
                strength: float | None = None, eta: float | None = None, step_kwargs: tuple[str, ...] = (),
-               renoise: bool = False, **timestep_kwargs: Any) -> SamplerPlan:
+               renoise: bool = False, fused: bool = True, **timestep_kwargs: Any) -> SamplerPlan:
     """The schedule of `sampler` for `num_steps`, as diffusers computes it; ValueError if it cannot run.
     timestep_kwargs go to set_timesteps as the model's pipeline passes them (sigmas, mu). With a
     strength (image-to-image) the run skips the schedule's first steps, as the img2img pipelines do.
     step_kwargs names what the pipeline passes to scheduler.step ("eta", "generator") when it takes them.
     renoise (inpainting with a 4-channel UNet, which takes a strength): also each step's re-noising of the
-    known region."""
+    known region. fused=False: every sampler is stepped by diffusers (Schedule.fused_update)."""
     scheduler = make_scheduler(model_scheduler_config, sampler)
     name = sampler or model_scheduler_config["_class_name"]
     takes = set(inspect.signature(scheduler.step).parameters) & set(step_kwargs)
     # The vectorized DDIM update is eta = 0's: another eta is stepped by diffusers itself.
-    vectorize = not ("eta" in takes and eta)
+    vectorize = fused and not ("eta" in takes and eta)
     try:
         if "sigmas" in timestep_kwargs:  # a custom sigma schedule: its length is the step count
             scheduler.set_timesteps(device="cpu", **timestep_kwargs)

@@ -88,7 +88,7 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
     height, width = size[:2]
     texts = [(_PROBE_TEXT[:config.max_prompt_chars], negative) for _ in range(config.max_batch_size)
              for negative in (False, True)]
-    device, dtype = adapter.device, adapter.dtype
+    device, dtype = adapter.device, adapter.state_dtype
 
     def denoise() -> None:
         latents = torch.zeros((rows, *info.latents.shape(*size)), dtype=dtype, device=device)
@@ -174,7 +174,7 @@ def encode_ahead_bytes(adapter: ModelAdapter, config: EngineConfig) -> int:
     if not config.encode_stage:
         return 0
     info = adapter.info
-    element = torch.empty((), dtype=adapter.dtype).element_size()
+    element = torch.empty((), dtype=adapter.state_dtype).element_size()
     item = info.text.condition_numel
     images = info.images
     if images.img2img or images.inpaint_channels or images.edit_grids is not None or images.video_numel is not None:
@@ -197,7 +197,7 @@ def decode_queue_bytes(adapter: ModelAdapter, config: EngineConfig, decode_stage
     if not decode_stage:
         return 0
     info = adapter.info
-    element = torch.empty((), dtype=adapter.dtype).element_size()
+    element = torch.empty((), dtype=adapter.state_dtype).element_size()
     return config.max_decode_queue * info.latents.numel(*worst_size(info, config)) * element
 
 
@@ -253,7 +253,7 @@ def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMe
     graphs = 0
     if config.cuda_graph:  # their shared pool (one forward's activations) and each one's static inputs
         rows, size = worst_forward(adapter, config)
-        inputs = _forward_input_bytes(adapter.info, rows, size, adapter.dtype)
+        inputs = _forward_input_bytes(adapter.info, rows, size, adapter.state_dtype)
         graphs = peaks["denoise"] + config.max_cuda_graphs * inputs
     loras = lora_table_bytes(adapter, config)
     free, total = memory.free_and_total()

@@ -67,13 +67,13 @@ def create_state_pool(config: EngineConfig, adapter: ModelAdapter) -> tuple[Stat
     """The pool, and whether the decode stage runs (the GPU memory profile chooses when it is left unset)."""
     info = adapter.info
     block_numel = choose_block_numel(info)
-    bytes_per_block = block_numel * torch.empty((), dtype=adapter.dtype).element_size()
+    bytes_per_block = block_numel * torch.empty((), dtype=adapter.state_dtype).element_size()
     if config.num_state_blocks is not None:
         num_blocks, decode_stage = config.num_state_blocks, config.decode_stage is not False
     else:
         pool_bytes, decode_stage = _pool_bytes(config, adapter)
         num_blocks = pool_bytes // bytes_per_block
-    pool = StatePool(num_blocks, block_numel, adapter.dtype, adapter.device)
+    pool = StatePool(num_blocks, block_numel, adapter.state_dtype, adapter.device)
     logger.info("state pool: %d blocks of %d elements (%.1f MiB)", num_blocks, block_numel,
                 num_blocks * bytes_per_block / 2**20)
     return pool, decode_stage
