@@ -250,3 +250,46 @@ def test_playground_is_served_under_a_strict_content_security_policy(browser, se
     refusals = []
     wait_for(browser, lambda d: refusals.extend(csp_refusals(d)) or refusals, timeout=30)
     assert "script" in refusals[0]
+
+
+# -- a video model: frames and fps fields, a job polled to completion, its MP4 played -----------------
+
+@pytest.fixture(scope="module")
+def video_server(wan_path):
+    with RemoteServer(wan_path, ["--device", "cpu", "--dtype", "float32", "--api-key", KEY]) as s:
+        yield s
+
+
+def test_playground_makes_a_video_and_plays_it(browser, video_server, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    browser.get(video_server.url + "/")
+    fill(browser, "key", KEY)
+    browser.find_element(By.ID, "prompt").click()  # the key field's change: the page asks /v1/models again
+    wait_for(browser, lambda d: d.find_elements(By.ID, "frames"))  # a video model: its fields replace n
+    assert not browser.find_elements(By.ID, "n")
+    assert "frames" in text_of(browser, "seconds") and browser.find_element(By.ID, "generate").text == "Generate video"
+    fill(browser, "frames", "6")  # not 1 + 4k: the browser refuses it before anything is sent
+    browser.find_element(By.ID, "generate").click()
+    assert not browser.execute_script("return document.getElementById('frames').checkValidity()")
+    assert text_of(browser, "status") == ""
+    for field, value in (("frames", "5"), ("fps", "8"), ("steps", "2"), ("seed", "3")):
+        fill(browser, field, value)
+    assert text_of(browser, "seconds") == "5 frames = 0.63 s"
+    browser.execute_script("const s = document.getElementById('size'); s.value = s.options[1].value")  # the smallest
+    generate(browser, video_server)
+
+    clip = browser.find_element(By.ID, "final-video")
+    assert clip.get_attribute("src").startswith("blob:")  # fetched with the key, as a <video> could not
+    assert clip.get_attribute("loop") == "true" and clip.get_attribute("controls") == "true"
+    policy = browser.execute_script("return fetch('/').then((r) => r.headers.get('content-security-policy'))")
+    assert "media-src blob:" in policy, f"a <video> plays the fetched MP4 only if the CSP lets it: {policy}"
+    wait_for(browser, lambda d: d.execute_script("return arguments[0].readyState >= 1", clip))  # it decodes
+    width, height, duration = browser.execute_script(
+        "const v = arguments[0]; return [v.videoWidth, v.videoHeight, v.duration]", clip)
+    size = browser.execute_script("return document.getElementById('size').value")
+    assert f"{width}x{height}" == size and duration == pytest.approx(5 / 8, abs=0.05)
+    assert "seed 3, 5 frames at 8 fps" in text_of(browser, "current")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#gallery figure video")) == 1
+    assert csp_refusals(browser) == []
+    browser.save_screenshot(str(tmp_path / "playground-video.png"))

@@ -1,7 +1,9 @@
 """`dvllm serve`: a FastAPI app speaking the OpenAI Images API in front of an AsyncDiffusionEngine.
 
 Routes: POST /v1/images/generations, POST /v1/images/edits, GET /v1/images/{id}, GET /v1/models[/{model}]
-(the base model and each loaded LoRA adapter), GET /health, GET /metrics, GET /version; with
+(the base model and each loaded LoRA adapter), GET /health, GET /metrics, GET /version; for video models
+OpenAI's Videos API: POST/GET /v1/videos, GET/DELETE /v1/videos/{id}, GET /v1/videos/{id}/content and
+/v1/videos/{id}/events (serving_videos.py); with
 --allow-runtime-lora-updating also vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter. Errors
 always in OpenAI's shape. With an API key, every /v1 route needs `Authorization: Bearer <key>` except
 GET /v1/images/{id}, whose random id is the credential (so image URLs work in a browser, as OpenAI's
@@ -42,6 +44,8 @@ from dvllm.entrypoints.protocol import APIError, LoadLoraAdapterRequest, ModelCa
 from dvllm.entrypoints.request_body import BodyLimits, discard_unread_body, read_json_body
 from dvllm.entrypoints.serving_edits import create_edit
 from dvllm.entrypoints.serving_images import ServerContext, create_images
+from dvllm.entrypoints.serving_videos import video_routes
+from dvllm.entrypoints.video_jobs import VideoJobs
 from dvllm.lora.files import LoraPathError
 
 logger = logging.getLogger(__name__)
@@ -51,7 +55,7 @@ _HTTP_ERROR_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_
 
 def build_app(engine: AsyncDiffusionEngine, args: argparse.Namespace) -> FastAPI:
     """The app for one engine. Reads served_model_name, api_key, max_queue_len, request_timeout,
-    max_body_mb, body_timeout, max_pending_bodies, image_store_size, shutdown_grace,
+    max_body_mb, body_timeout, max_pending_bodies, image_store_size, video_store_size/mb, shutdown_grace,
     allow_runtime_lora_updating and the CORS flags from args (missing ones take defaults)."""
     check_cors(getattr(args, "allowed_origins", None), getattr(args, "allow_credentials", False))
     ctx = ServerContext(
@@ -71,6 +75,8 @@ def build_app(engine: AsyncDiffusionEngine, args: argparse.Namespace) -> FastAPI
                                timeout=getattr(args, "body_timeout", 30.0),
                                max_receiving=getattr(args, "max_pending_bodies", 32)),
         model_facts=_served_model_facts(engine),
+        videos=VideoJobs(getattr(args, "video_store_size", 64),
+                         int(getattr(args, "video_store_mb", 1024.0) * (1 << 20))),
     )
     grace = getattr(args, "shutdown_grace", 30.0)
     engine.step_listeners.append(ctx.metrics.on_step)
@@ -182,6 +188,7 @@ def _v1_routes(ctx: ServerContext, lora_updates: bool = False, show_lora_paths: 
 
     if lora_updates:  # off by default: it lets clients make the server read files at paths they name
         guarded.include_router(_lora_routes(ctx, detailed_lora_errors))
+    guarded.include_router(video_routes(ctx))
 
     @router.get("/v1/images/{image_id}")
     async def get_image(image_id: str) -> Response:
@@ -205,7 +212,7 @@ def _served_model_facts(engine: AsyncDiffusionEngine) -> dict[str, Any] | None:
         return None
     info = engine.model_info
     return model_facts(info, config.pixel_limit(info),
-                       engine.valid_samplers(), engine.loaded_model)
+                       engine.valid_samplers(), engine.loaded_model, max_num_frames=config.max_num_frames)
 
 
 def _model_cards(ctx: ServerContext, show_lora_paths: bool) -> list[ModelCard]:
@@ -295,14 +302,15 @@ def _open_routes(ctx: ServerContext) -> APIRouter:
     # The playground: one static page, open like /health; its API calls carry the key when one is set.
     page = (resources.files("dvllm.entrypoints") / "static" / "playground.html").read_text()
     # Its inline <script> and <style> are allowed by their hashes, taken once here, so an injected
-    # script or style (an XSS) does not run; images are data: URLs or this server's /v1/images/...
+    # script or style (an XSS) does not run; images are data: URLs or this server's /v1/images/..., videos blob:
+    # URLs of what the page fetched from /v1/videos/{id}/content (with its API key)
     def sources(tag: str) -> str:
         bodies = re.findall(rf"<{tag}>(.*?)</{tag}>", page, re.DOTALL)
         return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in bodies)
     page_headers = {
         "Content-Security-Policy": (
             f"default-src 'none'; script-src {sources('script')}; style-src {sources('style')}; "
-            "img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+            "img-src 'self' data:; media-src blob:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
             "frame-ancestors 'none'"),
         "X-Content-Type-Options": "nosniff",
         "Referrer-Policy": "no-referrer",

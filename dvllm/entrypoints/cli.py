@@ -18,7 +18,7 @@ import dvllm
 from dvllm.config import EngineConfig
 from dvllm.entrypoints.cli_args import add_engine_args, engine_kwargs
 from dvllm.entrypoints.generate_jobs import Job, check_lora_names, process, read_jobs
-from dvllm.entrypoints.generate_output import MANIFEST, ImageWriter, image_paths
+from dvllm.entrypoints.generate_output import MANIFEST, ImageWriter, OutputThread, image_paths
 from dvllm.entrypoints.generate_progress import StepProgress, run_requests, stop_on_sigint
 from dvllm.entrypoints.logging_setup import LOG_LEVELS, set_third_party_verbosity, setup_logging
 from dvllm.entrypoints.server_socket import bind_socket
@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", help="The prompt (or use --prompts-file).")
-    p.add_argument("-o", "--output", help="Output PNG for a single prompt (default: dvllm-<seed>.png).")
+    p.add_argument("-o", "--output", help="Output PNG (a video model's: MP4) for a single prompt "
+                                          "(default: dvllm-<seed>.png or .mp4).")
     p.add_argument("--prompts-file", help="One prompt per line, or JSONL with per-line parameters.")
     p.add_argument("--output-dir", default=".",
                    help=f"Where images of --prompts-file and their {MANIFEST} go (default: .).")
@@ -89,6 +90,11 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="The score the negative rows condition on (default: the pipeline's 2.5).")
     p.add_argument("--strength", type=float, help="How much of the schedule an image request runs, in (0, 1] "
                                                   "(default: the model's, for img2img or for inpainting).")
+    p.add_argument("--num-frames", type=int, help="A video model's frames per video; num_frames - 1 a multiple of "
+                                                  "the model's (4 for Wan) (default: the model's).")
+    p.add_argument("--fps", type=float, help="A video model's frames per second, for its MP4s (default: the model's).")
+    p.add_argument("--save-frames", action="store_true",
+                   help="A video model: also write each video's frames as PNGs, into <video>-frames/ beside it.")
     p.add_argument("--no-progress", action="store_true", help="No progress bar.")
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                    help="dvllm's log level; debug also shows the libraries' warnings and loading bars "
@@ -127,6 +133,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                              "off; default: 64).")
     server.add_argument("--image-store-mb", type=float, default=256.0,
                         help="Bytes of encoded images the url store keeps, in MiB (default: 256).")
+    server.add_argument("--video-store-size", type=int, default=64,
+                        help="Video models: jobs /v1/videos keeps, finished or not; finished ones go oldest first, "
+                             "and while all are unfinished a new job is answered 429 (default: 64).")
+    server.add_argument("--video-store-mb", type=float, default=1024.0,
+                        help="Video models: bytes of MP4s the job store keeps, in MiB; finished jobs go oldest "
+                             "first (default: 1024).")
     server.add_argument("--public-url",
                         help="Where clients reach this server, e.g. https://images.example.com: image URLs start "
                              "with it (default: the address bound, never the request's Host header).")
@@ -260,6 +272,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--image-store-size must be >= 0, got {args.image_store_size}")
     if not args.image_store_mb >= 0:
         raise ValueError(f"--image-store-mb must be >= 0, got {args.image_store_mb}")
+    if args.video_store_size < 1:
+        raise ValueError(f"--video-store-size must be >= 1, got {args.video_store_size}")
+    if not args.video_store_mb > 0:
+        raise ValueError(f"--video-store-mb must be > 0, got {args.video_store_mb}")
     if args.public_url is not None and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", args.public_url):
         raise ValueError(f"--public-url must be an http:// or https:// URL, got {args.public_url!r}")
     _check_cors_args(args)
@@ -339,9 +355,12 @@ def _generate(engine: DiffusionEngine, jobs: list[Job], requests: list[Request],
     batch_mode = args.prompts_file is not None
     info = engine.model_info
     writer = ImageWriter(args.output_dir, manifest=batch_mode, model=engine.loaded_model.name,
-                         sampler=info.defaults.sampler or info.schedule.config["_class_name"])
+                         sampler=info.defaults.sampler or info.schedule.config["_class_name"],
+                         frame_pngs=args.save_frames)
+    suffix, noun = (".png", "images") if info.video is None else (".mp4", "videos")
     index_of = {request.request_id: i for i, request in enumerate(requests)}
-    progress = StepProgress(requests, enabled=not args.no_progress)
+    progress = StepProgress(requests, enabled=not args.no_progress, noun=noun)
+    outputs = OutputThread()  # PNG and MP4 encodes off the engine loop
     failed = 0
 
     def on_finished(out: RequestOutput) -> None:
@@ -352,10 +371,14 @@ def _generate(engine: DiffusionEngine, jobs: list[Job], requests: list[Request],
             failed += 1
             progress.print(f"error: request {index} ({job.prompt!r}): {out.error}", file=sys.stderr)
             return
-        paths = image_paths(index if batch_mode else None, out.seed, len(out.images), job.output, args.output_dir)
-        writer.write(job.prompt, requests[index].params, out.seed, out.images, paths, job.inputs)
-        for path in paths:
-            progress.print(f"{path}  (seed {out.seed}, {out.num_inference_steps} steps)")
+        paths = image_paths(index if batch_mode else None, out.seed, len(out.images), job.output, args.output_dir,
+                            suffix)
+
+        def write() -> None:
+            writer.write(job.prompt, requests[index].params, out.seed, out.images, paths, job.inputs)
+            for path in paths:
+                progress.print(f"{path}  (seed {out.seed}, {out.num_inference_steps} steps)")
+        outputs.submit(write)
 
     stop = threading.Event()
     start = time.perf_counter()
@@ -365,13 +388,16 @@ def _generate(engine: DiffusionEngine, jobs: list[Job], requests: list[Request],
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, mid-step
         completed = False
     finally:
-        progress.close()
+        try:
+            outputs.close()  # the finished outputs are written, even after a Ctrl-C
+        finally:
+            progress.close()
     elapsed = time.perf_counter() - start
     if not completed:
         total = sum(job.params.n for job in jobs)
-        print(f"interrupted: {writer.written} of {total} images written", file=sys.stderr)
+        print(f"interrupted: {writer.written} of {total} {noun} written", file=sys.stderr)
         return EXIT_INTERRUPTED
-    print(f"{writer.written} images in {elapsed:.2f} s ({writer.written / elapsed:.2f} images/s); {failed} failed")
+    print(f"{writer.written} {noun} in {elapsed:.2f} s ({writer.written / elapsed:.2f} {noun}/s); {failed} failed")
     return 1 if failed else 0
 
 

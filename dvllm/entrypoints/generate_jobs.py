@@ -14,8 +14,9 @@ from PIL import Image, UnidentifiedImageError
 
 from dvllm.entrypoints.mask_upload import mask_from_upload
 from dvllm.sampler_names import SHORT_NAMES, did_you_mean, scheduler_class
-from dvllm.sampling_params import PARAM_ALIASES, SEED_LIMIT, SamplingParams, lora_weight
+from dvllm.sampling_params import MAX_FPS, PARAM_ALIASES, SEED_LIMIT, SamplingParams, lora_weight
 from dvllm.step_cache import parse_cache_flag
+from dvllm.video.save import VIDEO_SUFFIX
 
 if TYPE_CHECKING:
     from dvllm.core.request import Request
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 # JSONL keys accepted in --prompts-file, besides "prompt" and "output"
 _JSONL_KEYS = {"num_inference_steps", "steps", "guidance_scale", "guidance", "negative_prompt", "seed", "size",
                "height", "width", "n", "sampler", "cache", "loras", "strength", "aesthetic_score",
-               "negative_aesthetic_score"}
+               "negative_aesthetic_score", "num_frames", "fps"}
 _INPUT_KEYS = ("image", "mask")  # input files: relative paths are under the prompts file's folder
 _NULLABLE_KEYS = {"cache", "loras"}  # a line's null means none: no step cache, no adapters (not the flag's)
 
@@ -99,9 +100,22 @@ def parse_lora_flags(values: list[str] | None) -> dict[str, float]:
 def _output_path(value: object, where: str, output_dir: str) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{where}: 'output' must be a file name, got {value!r}")
-    if os.path.splitext(value)[1].lower() not in Image.registered_extensions():
-        raise ValueError(f"{where}: 'output' needs an image extension such as .png, got {value!r}")
+    suffix = os.path.splitext(value)[1].lower()
+    if suffix != VIDEO_SUFFIX and suffix not in Image.registered_extensions():
+        raise ValueError(f"{where}: 'output' needs an image extension such as .png (or {VIDEO_SUFFIX} for a video "
+                         f"model), got {value!r}")
     return os.path.join(output_dir, value)  # relative names go under --output-dir
+
+
+def check_output_kind(jobs: list[Job], video: bool) -> None:
+    """Once the model is known: a video model's outputs are MP4 files, an image model's are images."""
+    for job in jobs:
+        if job.output is None or (os.path.splitext(job.output)[1].lower() == VIDEO_SUFFIX) == video:
+            continue
+        where = "-o/--output" if job.where == "command line" else f"{job.where}: 'output'"
+        want = f"a {VIDEO_SUFFIX} name" if video else f"an image name such as .png, not {VIDEO_SUFFIX}"
+        raise ValueError(f"{where}: this model makes {'videos' if video else 'images'}: give {want}, "
+                         f"got {job.output!r}")
 
 
 @dataclass(frozen=True)
@@ -198,6 +212,10 @@ def check_generate_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--lora: {e}") from None
     if args.strength is not None and not 0 < args.strength <= 1:
         raise ValueError(f"--strength must be in (0, 1], got {args.strength}")
+    if args.num_frames is not None and args.num_frames < 1:
+        raise ValueError(f"--num-frames must be >= 1, got {args.num_frames}")
+    if args.fps is not None and not 0 < args.fps <= MAX_FPS:
+        raise ValueError(f"--fps must be a number in (0, {MAX_FPS}], got {args.fps}")
     if args.prompts_file is None and args.image is None:  # a file's lines may bring their own image
         for flag, value in (("--mask", args.mask), ("--strength", args.strength)):
             if value is not None:
@@ -223,7 +241,8 @@ def read_jobs(args: argparse.Namespace) -> list[Job]:
     defaults = {"steps": args.steps, "guidance": args.guidance, "negative_prompt": args.negative_prompt,
                 "seed": args.seed, "size": args.size, "sampler": args.sampler, "n": args.n,
                 "strength": args.strength, "aesthetic_score": args.aesthetic_score,
-                "negative_aesthetic_score": args.negative_aesthetic_score}
+                "negative_aesthetic_score": args.negative_aesthetic_score, "num_frames": args.num_frames,
+                "fps": args.fps}
     defaults = {k: v for k, v in defaults.items() if v is not None}
     if args.cache is not None:
         defaults["cache"] = parse_cache_flag(args.cache)
@@ -333,6 +352,7 @@ def process(jobs: list[Job], engine: DiffusionEngine) -> list[Request]:
     """Each job through the engine's input processor (the model's defaults and every limit, the sampler's
     plan), before any is queued: a bad line is a usage error, not a failure after an hour of others'
     images. The requests go to the engine as they are (add_processed): checked once."""
+    check_output_kind(jobs, video=engine.model_info.video is not None)
     requests = []
     for index, job in enumerate(jobs):
         try:

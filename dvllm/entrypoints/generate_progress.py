@@ -17,9 +17,11 @@ from dvllm.outputs import RequestMetrics, RequestOutput
 
 
 class StepProgress:
-    """A tqdm bar over the denoising steps of every request together, with images/s; or nothing."""
+    """A tqdm bar over the denoising steps of every request together, with images/s (a video model's: videos/s);
+    or nothing."""
 
-    def __init__(self, requests: list[Request], enabled: bool) -> None:
+    def __init__(self, requests: list[Request], enabled: bool, noun: str = "images") -> None:
+        self._rate_name = f"{noun}_per_s"
         self._expected = {r.request_id: r.params.num_inference_steps for r in requests}
         self._counted = dict.fromkeys(self._expected, 0)
         self._images = 0
@@ -47,7 +49,7 @@ class StepProgress:
             if self._bar is not None:
                 self._bar.update(delta)
         if out.finished and self._bar is not None:
-            self._bar.set_postfix(images_per_s=f"{self._images / (time.perf_counter() - self._start):.2f}")
+            self._bar.set_postfix({self._rate_name: f"{self._images / (time.perf_counter() - self._start):.2f}"})
 
     def _retotal(self, change: int) -> None:
         if self._bar is not None:

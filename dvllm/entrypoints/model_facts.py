@@ -14,9 +14,10 @@ _SIDE_FACTORS = (0.5, 0.75, 1.0, 1.5, 2.0)
 
 
 def model_facts(info: ModelInfo, max_image_pixels: int, samplers: list[str],
-                loaded: LoadedModel | None = None) -> dict[str, Any]:
+                loaded: LoadedModel | None = None, max_num_frames: int | None = None) -> dict[str, Any]:
     """info: the served ModelInfo; max_image_pixels: the engine's limit in force; samplers: those that run;
-    loaded: where and how the workers hold it (its device, dtypes and quantization)."""
+    loaded: where and how the workers hold it (its device, dtypes and quantization); max_num_frames: the
+    engine's limit on a video's frames (video models: their default frames and fps are told besides)."""
     step = info.latents.size_factor
     default = (info.defaults.width, info.defaults.height)
     sizes = []
@@ -41,4 +42,16 @@ def model_facts(info: ModelInfo, max_image_pixels: int, samplers: list[str],
         "sizes": sizes,
         "samplers": samplers,
         **served,
+        **_video_facts(info, max_num_frames),
     }
+
+
+def _video_facts(info: ModelInfo, max_num_frames: int | None) -> dict[str, Any]:
+    """A video model's: its default frames and frame rate, the frame rule (num_frames - 1 a multiple of
+    frame_multiple) and the most frames a request may ask for."""
+    if info.video is None:
+        return {}
+    video = info.video
+    facts = {"num_frames": video.frames, "fps": video.fps, "frame_multiple": video.frame_multiple,
+             "seconds": round(video.frames / video.fps, 3)}
+    return {"video": facts if max_num_frames is None else {**facts, "max_num_frames": max_num_frames}}

@@ -21,6 +21,20 @@ MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 _OBJECT_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
+
+def long_names(body: Any, aliases: dict[str, str]) -> Any:
+    """A body with its fields' short names (aliases: short -> long) replaced by the long ones; both given is
+    a ValueError."""
+    if not isinstance(body, dict) or not any(short in body for short in aliases):
+        return body
+    body = dict(body)
+    for short, name in aliases.items():
+        if short in body:
+            if name in body:
+                raise ValueError(f"{short!r} is short for {name!r}: give one of them")
+            body[name] = body.pop(short)
+    return body
+
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
@@ -99,15 +113,7 @@ class ImageGenerationRequest(BaseModel):
     @classmethod
     def _short_names(cls, body: Any) -> Any:
         """"steps" and "guidance" (dvllm generate's names) mean num_inference_steps and guidance_scale."""
-        if not isinstance(body, dict) or not any(short in body for short in PARAM_ALIASES):
-            return body
-        body = dict(body)
-        for short, name in PARAM_ALIASES.items():
-            if short in body:
-                if name in body:
-                    raise ValueError(f"{short!r} is short for {name!r}: give one of them")
-                body[name] = body.pop(short)
-        return body
+        return long_names(body, PARAM_ALIASES)
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> "ImageGenerationRequest":
@@ -115,7 +121,7 @@ class ImageGenerationRequest(BaseModel):
         try:
             return cls.model_validate(body)
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise validation_error(e) from None
 
     # The streamed events' type prefix (OpenAI names edits' events image_edit.*).
     event_prefix: ClassVar[str] = "image_generation"
@@ -169,7 +175,8 @@ _ENGINE_FIELDS = {"height": "size", "width": "size", "height*width": "size", "nu
                   "priority": "priority", "image": "image", "strength": "strength", "eta": "eta",
                   "max_sequence_length": "max_sequence_length", "cache": "cache", "loras": "loras",
                   "mask_image": "mask", "aesthetic_score": "aesthetic_score",
-                  "negative_aesthetic_score": "negative_aesthetic_score", "deadline_s": "deadline"}  # mask: the edits form's field
+                  "negative_aesthetic_score": "negative_aesthetic_score", "deadline_s": "deadline",
+                  "num_frames": "num_frames", "fps": "fps"}  # mask: the edits form's field
 
 
 def engine_value_error(error: ValueError) -> APIError:
@@ -180,7 +187,7 @@ def engine_value_error(error: ValueError) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
-def _validation_error(e: ValidationError) -> APIError:
+def validation_error(e: ValidationError) -> APIError:
     first = e.errors()[0]
     param = ".".join(str(part) for part in first["loc"]) or None
     if first["type"] == "missing":
@@ -302,7 +309,7 @@ class UnloadLoraAdapterRequest(BaseModel):
         try:
             return cls.model_validate(body)
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise validation_error(e) from None
 
 
 class LoadLoraAdapterRequest(UnloadLoraAdapterRequest):

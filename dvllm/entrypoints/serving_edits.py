@@ -16,10 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
-import re
-import types
-import typing
 from typing import TYPE_CHECKING, Any
 
 from PIL import Image, UnidentifiedImageError
@@ -27,6 +23,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response
 
+from dvllm.entrypoints.form_fields import typed_form
 from dvllm.entrypoints.mask_upload import mask_from_upload
 from dvllm.entrypoints.protocol import APIError, ImageEditRequest
 from dvllm.entrypoints.request_body import read_body
@@ -37,7 +34,6 @@ if TYPE_CHECKING:
 
 _IMAGE_FIELDS = ("image", "image[]")
 _FILE_FIELDS = (*_IMAGE_FIELDS, "mask")
-_JSON_FIELDS = ("cache", "loras")  # objects in a JSON body: JSON text in a form
 _MAX_FILES = 64  # however many images a model takes: each file part costs a spooled file while parsing
 
 
@@ -59,9 +55,9 @@ async def create_edit(request: Request, ctx: ServerContext) -> Response:
         masks = form.getlist("mask")
         _check_files(images, masks, info)
         fields = {k: v for k, v in form.multi_items() if k not in _FILE_FIELDS}
-        req = ImageEditRequest.parse(_typed(fields))
+        req = ImageEditRequest.parse(typed_form(fields, ImageEditRequest))
         max_pixels = ctx.engine.config.pixel_limit(info)
-        opened = [_open(await image.read(), max_pixels) for image in images]
+        opened = [open_image(await image.read(), max_pixels) for image in images]
         req.image = opened[0] if len(opened) == 1 else opened
         if masks:
             req.mask = await _mask(await masks[0].read(), opened[0], max_pixels)
@@ -94,7 +90,7 @@ def _too_many_images(info: ModelInfo, what: str) -> APIError:
 
 async def _mask(data: bytes, image: Image.Image, max_pixels: int) -> Image.Image:
     """The upload as diffusers' grey mask: its header checked here, decoded and converted in a thread."""
-    mask = _open(data, max_pixels, "mask")
+    mask = open_image(data, max_pixels, "mask")
     if mask.size != image.size:
         raise APIError(400, f"Invalid value for 'mask': {mask.width}x{mask.height}, but the image is "
                             f"{image.width}x{image.height}; the mask must have the image's size.", param="mask",
@@ -110,7 +106,7 @@ def _convert_mask(mask: Image.Image) -> Image.Image:
                        code="invalid_image") from None
 
 
-def _open(data: bytes, max_pixels: int, param: str = "image") -> Image.Image:
+def open_image(data: bytes, max_pixels: int, param: str = "image") -> Image.Image:
     """The upload, opened lazily: only its header is read here, on the event loop. Its size is checked
     before anything is decoded; an image is decoded by the engine's input processor, off the loop, once
     the request is past the queue check (a mask by _mask, in a thread)."""
@@ -125,55 +121,3 @@ def _open(data: bytes, max_pixels: int, param: str = "image") -> Image.Image:
     return image
 
 
-def _typed(fields: dict[str, Any]) -> dict[str, Any]:
-    """Form values are strings: convert those the request declares as numbers or booleans."""
-    out: dict[str, Any] = {}
-    hints = typing.get_type_hints(ImageEditRequest)
-    for key, value in fields.items():
-        if key in _JSON_FIELDS and isinstance(value, str):
-            out[key] = _parse_json_field(key, value)
-            continue
-        kind = _base_type(hints.get(key))
-        if not isinstance(value, str) or kind not in (int, float, bool):
-            out[key] = value
-            continue
-        try:
-            out[key] = _parse(value, kind)
-        except ValueError:
-            raise APIError(400, f"Invalid value for '{key}': expected {kind.__name__}, got {value!r}.",
-                           param=key, code="invalid_value") from None
-    return out
-
-
-def _parse_json_field(key: str, value: str) -> Any:
-    try:  # as a JSON body is read: NaN and Infinity are no JSON; 5000 digits or 10**5 brackets are ValueErrors too
-        return json.loads(value, parse_constant=_no_constant)
-    except (ValueError, RecursionError):
-        raise APIError(400, f"Invalid value for '{key}': expected a JSON object or null, got {value[:80]!r}.",
-                       param=key, code="invalid_value") from None
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _base_type(hint: Any) -> Any:
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return args[0] if len(args) == 1 else None
-    return hint
-
-
-_INT = re.compile(r"-?[0-9]+")
-_FLOAT = re.compile(r"-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?")  # JSON's number syntax
-
-
-def _parse(value: str, kind: type) -> Any:
-    """Strictly, as JSON would: no "1_000", no spaces, no full-width digits, no "inf"."""
-    if kind is bool:
-        if value.lower() not in ("true", "false"):  # clients write Python's True too
-            raise ValueError(value)
-        return value.lower() == "true"
-    if not (_INT if kind is int else _FLOAT).fullmatch(value):
-        raise ValueError(value)
-    return kind(value)

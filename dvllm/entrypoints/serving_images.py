@@ -31,6 +31,7 @@ from dvllm.entrypoints.protocol import (
     engine_value_error,
 )
 from dvllm.entrypoints.request_body import RETRY_AFTER_SECONDS, BodyLimits, read_json_body
+from dvllm.entrypoints.video_jobs import VideoJobs
 from dvllm.errors import NoWorkerError, QueueFullError
 from dvllm.outputs import RequestOutput
 
@@ -59,6 +60,7 @@ class ServerContext:
     in_flight: int = 0
     logged_fields: set[str] = field(default_factory=set)  # unknown field names already logged (bounded)
     model_facts: dict[str, Any] | None = None  # what /v1/models tells of the served model (model_facts.py)
+    videos: VideoJobs = field(default_factory=lambda: VideoJobs(64, 1 << 30))  # /v1/videos' jobs (serving_videos.py)
 
 
 class Slot:
@@ -108,35 +110,26 @@ async def _serve(request: Request, ctx: ServerContext,
     request_id = f"img-{uuid.uuid4().hex}"
     if ctx.draining or not ctx.engine.is_running:
         raise APIError(503, "The server is shutting down or its engine is not running.", code="service_unavailable")
+    if getattr(getattr(ctx.engine, "model_info", None), "video", None) is not None:
+        raise APIError(400, f"The model '{ctx.model_name}' makes videos, not images: use POST /v1/videos.",
+                       code="unsupported_value")
     req = await parse()
     # The clock starts once the body is in: a slow upload is --body-timeout's (408), not a 504 after it.
     loop = asyncio.get_running_loop()
     deadline = None if ctx.request_timeout is None else loop.time() + ctx.request_timeout
     if req.model_extra:
-        _log_unknown_fields(list(req.model_extra), ctx, request_id)
-    loras = _requested_loras(req, ctx)
+        log_unknown_fields(list(req.model_extra), ctx, request_id)
+    loras = requested_loras(req, ctx)
     if req.stream and req.image_count > 1:
         raise APIError(400, "n must be 1 when stream is true (a stream carries one image); send n requests.",
                        param="n", code="invalid_value")
     if req.response_format == "url" and ctx.images.capacity == 0:
         raise APIError(400, "response_format 'url' is off on this server (--image-store-size 0); use 'b64_json'.",
                        param="response_format", code="invalid_value")
-    if req.priority and not ctx.allow_client_priority:
-        raise APIError(400, "priority is set by the server on this deployment; start it with "
-                            "--allow-client-priority to honour clients' priorities.", param="priority",
-                       code="invalid_value")
-    if req.deadline is not None and ctx.deadlines_reorder and not ctx.allow_client_priority:
-        raise APIError(400, "deadline moves a request ahead on this deployment (--group-policy elastic), on its "
-                            "terms only; start the server with --allow-client-priority to honour clients' "
-                            "deadlines.", param="deadline", code="invalid_value")
+    check_client_order(req, ctx)
     params = req.sampling_params()
     params.loras = loras
-    if ctx.max_in_flight is not None and ctx.in_flight >= ctx.max_in_flight:
-        await asyncio.sleep(0)  # one turn of the event loop: disconnects already received free their slots
-    if ctx.max_in_flight is not None and ctx.in_flight >= ctx.max_in_flight:
-        raise APIError(429, f"{ctx.in_flight} requests are in flight (--max-queue-len {ctx.max_in_flight}); "
-                            "retry later.", type="rate_limit_error", code="rate_limit_exceeded",
-                       headers={"Retry-After": RETRY_AFTER_SECONDS})
+    await check_in_flight(ctx)
 
     slot = Slot(ctx)
     handed_off = False
@@ -145,12 +138,12 @@ async def _serve(request: Request, ctx: ServerContext,
         if req.stream:
             # Headers go out with the first step's output, so a refusal (bad input, full queue) can
             # still be a plain HTTP error rather than an error event.
-            first = await _guard(_engine_call(anext(agen)), request, deadline, slot)
+            first = await _guard(engine_call(anext(agen)), request, deadline, slot)
             stream = _ImageEventStream(request_id, req, ctx, agen, first, deadline, slot)
             handed_off = True  # the stream's close() owns the cleanup from here
             return EventStreamResponse(stream.events(), stream.close, headers={"X-Request-Id": request_id},
                                        on_disconnect=slot.release)
-        final = await _guard(_engine_call(_last(agen)), request, deadline, slot)
+        final = await _guard(engine_call(_last(agen)), request, deadline, slot)
         _raise_if_failed(final, request_id, ctx)
         data = await asyncio.to_thread(_encode_all, final, req, ctx)
         body = ImagesResponse(created=int(time.time()), data=data, output_format=req.format,
@@ -174,7 +167,29 @@ async def _serve(request: Request, ctx: ServerContext,
             await agen.aclose()  # the engine stream aborts its request if it did not finish (one abort)
 
 
-def _requested_loras(req: ImageGenerationRequest, ctx: ServerContext) -> dict[str, Any] | None:
+async def check_in_flight(ctx: ServerContext) -> None:
+    """429 when --max-queue-len requests are in flight."""
+    if ctx.max_in_flight is not None and ctx.in_flight >= ctx.max_in_flight:
+        await asyncio.sleep(0)  # one turn of the event loop: disconnects already received free their slots
+    if ctx.max_in_flight is not None and ctx.in_flight >= ctx.max_in_flight:
+        raise APIError(429, f"{ctx.in_flight} requests are in flight (--max-queue-len {ctx.max_in_flight}); "
+                            "retry later.", type="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": RETRY_AFTER_SECONDS})
+
+
+def check_client_order(req: Any, ctx: ServerContext) -> None:
+    """A client's priority, and its deadline where deadlines move requests ahead, only where the server allows."""
+    if req.priority and not ctx.allow_client_priority:
+        raise APIError(400, "priority is set by the server on this deployment; start it with "
+                            "--allow-client-priority to honour clients' priorities.", param="priority",
+                       code="invalid_value")
+    if req.deadline is not None and ctx.deadlines_reorder and not ctx.allow_client_priority:
+        raise APIError(400, "deadline moves a request ahead on this deployment (--group-policy elastic), on its "
+                            "terms only; start the server with --allow-client-priority to honour clients' "
+                            "deadlines.", param="deadline", code="invalid_value")
+
+
+def requested_loras(req: ImageGenerationRequest, ctx: ServerContext) -> dict[str, Any] | None:
     """The request's adapters. As in vLLM, `model` may name a loaded LoRA adapter: the request then uses it at
     weight 1.0, unless `loras` gives it a weight. Any other name but the served model's is a 404."""
     if req.model is None or req.model == ctx.model_name:
@@ -187,7 +202,7 @@ def _requested_loras(req: ImageGenerationRequest, ctx: ServerContext) -> dict[st
     return {req.model: 1.0, **(req.loras or {})}
 
 
-async def _engine_call(awaitable: Awaitable[Any]) -> Any:
+async def engine_call(awaitable: Awaitable[Any]) -> Any:
     """The engine's exceptions, as HTTP errors."""
     try:
         return await awaitable
@@ -227,7 +242,7 @@ async def _guard(coro: Coroutine[Any, Any, Any], request: Request, deadline: flo
         return task.result()
     if gone in done:
         raise ClientGone()
-    raise _timeout_error()
+    raise timeout_error()
 
 
 async def wait_disconnect(receive: Receive, on_disconnect: Callable[[], None] | None = None) -> None:
@@ -243,7 +258,7 @@ _MAX_LOGGED_FIELDS = 1024  # distinct unknown field names remembered, so each is
 _FIELDS_PER_LINE = 5
 
 
-def _log_unknown_fields(names: list[str], ctx: ServerContext, request_id: str) -> None:
+def log_unknown_fields(names: list[str], ctx: ServerContext, request_id: str) -> None:
     """Logs unknown field names the server has not logged before: a few per line, each cut short, so a
     body of 50k made-up fields costs one short line, not a 500 KB one."""
     fresh = [name for name in names if name not in ctx.logged_fields][:_FIELDS_PER_LINE]
@@ -256,7 +271,7 @@ def _log_unknown_fields(names: list[str], ctx: ServerContext, request_id: str) -
                    f" (and {more} more)" if more else "")
 
 
-def _timeout_error() -> APIError:
+def timeout_error() -> APIError:
     return APIError(504, "The request took longer than the server's --request-timeout and was aborted.",
                     type="timeout_error", code="timeout")
 
@@ -328,9 +343,9 @@ class _ImageEventStream:
                 break
             try:
                 async with asyncio.timeout_at(self.deadline):
-                    out = await _engine_call(anext(self.agen))
+                    out = await engine_call(anext(self.agen))
             except TimeoutError:
-                raise _timeout_error() from None
+                raise timeout_error() from None
         _raise_if_failed(out, self.request_id, self.ctx)
         for image in out.images:
             b64 = await asyncio.to_thread(encode_b64, image, fmt, compression)
