@@ -9,7 +9,8 @@
 # then the decode stage's loop stall (a thread, then decode processes on the CPU), the encode stage's (a burst of new prompts while a batch runs; a thread, then an encode process), async
 # scheduling off vs on, and the engine core in its own process against a thread (dvllm.benchmarks.loop_stall,
 # encode_stall, async_scheduling, core_process_serving, sd15 at 512x512),
-# then each family's preset loaded as served, bf16/fp16 and quantized (dvllm.benchmarks.preset_load).
+# then each family's preset loaded as served, bf16/fp16 and quantized (dvllm.benchmarks.preset_load),
+# then video: Wan 2.1 1.3B at 480p, mixed frame counts and steps, dvllm vs serial vs static (video_workload).
 #
 #   benchmarks/gpu/run_suite.sh [--dry-run] [--out DIR]
 #
@@ -60,6 +61,8 @@ if [ $dry = 1 ]; then
   $python -m dvllm.benchmarks.core_process_serving --model tiny-sd --size 16x16 --steps 3 --concurrency 2 \
     --num-requests 4 --rounds 1 --warmup 0 --output-json "$out/core_process_dry.json"
   $python -m dvllm.benchmarks.preset_load --dry-run --only tiny-sd --repeats 1 --output-json "$out/preset_load_dry.json"
+  $python -m dvllm.benchmarks.video_workload --model wan-cpu --sizes 64x64,96x64 --frames 5,9 --steps 2,3 \
+    --num-requests 4 --shorts 2 --output-json "$out/video_workload_dry.json"
 else
   echo "== CUDA kernels: build and test"
   PYTHON=$python tests/gpu/run.sh 2>&1 | tail -15
@@ -109,4 +112,9 @@ else
   echo "== each family's preset as served (family dtype; flux-dev int8 and fp8 with T5 on the CPU): weights, pool, step"
   timeout 420 $python -m dvllm.benchmarks.preset_load --output-json "$out/preset_load.json" 2>&1 \
     | tee "$out/preset_load.txt" || echo "preset_load stopped early (its JSON keeps what was measured)"
+  echo "== video: wan2.1-t2v-1.3b (bf16, dummy weights) at 832x480 and 480x480, 17-49 frames, 8-16 steps, CFG or not:"
+  echo "   dvllm vs the pipeline serially vs static batches of equal shapes, and short clips behind a long one"
+  timeout 540 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3b --device cuda --dtype bfloat16 \
+    --sizes 832x480,480x480 --frames 17,33,49 --steps 8,12,16 --guidance 1.0,5.0 --num-requests 8 --shorts 3 \
+    --output-json "$out/video_workload.json" 2>&1 | tee "$out/video_workload.txt" || echo "video_workload stopped early"
 fi

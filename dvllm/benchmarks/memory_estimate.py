@@ -47,6 +47,9 @@ from dvllm.worker.memory_profile import (
     step_peaks,
     worst_transient,
 )
+from dvllm.worker.memory_profile import (
+    worst_size as worst_size_of,
+)
 from dvllm.worker.state_pool import choose_block_numel
 
 GIB = 2**30
@@ -71,7 +74,7 @@ class Estimate:
     rows: int                     # max_batch_size
     decode_batch: int             # max_decode_batch
     step: dict[str, int]          # encode, denoise (the forward alone), decode peaks at `size`
-    worst_size: tuple[int, int]
+    worst_size: tuple[int, ...]  # (height, width), and a video model's frames
     worst: dict[str, int]         # the worst step the engine reserves (denoise with the step cache's extra)
     attention: dict[str, dict[str, int]]  # per kind of work, the attention kernels the fake runs took
     request_bytes: int            # the pool a default request at `size` takes, no prompt shared
@@ -199,7 +202,7 @@ def _steps(adapter: ModelAdapter, engine: dict[str, Any], size: tuple[int, int],
     step_size = largest_size(info, height * width)
     step = step_peaks(adapter, EngineConfig(**(engine | {"max_image_pixels": height * width})), memory)
     config = EngineConfig(**engine)
-    worst_size = largest_size(info, config.pixel_limit(info))
+    worst_size = worst_size_of(info, config)  # as start-up reserves it: a video model at max_num_frames
     worst = dict(step) if worst_size == step_size else step_peaks(adapter, config, memory)
     step["denoise"] -= step_cache_bytes(info, engine["max_batch_size"], step_size, adapter.dtype)
     return step, worst_size, worst
@@ -261,14 +264,15 @@ def _encoders_at(e: Estimate) -> str:
 
 def render(e: Estimate) -> str:
     """A short table for people."""
-    (h, w), (wh, ww) = e.size, e.worst_size
+    (h, w), (wh, ww) = e.size[:2], e.worst_size[:2]
+    frames = "" if len(e.worst_size) == 2 else f", {e.worst_size[2]} frames"  # a video model's most
     quantized = f", denoiser quantized {e.quantization}" if e.quantization else ""
     rows = [("weights on the GPU", e.gpu_weights, _parts(e.weights))]
     if e.host_weights:
         rows.append(("weights on the CPU (not counted)", sum(e.host_weights.values()), _parts(e.host_weights)))
     rows += [(f"step at {w}x{h}, {e.rows} rows", max(e.step.values()),
               f"{_parts(e.step)} ({e.decode_batch} images a decode)"),
-             (f"worst step reserved ({ww}x{wh})", e.reserved, _parts(e.worst) + (
+             (f"worst step reserved ({ww}x{wh}{frames})", e.reserved, _parts(e.worst) + (
                  (f"; the decode stage's VAE in {e.decode_workers} decode process(es) off this GPU, its queue "
                   f"{_gib(e.decode_queue)}" if e.decode_workers else
                   f"; the decode stage's VAE beside the loop's, its queue {_gib(e.decode_queue)}") if e.decode_stage

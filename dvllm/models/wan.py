@@ -65,6 +65,11 @@ class WanAdapter(ModelAdapter):
             cache_layout=self.cache_layout(),
         )
 
+    def probe_condition_shapes(self) -> dict[str, tuple[int, ...]]:
+        # every prompt is padded to the one length with the encoder's width: known without running it (which
+        # meta-device estimates cannot do)
+        return {"prompt_embeds": (MAX_SEQUENCE_LENGTH, self.pipeline.text_encoder.config.d_model)}
+
     def encode_prompt(self, texts: list[tuple[str | None, bool]],
                       max_sequence_length: int | None = None) -> list[Conditions]:
         embeds, _ = self.pipeline.encode_prompt(
