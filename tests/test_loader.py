@@ -73,12 +73,12 @@ def test_folder_without_model_index_is_not_a_diffusers_folder(tmp_path):
 
 
 def test_unsupported_pipeline_class_lists_the_supported_ones(tmp_path):
-    folder = write_model_index(tmp_path / "wan", {"_class_name": "WanPipeline",
-                                                  "transformer": ["diffusers", "WanTransformer3DModel"]})
+    folder = write_model_index(tmp_path / "cogvideox", {"_class_name": "CogVideoXPipeline",
+                                                        "transformer": ["diffusers", "CogVideoXTransformer3DModel"]})
     with pytest.raises(ValueError) as err:
         DiffusionEngine(model=str(folder), device="cpu")
     message = str(err.value)
-    assert "WanPipeline" in message and "StableDiffusionPipeline" in message and "FluxPipeline" in message
+    assert "CogVideoXPipeline" in message and "StableDiffusionPipeline" in message and "WanPipeline" in message
 
 
 def test_model_index_without_class_name_is_a_value_error(tmp_path):

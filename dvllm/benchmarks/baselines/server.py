@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from dvllm.benchmarks.baselines.runner import Batcher, Job, PipelineRunner, load_on_worker
+from dvllm.entrypoints.form_fields import typed_form
 from dvllm.entrypoints.image_store import encode_b64
 from dvllm.entrypoints.protocol import (
     APIError,
@@ -42,7 +43,7 @@ from dvllm.entrypoints.protocol import (
     engine_value_error,
 )
 from dvllm.entrypoints.request_body import BodyLimits, read_json_body
-from dvllm.entrypoints.serving_edits import _open, _typed
+from dvllm.entrypoints.serving_edits import open_image
 
 logger = logging.getLogger("baseline")
 _BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -110,9 +111,10 @@ def build_app(runner: PipelineRunner, worker: ThreadPoolExecutor, mode: str, max
         if not files or len(files) > runner.info.images.max_images or any(isinstance(f, str) for f in files):
             raise APIError(400, f"Send 1 to {runner.info.images.max_images} image files as 'image' or 'image[]'.",
                            param="image")
-        req = ImageEditRequest.parse(_typed({k: v for k, v in form.multi_items() if k not in ("image", "image[]")}))
+        req = ImageEditRequest.parse(typed_form({k: v for k, v in form.multi_items() if k not in ("image", "image[]")},
+                                                  ImageEditRequest))
         max_pixels = runner.config.pixel_limit(runner.info)
-        opened = [_open(await f.read(), max_pixels) for f in files]
+        opened = [open_image(await f.read(), max_pixels) for f in files]
         req.image = opened[0] if len(opened) == 1 else opened
         return await serve(req)
 
