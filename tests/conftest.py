@@ -181,8 +181,12 @@ def flux_path(tmp_path_factory) -> str:
 
 
 def tiny_qwen_image_pipeline(num_layers: int = 2):
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                           QwenImageTransformer2DModel)
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     from dvllm.models.byte_tokenizer import byte_qwen_tokenizer
@@ -264,10 +268,10 @@ def z_image_path(tmp_path_factory) -> str:
     return _saved(tmp_path_factory, "tiny-z-image", tiny_z_image_pipeline())
 
 
-def tiny_wan_pipeline(expand_timesteps: bool = False, two_experts: bool = False):
-    """Wan 2.1 text-to-video (Wan 2.2 TI2V's timesteps with expand_timesteps, A14B's two experts with
-    two_experts) at diffusers' test sizes, with the real checkpoints' scheduler: UniPC over flow sigmas."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+def _wan_parts(two_experts: bool, in_channels: int = 16, image_dim: int | None = None) -> dict:
+    """The components every tiny Wan pipeline shares, at diffusers' test sizes, with the real checkpoints'
+    scheduler (UniPC over flow sigmas); two experts (A14B) where asked."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     from dvllm.models.byte_tokenizer import byte_t5_tokenizer
@@ -279,16 +283,24 @@ def tiny_wan_pipeline(expand_timesteps: bool = False, two_experts: bool = False)
     for seed in (1, 3) if two_experts else (1,):
         torch.manual_seed(seed)
         experts.append(WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-            text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=32))
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels,
+            out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32, image_dim=image_dim))
     torch.manual_seed(2)
     text_encoder = UMT5EncoderModel(UMT5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                                                vocab_size=300, decoder_start_token_id=0))
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
-    pipe = WanPipeline(tokenizer=byte_t5_tokenizer(512), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                       transformer=experts[0], transformer_2=experts[1] if two_experts else None,
-                       boundary_ratio=0.875 if two_experts else None, expand_timesteps=expand_timesteps)
+    return dict(tokenizer=byte_t5_tokenizer(512), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                transformer=experts[0], transformer_2=experts[1] if two_experts else None)
+
+
+def tiny_wan_pipeline(expand_timesteps: bool = False, two_experts: bool = False):
+    """Wan 2.1 text-to-video (Wan 2.2 TI2V's timesteps with expand_timesteps, A14B's two experts with
+    two_experts)."""
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline(**_wan_parts(two_experts), boundary_ratio=0.875 if two_experts else None,
+                       expand_timesteps=expand_timesteps)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -301,24 +313,10 @@ def wan_path(tmp_path_factory) -> str:
 def tiny_wan_i2v_pipeline(two_experts: bool = False, image_encoder: bool = True):
     """Wan 2.1 image-to-video (36 input channels: the latents, a 4-channel frame mask and the image's encoded
     frames) with a tiny CLIP vision encoder; Wan 2.2 I2V A14B's shape with two_experts and no image encoder."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
-    from dvllm.models.byte_tokenizer import byte_t5_tokenizer
-
-    torch.manual_seed(0)
-    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                           temperal_downsample=[False, True, True])
-    experts = []
-    for seed in (1, 3) if two_experts else (1,):
-        torch.manual_seed(seed)
-        experts.append(WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=36, out_channels=16,
-            text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=32, image_dim=4 if image_encoder else None))
-    torch.manual_seed(2)
-    text_encoder = UMT5EncoderModel(UMT5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                               vocab_size=300, decoder_start_token_id=0))
+    parts = _wan_parts(two_experts, in_channels=36, image_dim=4 if image_encoder else None)
     encoder = processor = None
     if image_encoder:
         torch.manual_seed(4)
@@ -326,10 +324,7 @@ def tiny_wan_i2v_pipeline(two_experts: bool = False, image_encoder: bool = True)
                                                    num_attention_heads=2, image_size=32, intermediate_size=16,
                                                    patch_size=4))
         processor = CLIPImageProcessor(crop_size=32, size=32)
-    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
-    pipe = WanImageToVideoPipeline(
-        tokenizer=byte_t5_tokenizer(512), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-        image_processor=processor, image_encoder=encoder, transformer=experts[0],
-        transformer_2=experts[1] if two_experts else None, boundary_ratio=0.9 if two_experts else None)
+    pipe = WanImageToVideoPipeline(**parts, image_processor=processor, image_encoder=encoder,
+                                   boundary_ratio=0.9 if two_experts else None)
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -28,15 +28,17 @@ def reference(pipe, prompt: str, p: SamplingParams, output_type: str = "np") -> 
     return videos.numpy() if output_type == "latent" else videos
 
 
-def assert_batch_equals_pipeline(engine, pipe, batch: list[tuple[str, SamplingParams]]) -> list:
-    """Each request's videos, batched together, equal the pipeline's: as frames and as latents."""
+def assert_batch_equals_pipeline(engine, pipe, batch: list[tuple[str, SamplingParams]],
+                                 reference_of=reference) -> list:
+    """Each request's videos, batched together, equal the pipeline's (`reference_of(pipe, prompt, params,
+    output_type)`; default: WanPipeline's): as frames and as latents."""
     outs = []
     for output_type, tol in (("np", TOL), ("latent", LATENT_TOL)):
         params = [P(**{**vars(p), "output_type": output_type}) for _, p in batch]
         outs = engine.generate([q for q, _ in batch], params, use_tqdm=False)
         for (prompt, p), out in zip(batch, outs):
             assert out.error is None, out.error
-            want = reference(pipe, prompt, p, output_type)
+            want = reference_of(pipe, prompt, p, output_type)
             assert len(out.images) == p.n
             for i, video in enumerate(out.images):
                 assert_video_equals(np.asarray(video), want[i], f"{prompt!r} {output_type} video {i}", tol)

@@ -9,7 +9,7 @@ import torch
 from conftest import _saved, tiny_wan_i2v_pipeline
 from diffusers import WanImageToVideoPipeline
 from PIL import Image
-from test_wan import LATENT_TOL, TOL
+from test_wan import LATENT_TOL, assert_batch_equals_pipeline
 
 from dvllm import DiffusionEngine, SamplingParams
 
@@ -44,21 +44,6 @@ def batch() -> list[tuple[str, SamplingParams]]:
     ]
 
 
-def assert_equals_pipeline(engine, pipe, requests) -> list:
-    outs = []
-    for output_type, tol in (("np", TOL), ("latent", LATENT_TOL)):
-        params = [P(**{**vars(p), "output_type": output_type}) for _, p in requests]
-        outs = engine.generate([q for q, _ in requests], params, use_tqdm=False)
-        for (prompt, p), out in zip(requests, outs):
-            assert out.error is None, out.error
-            want = reference(pipe, prompt, p, output_type)
-            assert len(out.images) == p.n
-            for got, expected in zip(out.images, want):
-                diff = float(np.abs(np.asarray(got) - expected).max())
-                assert diff <= tol, f"{prompt!r} {output_type}: max abs diff {diff}"
-    return outs
-
-
 @pytest.mark.parametrize("shape", ["wan2.1-i2v", "wan2.2-i2v-a14b"])
 def test_videos_from_images_equal_the_pipeline_alone_and_batched(tmp_path_factory, shape):
     two = shape == "wan2.2-i2v-a14b"
@@ -69,7 +54,7 @@ def test_videos_from_images_equal_the_pipeline_alone_and_batched(tmp_path_factor
     requests = batch()
     if two:
         requests[0] = (requests[0][0], P(**{**vars(requests[0][1]), "guidance_scale_2": 2.0}))
-    outs = assert_equals_pipeline(engine, pipe, requests)
+    outs = assert_batch_equals_pipeline(engine, pipe, requests, reference)
     alone = engine.generate(requests[0][0], P(**{**vars(requests[0][1]), "output_type": "latent"}), use_tqdm=False)[0]
     np.testing.assert_allclose(alone.images[0].numpy(), outs[0].images[0].numpy(), atol=LATENT_TOL, rtol=0)
     # the image counts: another image, same prompt and seed, is another video
