@@ -41,3 +41,25 @@ def test_the_report_says_it_is_arithmetic(tmp_path, capsys):
     assert result["kind"] == "arithmetic, not measured"
     assert [r["gpus"] for r in result["sequence_parallel"]] == [1, 2, 4, 8]
     assert "not measured" in capsys.readouterr().out
+
+
+def test_the_one_device_measurement_runs_its_collectives_and_labels_the_arithmetic(tmp_path, capsys):
+    """group_on_device's dry run on the CPU (a gloo group of one): the forwards and exchanges measured, the N-GPU
+    rows built from them; a preset without a Flux transformer is refused."""
+    from dvllm.benchmarks.group_on_device import main as measure
+
+    out = tmp_path / "device.json"
+    measure(["--preset", "flux-cpu", "--size", "128", "--text-tokens", "16", "--device", "cpu", "--dtype", "float32",
+             "--rounds", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["kind"].startswith("measured on one device") and result["tokens"] == 8 * 8 + 16
+    assert result["forward_1_row_s"] > 0 and result["forward_2_rows_s"] > 0
+    rows = result["sequence_parallel"]
+    assert [r["gpus"] for r in rows] == [2, 4, 8]
+    for row in rows:
+        assert row["on_device_collectives_s"] > 0 and row["on_device_copies_s"] > 0
+        assert row["step_s"] == pytest.approx(row["compute_s"] + row["link_s"] + row["collective_overhead_s"])
+        assert row["speedup_bound"] == pytest.approx(result["forward_1_row_s"] / row["step_s"])
+    assert "Ulysses on 8 GPUs" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="Flux"):
+        measure(["--preset", "wan-cpu", "--size", "64", "--device", "cpu", "--dtype", "float32", "--rounds", "1"])

@@ -198,8 +198,10 @@ async def _measure(args: argparse.Namespace, mixed: list[VideoRequest],
     pipeline = VideoPipelineRunner(runner)
     for request in mixed + behind:  # what the engine refuses, refused before anything is timed
         pipeline.resolve(request)
+    # The memory profile runs the worst step the limits allow: the workload's longest clip, not Wan's 129 frames
+    longest = max(r.frames for r in mixed + behind)
     engine = AsyncDiffusionEngine(model=args.model, load_format=args.load_format, device=args.device,
-                                  dtype=args.dtype, engine_core_process=False)
+                                  dtype=args.dtype, engine_core_process=False, max_num_frames=longest)
     engine.start()
     # Both batchers feed the one pipeline thread; their loops end with this event loop (asyncio.run cancels
     # them): Batcher.stop would also shut that thread.

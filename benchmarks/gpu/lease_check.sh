@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# What fits one lent GPU (15 minutes of device time, one call): run_suite.sh's most needed steps, each capped so
+# that the whole ends inside --budget seconds (default 540), most needed first. Every step writes its own log and
+# JSON under --out; a step that fails or runs out of time is reported and the next one runs.
+#   1. the CUDA kernels: build (Hopper only, TORCH_CUDA_ARCH_LIST=9.0) and tests/test_state_ops.py on CUDA
+#   2. CUDA graph replay against eager and the syncs in one step, per family (tests/test_host_syncs.py -k cuda)
+#   3. video (issue 29): wan2.1-t2v-1.3b at 832x480 and 480x480, dvllm vs serial vs static (video_workload)
+#   4. worker groups (issue 28): flux-dev's forward and its exchanges on this one GPU, and the N-GPU arithmetic
+#   5. sd15 (fp16, 512x512, 25 steps, CFG): dvllm vs serial vs static batches (throughput)
+#
+#   benchmarks/gpu/lease_check.sh [--out DIR] [--budget SECONDS] [--dry-run]
+#
+# Wheels the machine lacks (diffusers and its small needs) travel in .whl/ as run_suite.sh says.
+# --dry-run runs the same steps on the CPU at tiny sizes (the presets' CPU cousins).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-benchmarks/results} budget=540 dry=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) out=$2; shift ;;
+    --budget) budget=$2; shift ;;
+    --dry-run) dry=1 ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+python=${PYTHON:-python3}
+
+# step NAME SHARE COMMAND...: runs COMMAND under `timeout` for SHARE seconds at most (less if the budget is short)
+step() {
+  local name=$1 share=$2 left=$((budget - SECONDS)); shift 2
+  local cap=$((share < left ? share : left))
+  if [ "$cap" -lt 10 ]; then echo "== $name: skipped, the budget is spent"; return; fi
+  echo "== $name (at most ${cap} s; ${SECONDS} s used)"
+  local start=$SECONDS
+  timeout --kill-after=5 "$cap" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$out/$name.log"
+  echo "== $name: exit $rc after $((SECONDS - start)) s$([ $rc = 124 ] && echo ' (out of time)')"
+}
+
+$python - <<'PY'
+import torch, diffusers, transformers
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), diffusers {diffusers.__version__}, "
+      f"transformers {transformers.__version__}")
+print("GPU:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+PY
+
+if [ $dry = 1 ]; then
+  step kernels 120 $python -m pytest -q -x tests/test_state_ops.py -k "cpu and dtype0" -p no:cacheprovider
+  step video 120 $python -m dvllm.benchmarks.video_workload --model wan-cpu --sizes 64x64,96x64 --frames 5,9 \
+    --steps 2,3 --num-requests 4 --shorts 2 --output-json "$out/video_workload.json"
+  step group 60 $python -m dvllm.benchmarks.group_on_device --preset flux-cpu --size 128 --text-tokens 16 \
+    --device cpu --dtype float32 --rounds 1 --out "$out/group_on_device.json"
+  step sd 120 $python -m dvllm.benchmarks.throughput --model tiny-sd --device cpu --dtype float32 --size 16x16 \
+    --steps 3 --guidance 7.5 --num-requests 4 --rounds 1 --static-batch-sizes 2 --output-json "$out/sd15.json"
+  exit 0
+fi
+step kernels 170 env PYTHON=$python tests/gpu/run.sh
+step graphs 100 $python -m pytest -q -rfEs -p no:cacheprovider tests/test_host_syncs.py -k cuda
+step video 190 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3b --device cuda --dtype bfloat16 \
+  --sizes 832x480,480x480 --frames 17,33 --steps 8,12 --guidance 1.0,5.0 --num-requests 6 --shorts 2 \
+  --output-json "$out/video_workload.json"
+step group 60 $python -m dvllm.benchmarks.group_on_device --preset flux-dev --size 1024 --text-tokens 512 \
+  --device cuda --dtype bfloat16 --rounds 5 --out "$out/group_on_device.json"
+step sd 120 $python -m dvllm.benchmarks.throughput --model sd15 --load-format dummy --device cuda --dtype float16 \
+  --size 512x512 --steps 25 --guidance 7.5 --num-requests 16 --rounds 1 --static-batch-sizes 8,16 \
+  --output-json "$out/sd15.json"
+echo "== done in ${SECONDS} s"
