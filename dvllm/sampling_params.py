@@ -230,6 +230,10 @@ class SamplingParams:
             value = getattr(resolved, name)
             if value % factor:
                 raise ValueError(f"{name} must be a positive multiple of {factor} for this model, got {value}")
+        side = info.latents.max_side
+        if side is not None and max(resolved.height, resolved.width) > side:
+            raise ValueError(f"height and width must be at most {side} for this model (its position tables), got "
+                             f"{resolved.height}x{resolved.width}")
         if resolved.height * resolved.width > max_pixels:
             raise ValueError(
                 f"height*width must be at most {max_pixels} pixels (max_image_pixels), "

@@ -243,7 +243,7 @@ def tiny_z_image_pipeline():
     torch.manual_seed(0)
     transformer = ZImageTransformer2DModel(
         all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2, n_refiner_layers=1,
-        n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[8, 4, 4], axes_lens=[256, 32, 32],
+        n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[8, 4, 4], axes_lens=[1536, 32, 32],
     )
     torch.manual_seed(1)
     vae = AutoencoderKL(

@@ -65,8 +65,11 @@ def test_cuda_graph_replay_matches_eager(sd_eps_path):
     params = [SamplingParams(num_inference_steps=6, guidance_scale=g, seed=s, height=16, width=16, output_type="np")
               for g, s in ((5.0, 1), (1.0, 2), (7.5, 3))]
     prompts = ["a", "b", "c"]
-    eager = DiffusionEngine(model=sd_eps_path, device="cuda", dtype="float32").generate(prompts, params, use_tqdm=False)
-    graphs = DiffusionEngine(model=sd_eps_path, device="cuda", dtype="float32", cuda_graph=True)
+    # each engine's pool is sized from what the device has left: the second takes its share beside the first's
+    eager = DiffusionEngine(model=sd_eps_path, device="cuda", dtype="float32", gpu_memory_utilization=0.25)
+    eager = eager.generate(prompts, params, use_tqdm=False)
+    graphs = DiffusionEngine(model=sd_eps_path, device="cuda", dtype="float32", cuda_graph=True,
+                             gpu_memory_utilization=0.5)
     for want, got in zip(eager, graphs.generate(prompts, params, use_tqdm=False)):
         np.testing.assert_allclose(got.images[0], want.images[0], atol=1e-3, rtol=0)
 

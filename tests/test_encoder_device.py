@@ -2,6 +2,8 @@
 checks are tested; the crossing itself (encoders on the CPU, denoiser on CUDA) where a GPU is present."""
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,15 @@ PARAMS = SamplingParams(num_inference_steps=3, seed=4, height=16, width=16, outp
 
 
 def image(**kwargs) -> np.ndarray:
-    out = DiffusionEngine(dtype="float32", **kwargs).generate(["a red circle"], [PARAMS], use_tqdm=False)[0]
+    engine = DiffusionEngine(dtype="float32", **kwargs)
+    try:
+        out = engine.generate(["a red circle"], [PARAMS], use_tqdm=False)[0]
+    finally:  # its pool back to the device before the next engine sizes its own from what is left
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     assert out.error is None, out.error
     return out.images[0]
 

@@ -244,7 +244,8 @@ def test_flow_matching_families_match_pipeline_per_request(family, request):
         assert_matches_pipeline(pipe, prompt, p, out)
     if family != "sd3":  # a shift `mu` cannot go to FlowMatchHeun (diffusers fails too): refused up front
         with pytest.raises(ValueError, match="FlowMatchHeunDiscreteScheduler"):
-            engine.add_request("heun", "x", SamplingParams(sampler="FlowMatchHeunDiscreteScheduler"))
+            engine.add_request("heun", "x", SamplingParams(sampler="FlowMatchHeunDiscreteScheduler", height=32,
+                                                           width=32))
 
 
 @pytest.mark.parametrize("family, length", [("qwen-image", None), ("qwen-image", 700), ("z-image", 100)])

@@ -84,6 +84,28 @@ def _own_sites(syncs: HostSyncs) -> dict:
             if not any(what == w and site in where for w, site in DIFFUSERS_SITES)}
 
 
+# Each engine sizes its pool from what the whole device has left (as vLLM does): a test's second engine takes
+# a share beside its first one's, and each CUDA test releases its engines (release_gpu) so the next one starts
+# from an empty GPU.
+GPU_SHARE = {"gpu_memory_utilization": 0.25}
+SECOND_GPU_SHARE = {"gpu_memory_utilization": 0.5}
+
+
+@pytest.fixture
+def release_gpu():
+    """After a CUDA test, its engines' memory back to the device, also when it failed: pytest keeps the last
+    failure's traceback (sys.last_traceback), whose frames would hold that test's engines and their pools."""
+    yield
+    import gc
+    import sys
+
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 IDS = [f"{f}{'-lora' if lora else ''}{'-' + m if m else ''}" for f, lora, m in CASES]
 
 
@@ -92,7 +114,8 @@ def _engine_at_a_middle_step(family: str, lora: bool, method: str | None, device
     """An engine with three requests admitted and two steps run (a cache is primed by then)."""
     fixture, edit, unet = FAMILIES[family]
     path = request.getfixturevalue(fixture)
-    engine = DiffusionEngine(model=path, device=device, dtype="float32", enable_lora=lora)
+    engine = DiffusionEngine(model=path, device=device, dtype="float32", enable_lora=lora,
+                             **(GPU_SHARE if device == "cuda" else {}))
     if lora:
         engine.load_lora("l", _lora(path, lora_folders, tmp_path_factory))
     for i, (prompt, params) in enumerate(_requests(edit, unet, lora, CACHES.get(method))):
@@ -119,7 +142,8 @@ def test_a_step_reads_nothing_back_from_the_device(family, lora, method, request
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's own sync check needs a GPU")
 @pytest.mark.parametrize("family, lora, method", CASES, ids=IDS)
-def test_a_cuda_step_syncs_within_the_allowance(family, lora, method, request, lora_folders, tmp_path_factory):
+def test_a_cuda_step_syncs_within_the_allowance(family, lora, method, request, lora_folders, tmp_path_factory,
+                                                release_gpu):
     """The same on a GPU, counted by CUDA itself (torch.cuda.set_sync_debug_mode warns at each sync)."""
     engine = _engine_at_a_middle_step(family, lora, method, "cuda", request, lora_folders, tmp_path_factory)
     torch.cuda.synchronize()
@@ -131,7 +155,9 @@ def test_a_cuda_step_syncs_within_the_allowance(family, lora, method, request, l
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert not [o.error for o in outputs if o.error], outputs
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    # torch's own notice that the mode is a prototype is no sync (the GPU run of 2026-12-04 counted it as one)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)
+             and "prototype feature" not in str(w.message)]
     # first_block's decision; diffusers' own copy in Qwen-Image's transformer (DIFFUSERS_SITES)
     allowed = (method == "first_block") + family.startswith("qwen-image")
     assert len(syncs) <= allowed, syncs
@@ -156,14 +182,14 @@ def test_every_family_batched_forward_traces_whole(family, request, monkeypatch)
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_family_replays_a_cuda_graph_with_the_eager_images(family, lora, request, lora_folders,
-                                                                 tmp_path_factory):
+                                                                 tmp_path_factory, release_gpu):
     """On a GPU, with CUDA's own graphs (test_graph_replay.py proves the same on the CPU with a stand-in)."""
     fixture, edit, unet = FAMILIES[family]
     path = request.getfixturevalue(fixture)
     requests = _requests(edit, unet, lora, None, steps=3)
     prompts, params = [prompt for prompt, _ in requests], [dataclasses.replace(p, output_type="np") for _, p in requests]
-    engines = [DiffusionEngine(model=path, device="cuda", dtype="float32", cuda_graph=graphs, enable_lora=lora)
-               for graphs in (False, True)]
+    engines = [DiffusionEngine(model=path, device="cuda", dtype="float32", cuda_graph=graphs, enable_lora=lora,
+                               **share) for graphs, share in ((False, GPU_SHARE), (True, SECOND_GPU_SHARE))]
     if lora:
         for e in engines:
             e.load_lora("l", _lora(path, lora_folders, tmp_path_factory))

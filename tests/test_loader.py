@@ -320,3 +320,28 @@ def test_auto_dtype_is_resolved_at_load_and_logged(sd3_path, caplog):
         adapter = load_adapter(sd3_path, "auto", torch.device("cpu"), "auto")
     assert adapter.dtype == torch.float32 and adapter.pipeline.transformer.dtype == torch.float32
     assert "dtype float32 on cpu" in caplog.text and "StableDiffusion3Adapter" in caplog.text
+
+
+def test_a_gpu_engine_builds_dummy_models_on_its_gpu_where_they_fit(monkeypatch):
+    """On a GPU the dummy weights are drawn there (the CPU draws random numbers serially: minutes for a 5B text
+    encoder); a model whose float32 build and cast copy pass 60% of the GPU's size is built on the CPU, and the
+    text encoders go where --encoder-device puts them. The rule reads the GPU's size, not its free memory, so a
+    group's members build what the leader builds."""
+    from types import SimpleNamespace
+
+    from dvllm.models import loader
+
+    source = loader.resolve_model("flux-cpu")
+    cls = getattr(__import__("diffusers"), "FluxTransformer2DModel")
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in loader._build_component(cls, "transformer", source).parameters())
+    gpu = torch.device("cuda:0")
+    for total, want in ((numel * 6 / 0.6, gpu), (numel * 6 / 0.6 - 1, None)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _, total=total: SimpleNamespace(
+            total_memory=total))
+        assert loader._gpu_if_it_fits(gpu, cls, "transformer", source, torch.bfloat16) == want
+    assert loader._gpu_if_it_fits(CPU, cls, "transformer", source, torch.bfloat16) is None
+    assert loader.build_devices(CPU, None) is None
+    where = loader.build_devices(gpu, "cpu")
+    assert (where("text_encoder_2"), where("transformer"), where("vae")) == (CPU, gpu, gpu)
+    assert loader.build_devices(gpu, None)("text_encoder") == gpu

@@ -111,7 +111,7 @@ def forward_seconds(args: argparse.Namespace, device: torch.device, dtype: torch
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     built_s, forward_1, forward_2 = forward_seconds(args, device, dtype)  # the model freed before the exchanges
     shape = transformer_shape(args.preset, args.size, args.text_tokens)

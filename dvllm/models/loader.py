@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -182,7 +183,8 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     pipeline_cls = getattr(importlib.import_module("diffusers"), source.pipeline_class)
     adapter_cls.before_loading()
     if load_format == "dummy" or source.preset is not None:
-        pipeline = pipeline_cls(**dummy_components(source, adapter_cls, seed))
+        on = build_devices(device, load.encoder_device)
+        pipeline = pipeline_cls(**dummy_components(source, adapter_cls, seed, build_on=on, dtype=dtype))
     else:
         pipeline = _load_weights(source, pipeline_cls, adapter_cls, dtype, load)
     # Dummy components are built in float32; cast only when asked for another dtype.
@@ -272,10 +274,22 @@ def _apply_defaults(adapter: ModelAdapter, source: ModelSource, default_params: 
                     ", ".join(f"{k}={v} ({where[k]})" for k, v in sorted(defaults.items())))
 
 
-def dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed: int,
-                     meta: bool = False) -> dict[str, Any]:
+def build_devices(device: torch.device, encoder_device: str | None) -> Callable[[str], torch.device] | None:
+    """Where a GPU engine builds each dummy component (None: on the CPU, as for a CPU engine): on its GPU, where
+    initializing billions of weights takes seconds instead of minutes of the CPU's serial random numbers; the
+    text encoders where they will run."""
+    if device.type != "cuda":
+        return None
+    encoders = torch.device(encoder_device) if encoder_device else device
+    return lambda name: encoders if name.startswith("text_encoder") else device
+
+
+def dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed: int, meta: bool = False,
+                     build_on: Callable[[str], torch.device] | None = None,
+                     dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Every component from its config, with seeded random weights (meta: the models on the meta device,
-    no weights at all; tokenizers and schedulers as usual)."""
+    no weights at all; tokenizers and schedulers as usual). `build_on` names the device for each model: on a GPU
+    it is built in float32 and cast to `dtype` there where that fits (_gpu_if_it_fits), else on the CPU."""
     components: dict[str, Any] = {}
     for name, spec in source.model_index.items():
         if name.startswith("_"):
@@ -288,16 +302,35 @@ def dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed:
             components[name] = None
             continue
         cls = getattr(importlib.import_module(library), class_name)
-        on_meta = meta and isinstance(cls, type) and issubclass(cls, torch.nn.Module)
-        with torch.random.fork_rng(devices=[]), (torch.device("meta") if on_meta else contextlib.nullcontext()):
+        is_model = isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+        place = torch.device("meta") if meta and is_model else None
+        if build_on is not None and is_model and not meta:
+            place = _gpu_if_it_fits(build_on(name), cls, name, source, dtype)
+        gpus = [place] if place is not None and place.type == "cuda" else []
+        with torch.random.fork_rng(devices=gpus), (place if place is not None else contextlib.nullcontext()):
             # each component's own reproducible weights: no two components share a stream
             torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             components[name] = _build_component(cls, name, source)
+        if gpus and dtype is not None:
+            components[name].to(dtype)  # what pipeline.to does next, before the next component takes memory
         if isinstance(components[name], torch.nn.Module):  # as from_pretrained leaves it: no dropout (T5 has 0.1)
             components[name].eval()
     for name, value in adapter_cls.load_kwargs.items():
         components.setdefault(name, value)
     return components
+
+
+def _gpu_if_it_fits(device: torch.device, cls: type, name: str, source: ModelSource,
+                    dtype: torch.dtype | None) -> torch.device | None:
+    """`device` if it is a GPU on which the model in float32 and its cast copy take at most 60% of the memory,
+    else None (the CPU). The rule reads the GPU's size, not what is free, so that a group's members and a
+    benchmark's baseline build the same weights as the engine (one seed gives other numbers on a GPU)."""
+    if device.type != "cuda":
+        return None
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in _build_component(cls, name, source).parameters())
+    final = torch.empty((), dtype=dtype or torch.float32).element_size()
+    return device if numel * (4 + final) <= 0.6 * torch.cuda.get_device_properties(device).total_memory else None
 
 
 def _build_component(cls: type, name: str, source: ModelSource) -> Any:

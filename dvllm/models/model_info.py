@@ -80,6 +80,9 @@ class Latents:
     # Video latents (Wan): [C, frames, h, w], the VAE keeping the first frame and compressing each
     # `temporal_scale` after it into one latent frame. 0: image latents.
     temporal_scale: int = 0
+    # The longest height or width in pixels the denoiser has positions for (Z-Image's RoPE tables; on a GPU an
+    # index past them is a device-side assert that ends the process). None: any.
+    max_side: int | None = None
 
     def shape(self, height: int, width: int, frames: int | None = None) -> tuple[int, ...]:
         """One image's (or one video's: its frames) latents as the denoiser takes them (no batch dimension)."""

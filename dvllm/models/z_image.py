@@ -54,12 +54,19 @@ class ZImageAdapter(ModelAdapter):
             family="z-image", pipeline_class=type(pipe).__name__,
             defaults=Defaults(steps=50, guidance=5.0, height=1024, width=1024),  # the pipeline's defaults
             schedule=Schedule(self.scheduler_config(), timestep_kwargs=partial(z_image_timestep_kwargs, factor)),
-            latents=Latents(channels=pipe.transformer.in_channels, scale=factor, size_factor=factor * 2),
+            latents=Latents(channels=pipe.transformer.in_channels, scale=factor, size_factor=factor * 2,
+                            max_side=self._max_side(factor * 2)),
             text=Text({"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
                       max_sequence_length=MAX_TEXT_TOKENS, sequence_length_range=(1, MAX_TEXT_TOKENS)),
             guidance=Guidance(threshold=0.0),
             cache_layout=self.cache_layout(),
         )
+
+    def _max_side(self, pixels_per_token: int) -> int | None:
+        """The longest side the RoPE tables cover: their height and width lengths, in tokens of 2x2 latents."""
+        rope = getattr(self.pipeline.transformer, "rope_embedder", None)
+        lengths = getattr(rope, "axes_lens", None)
+        return None if lengths is None else min(lengths[1:]) * pixels_per_token
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],
                       max_sequence_length: int | None = None) -> list[Conditions]:

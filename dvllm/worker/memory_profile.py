@@ -61,7 +61,8 @@ class DeviceMemory:
 def largest_size(info: ModelInfo, max_pixels: int, max_frames: int | None = None) -> tuple[int, ...]:
     """The largest square (height, width) in multiples of the size factor that max_pixels allows; a video
     model's with the most frames max_frames allows after them."""
-    side = max(info.latents.size_factor, math.isqrt(max_pixels) // info.latents.size_factor * info.latents.size_factor)
+    factor = info.latents.size_factor
+    side = max(factor, min(math.isqrt(max_pixels), info.latents.max_side or max_pixels) // factor * factor)
     if info.video is None:
         return side, side
     step = info.video.frame_multiple

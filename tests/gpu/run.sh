@@ -54,8 +54,11 @@ status=0
 
 echo "== summary"
 "$PY" - "$report" "$status" <<'PY'
+import os
 import sys
 import xml.etree.ElementTree as ET
+if not os.path.exists(sys.argv[1]):  # a crash (the 2026-12-04 H200 run: a segfault) leaves no report
+    raise SystemExit(f"FAIL: pytest ended (exit {sys.argv[2]}) before writing its report: its output above says where")
 cases = ET.parse(sys.argv[1]).getroot().iter("testcase")
 counts = {}
 for case in cases:
