@@ -65,3 +65,22 @@ def test_a_default_sampler_runs_as_if_the_request_named_it(sd_eps_path):
 def test_bad_default_params_are_refused_before_the_model_loads(value, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(default_params=value)
+
+
+def test_a_video_models_frames_and_rate_come_from_its_defaults(wan_path, sd_eps_path, tmp_path):
+    """num_frames and fps as defaults (a video model's ModelInfo.video): Wan 2.2 TI2V-5B's card is 704x1280, 121
+    frames at 24 fps, where its pipeline says 480x832 and 81; a folder's own file sets them too. Image models and
+    frame counts the VAE cannot pack are refused, naming the file."""
+    assert known_defaults("wan2.2-ti2v-5b") == {"height": 704, "width": 1280, "num_frames": 121, "fps": 24}
+    folder = tmp_path / "wan"
+    shutil.copytree(wan_path, folder)
+    (folder / "dvllm_defaults.json").write_text(json.dumps({"num_frames": 9, "fps": 8, "height": 32}))
+    info = DiffusionEngine(model=str(folder), device="cpu", dtype="float32").model_info
+    assert (info.video.frames, info.video.fps, info.defaults.height, info.default_size[2]) == (9, 8, 32, 9)
+    (folder / "dvllm_defaults.json").write_text(json.dumps({"num_frames": 8}))
+    with pytest.raises(ValueError, match="num_frames - 1 must be a multiple of 4, got 8"):
+        DiffusionEngine(model=str(folder), device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="fps: StableDiffusionPipeline makes images"):
+        DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", default_params={"fps": 16})
+    with pytest.raises(ValueError, match="fps must be a finite number > 0"):
+        DiffusionEngine(model=str(folder), device="cpu", dtype="float32", default_params={"fps": 0})

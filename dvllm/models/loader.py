@@ -31,7 +31,7 @@ from dvllm.models.byte_tokenizer import (
     byte_t5_tokenizer,
 )
 from dvllm.models.load_config import LoadConfig
-from dvllm.models.model_defaults import DEFAULTS_FIELDS, known_defaults, parse_defaults
+from dvllm.models.model_defaults import DEFAULTS_FIELDS, VIDEO_FIELDS, known_defaults, parse_defaults
 from dvllm.models.quantization import finish_quantization, pipeline_config
 from dvllm.models.registry import adapter_for
 from dvllm.models.single_file import (
@@ -269,7 +269,8 @@ def _apply_defaults(adapter: ModelAdapter, source: ModelSource, default_params: 
     if defaults:
         info = adapter.info
         chosen = {DEFAULTS_FIELDS[k]: v for k, v in defaults.items() if k in DEFAULTS_FIELDS}
-        adapter.info = dataclasses.replace(info, defaults=dataclasses.replace(info.defaults, **chosen))
+        adapter.info = dataclasses.replace(info, defaults=dataclasses.replace(info.defaults, **chosen),
+                                           video=_video_defaults(info, defaults, where))
         logger.info("request defaults for %s: %s", source.name,
                     ", ".join(f"{k}={v} ({where[k]})" for k, v in sorted(defaults.items())))
 
@@ -282,6 +283,22 @@ def build_devices(device: torch.device, encoder_device: str | None) -> Callable[
         return None
     encoders = torch.device(encoder_device) if encoder_device else device
     return lambda name: encoders if name.startswith("text_encoder") else device
+
+
+def _video_defaults(info: Any, defaults: dict[str, Any], where: dict[str, str]) -> Any:
+    """The model's ModelInfo.video with the defaults' num_frames and fps; ValueError for an image model or a
+    frame count the VAE cannot pack."""
+    chosen = {VIDEO_FIELDS[k]: v for k, v in defaults.items() if k in VIDEO_FIELDS}
+    if not chosen:
+        return info.video
+    key = next(k for k in VIDEO_FIELDS if k in defaults)
+    if info.video is None:
+        raise ValueError(f"{where[key]}: {key}: {info.pipeline_class} makes images, not videos")
+    frames = chosen.get("frames", info.video.frames)
+    if (frames - 1) % info.video.frame_multiple:
+        raise ValueError(f"{where['num_frames']}: num_frames - 1 must be a multiple of "
+                         f"{info.video.frame_multiple}, got {frames}")
+    return dataclasses.replace(info.video, **chosen)
 
 
 def dummy_components(source: ModelSource, adapter_cls: type[ModelAdapter], seed: int, meta: bool = False,

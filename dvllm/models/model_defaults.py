@@ -14,8 +14,10 @@ from typing import Any
 # request field -> the ModelInfo.defaults (model_info.Defaults) field it sets
 DEFAULTS_FIELDS = {"num_inference_steps": "steps", "guidance_scale": "guidance", "height": "height",
                    "width": "width", "sampler": "sampler"}
+# a video model's frames and rate (ModelInfo.video)
+VIDEO_FIELDS = {"num_frames": "frames", "fps": "fps"}
 # max_sequence_length changes the model's conditions: the adapter takes it (set_max_sequence_length)
-KEYS = (*DEFAULTS_FIELDS, "max_sequence_length")
+KEYS = (*DEFAULTS_FIELDS, *VIDEO_FIELDS, "max_sequence_length")
 
 _TURBO_512 = {"num_inference_steps": 1, "guidance_scale": 0.0, "height": 512, "width": 512}
 # By Hub id, lower case. Each from the model card's own example call.
@@ -25,9 +27,17 @@ KNOWN_DEFAULTS: dict[str, dict[str, Any]] = {
     "stabilityai/sdxl-turbo": _TURBO_512,
     "stabilityai/sd-turbo": _TURBO_512,
     "stabilityai/stable-diffusion-3.5-large-turbo": {"num_inference_steps": 4, "guidance_scale": 0.0},
+    # Wan: the pipeline's own defaults are 480x832 and 81 frames for every model
+    "wan-ai/wan2.2-ti2v-5b-diffusers": {"height": 704, "width": 1280, "num_frames": 121, "fps": 24},
+    "wan-ai/wan2.1-t2v-14b-diffusers": {"height": 720, "width": 1280},
+    "wan-ai/wan2.2-t2v-a14b-diffusers": {"height": 720, "width": 1280, "num_inference_steps": 40,
+                                         "guidance_scale": 4.0},
 }
 # dvllm's presets of those architectures (random weights, for timing) time what the model would run
-PRESET_HUB_IDS = {"z-image-turbo": "tongyi-mai/z-image-turbo", "sd-turbo": "stabilityai/sd-turbo"}
+PRESET_HUB_IDS = {"z-image-turbo": "tongyi-mai/z-image-turbo", "sd-turbo": "stabilityai/sd-turbo",
+                  "wan2.2-ti2v-5b": "wan-ai/wan2.2-ti2v-5b-diffusers",
+                  "wan2.1-t2v-14b": "wan-ai/wan2.1-t2v-14b-diffusers",
+                  "wan2.2-t2v-a14b": "wan-ai/wan2.2-t2v-a14b-diffusers"}
 
 
 def known_defaults(name: str) -> dict[str, Any]:
@@ -51,6 +61,8 @@ def parse_defaults(value: Any, where: str) -> dict[str, Any]:
     for key, v in value.items():
         if key == "guidance_scale":
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf")
+        elif key == "fps":
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
         elif key == "sampler":
             ok = isinstance(v, str) and bool(v)
         else:
@@ -66,4 +78,4 @@ def parse_defaults(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-_EXPECTED = {"guidance_scale": "a finite number >= 0", "sampler": "a sampler name"}
+_EXPECTED = {"guidance_scale": "a finite number >= 0", "fps": "a finite number > 0", "sampler": "a sampler name"}
