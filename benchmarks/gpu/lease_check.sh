@@ -2,11 +2,12 @@
 # What fits one lent GPU (15 minutes of device time, one call): run_suite.sh's most needed steps, each capped so
 # that the whole ends inside --budget seconds (default 540), most needed first. Every step writes its own log and
 # JSON under --out; a step that fails or runs out of time is reported and the next one runs.
-#   1. the CUDA kernels: build (Hopper only, TORCH_CUDA_ARCH_LIST=9.0) and tests/test_state_ops.py on CUDA
+#   1. the CUDA kernels: build (Hopper only, TORCH_CUDA_ARCH_LIST=9.0) and tests/test_state_ops.py on CUDA, but
+#      for the argument checks, which crashed the process on 2026-12-04: 1b runs them alone under compute-sanitizer
 #   2. CUDA graph replay against eager and the syncs in one step, per family (tests/test_host_syncs.py -k cuda)
 #   3. video (issue 29): wan2.1-t2v-1.3b at 832x480 and 480x480, dvllm vs serial vs static (video_workload)
-#   4. worker groups (issue 28): flux-dev's forward and its exchanges on this one GPU, and the N-GPU arithmetic
-#   5. sd15 (fp16, 512x512, 25 steps, CFG): dvllm vs serial vs static batches (throughput)
+#   4. sd15 (fp16, 512x512, 25 steps, CFG): dvllm vs serial vs static batches (throughput)
+#   5. worker groups (issue 28): flux-dev's forward and its exchanges on this one GPU, and the N-GPU arithmetic
 #
 #   benchmarks/gpu/lease_check.sh [--out DIR] [--budget SECONDS] [--dry-run]
 #
@@ -62,14 +63,16 @@ if [ $dry = 1 ]; then
     --steps 3 --guidance 7.5 --num-requests 4 --rounds 1 --static-batch-sizes 2 --output-json "$out/sd15.json"
   exit 0
 fi
-step kernels 170 env PYTHON=$python tests/gpu/run.sh
+step kernels 150 env PYTHON=$python tests/gpu/run.sh -k "not test_kernels_check_their_arguments"
+step kernel_checks 60 compute-sanitizer --tool memcheck $python -m pytest -q -p no:cacheprovider \
+  tests/test_state_ops.py -k "test_kernels_check_their_arguments and cuda"
 step graphs 100 $python -m pytest -q -rfEs -p no:cacheprovider tests/test_host_syncs.py -k cuda
-step video 190 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3b --device cuda --dtype bfloat16 \
+step video 200 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3b --device cuda --dtype bfloat16 \
   --sizes 832x480,480x480 --frames 17,33 --steps 8,12 --guidance 1.0,5.0 --num-requests 6 --shorts 2 \
   --output-json "$out/video_workload.json"
-step group 60 $python -m dvllm.benchmarks.group_on_device --preset flux-dev --size 1024 --text-tokens 512 \
-  --device cuda --dtype bfloat16 --rounds 5 --out "$out/group_on_device.json"
-step sd 120 $python -m dvllm.benchmarks.throughput --model sd15 --load-format dummy --device cuda --dtype float16 \
+step sd 100 $python -m dvllm.benchmarks.throughput --model sd15 --load-format dummy --device cuda --dtype float16 \
   --size 512x512 --steps 25 --guidance 7.5 --num-requests 16 --rounds 1 --static-batch-sizes 8,16 \
-  --output-json "$out/sd15.json"
+  --workload mixed --output-json "$out/sd15.json"
+step group 40 $python -m dvllm.benchmarks.group_on_device --preset flux-dev --size 1024 --text-tokens 512 \
+  --device cuda --dtype bfloat16 --rounds 5  # its JSON is in its log: 8 files come back from a lease at most
 echo "== done in ${SECONDS} s"
