@@ -353,3 +353,26 @@ def test_progress_is_the_steps_done_in_percent_and_99_until_the_mp4_is_ready():
                                                   (0.01, 16, 1), (5, 24, 121)])
 def test_seconds_become_the_nearest_frame_count_the_model_makes(seconds, fps, frames):
     assert frames_for_seconds(seconds, fps, 4) == frames
+
+
+def test_the_mp4_is_served_in_byte_ranges_for_players_that_seek(server, started):
+    """A <video> element asks for `Range: bytes=...` and seeks only where the server answers 206."""
+    video_id = post(server, {"prompt": "x", **FAST}, started).json()["id"]
+    wait_for(server, video_id, lambda j: j["status"] == "completed")
+    url = f"{server.url}/v1/videos/{video_id}/content"
+    whole = httpx.get(url, timeout=WAIT)
+    assert whole.status_code == 200 and whole.headers["accept-ranges"] == "bytes"
+    size = len(whole.content)
+    asked = (("bytes=0-99", 0, 99), ("bytes=100-", 100, size - 1), ("bytes=-50", size - 50, size - 1),
+             (f"bytes=10-{size + 99}", 10, size - 1))
+    for header, first, last in asked:
+        part = httpx.get(url, headers={"Range": header}, timeout=WAIT)
+        assert part.status_code == 206, header
+        assert part.headers["content-range"] == f"bytes {first}-{last}/{size}"
+        assert part.content == whole.content[first:last + 1]
+    for header in (f"bytes={size}-", "bytes=-0"):
+        refused = httpx.get(url, headers={"Range": header}, timeout=WAIT)
+        assert refused.status_code == 416 and refused.headers["content-range"] == f"bytes */{size}"
+    for header in ("bytes=0-1,5-9", "items=0-3", "bytes=9-2"):  # several ranges, another unit, reversed: the whole
+        again = httpx.get(url, headers={"Range": header}, timeout=WAIT)
+        assert again.status_code == 200 and again.content == whole.content

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Query
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from dvllm.entrypoints.byte_ranges import ranged_response
 from dvllm.entrypoints.protocol import APIError, engine_value_error
 from dvllm.entrypoints.request_body import RETRY_AFTER_SECONDS
 from dvllm.entrypoints.serving_images import (
@@ -75,7 +76,7 @@ def video_routes(ctx: ServerContext) -> APIRouter:
         return _job(ctx, video_id).to_json()
 
     @router.get("/v1/videos/{video_id}/content")
-    async def content(video_id: str, variant: str = "video") -> Response:
+    async def content(video_id: str, request: Request, variant: str = "video") -> Response:
         job = _job(ctx, video_id)
         if variant != "video":
             raise APIError(400, f"Invalid value for 'variant': this server makes only the 'video' variant (the MP4), "
@@ -85,8 +86,8 @@ def video_routes(ctx: ServerContext) -> APIRouter:
         if job.status != "completed":
             raise APIError(409, f"The video {video_id} is {job.status} ({job.progress}%); its content is ready once "
                                 "its status is 'completed'.", code="video_not_ready")
-        return Response(job.mp4, media_type="video/mp4",
-                        headers={"Content-Disposition": f'inline; filename="{job.id}.mp4"'})
+        return ranged_response(job.mp4, request.headers.get("range"), "video/mp4",
+                               {"Content-Disposition": f'inline; filename="{job.id}.mp4"'})
 
     @router.get("/v1/videos/{video_id}/events")
     async def events(video_id: str) -> Response:
