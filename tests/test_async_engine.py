@@ -233,3 +233,25 @@ def test_a_stream_cancelled_before_acceptance_leaves_nothing_running(sd_eps_path
         return states
 
     assert run(main()) == {}
+
+
+def test_a_request_processed_by_the_caller_is_not_processed_again(sd_eps_path, monkeypatch):
+    """The video API checks a request before it answers; the engine then takes that processed request as it is
+    (an upload decoded once) and makes the image it would have made from the parameters."""
+    async def main():
+        engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
+        engine.start()
+        plain = (await collect(engine, "a red circle", P(seed=3), "plain"))[-1]
+        processed = engine.processor.process("checked", "a red circle", P(seed=3))
+        calls = []
+        process = engine.processor.process
+        monkeypatch.setattr(engine.processor, "process", lambda *a, **k: calls.append(a) or process(*a, **k))
+        outs = [out async for out in engine.generate("a red circle", None, "checked", processed=processed)]
+        with pytest.raises(ValueError, match="processed is request 'checked', not 'other'"):
+            await anext(engine.generate("a red circle", None, "other", processed=processed))
+        await engine.shutdown(1)
+        return plain, outs, calls
+
+    plain, outs, calls = run(main())
+    assert calls == [] and outs[-1].error is None
+    np.testing.assert_array_equal(outs[-1].images[0], plain.images[0])

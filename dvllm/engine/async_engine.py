@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from dvllm.config import EngineConfig
+from dvllm.core.request import Request
 from dvllm.engine.core_loop import CoreLoop
 from dvllm.engine.engine import DiffusionEngine, StepStats
 from dvllm.engine.input_processor import InputProcessor
@@ -124,13 +125,17 @@ class AsyncDiffusionEngine:
         self._fail_all(EngineShuttingDownError("the engine shut down before this request finished"))
 
     # -- requests ------------------------------------------------------------------
-    async def generate(self, prompt: str, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str, params: SamplingParams | None = None, request_id: str | None = None,
+                       processed: Request | None = None) -> AsyncIterator[RequestOutput]:
         """Progress outputs (step k of n, previews when asked), then the final output.
 
         Bad input raises ValueError and a full queue QueueFullError before anything is
         yielded. Leaving the iteration early (a client gone, a timeout) aborts the request.
+        `processed`: the request as `self.processor.process` returned it to a caller that checked it before
+        answering its client (the video API), so that it is not processed twice; its id and prompt are these.
         """
+        if processed is not None and (processed.request_id, processed.prompt) != (request_id, prompt):
+            raise ValueError(f"processed is request {processed.request_id!r}, not {request_id!r} with this prompt")
         if not self._accepting:
             raise EngineShuttingDownError("the engine is shutting down")
         if not self.is_running:
@@ -144,7 +149,7 @@ class AsyncDiffusionEngine:
         try:
             # Checked completely here, off the event loop and off the step loop: a bad request is
             # answered at once whatever the engine is running, and an upload decodes in this thread.
-            request = await asyncio.to_thread(self.processor.process, request_id, prompt, params)
+            request = processed or await asyncio.to_thread(self.processor.process, request_id, prompt, params)
             accepted = self._adds[request_id] = self._loop.create_future()
             self._send("add", request)
             await accepted  # raises what add_processed raised

@@ -40,6 +40,7 @@ from dvllm.entrypoints.video_protocol import REFERENCE, VideoGenerationRequest, 
 from dvllm.video.mp4 import DEFAULT_CRF, encode_mp4
 
 if TYPE_CHECKING:
+    from dvllm.core.request import Request as EngineRequest
     from dvllm.models.model_info import Video
     from dvllm.sampling_params import SamplingParams
 
@@ -140,11 +141,12 @@ async def _admit(request: Request, ctx: ServerContext) -> VideoJob:
     check_client_order(req, ctx)
     params = req.sampling_params(video.fps, video.frame_multiple)
     params.loras = loras
-    try:  # the engine checks it again when it is added; here, so that a bad request is a 400 and no job
-        resolved = (await asyncio.to_thread(ctx.engine.processor.process, job_id, req.prompt, params)).params
+    try:  # checked before the answer, so that a bad request is a 400 and no job; the engine takes it as processed
+        processed = await asyncio.to_thread(ctx.engine.processor.process, job_id, req.prompt, params)
     except ValueError as e:
         raise _request_error(e, req, params, video) from None
     await check_in_flight(ctx)  # from here to the slot taken below nothing awaits: no other request slips in
+    resolved = processed.params
     job = VideoJob(id=job_id, model=req.model or ctx.model_name, prompt=req.prompt, width=resolved.width,
                    height=resolved.height, num_frames=resolved.num_frames, fps=resolved.fps, seed=req.seed)
     if not ctx.videos.add(job):
@@ -153,7 +155,7 @@ async def _admit(request: Request, ctx: ServerContext) -> VideoJob:
                        code="rate_limit_exceeded", headers={"Retry-After": RETRY_AFTER_SECONDS})
     slot = Slot(ctx)  # held until the job ends: drains and --max-queue-len count it
     crf = DEFAULT_CRF if req.crf is None else req.crf
-    job.task = asyncio.create_task(_run(ctx, job, params, slot, deadline, crf), name=job_id)
+    job.task = asyncio.create_task(_run(ctx, job, processed, slot, deadline, crf), name=job_id)
     return job
 
 
@@ -171,12 +173,12 @@ def _request_error(error: ValueError, req: VideoGenerationRequest, params: Sampl
     return refusal
 
 
-async def _run(ctx: ServerContext, job: VideoJob, params: SamplingParams, slot: Slot, deadline: float | None,
+async def _run(ctx: ServerContext, job: VideoJob, processed: EngineRequest, slot: Slot, deadline: float | None,
                crf: int) -> None:
     """The job's engine request, then its MP4; whatever ends it (an error, a timeout, a shutdown) fails the job
     saying why. A DELETE cancels it: the engine stream closes, which aborts the engine request."""
     outcome, final = "error", None
-    agen = ctx.engine.generate(job.prompt, params, job.id)
+    agen = ctx.engine.generate(job.prompt, processed.params, job.id, processed=processed)
     try:
         try:
             async with asyncio.timeout_at(deadline):
