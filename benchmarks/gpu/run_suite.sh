@@ -10,7 +10,9 @@
 # scheduling off vs on, and the engine core in its own process against a thread (dvllm.benchmarks.loop_stall,
 # encode_stall, async_scheduling, core_process_serving, sd15 at 512x512),
 # then each family's preset loaded as served, bf16/fp16 and quantized (dvllm.benchmarks.preset_load),
-# then video: Wan 2.1 1.3B at 480p, mixed frame counts and steps, dvllm vs serial vs static (video_workload).
+# then video: Wan 2.1 1.3B at 480p, mixed frame counts and steps, dvllm vs serial vs static (video_workload),
+# then a worker group's costs on this one GPU: flux-dev's forward and its Ulysses exchanges, with the N-GPU
+# arithmetic next to the peers' published scaling (group_on_device; issue 28's item 8).
 #
 #   benchmarks/gpu/run_suite.sh [--dry-run] [--out DIR]
 #
@@ -63,6 +65,8 @@ if [ $dry = 1 ]; then
   $python -m dvllm.benchmarks.preset_load --dry-run --only tiny-sd --repeats 1 --output-json "$out/preset_load_dry.json"
   $python -m dvllm.benchmarks.video_workload --model wan-cpu --sizes 64x64,96x64 --frames 5,9 --steps 2,3 \
     --num-requests 4 --shorts 2 --output-json "$out/video_workload_dry.json"
+  $python -m dvllm.benchmarks.group_on_device --preset flux-cpu --size 128 --text-tokens 16 --device cpu \
+    --dtype float32 --rounds 1 --out "$out/group_on_device_dry.json"
 else
   echo "== CUDA kernels: build and test"
   PYTHON=$python tests/gpu/run.sh 2>&1 | tail -15
@@ -117,4 +121,8 @@ else
   timeout 540 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3b --device cuda --dtype bfloat16 \
     --sizes 832x480,480x480 --frames 17,33,49 --steps 8,12,16 --guidance 1.0,5.0 --num-requests 8 --shorts 3 \
     --output-json "$out/video_workload.json" 2>&1 | tee "$out/video_workload.txt" || echo "video_workload stopped early"
+  echo "== worker groups on one GPU: flux-dev (bf16, 1024x1024) forward, its exchanges as NCCL collectives, N-GPU arithmetic"
+  timeout 120 $python -m dvllm.benchmarks.group_on_device --preset flux-dev --size 1024 --text-tokens 512 \
+    --device cuda --dtype bfloat16 --out "$out/group_on_device.json" 2>&1 | tee "$out/group_on_device.txt" \
+    || echo "group_on_device stopped early"
 fi
