@@ -81,6 +81,13 @@ def test_prompts_file_writes_one_mp4_per_video(wan_path, tmp_path, capsys):
     manifest = [json.loads(line) for line in (out_dir / "manifest.jsonl").read_text().splitlines()]
     assert [(m["file"], m["num_frames"], m["fps"], m["size"], m["frames_folder"]) for m in manifest] == [
         ("00000-1.mp4", 5, 8.0, "16x16", "00000-1-frames"), ("00001-2.mp4", 9, default_fps, "32x16", "00001-2-frames")]
+    # each MP4 is tagged with its prompt and parameters, as dvllm's PNGs are
+    import av
+
+    for m in manifest:
+        with av.open(str(out_dir / m["file"])) as container:
+            tags = container.metadata
+        assert tags["title"] == m["prompt"] and json.loads(tags["comment"])["seed"] == m["seed"]
 
 
 def test_flags_name_frames_and_fps_and_n_videos_get_numbered_files(wan_path, tmp_path, monkeypatch, capsys):
@@ -97,7 +104,7 @@ def test_flags_name_frames_and_fps_and_n_videos_get_numbered_files(wan_path, tmp
 def test_videos_are_written_off_the_engine_loop(wan_path, tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr("dvllm.entrypoints.generate_output.save_video",
-                        lambda *args: seen.append(threading.current_thread().name))
+                        lambda *args, **kwargs: seen.append(threading.current_thread().name))
     assert generate(wan_path, "x", "-o", str(tmp_path / "x.mp4"), "--num-frames", "5", "--size", "16x16") == 0
     assert seen == ["dvllm-generate-writer"]
 

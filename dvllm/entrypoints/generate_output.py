@@ -82,16 +82,18 @@ class ImageWriter:
             if params.num_frames is None:
                 _save(image, path, record)
             else:
-                record.update(self._save_video(image, path, params.fps))
+                record.update(self._save_video(image, path, params.fps, record))
             self.written += 1
             if self.manifest_path is not None:
                 self._append({"file": self._manifest_name(path), **record})
 
-    def _save_video(self, video: Any, path: str, fps: float | None) -> dict[str, str]:
-        """Writes the MP4 (and its frames); returns what the manifest adds about them."""
+    def _save_video(self, video: Any, path: str, fps: float | None, record: dict[str, Any]) -> dict[str, str]:
+        """Writes the MP4, tagged with its prompt and parameters as the PNGs are (and its frames); returns what
+        the manifest adds about them."""
         if os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
-        save_video(video, path, fps)  # type: ignore[arg-type]  (a resolved video request has its fps)
+        tags = {"title": record["prompt"], "comment": json.dumps(record)}
+        save_video(video, path, fps, metadata=tags)  # type: ignore[arg-type]  (a resolved request has its fps)
         if not self.frame_pngs:
             return {}
         folder = frames_folder(path)

@@ -34,8 +34,10 @@ def to_uint8_frames(frames: Any) -> np.ndarray:
     return np.round(np.clip(array, 0.0, 1.0) * 255).astype(np.uint8)
 
 
-def encode_mp4(frames: Any, fps: float, crf: int = DEFAULT_CRF) -> bytes:
-    """The frames ([F, H, W, 3], uint8 or floats in [0, 1]) as an H.264 MP4 file at `fps` frames a second."""
+def encode_mp4(frames: Any, fps: float, crf: int = DEFAULT_CRF, metadata: dict[str, str] | None = None) -> bytes:
+    """The frames ([F, H, W, 3], uint8 or floats in [0, 1]) as an H.264 MP4 file at `fps` frames a second;
+    `metadata`: the container's tags (e.g. title: the prompt, comment: the parameters as JSON, as dvllm's PNGs
+    carry them), which players and ffprobe show."""
     import av
 
     pixels = to_uint8_frames(frames)
@@ -50,6 +52,7 @@ def encode_mp4(frames: Any, fps: float, crf: int = DEFAULT_CRF) -> bytes:
     with tempfile.TemporaryDirectory(prefix="dvllm-mp4-") as folder:
         path = os.path.join(folder, "video.mp4")
         with av.open(path, mode="w", format="mp4", options={"movflags": "+faststart"}) as container:
+            container.metadata.update(metadata or {})
             stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
             stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
             stream.options = {"crf": str(crf)}

@@ -38,11 +38,13 @@ def video_frames(video: Any) -> np.ndarray:
     return to_uint8_frames(video)  # "np": [frames, H, W, 3]
 
 
-def save_video(frames: Any, path: str | os.PathLike[str], fps: float, crf: int = DEFAULT_CRF) -> None:
-    """Writes the video as an H.264 MP4 at `fps` frames a second (crf: x264's quality, 0 lossless, 18 default)."""
+def save_video(frames: Any, path: str | os.PathLike[str], fps: float, crf: int = DEFAULT_CRF,
+               metadata: dict[str, str] | None = None) -> None:
+    """Writes the video as an H.264 MP4 at `fps` frames a second (crf: x264's quality, 0 lossless, 18 default;
+    metadata: the container's tags)."""
     if os.path.splitext(os.fspath(path))[1].lower() != VIDEO_SUFFIX:
         raise ValueError(f"save_video writes MP4 (H.264): the path must end in {VIDEO_SUFFIX}, got {os.fspath(path)!r}")
-    data = encode_mp4(video_frames(frames), fps, crf)
+    data = encode_mp4(video_frames(frames), fps, crf, metadata)
     with open(path, "wb") as f:
         f.write(data)
 
