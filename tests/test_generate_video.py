@@ -68,7 +68,6 @@ def test_prompts_file_writes_one_mp4_per_video(wan_path, tmp_path, capsys):
         assert frames.shape == want.shape == (params["num_frames"], params["height"], params["width"], 3), name
         assert rate == fps, name
         assert psnr(frames, want) > MIN_PSNR, name
-        np.testing.assert_array_equal(frames, decode_mp4(encode_mp4(want, fps))[0], err_msg=name)  # x264 is deterministic
         # the frame PNGs are the engine's frames exactly
         folder = out_dir / name.replace(".mp4", "-frames")
         pngs = sorted(folder.iterdir())
@@ -197,7 +196,8 @@ def test_save_video_and_save_frames_round_trip(tmp_path, output_type):
     frames, fps = read_mp4(tmp_path / "v.mp4")
     assert frames.shape == (5, 16, 32, 3) and fps == 12.0
     assert psnr(frames, pixels) > 30
-    np.testing.assert_array_equal(frames, decode_mp4(encode_mp4(pixels, 12))[0])  # these frames, in this layout
+    # these frames in this layout (a transposed or channel-swapped one comes back near 10 dB). Not compared with a
+    # second encode of the same pixels: under load x264 gave another stream now and then (2026-12-04)
 
     paths = save_frames(as_output_type(video, output_type), tmp_path / "frames")
     assert [Path(p).name for p in paths] == [f"{k:05d}.png" for k in range(5)]
