@@ -94,3 +94,41 @@ def _largest_blob(mask: np.ndarray) -> np.ndarray:
         if size > best_size:
             best, best_size = current, size
     return labels == best
+
+
+# A video's motion: the way its shape's centroid moved from the first frame to the last, along the axis it
+# moved most; under this share of the image, it stood still (None).
+MIN_TRAVEL = 0.1
+MOTION_NAMES = {(1, 0): "moving to the right", (-1, 0): "moving to the left", (0, -1): "moving up",
+                (0, 1): "moving down"}
+
+
+@dataclass(frozen=True)
+class VideoReading:
+    scene: Reading  # what the middle frame shows
+    motion: str | None
+
+
+def read_video(frames: np.ndarray) -> VideoReading:
+    """What a video (frames x H x W x 3, floats in [0, 1] or uint8) shows: its middle frame's reading, and
+    which way its shape moved (None: nothing to follow, or no clear move)."""
+    frames = np.asarray(frames)
+    first, last = _centroid(frames[0]), _centroid(frames[-1])
+    motion = None
+    if first is not None and last is not None:
+        dx, dy = last - first
+        if max(abs(dx), abs(dy)) >= MIN_TRAVEL:
+            motion = MOTION_NAMES[(int(np.sign(dx)), 0) if abs(dx) >= abs(dy) else (0, int(np.sign(dy)))]
+    return VideoReading(read_scene(frames[len(frames) // 2]), motion)
+
+
+def _centroid(image: np.ndarray) -> np.ndarray | None:
+    """The largest blob's centroid (x, y) as shares of the image; None if nothing stands out."""
+    pixels = np.asarray(image, dtype=np.float64)
+    if pixels.max() <= 1.0:
+        pixels = pixels * 255
+    drawn = np.abs(pixels - 255).sum(axis=-1) > OFF_WHITE
+    if drawn.sum() < MIN_PIXELS:
+        return None
+    ys, xs = np.nonzero(_largest_blob(drawn))
+    return np.array([xs.mean(), ys.mean()]) / pixels.shape[1::-1]

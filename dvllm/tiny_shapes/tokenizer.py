@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from transformers import CLIPTokenizer
+from transformers import CLIPTokenizer, PreTrainedTokenizerFast
 
 from dvllm.models.byte_tokenizer import BOS, EOS, _byte_alphabet
 from dvllm.tiny_shapes.data import vocabulary
@@ -41,3 +41,21 @@ def write_tokenizer(folder: str) -> CLIPTokenizer:
     tokenizer = CLIPTokenizer(vocab_file, merges_file, model_max_length=MAX_LENGTH, pad_token=EOS)
     tokenizer.save_pretrained(folder)
     return tokenizer
+
+
+def write_t5_tokenizer(folder: str, words: list[str], model_max_length: int = 32) -> PreTrainedTokenizerFast:
+    """A T5-style tokenizer (pad 0, eos 1, unk 2, "</s>" appended) whose tokens are the given words, for the
+    video model's UMT5 encoder; AutoTokenizer loads the folder. Other words are <unk>."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+    for word in words:
+        vocab.setdefault(word, len(vocab))
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>",
+                                   unk_token="<unk>", model_max_length=model_max_length)
+    fast.save_pretrained(folder)
+    return fast
