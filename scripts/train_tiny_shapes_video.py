@@ -45,11 +45,11 @@ from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, Wa
 from transformers import UMT5Config, UMT5EncoderModel
 
 from dvllm.tiny_shapes.reader import read_scene, read_video
-from dvllm.tiny_shapes.targets import posterior_mean
+from dvllm.tiny_shapes.targets import CaptionSampler, posterior_mean
 from dvllm.tiny_shapes.tokenizer import write_t5_tokenizer
 from dvllm.tiny_shapes.video import (
+    MOTIONS,
     VIDEO_SIZE,
-    VideoCaptionSampler,
     all_video_scenes,
     render_all_videos,
     video_vocabulary,
@@ -189,7 +189,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 1e-2}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=LR, betas=(0.9, 0.99))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine(args.steps, WARMUP))
-    sampler, gen = VideoCaptionSampler(scenes, seed=5), torch.Generator().manual_seed(6)
+    sampler, gen = CaptionSampler(scenes, 5, "motion", MOTIONS), torch.Generator().manual_seed(6)
     running, dit_start = None, time.perf_counter()
     for step in range(1, args.steps + 1):
         captions, allowed, picks = sampler.draw(args.batch_size)

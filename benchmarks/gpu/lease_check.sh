@@ -26,11 +26,8 @@ while [ $# -gt 0 ]; do
   shift
 done
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+source benchmarks/gpu/machine_env.sh
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}  # Hopper only: half the build
 python=${PYTHON:-python3}
 
 # step NAME SHARE COMMAND...: runs COMMAND under `timeout` for SHARE seconds at most (less if the budget is short)

@@ -33,11 +33,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+source benchmarks/gpu/machine_env.sh
 python=${PYTHON:-python3}
 
 if [ $dry = 1 ]; then

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,13 +34,15 @@ def render_all(scenes: list[Scene]) -> torch.Tensor:
 
 
 class CaptionSampler:
-    """Draws training captions, and for each the mask of scenes it allows."""
+    """Draws training captions, and for each the mask of scenes it allows. Scenes have a colour, shape and size,
+    and a fourth attribute named by `where` among `places` (a picture's position; a video's motion): a caption
+    that names one allows only the scenes that have it."""
 
-    def __init__(self, scenes: list[Scene], seed: int) -> None:
-        self.scenes = scenes
+    def __init__(self, scenes: list[Any], seed: int, where: str = "position", places: Any = POSITIONS) -> None:
+        self.scenes, self.places = scenes, list(places)
         self.rng = random.Random(seed)
         self.attributes = torch.tensor([[list(COLORS).index(s.color), SHAPES.index(s.shape), list(SIZES).index(s.size),
-                                         list(POSITIONS).index(s.position)] for s in scenes])
+                                         self.places.index(getattr(s, where))] for s in scenes])
 
     def draw(self, batch: int) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         """(captions, allowed [batch, scenes] bool, the scene each caption was drawn from)."""
@@ -56,7 +59,7 @@ class CaptionSampler:
             keep = (self.attributes[:, 0] == named[0]) & (self.attributes[:, 1] == named[1])
             if any(size in text.split() for size in SIZES):
                 keep &= self.attributes[:, 2] == named[2]
-            if any(position in text for position in POSITIONS):
+            if any(place in text for place in self.places):
                 keep &= self.attributes[:, 3] == named[3]
             allowed[row] = keep
         return captions, allowed, torch.tensor(picks)

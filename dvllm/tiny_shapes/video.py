@@ -11,7 +11,6 @@ import torch
 from PIL import Image, ImageDraw
 
 from dvllm.tiny_shapes.data import BACKGROUND, COLORS, IMAGE_SIZE, SHAPES, SIZES, _outline, vocabulary
-from dvllm.tiny_shapes.targets import CFG_DROPOUT
 
 NUM_FRAMES = 9  # the Wan VAE keeps the first frame and packs each 4 after it: 3 latent frames
 VIDEO_SIZE = 32  # the built-in video model's frames: 32x32 px (the images' scenes drawn at half size)
@@ -69,33 +68,3 @@ def video_vocabulary() -> list[str]:
     for motion in MOTIONS:
         words.update(motion.split())
     return sorted(words)
-
-
-class VideoCaptionSampler:
-    """Draws training captions, and for each the mask of video scenes it allows (targets.CaptionSampler's
-    counterpart: an empty caption allows every scene)."""
-
-    def __init__(self, scenes: list[VideoScene], seed: int) -> None:
-        self.scenes = scenes
-        self.rng = random.Random(seed)
-        self.attributes = torch.tensor([[list(COLORS).index(s.color), SHAPES.index(s.shape), list(SIZES).index(s.size),
-                                         list(MOTIONS).index(s.motion)] for s in scenes])
-
-    def draw(self, batch: int) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-        picks = [self.rng.randrange(len(self.scenes)) for _ in range(batch)]
-        captions, allowed = [], torch.zeros(batch, len(self.scenes), dtype=torch.bool)
-        for row, index in enumerate(picks):
-            if self.rng.random() < CFG_DROPOUT:
-                captions.append("")
-                allowed[row] = True
-                continue
-            text = self.scenes[index].caption(self.rng)
-            captions.append(text)
-            named = self.attributes[index]
-            keep = (self.attributes[:, 0] == named[0]) & (self.attributes[:, 1] == named[1])
-            if any(size in text.split() for size in SIZES):
-                keep &= self.attributes[:, 2] == named[2]
-            if any(motion in text for motion in MOTIONS):
-                keep &= self.attributes[:, 3] == named[3]
-            allowed[row] = keep
-        return captions, allowed, torch.tensor(picks)
