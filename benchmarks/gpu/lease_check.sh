@@ -2,12 +2,13 @@
 # What fits one lent GPU (15 minutes of device time, one call): run_suite.sh's most needed steps, each capped so
 # that the whole ends inside --budget seconds (default 540), most needed first. Every step writes its own log and
 # JSON under --out; a step that fails or runs out of time is reported and the next one runs.
-#   1. the CUDA kernels: build (Hopper only, TORCH_CUDA_ARCH_LIST=9.0) and tests/test_state_ops.py on CUDA, but
-#      for the argument checks, which crashed the process on 2026-12-04: 1b runs them alone under compute-sanitizer
-#   2. CUDA graph replay against eager and the syncs in one step, per family (tests/test_host_syncs.py -k cuda)
-#   3. video (issue 29): wan2.1-t2v-1.3b at 832x480 and 480x480, dvllm vs serial vs static (video_workload)
-#   4. sd15 (fp16, 512x512, 25 steps, CFG): dvllm vs serial vs static batches (throughput)
-#   5. worker groups (issue 28): flux-dev's forward and its exchanges on this one GPU, and the N-GPU arithmetic
+#   1. video (issue 29): wan2.1-t2v-1.3b at 832x480 and 480x480, dvllm vs serial vs static (video_workload); its
+#      engine builds the CUDA kernels (Hopper only, TORCH_CUDA_ARCH_LIST=9.0) for the steps after it
+#   2. the kernels' argument checks, which crashed the process on 2026-12-04, alone under compute-sanitizer
+#   3. CUDA graph replay against eager and the syncs in one step, per family (tests/test_host_syncs.py -k cuda)
+#   4. the CUDA kernels' tests, tests/test_state_ops.py on CUDA but for the argument checks (passed 2026-12-04)
+#   5. sd15 (fp16, 512x512, 25 steps, CFG): dvllm vs serial vs static batches (throughput; measured 2026-12-04)
+#   6. worker groups (issue 28): flux-dev's forward and its exchanges on this one GPU (measured 2026-12-04)
 #
 #   benchmarks/gpu/lease_check.sh [--out DIR] [--budget SECONDS] [--dry-run]
 #
@@ -51,22 +52,22 @@ print("GPU:", torch.cuda.get_device_name() if torch.cuda.is_available() else "no
 PY
 
 if [ $dry = 1 ]; then
-  step kernels 120 $python -m pytest -q -x tests/test_state_ops.py -k "cpu and dtype0" -p no:cacheprovider
   step video 120 $python -m dvllm.benchmarks.video_workload --model wan-cpu --sizes 64x64,96x64 --frames 5,9 \
     --steps 2,3 --num-requests 4 --shorts 2 --output-json "$out/video_workload.json"
   step group 60 $python -m dvllm.benchmarks.group_on_device --preset flux-cpu --size 128 --text-tokens 16 \
     --device cpu --dtype float32 --rounds 1 --out "$out/group_on_device.json"
   step sd 120 $python -m dvllm.benchmarks.throughput --model tiny-sd --device cpu --dtype float32 --size 16x16 \
     --steps 3 --guidance 7.5 --num-requests 4 --rounds 1 --static-batch-sizes 2 --output-json "$out/sd15.json"
+  step kernels 120 $python -m pytest -q -x tests/test_state_ops.py -k "cpu and dtype0" -p no:cacheprovider
   exit 0
 fi
-step kernels 150 env PYTHON=$python tests/gpu/run.sh -k "not test_kernels_check_their_arguments"
-step kernel_checks 60 compute-sanitizer --tool memcheck $python -m pytest -q -p no:cacheprovider \
-  tests/test_state_ops.py -k "test_kernels_check_their_arguments and cuda"
-step graphs 100 $python -m pytest -q -rfEs -p no:cacheprovider tests/test_host_syncs.py -k cuda
-step video 200 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3b --device cuda --dtype bfloat16 \
+step video 280 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3b --device cuda --dtype bfloat16 \
   --sizes 832x480,480x480 --frames 17,33 --steps 8,12 --guidance 1.0,5.0 --num-requests 6 --shorts 2 \
   --output-json "$out/video_workload.json"
+step kernel_checks 60 compute-sanitizer --tool memcheck $python -m pytest -q -p no:cacheprovider \
+  tests/test_state_ops.py -k "test_kernels_check_their_arguments and cuda"
+step graphs 110 $python -m pytest -q -rfEs -p no:cacheprovider tests/test_host_syncs.py -k cuda
+step kernels 120 env PYTHON=$python tests/gpu/run.sh -k "not test_kernels_check_their_arguments"
 step sd 100 $python -m dvllm.benchmarks.throughput --model sd15 --load-format dummy --device cuda --dtype float16 \
   --size 512x512 --steps 25 --guidance 7.5 --num-requests 16 --rounds 1 --static-batch-sizes 8,16 \
   --workload mixed --output-json "$out/sd15.json"

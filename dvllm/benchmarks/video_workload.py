@@ -200,8 +200,10 @@ async def _measure(args: argparse.Namespace, mixed: list[VideoRequest],
         pipeline.resolve(request)
     # The memory profile runs the worst step the limits allow: the workload's longest clip, not Wan's 129 frames
     longest = max(r.frames for r in mixed + behind)
+    # On a GPU the pipeline's activations need room beside the engine's pool: --gpu-memory-utilization caps it
     engine = AsyncDiffusionEngine(model=args.model, load_format=args.load_format, device=args.device,
-                                  dtype=args.dtype, engine_core_process=False, max_num_frames=longest)
+                                  dtype=args.dtype, engine_core_process=False, max_num_frames=longest,
+                                  gpu_memory_utilization=args.gpu_memory_utilization)
     engine.start()
     # Both batchers feed the one pipeline thread; their loops end with this event loop (asyncio.run cancels
     # them): Batcher.stop would also shut that thread.
@@ -222,9 +224,16 @@ async def _measure(args: argparse.Namespace, mixed: list[VideoRequest],
             for trace, requests in (("mixed", mixed), ("behind_long", behind)):
                 for name in order:
                     runs[trace][name].append(await _trace(requests, servers[name]))
+                    _progress(trace, name, round_, runs[trace][name][-1])
     finally:
         await engine.shutdown()
     return runs
+
+
+def _progress(trace: str, engine: str, round_: int, run: dict[str, Any]) -> None:
+    """One line per trace as it ends: a run cut short (a GPU lease's time) still leaves its figures in the log."""
+    latencies = ", ".join(f"{s:.2f}" for s in run["latencies_s"])
+    print(f"[round {round_}] {trace} {engine}: {run['duration_s']:.2f} s; latencies {latencies}", flush=True)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -292,6 +301,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--short-gap-s", type=float, default=0.5, help="seconds between the short clips' arrivals")
     p.add_argument("--rounds", type=int, default=1,
                    help="timed rounds, engines in turn, each round another first (medians reported)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.6,
+                   help="the engine's share of the GPU; the rest holds the pipeline's activations (default: %(default)s)")
     p.add_argument("--output-json", default=None)
 
 
