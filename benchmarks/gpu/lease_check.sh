@@ -10,18 +10,21 @@
 #   5. sd15 (fp16, 512x512, 25 steps, CFG): dvllm vs serial vs static batches (throughput; measured 2026-12-04)
 #   6. worker groups (issue 28): flux-dev's forward and its exchanges on this one GPU (measured 2026-12-04)
 #
-#   benchmarks/gpu/lease_check.sh [--out DIR] [--budget SECONDS] [--dry-run]
+#   benchmarks/gpu/lease_check.sh [--out DIR] [--budget SECONDS] [--only STEP,STEP] [--dry-run]
+#
+# --only runs just the named steps (video, kernel_checks, graphs, kernels, sd, group), in the order above.
 #
 # Wheels the machine lacks (diffusers and its small needs) travel in .whl/ as run_suite.sh says.
 # --dry-run runs the same steps on the CPU at tiny sizes (the presets' CPU cousins).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out=${OUT:-benchmarks/results} budget=540 dry=0
+out=${OUT:-benchmarks/results} budget=540 dry=0 only=
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out=$2; shift ;;
     --budget) budget=$2; shift ;;
     --dry-run) dry=1 ;;
+    --only) only=,$2,; shift ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -34,6 +37,7 @@ python=${PYTHON:-python3}
 # step NAME SHARE COMMAND...: runs COMMAND under `timeout` for SHARE seconds at most (less if the budget is short)
 step() {
   local name=$1 share=$2 left=$((budget - SECONDS)); shift 2
+  if [ -n "$only" ] && [[ "$only" != *",$name,"* ]]; then return; fi
   local cap=$((share < left ? share : left))
   if [ "$cap" -lt 10 ]; then echo "== $name: skipped, the budget is spent"; return; fi
   echo "== $name (at most ${cap} s; ${SECONDS} s used)"
