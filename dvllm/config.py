@@ -101,6 +101,13 @@ class EngineConfig:
         default=0, metadata={"help": "Seed of load_format='dummy' weights (images use each request's seed)."}
     )
     max_batch_size: int = field(default=16, metadata={"help": "Denoiser rows per forward (CFG requests count twice)."})
+    max_running_pixels: int | None = field(
+        default=None,
+        metadata={"help": "The most pixels running at once over all shapes (each request's rows x frames x height x "
+                          "width): admission waits, in order, while one more would pass it; a request alone always "
+                          "runs. Where one request fills the GPU (large DiTs, video), running more only shares its "
+                          "steps: each finishes later and none sooner. Default: bounded only by max_batch_size and "
+                          "memory."})
     max_num_waiting: int = field(default=1024, metadata={"help": "Requests allowed to wait for admission."})
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs | priority (lower value first)."})
     max_inference_steps: int = field(

@@ -212,7 +212,7 @@ def check_config(config: EngineConfig) -> None:
                  "max_lora_rank",
                  "max_input_images_per_step"):
         positive_int(name, getattr(config, name))
-    for name in ("max_image_pixels", "max_prompt_chars_per_step", "max_cpu_loras"):
+    for name in ("max_image_pixels", "max_running_pixels", "max_prompt_chars_per_step", "max_cpu_loras"):
         if getattr(config, name) is not None:
             positive_int(name, getattr(config, name))
     check_limits(config)

@@ -4,6 +4,7 @@
 # JSON under --out; a step that fails or runs out of time is reported and the next one runs.
 #   1. video (issue 29): wan2.1-t2v-1.3b at 832x480 and 480x480, dvllm vs serial vs static (video_workload); its
 #      engine builds the CUDA kernels (Hopper only, TORCH_CUDA_ARCH_LIST=9.0) for the steps after it
+#   1b. the same with dvllm's max_running_pixels at one CFG 832x480 clip of 33 frames: requests run in turn
 #   2. the kernels' argument checks, which crashed the process on 2026-12-04, alone under compute-sanitizer
 #   3. CUDA graph replay against eager and the syncs in one step, per family (tests/test_host_syncs.py -k cuda)
 #   4. the CUDA kernels' tests, tests/test_state_ops.py on CUDA but for the argument checks (passed 2026-12-04)
@@ -12,7 +13,7 @@
 #
 #   benchmarks/gpu/lease_check.sh [--out DIR] [--budget SECONDS] [--only STEP,STEP] [--dry-run]
 #
-# --only runs just the named steps (video, kernel_checks, graphs, kernels, sd, group), in the order above.
+# --only runs just the named steps (video, video_turns, kernel_checks, graphs, kernels, sd, group), in the order above.
 #
 # Wheels the machine lacks (diffusers and its small needs) travel in .whl/ as run_suite.sh says.
 # --dry-run runs the same steps on the CPU at tiny sizes (the presets' CPU cousins).
@@ -58,6 +59,9 @@ PY
 if [ $dry = 1 ]; then
   step video 120 $python -m dvllm.benchmarks.video_workload --model wan-cpu --sizes 64x64,96x64 --frames 5,9 \
     --steps 2,3 --num-requests 4 --shorts 2 --output-json "$out/video_workload.json"
+  step video_turns 120 $python -m dvllm.benchmarks.video_workload --model wan-cpu --sizes 64x64,96x64 --frames 5,9 \
+    --steps 2,3 --num-requests 4 --shorts 2 --max-running-pixels $((2 * 96 * 64 * 9)) \
+    --output-json "$out/video_turns.json"
   step group 60 $python -m dvllm.benchmarks.group_on_device --preset flux-cpu --size 128 --text-tokens 16 \
     --device cpu --dtype float32 --rounds 1 --out "$out/group_on_device.json"
   step sd 120 $python -m dvllm.benchmarks.throughput --model tiny-sd --device cpu --dtype float32 --size 16x16 \
@@ -68,6 +72,10 @@ fi
 step video 280 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3b --device cuda --dtype bfloat16 \
   --sizes 832x480,480x480 --frames 17,33 --steps 8,12 --guidance 1.0,5.0 --num-requests 6 --shorts 2 \
   --output-json "$out/video_workload.json"
+# the same trace with dvllm running in turn, one CFG 832x480 clip of 33 frames at a time (max_running_pixels)
+step video_turns 280 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3b --device cuda \
+  --dtype bfloat16 --sizes 832x480,480x480 --frames 17,33 --steps 8,12 --guidance 1.0,5.0 --num-requests 6 \
+  --shorts 2 --max-running-pixels $((2 * 832 * 480 * 33)) --output-json "$out/video_turns.json"
 step kernel_checks 60 compute-sanitizer --tool memcheck $python -m pytest -q -p no:cacheprovider \
   tests/test_state_ops.py -k "test_kernels_check_their_arguments and cuda"
 step graphs 110 $python -m pytest -q -rfEs -p no:cacheprovider tests/test_host_syncs.py -k cuda

@@ -203,7 +203,8 @@ async def _measure(args: argparse.Namespace, mixed: list[VideoRequest],
     # On a GPU the pipeline's activations need room beside the engine's pool: --gpu-memory-utilization caps it
     engine = AsyncDiffusionEngine(model=args.model, load_format=args.load_format, device=args.device,
                                   dtype=args.dtype, engine_core_process=False, max_num_frames=longest,
-                                  gpu_memory_utilization=args.gpu_memory_utilization)
+                                  gpu_memory_utilization=args.gpu_memory_utilization,
+                                  max_running_pixels=args.max_running_pixels)
     engine.start()
     # Both batchers feed the one pipeline thread; their loops end with this event loop (asyncio.run cancels
     # them): Batcher.stop would also shut that thread.
@@ -264,7 +265,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_report(result: dict[str, Any]) -> None:
     mixed, behind = result["mixed"], result["behind_long"]
-    print(f"\n{result['model']}: {len(mixed['requests'])} videos  [{result['machine']}]")
+    bound = result["args"].get("max_running_pixels")
+    print(f"\n{result['model']}: {len(mixed['requests'])} videos  [{result['machine']}]"
+          + (f"  dvllm's max_running_pixels {bound:,}" if bound else ""))
     print(f"{'engine':<8}{'videos/s':>10}{'frames/s':>10}{'p50 s':>8}{'p95 s':>8}")
     for name in ENGINES:
         s = mixed[name]
@@ -302,7 +305,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="timed rounds, engines in turn, each round another first (medians reported)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6,
-                   help="the engine's share of the GPU; the rest holds the pipeline's activations (default: %(default)s)")
+                   help="the engine's share of the GPU; the rest holds the pipeline's activations "
+                        "(default: %(default)s)")
+    p.add_argument("--max-running-pixels", type=int, default=None,
+                   help="dvllm's bound on running pixels (EngineConfig.max_running_pixels; default: none)")
     p.add_argument("--output-json", default=None)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -83,6 +84,11 @@ class Request:
     def rows(self) -> int:
         """Denoiser rows per forward."""
         return self.params.n * (2 if self.cfg else 1)
+
+    @property
+    def pixels(self) -> int:
+        """What it weighs against max_running_pixels: rows x frames x height x width."""
+        return self.rows * math.prod(self.params.size)
 
     @property
     def private_blocks(self) -> int:

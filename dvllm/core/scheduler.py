@@ -39,6 +39,7 @@ from dvllm.outputs import RequestOutput
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.max_batch_size = config.max_batch_size
+        self.max_running_pixels = config.max_running_pixels
         self.prompt_chars_per_step = config.prompt_chars_per_step
         self.input_images_per_step = config.max_input_images_per_step
         self.by_priority = config.scheduling_policy == "priority"
@@ -90,11 +91,12 @@ class Scheduler:
         """Waiting requests with nothing on the worker, most urgent first: they may move to another worker."""
         return sorted((r for r in self.waiting if not r.swapped), key=self.urgency)
 
-    def can_admit(self, request: Request, extra_rows: int = 0, extra_blocks: int = 0) -> bool:
+    def can_admit(self, request: Request, extra_rows: int = 0, extra_blocks: int = 0, extra_pixels: int = 0) -> bool:
         """Whether admission would take `request` now, without preempting anyone, after requests
-        needing `extra_rows` of its shape and `extra_blocks` more were admitted."""
+        needing `extra_rows` of its shape, `extra_blocks` more and `extra_pixels` were admitted."""
         rows = sum(r.rows for r in self.running if r.shape_key == request.shape_key) + extra_rows
         return (rows + request.rows <= self.max_batch_size
+                and self._pixels_fit(request, self._running_pixels() + extra_pixels)
                 and self._can_allocate(request, extra_blocks)
                 and self.lora_slots.can_place(request.lora_adapters))
 
@@ -204,6 +206,8 @@ class Scheduler:
             images = 0 if request.swapped else request.num_input_images
             if admitted_new and (chars > chars_budget or images > images_budget):
                 break  # in order: it goes first next iteration
+            if not self._pixels_fit(request, self._running_pixels()):
+                break  # in order: nobody overtakes it while the running requests fill max_running_pixels
             if not self._fits(request, rows):
                 preempted = self.by_priority and self._preempt_for(request, rows, out)
                 if not (preempted and self._fits(request, rows)):
@@ -231,6 +235,15 @@ class Scheduler:
         ready = self.ahead.ready_cache_keys(request) if self.ahead is not None else set()
         return sum(len(text) for key, text in zip(request.cond_keys, texts)
                    if key is not None and key not in ready and not self.blocks.is_cached(key))
+
+    def _running_pixels(self) -> int:
+        """Pixels of the running requests that take a row again (not those whose last step is in flight)."""
+        return sum(r.pixels for r in self.running if r.steps_scheduled < r.num_steps)
+
+    def _pixels_fit(self, request: Request, running: int) -> bool:
+        """Whether `request` fits max_running_pixels beside `running` pixels; alone, any request fits (a bound
+        below one request's pixels must not leave it waiting forever)."""
+        return self.max_running_pixels is None or not running or running + request.pixels <= self.max_running_pixels
 
     def _fits(self, request: Request, rows: dict) -> bool:
         return (rows[request.shape_key] + request.rows <= self.max_batch_size

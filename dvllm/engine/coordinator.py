@@ -171,20 +171,21 @@ class Coordinator:
         if core.scheduler.waiting or len(self.cores) == 1:
             return
         rows: dict[tuple[int, int], int] = defaultdict(int)
-        blocks = 0
+        blocks = pixels = 0
         donors = sorted((d for d in self.live() if d is not core and d.scheduler.waiting),
                         key=lambda d: -len(d.scheduler.waiting))
         for donor in donors:
             for request in donor.scheduler.unstarted():
                 if core.index in request.failed_workers:
                     continue
-                if not core.scheduler.can_admit(request, rows[request.shape_key], blocks):
+                if not core.scheduler.can_admit(request, rows[request.shape_key], blocks, pixels):
                     return
                 age = donor.scheduler.take_waiting(request)
                 core.scheduler.add_request(request, age=age)
                 self.home[request.request_id] = core
                 rows[request.shape_key] += request.rows
                 blocks += request.max_blocks
+                pixels += request.pixels
 
     # -- faults ----------------------------------------------------------------------
     def on_death(self, core: EngineCore, reason: str) -> list[RequestOutput]:
