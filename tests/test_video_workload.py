@@ -83,3 +83,25 @@ def test_every_engine_makes_every_video_and_the_report_says_so(wan_path, tmp_pat
         assert all(math.isfinite(v) and v > 0 for v in mixed["ratios"][pair].values())
     assert mixed["ratios"]["dvllm/serial"]["videos_per_s"] == pytest.approx(
         mixed["dvllm"]["videos_per_s"] / mixed["serial"]["videos_per_s"])
+
+
+
+def test_the_pixel_bound_reaches_dvllms_engine(wan_path, tmp_path, capsys, monkeypatch):
+    """The scheduler's tests (test_running_pixels.py) check what the bound does; here, that the run passes it on
+    and every video still comes."""
+    made = []
+
+    class Recorded(video_workload.AsyncDiffusionEngine):
+        def __init__(self, **kwargs) -> None:
+            made.append(kwargs)
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(video_workload, "AsyncDiffusionEngine", Recorded)
+    out = tmp_path / "video.json"
+    video_workload.main(["--model", wan_path, "--load-format", "auto", "--sizes", "16x16,32x16", "--frames", "5,9",
+                         "--steps", "2,3", "--num-requests", "4", "--shorts", "1", "--max-running-pixels", "1",
+                         "--output-json", str(out)])
+    assert "max_running_pixels 1" in capsys.readouterr().out
+    assert [kwargs["max_running_pixels"] for kwargs in made] == [1]
+    result = json.loads(out.read_text())
+    assert result["args"]["max_running_pixels"] == 1 and result["mixed"]["dvllm"]["videos"] == 4
