@@ -5,15 +5,16 @@
 #   1. video (issue 29): wan2.1-t2v-1.3b at 832x480 and 480x480, dvllm vs serial vs static (video_workload); its
 #      engine builds the CUDA kernels (Hopper only, TORCH_CUDA_ARCH_LIST=9.0) for the steps after it
 #   1b. the same with dvllm's max_running_pixels at one CFG 832x480 clip of 33 frames: requests run in turn
-#   2. the kernels' argument checks, which crashed the process on 2026-12-04, alone under compute-sanitizer
+#   2. where the kernels' argument errors crashed the process on 2026-12-04 (tests/gpu/kernel_errors.sh; the
+#      compute-sanitizer run planned for it went with a lost machine, cause unknown, so it is not tried again)
 #   3. CUDA graph replay against eager and the syncs in one step, per family (tests/test_host_syncs.py -k cuda)
-#   4. the CUDA kernels' tests, tests/test_state_ops.py on CUDA but for the argument checks (passed 2026-12-04)
+#   4. the CUDA kernels' tests, tests/test_state_ops.py but for the two argument-error tests (passed 2026-12-04)
 #   5. sd15 (fp16, 512x512, 25 steps, CFG): dvllm vs serial vs static batches (throughput; measured 2026-12-04)
 #   6. worker groups (issue 28): flux-dev's forward and its exchanges on this one GPU (measured 2026-12-04)
 #
 #   benchmarks/gpu/lease_check.sh [--out DIR] [--budget SECONDS] [--only STEP,STEP] [--dry-run]
 #
-# --only runs just the named steps (video, video_turns, kernel_checks, graphs, kernels, sd, group), in the order above.
+# --only runs just the named steps (video, video_turns, kernel_errors, graphs, kernels, sd, group), in the order above.
 #
 # Wheels the machine lacks (diffusers and its small needs) travel in .whl/ as run_suite.sh says.
 # --dry-run runs the same steps on the CPU at tiny sizes (the presets' CPU cousins).
@@ -76,10 +77,9 @@ step video 280 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3
 step video_turns 280 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3b --device cuda \
   --dtype bfloat16 --sizes 832x480,480x480 --frames 17,33 --steps 8,12 --guidance 1.0,5.0 --num-requests 6 \
   --shorts 2 --max-running-pixels $((2 * 832 * 480 * 33)) --output-json "$out/video_turns.json"
-step kernel_checks 60 compute-sanitizer --tool memcheck $python -m pytest -q -p no:cacheprovider \
-  tests/test_state_ops.py -k "test_kernels_check_their_arguments and cuda"
+step kernel_errors 150 env PYTHON=$python tests/gpu/kernel_errors.sh
 step graphs 110 $python -m pytest -q -rfEs -p no:cacheprovider tests/test_host_syncs.py -k cuda
-step kernels 120 env PYTHON=$python tests/gpu/run.sh -k "not test_kernels_check_their_arguments"
+step kernels 120 env PYTHON=$python tests/gpu/run.sh -k "not check_their_arguments and not check_block_ids"
 step sd 100 $python -m dvllm.benchmarks.throughput --model sd15 --load-format dummy --device cuda --dtype float16 \
   --size 512x512 --steps 25 --guidance 7.5 --num-requests 16 --rounds 1 --static-batch-sizes 8,16 \
   --workload mixed --output-json "$out/sd15.json"
