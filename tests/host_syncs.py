@@ -4,8 +4,10 @@ On a CPU every tensor is a host tensor, so nothing waits; but the calls that wai
 - reads of a tensor's values on the host: `.item()`, `bool()`, `int()`, `.tolist()`, `.numpy()`, `.cpu()`,
   and ops whose output size depends on the data (`nonzero`, boolean-mask indexing, `masked_select`, ...);
 - host data copied to the device with a blocking copy: `torch.tensor(..., device=...)`, a Python list used as
-  an index (torch builds it on the host and copies it), `.to(device)` of a tensor built on the host without
-  `non_blocking=True`.
+  an index (torch builds it on the host and copies it), `.to(device)` / `.cuda()` / `copy_` without
+  `non_blocking=True` of a tensor built on the host: from Python data (`torch.tensor`, `from_numpy`, ...), by a
+  factory called without a device (`torch.zeros(n)`, `torch.arange(n)`, `torch.randn(n)`, ...; the `*_like`
+  ones follow their input), with a CPU generator, or computed from such tensors alone.
 `HostSyncs` counts both kinds while active and remembers where each came from (the innermost dvllm or
 diffusers frame), so a failing test names the line.
 """
@@ -30,6 +32,10 @@ DATA_READING_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten
 HOST_READS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.__bool__,
               torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
 MAKERS = {torch.tensor, torch.as_tensor, torch.from_numpy}
+# factories: made on the host unless given a device (the *_like ones follow their input: not here)
+FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.range, torch.linspace,
+             torch.logspace, torch.eye, torch.rand, torch.randn, torch.randint, torch.randperm, torch.empty_strided,
+             torch.scalar_tensor, torch.tril_indices, torch.triu_indices}
 MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_}
 
 
@@ -105,8 +111,9 @@ class _Copies(TorchFunctionMode):
         return out
 
     def _host_made(self, func: Any, args: tuple, kwargs: dict) -> bool:
-        """Built on the host: from Python data, from a CPU generator, or computed from such tensors alone."""
-        if func in MAKERS:
+        """Built on the host: from Python data, by a factory without a device, from a CPU generator, or computed
+        from such tensors alone."""
+        if func in MAKERS or func in FACTORIES:
             return kwargs.get("device") is None
         generator = kwargs.get("generator")
         if generator is not None and generator.device.type == "cpu":
