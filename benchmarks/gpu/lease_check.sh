@@ -78,7 +78,7 @@ step video_turns 280 $python -m dvllm.benchmarks.video_workload --model wan2.1-t
   --dtype bfloat16 --sizes 832x480,480x480 --frames 17,33 --steps 8,12 --guidance 1.0,5.0 --num-requests 6 \
   --shorts 2 --max-running-pixels $((2 * 832 * 480 * 33)) --output-json "$out/video_turns.json"
 step kernel_errors 150 env PYTHON=$python tests/gpu/kernel_errors.sh
-step graphs 110 $python -m pytest -q -rfEs -p no:cacheprovider tests/test_host_syncs.py -k cuda
+step graphs 110 $python -m pytest -v --tb=short --maxfail=4 -p no:cacheprovider tests/test_host_syncs.py -k cuda
 step kernels 120 env PYTHON=$python tests/gpu/run.sh -k "not check_their_arguments and not check_block_ids"
 step sd 100 $python -m dvllm.benchmarks.throughput --model sd15 --load-format dummy --device cuda --dtype float16 \
   --size 512x512 --steps 25 --guidance 7.5 --num-requests 16 --rounds 1 --static-batch-sizes 8,16 \
