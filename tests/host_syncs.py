@@ -17,6 +17,7 @@ import os
 import traceback
 import weakref
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 # ops that read values on the host (their output's size or a Python scalar depends on the data)
-DATA_READING_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
-                    aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default,
+# (torch.linalg's error check reads its info on the host: torch documents linalg.solve as syncing on CUDA)
+DATA_READING_OPS = {aten._local_scalar_dense.default, aten._linalg_check_errors.default, aten.nonzero.default,
+                    aten.masked_select.default, aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default,
                     aten.repeat_interleave.Tensor}
 HOST_READS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.__bool__,
               torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
@@ -144,8 +146,11 @@ def _has_list(index: Any) -> bool:
 class HostSyncs:
     """`with HostSyncs() as syncs:` ...; `syncs.count`, `syncs.sites` (what -> where -> how often)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: Iterable[torch.Tensor] = ()) -> None:
+        """`host`: tensors made before the count began that live on the host on a GPU too (diffusers'
+        schedulers keep their sigmas there), so that copies of them to the device count."""
         self.sites: Counter = Counter()
+        self._host = list(host)
 
     def _record(self, what: str) -> None:
         self.sites[(what, _where())] += 1
@@ -156,6 +161,8 @@ class HostSyncs:
 
     def __enter__(self) -> "HostSyncs":
         copies = _Copies(self._record)
+        for t in self._host:
+            copies.mark(t)
         self._modes = [copies, _Reads(self._record, copies)]
         for mode in self._modes:
             mode.__enter__()

@@ -77,20 +77,34 @@ def _lora(path: str, folders: dict[str, str], tmp_path_factory) -> str:
     return folders[path]
 
 
-def _requests(edit: bool, unet: bool, lora: bool, cache: dict | None, steps: int = 4, video: bool = False
-              ) -> list[tuple[str, SamplingParams]]:
-    """Three requests of one size: with and without CFG, two images (videos) for one, other seeds and texts."""
+def _requests(edit: bool, unet: bool, lora: bool, cache: dict | None, steps: int = 4, video: bool = False,
+              sampler: str | None = None) -> list[tuple[str, SamplingParams]]:
+    """Three requests of one size: with and without CFG, two images (videos) for one, other seeds and texts.
+    `sampler`: all three's (default: the model's own, and euler_a for a UNet's first)."""
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) if edit else None
     common = dict(num_inference_steps=steps, height=32, width=32, image=image, cache=cache,
                   num_frames=5 if video else None)
+    first = sampler or ("euler_a" if unet else None)
     return [
         ("a red cat on a mat", SamplingParams(guidance_scale=5.0, seed=1, negative_prompt="blurry", n=2,
-                                              sampler="euler_a" if unet else None,
-                                              loras={"l": 0.8} if lora else None, **common)),
-        ("x", SamplingParams(guidance_scale=1.0, seed=2, **common)),
-        ("dog", SamplingParams(guidance_scale=3.0, seed=3, negative_prompt="bad, ugly, low quality", **common)),
+                                              sampler=first, loras={"l": 0.8} if lora else None, **common)),
+        ("x", SamplingParams(guidance_scale=1.0, seed=2, sampler=sampler, **common)),
+        ("dog", SamplingParams(guidance_scale=3.0, seed=3, negative_prompt="bad, ugly, low quality", sampler=sampler,
+                               **common)),
     ]
+
+
+# Wan's own sampler, UniPC, is not vectorized: each request steps through diffusers' UniPCMultistepScheduler, which
+# copies its host-kept sigmas to the device and solves with torch.linalg (both wait on a GPU). The step tests run
+# Wan's rows with a vectorized sampler; test_a_per_request_sampler_syncs_only_inside_diffusers covers UniPC.
+VIDEO_SAMPLER = "flow_euler"
+
+
+def _fallback_tensors(engine: DiffusionEngine) -> list[torch.Tensor]:
+    """The sigmas of the requests' per-request (diffusers) schedulers: made at admission, kept on the host."""
+    states = engine.executor.worker.runner.states.values()
+    return [s.fallback.sigmas for s in states if s.fallback is not None and torch.is_tensor(s.fallback.sigmas)]
 
 
 def _own_sites(syncs: HostSyncs) -> dict:
@@ -124,15 +138,19 @@ IDS = [f"{f}{'-lora' if lora else ''}{'-' + m if m else ''}" for f, lora, m in C
 
 
 def _engine_at_a_middle_step(family: str, lora: bool, method: str | None, device: str, request, lora_folders,
-                             tmp_path_factory) -> DiffusionEngine:
-    """An engine with three requests admitted and two steps run (a cache is primed by then)."""
+                             tmp_path_factory, sampler: str | None = None) -> DiffusionEngine:
+    """An engine with three requests admitted and two steps run (a cache is primed by then). Video families'
+    requests take VIDEO_SAMPLER unless `sampler` is given."""
     fixture, edit, unet = SYNC_FAMILIES[family]
     path = request.getfixturevalue(fixture)
     engine = DiffusionEngine(model=path, device=device, dtype="float32", enable_lora=lora,
                              **(GPU_SHARE if device == "cuda" else {}))
     if lora:
         engine.load_lora("l", _lora(path, lora_folders, tmp_path_factory))
-    for i, (prompt, params) in enumerate(_requests(edit, unet, lora, CACHES.get(method), video=family in VIDEO)):
+    video = family in VIDEO
+    requests = _requests(edit, unet, lora, CACHES.get(method), video=video,
+                         sampler=sampler or (VIDEO_SAMPLER if video else None))
+    for i, (prompt, params) in enumerate(requests):
         engine.add_request(str(i), prompt, params)
     engine.step()  # admission (encoding reads the texts' lengths once) and the first step
     engine.step()
@@ -142,7 +160,7 @@ def _engine_at_a_middle_step(family: str, lora: bool, method: str | None, device
 @pytest.mark.parametrize("family, lora, method", CASES, ids=IDS)
 def test_a_step_reads_nothing_back_from_the_device(family, lora, method, request, lora_folders, tmp_path_factory):
     engine = _engine_at_a_middle_step(family, lora, method, "cpu", request, lora_folders, tmp_path_factory)
-    with HostSyncs() as syncs:
+    with HostSyncs(host=_fallback_tensors(engine)) as syncs:
         outputs = engine.step()
     assert not [o.error for o in outputs if o.error], outputs
     assert engine.has_unfinished_requests()  # a middle step: no request finished (a decode reads back)
@@ -152,6 +170,21 @@ def test_a_step_reads_nothing_back_from_the_device(family, lora, method, request
     assert sum(own.values()) <= allowed, f"{family}: host syncs in one step:\n{report}"
     # first_block's one read is its decision, nothing else
     assert all(where.startswith("dvllm/worker/step_cache_hooks.py:") for _, where in own), report
+
+
+def test_a_per_request_sampler_syncs_only_inside_diffusers(request, lora_folders, tmp_path_factory):
+    """Wan's own UniPC steps per request: its waits are the scheduler's, none of dvllm's (a vectorized UniPC in
+    the fused update would remove them; not built)."""
+    engine = _engine_at_a_middle_step("wan", False, None, "cpu", request, lora_folders, tmp_path_factory,
+                                      sampler="UniPCMultistepScheduler")
+    host = _fallback_tensors(engine)
+    assert len(host) == 3  # every request steps through its own diffusers scheduler
+    with HostSyncs(host=host) as syncs:
+        outputs = engine.step()
+    assert not [o.error for o in outputs if o.error], outputs
+    assert syncs.count > 0, "the detector must see the scheduler's copies of its sigmas"
+    assert all(where.startswith("diffusers/schedulers/scheduling_unipc_multistep.py:") for _, where in syncs.sites), \
+        syncs.report()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's own sync check needs a GPU")
