@@ -42,10 +42,7 @@ CACHES = {"first_block": {"method": "first_block", "threshold": 0.5}, "taylorsee
 # the device whenever a text mask is passed (texts of different lengths in one forward).
 DIFFUSERS_SITES = {("as_tensor(..., device=...) (a blocking copy)", "transformer_qwenimage.py")}
 
-# dvllm refuses a LoRA without image-attention weights on Wan I2V: diffusers' loader adds add_k_proj/add_v_proj
-# entries for them (_maybe_expand_t2v_lora_for_i2v) that no layer then takes (reported; not a host-sync matter)
-NO_LORA = {"wan-i2v"}
-CASES = [(f, False, None) for f in SYNC_FAMILIES] + [(f, True, None) for f in SYNC_FAMILIES if f not in NO_LORA]
+CASES = [(f, False, None) for f in SYNC_FAMILIES] + [(f, True, None) for f in SYNC_FAMILIES]
 CASES += [(f, True, method) for f in CACHING for method in CACHES]
 
 

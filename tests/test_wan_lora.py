@@ -53,3 +53,34 @@ def reference(pipe, prompt: str, p: SamplingParams) -> np.ndarray:
     return pipe(prompt, num_inference_steps=p.num_inference_steps, height=p.height, width=p.width,
                 num_frames=p.num_frames, guidance_scale=p.guidance_scale, output_type="latent",
                 generator=torch.Generator("cpu").manual_seed(p.seed)).frames[0].numpy()
+
+
+def test_a_text_to_video_lora_on_image_to_video_equals_the_pipeline(tmp_path):
+    """An image-to-video pipeline's loader gives a LoRA without image-attention weights (add_k_proj, add_v_proj)
+    zero weights there. No layer takes them where the model has no such modules (this tiny one: no
+    added_kv_proj_dim), or where the adapter's saved config names its targets (the real I2V models). They change
+    nothing, so dvllm serves the adapter; it used to refuse it, as weights for modules the model lacks."""
+    from conftest import tiny_wan_i2v_pipeline
+    from diffusers import WanImageToVideoPipeline
+    from test_wan_i2v import picture
+    from test_wan_i2v import reference as i2v_reference
+
+    pipe = tiny_wan_i2v_pipeline()
+    pipe.save_pretrained(tmp_path / "i2v")
+    lora = make_lora(pipe, str(tmp_path / "t2v-shaped"), seed=1)  # no image-attention weights
+    engine = DiffusionEngine(model=str(tmp_path / "i2v"), device="cpu", dtype="float32",
+                             lora_modules={"motion": lora})
+    base = dict(image=picture(1), num_inference_steps=3, guidance_scale=5.0, height=16, width=16, num_frames=5,
+                seed=1, output_type="latent")
+    outs = engine.generate(["the circle rolls away"] * 2, [P(**base), P(**base, loras={"motion": 0.8})],
+                           use_tqdm=False)
+    assert [o.error for o in outs] == [None, None]
+    pipe = WanImageToVideoPipeline.from_pretrained(tmp_path / "i2v")
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(lora, adapter_name="motion")
+    pipe.set_adapters(["motion"], adapter_weights=[0.8])
+    want = i2v_reference(pipe, "the circle rolls away", P(**base, loras={"motion": 0.8}), "latent")
+    diff = float(np.abs(outs[1].images[0].numpy() - want[0]).max())
+    assert diff <= LATENT_TOL, f"max abs diff {diff}"
+    assert float((outs[1].images[0] - outs[0].images[0]).abs().max()) > 20 * LATENT_TOL  # the adapter counts
+    engine.shutdown()

@@ -53,11 +53,24 @@ def _record_expected_layers(model: torch.nn.Module) -> None:
             if not any(".lokr_" in k for k in keys):
                 if keys and "lora_A" not in next(iter(keys)):  # as diffusers decides it
                     keys = convert_unet_state_dict_to_peft(keys)
-                expected = {k.split(".lora_")[0] for k in keys if ".lora_" in k}
+                expected = _changing_modules(keys)
         setattr(self, EXPECTED_LAYERS, expected)
         return load(state_dict, prefix, *args, **kwargs)
 
     model.load_lora_adapter = types.MethodType(load_lora_adapter, model)
+
+
+def _changing_modules(keys: dict[str, Any]) -> dict[str, bool]:
+    """Each module the adapter has weights for, and whether they change it (not all zeros). diffusers adds zeros
+    itself: a Wan text-to-video LoRA loaded on image-to-video gets zero weights for the image attention
+    (add_k_proj, add_v_proj), which no layer takes where the adapter's saved config names its targets (diffusers
+    only warns). They change nothing, placed or not."""
+    modules: dict[str, bool] = {}
+    for key, value in keys.items():
+        if ".lora_" in key:
+            module = key.split(".lora_")[0]
+            modules[module] = modules.get(module, False) or not (torch.is_tensor(value) and not bool(value.any()))
+    return modules
 
 
 def _hollow(module: torch.nn.Module) -> None:

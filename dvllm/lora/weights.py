@@ -21,7 +21,8 @@ from dvllm.lora.files import LoraFile
 # Far past any trained adapter's values (of order 1): beyond it an fp16 forward overflows to inf, then NaN.
 MAX_ABS_LORA_VALUE = 1e4
 TEXT_ENCODER_PREFIX = "text_encoder"  # text_encoder, text_encoder_2: adapters there change prompt embeddings
-# Set on a skeleton's denoiser by its load_lora_adapter (skeleton.py): the module names the adapter has weights for
+# Set on a skeleton's denoiser by its load_lora_adapter (skeleton.py): the modules the adapter has weights for,
+# each with whether those change it (all zeros do not)
 EXPECTED_LAYERS = "_dvllm_lora_expected"
 
 
@@ -116,12 +117,14 @@ def _check_values(path: str, where: str, values: torch.Tensor) -> None:
                        "no trained adapter has such weights, and they overflow a half-precision forward")
 
 
-def _check_placed(path: str, component: str, expected: set[str] | None, placed: set[str]) -> None:
-    """Every module the adapter has weights for got a layer, and no layer was made without weights."""
+def _check_placed(path: str, component: str, expected: dict[str, bool] | None, placed: set[str]) -> None:
+    """Every module the adapter has weights for got a layer, unless its weights are all zeros (`expected`: module
+    -> whether its weights change it), and no layer was made without weights."""
     if expected is None:
         return
-    for names, what in ((expected - placed, "weights for modules this model does not have"),
-                        (placed - expected, "layers this model matched but the adapter has no weights for")):
+    missing = {name for name in expected.keys() - placed if expected[name]}
+    for names, what in ((missing, "weights for modules this model does not have"),
+                        (placed - expected.keys(), "layers this model matched but the adapter has no weights for")):
         if names:
             shown = ", ".join(f"{component}.{n}" for n in sorted(names)[:5])
             raise _Refused(f"{path!r}: LoRA {what}: {shown}{', ...' if len(names) > 5 else ''} "
