@@ -37,7 +37,7 @@ def test_single_prompt_writes_png_and_summary(sd_eps_path, tmp_path, capsys):
         assert (image.format, image.size, image.mode) == ("PNG", (16, 16), "RGB")
     stdout = capsys.readouterr().out
     assert f"{out}  (seed 1, 3 steps)" in stdout
-    assert "1 images in" in stdout and "images/s" in stdout and "0 failed" in stdout
+    assert "1 image in" in stdout and "images/s" in stdout and "0 failed" in stdout
     # The PNG says what made it; a single prompt writes no manifest.
     with Image.open(out) as image:
         assert image.text["prompt"] == "a red circle"
@@ -313,4 +313,4 @@ def test_console_script_default_model(tmp_path):
     assert proc.returncode == 0, proc.stderr
     with Image.open(out) as image:
         assert image.size == (64, 64)  # tiny-shapes' default size
-    assert "1 images in" in proc.stdout
+    assert "1 image in" in proc.stdout

@@ -397,7 +397,8 @@ def _generate(engine: DiffusionEngine, jobs: list[Job], requests: list[Request],
         total = sum(job.params.n for job in jobs)
         print(f"interrupted: {writer.written} of {total} {noun} written", file=sys.stderr)
         return EXIT_INTERRUPTED
-    print(f"{writer.written} {noun} in {elapsed:.2f} s ({writer.written / elapsed:.2f} {noun}/s); {failed} failed")
+    written = f"{writer.written} {noun.removesuffix('s') if writer.written == 1 else noun}"  # "1 video", "2 videos"
+    print(f"{written} in {elapsed:.2f} s ({writer.written / elapsed:.2f} {noun}/s); {failed} failed")
     return 1 if failed else 0
 
 
