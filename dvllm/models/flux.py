@@ -30,8 +30,9 @@ def flux_timestep_kwargs(vae_scale: int, height: int, width: int, num_steps: int
 def latent_image_ids(height: int, width: int, device: torch.device, dtype: torch.dtype,
                      first: float = 0) -> torch.Tensor:
     """[height * width, 3] positions (first, row, column) of a token grid, row-major: FluxPipeline's
-    _prepare_latent_image_ids (float32, then cast to dtype) with the first coordinate `first`, made on `device`
-    (the pipeline's is made on the host and copied, a blocking copy)."""
+    _prepare_latent_image_ids (float32, then cast to dtype) with the first coordinate `first`, made on `device`:
+    the pipeline's is made on the host and copied, a blocking copy. Made each step, not cached: a few small
+    kernels, which a CUDA graph captures with the forward, and no memory that grows with the sizes clients ask."""
     ids = torch.zeros(height, width, 3, device=device)
     ids[..., 0] = first
     ids[..., 1] = torch.arange(height, device=device)[:, None]
@@ -43,19 +44,6 @@ class FluxAdapter(ModelAdapter):
     pipeline_classes = ("FluxPipeline",)
     load_kwargs: dict[str, Any] = {}
     half_dtype = torch.bfloat16  # its pipelines' documented dtype
-
-    def __init__(self, pipeline: Any, name: str, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__(pipeline, name, device, dtype)
-        # (height, width, device, dtype, first) -> latent_image_ids: made once, read by every step (never mutate one)
-        self._image_ids: dict[tuple, torch.Tensor] = {}
-
-    def image_ids(self, height: int, width: int, dtype: torch.dtype, first: float = 0) -> torch.Tensor:
-        """latent_image_ids on this adapter's device, cached: a step does no host work for them. Shared: read only."""
-        key = (height, width, self.device, dtype, first)
-        ids = self._image_ids.get(key)
-        if ids is None:
-            ids = self._image_ids[key] = latent_image_ids(height, width, self.device, dtype, first)
-        return ids
 
     @cached_property
     def info(self) -> ModelInfo:
@@ -93,7 +81,7 @@ class FluxAdapter(ModelAdapter):
                 guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         pipe = self.pipeline
         height, width = (2 * (s // (pipe.vae_scale_factor * 2)) for s in layout.image_size)
-        img_ids = self.image_ids(height // 2, width // 2, latents.dtype)
+        img_ids = latent_image_ids(height // 2, width // 2, self.device, latents.dtype)
         return self._forward(latents, img_ids, timesteps, conditions, guidance)
 
     def _forward(self, hidden: torch.Tensor, img_ids: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from dvllm.models.base import Conditions
-from dvllm.models.flux import FluxAdapter
+from dvllm.models.flux import FluxAdapter, latent_image_ids
 from dvllm.models.layout import BatchLayout
 from dvllm.models.model_info import ImageInputs, ModelInfo
 
@@ -126,8 +126,8 @@ class FluxKontextAdapter(FluxAdapter):
         image_tokens = grid[0] * grid[1]
         image_latents = conditions["image_inputs"][:, :image_tokens * features].view(rows, image_tokens, features)
         multiple = pipe.vae_scale_factor * 2
-        ids = self.image_ids(image_size[0] // multiple, image_size[1] // multiple, latents.dtype)
-        image_ids = self.image_ids(grid[0], grid[1], latents.dtype, first=1)  # the input image's: first coordinate 1
+        ids = latent_image_ids(image_size[0] // multiple, image_size[1] // multiple, self.device, latents.dtype)
+        image_ids = latent_image_ids(grid[0], grid[1], self.device, latents.dtype, first=1)  # the input image's
         hidden = torch.cat([latents, image_latents.to(latents.dtype)], dim=1)
         out = self._forward(hidden, torch.cat([ids, image_ids]), timesteps, conditions, guidance)
         return out[:, :tokens]
