@@ -96,7 +96,7 @@ class Scheduler:
         needing `extra_rows` of its shape, `extra_blocks` more and `extra_pixels` were admitted."""
         rows = sum(r.rows for r in self.running if r.shape_key == request.shape_key) + extra_rows
         return (rows + request.rows <= self.max_batch_size
-                and self._pixels_fit(request, self._running_pixels() + extra_pixels)
+                and self._pixels_fit(request, extra_pixels)
                 and self._can_allocate(request, extra_blocks)
                 and self.lora_slots.can_place(request.lora_adapters))
 
@@ -206,7 +206,7 @@ class Scheduler:
             images = 0 if request.swapped else request.num_input_images
             if admitted_new and (chars > chars_budget or images > images_budget):
                 break  # in order: it goes first next iteration
-            if not self._pixels_fit(request, self._running_pixels()):
+            if not self._pixels_fit(request):
                 break  # in order: nobody overtakes it while the running requests fill max_running_pixels
             if not self._fits(request, rows):
                 preempted = self.by_priority and self._preempt_for(request, rows, out)
@@ -236,14 +236,14 @@ class Scheduler:
         return sum(len(text) for key, text in zip(request.cond_keys, texts)
                    if key is not None and key not in ready and not self.blocks.is_cached(key))
 
-    def _running_pixels(self) -> int:
-        """Pixels of the running requests that take a row again (not those whose last step is in flight)."""
-        return sum(r.pixels for r in self.running if r.steps_scheduled < r.num_steps)
-
-    def _pixels_fit(self, request: Request, running: int) -> bool:
-        """Whether `request` fits max_running_pixels beside `running` pixels; alone, any request fits (a bound
-        below one request's pixels must not leave it waiting forever)."""
-        return self.max_running_pixels is None or not running or running + request.pixels <= self.max_running_pixels
+    def _pixels_fit(self, request: Request, extra: int = 0) -> bool:
+        """Whether `request` fits max_running_pixels beside the running requests that take a row again (not
+        those whose last step is in flight) and `extra` more; alone, any request fits (a bound below one
+        request's pixels must not leave it waiting forever)."""
+        if self.max_running_pixels is None:
+            return True
+        running = extra + sum(r.pixels for r in self.running if r.steps_scheduled < r.num_steps)
+        return not running or running + request.pixels <= self.max_running_pixels
 
     def _fits(self, request: Request, rows: dict) -> bool:
         return (rows[request.shape_key] + request.rows <= self.max_batch_size
