@@ -18,14 +18,16 @@ from dvllm.core.scheduler import Scheduler
 ONE_16PX_CFG = 2 * 16 * 16  # rows x height x width of one CFG request at 16x16
 
 
-def run_to_the_end(s: Scheduler) -> tuple[list[str], int]:
-    """Finish order and the most requests that ran at once."""
+def run_to_the_end(s: Scheduler, limit: int = 1000) -> tuple[list[str], int]:
+    """Finish order and the most requests that ran at once (a scheduler that stalls fails, not hangs)."""
     order, most = [], 0
-    while s.has_unfinished_requests():
+    for _ in range(limit):
+        if not s.has_unfinished_requests():
+            return order, most
         _, outputs = iterate(s)
         most = max(most, len(s.running))
         order += [o.request_id for o in outputs if o.finished]
-    return order, most
+    raise AssertionError(f"requests did not finish in {limit} iterations")
 
 
 def test_requests_run_in_turn_when_each_fills_the_bound():
