@@ -259,3 +259,23 @@ def test_bfloat16_keeps_the_pipelines_float32_latents(wan_path, sampler):
         got = engine.generate("a red circle", params, use_tqdm=False)[0].images[0]
         assert_video_equals(got, reference(pipe, "a red circle", params)[0], f"bfloat16, guidance {guidance}")
     engine.shutdown()
+
+
+def test_decode_workers_give_the_pipelines_videos(wan_path):
+    """A decode process (decode_workers) decodes videos as the loop does: each video, of two sizes and frame
+    counts, and its previews, equal the pipeline's (the copy once lacked the video processor: every video
+    failed at its last step)."""
+    pipe = WanPipeline.from_pretrained(wan_path)
+    pipe.set_progress_bar_config(disable=True)
+    engine = DiffusionEngine(model=wan_path, device="cpu", dtype="float32", decode_workers=1)
+    batch = [(prompt, P(**{**vars(p), "num_previews": 1})) for prompt, p in mixed()[:3]]
+    outs = assert_batch_equals_pipeline(engine, pipe, batch)
+    assert all(out.finished for out in outs)
+    engine.add_request("p", *batch[0])
+    previews = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.error is None, out.error
+            previews += out.previews
+    assert len(previews) == 1 and previews[0].shape == (9, 16, 16, 3)
+    engine.shutdown()

@@ -32,8 +32,7 @@ class VaeCopy:
     state: dict[str, torch.Tensor]
     switches: dict[str, Any]  # tiling and slicing, as the engine's VAE has them
     training: bool  # its mode too: dummy weights are built in training mode, whose dropout changes layouts
-    image_processor: Any
-    vae_scale_factor: int
+    parts: dict[str, Any]  # the pipeline's processors and scale factors that decode reads (_DECODE_PARTS)
 
     @classmethod
     def of(cls, adapter: Any) -> VaeCopy:
@@ -43,8 +42,9 @@ class VaeCopy:
         state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in vae.state_dict().items()}
         switches = {k: v for k, v in vars(vae).items()
                     if k.startswith(("use_", "tile_")) and isinstance(v, (bool, int, float))}
-        return cls(type(adapter), type(pipeline), type(vae), dict(vae.config), state, switches, vae.training,
-                   pipeline.image_processor, pipeline.vae_scale_factor)
+        # an image pipeline's decode reads its image processor, a video pipeline's (Wan) its video processor
+        parts = {name: getattr(pipeline, name) for name in _DECODE_PARTS if hasattr(pipeline, name)}
+        return cls(type(adapter), type(pipeline), type(vae), dict(vae.config), state, switches, vae.training, parts)
 
     def build(self, device: torch.device) -> VaeDecoder:
         vae = self.vae_cls.from_config(self.vae_config)
@@ -52,8 +52,7 @@ class VaeCopy:
         for name, value in self.switches.items():
             setattr(vae, name, value)
         vae.to(device).train(self.training)
-        return VaeDecoder(self.adapter_cls, _DecodeParts(vae, self.image_processor, self.vae_scale_factor,
-                                                         self.pipeline_cls))
+        return VaeDecoder(self.adapter_cls, _DecodeParts(vae, self.parts, self.pipeline_cls))
 
 
 def check_copyable(vae: torch.nn.Module) -> None:
@@ -64,11 +63,18 @@ def check_copyable(vae: torch.nn.Module) -> None:
                              "decode workers copy plain weights only")
 
 
+# What an adapter's decode may read of its pipeline besides the VAE (each where the pipeline has it)
+_DECODE_PARTS = ("image_processor", "video_processor", "vae_scale_factor", "vae_scale_factor_spatial",
+                 "vae_scale_factor_temporal")
+
+
 class _DecodeParts:
     """The parts of a diffusers pipeline an adapter's decode reads."""
 
-    def __init__(self, vae: Any, image_processor: Any, vae_scale_factor: int, pipeline_cls: type) -> None:
-        self.vae, self.image_processor, self.vae_scale_factor = vae, image_processor, vae_scale_factor
+    def __init__(self, vae: Any, parts: dict[str, Any], pipeline_cls: type) -> None:
+        self.vae = vae
+        for name, value in parts.items():
+            setattr(self, name, value)
         self._unpack_latents = getattr(pipeline_cls, "_unpack_latents", None)  # a staticmethod where it exists
 
 
