@@ -261,6 +261,9 @@ def _frames(frames: int | None, info: "ModelInfo", config: "EngineConfig") -> in
     frames = frames or video.frames
     if frames > config.max_num_frames:
         raise ValueError(f"num_frames must be at most {config.max_num_frames} (max_num_frames), got {frames}")
+    if video.max_frames is not None and frames > video.max_frames:
+        raise ValueError(f"num_frames must be at most {video.max_frames} for this model (its position tables), "
+                         f"got {frames}")
     step = video.frame_multiple
     if (frames - 1) % step:
         lower = (frames - 1) // step * step + 1

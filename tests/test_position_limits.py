@@ -21,3 +21,31 @@ def test_z_image_sizes_stop_at_its_rope_tables(z_image_path):
     with pytest.raises(ValueError, match="at most 128 for this model"):
         SamplingParams(height=64, width=136).resolve(info, config)
     assert largest_size(info, config.pixel_limit(info)) == (128, 128)
+
+
+def test_wan_frames_and_sizes_stop_at_its_rope_table():
+    """tiny-shapes-video's rotary table holds 32 positions along frames, height and width: 32 latent frames
+    (125 frames: the first, then 4 a latent frame) and 32 patches of 2x2 latents of a 4x VAE (256 px). 129 frames
+    were accepted and failed in the forward's reshape; now admission refuses them naming num_frames."""
+    from dvllm import DiffusionEngine
+
+    engine = DiffusionEngine(model="tiny-shapes-video", device="cpu", dtype="float32")
+    info, config = engine.model_info, engine.config
+    assert (info.video.max_frames, info.latents.max_side) == (125, 256)
+    with pytest.raises(ValueError, match=r"num_frames must be at most 125 for this model"):
+        engine.add_request("long", "a red circle moving to the right", SamplingParams(num_frames=129))
+    with pytest.raises(ValueError, match=r"height and width must be at most 256 for this model"):
+        SamplingParams(height=264, width=32).resolve(info, config)
+    assert not engine.has_unfinished_requests()
+    out = engine.generate("a red circle moving to the right",
+                          SamplingParams(num_frames=125, num_inference_steps=1, output_type="np"), use_tqdm=False)[0]
+    assert out.error is None and out.images[0].shape == (125, 32, 32, 3)  # the longest it has positions for
+    assert largest_size(info, config.pixel_limit(info), 1000)[2] == 125
+    engine.shutdown()
+
+
+def test_default_frames_past_the_table_are_refused_at_start():
+    from dvllm import DiffusionEngine
+
+    with pytest.raises(ValueError, match=r"num_frames must be at most 125 for this model"):
+        DiffusionEngine(model="tiny-shapes-video", device="cpu", default_params={"num_frames": 129})

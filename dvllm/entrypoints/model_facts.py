@@ -54,4 +54,5 @@ def _video_facts(info: ModelInfo, max_num_frames: int | None) -> dict[str, Any]:
     video = info.video
     facts = {"num_frames": video.frames, "fps": video.fps, "frame_multiple": video.frame_multiple,
              "seconds": round(video.frames / video.fps, 3)}
-    return {"video": facts if max_num_frames is None else {**facts, "max_num_frames": max_num_frames}}
+    bounds = [b for b in (max_num_frames, video.max_frames) if b is not None]  # the engine's and the model's
+    return {"video": {**facts, "max_num_frames": min(bounds)} if bounds else facts}

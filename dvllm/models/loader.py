@@ -298,6 +298,9 @@ def _video_defaults(info: Any, defaults: dict[str, Any], where: dict[str, str]) 
     if (frames - 1) % info.video.frame_multiple:
         raise ValueError(f"{where['num_frames']}: num_frames - 1 must be a multiple of "
                          f"{info.video.frame_multiple}, got {frames}")
+    if info.video.max_frames is not None and frames > info.video.max_frames:
+        raise ValueError(f"{where['num_frames']}: num_frames must be at most {info.video.max_frames} for this model "
+                         f"(its position tables), got {frames}")
     return dataclasses.replace(info.video, **chosen)
 
 

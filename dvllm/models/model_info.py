@@ -115,6 +115,8 @@ class Video:
     fps: float   # the model's published frame rate: what its MP4s are written at unless a request says
     # num_frames - 1 must be a multiple of this (the VAE's temporal compression)
     frame_multiple: int = 4
+    # The most frames the denoiser has positions for (Wan's RoPE table): past it its forward fails. None: any.
+    max_frames: int | None = None
 
 
 @dataclass(frozen=True)

@@ -50,16 +50,21 @@ class WanAdapter(ModelAdapter):
         config = pipe.transformer.config
         spatial = pipe.vae_scale_factor_spatial
         expand = bool(pipe.config.expand_timesteps)
+        # The rotary table has rope_max_seq_len positions along each of frames, height and width (in patches):
+        # a video longer or larger than it fails in the forward (both experts must hold it)
+        positions = min(expert.config.rope_max_seq_len for expert in self.experts)
         return ModelInfo(
             family="wan", pipeline_class=type(pipe).__name__,
             # WanPipeline.__call__'s defaults
             defaults=Defaults(steps=50, guidance=5.0, height=480, width=832),
             schedule=Schedule(self.scheduler_config(), fused_update=self.dtype == self.state_dtype),
             latents=Latents(channels=pipe.vae.config.z_dim, scale=spatial, size_factor=spatial * config.patch_size[1],
-                            temporal_scale=pipe.vae_scale_factor_temporal),
+                            temporal_scale=pipe.vae_scale_factor_temporal,
+                            max_side=positions * spatial * min(config.patch_size[1:])),
             text=Text(self.probe_condition_shapes(), max_sequence_length=MAX_SEQUENCE_LENGTH),
             video=Video(frames=81, fps=WAN22_FPS if expand else WAN21_FPS,
-                        frame_multiple=pipe.vae_scale_factor_temporal),
+                        frame_multiple=pipe.vae_scale_factor_temporal,
+                        max_frames=(positions * config.patch_size[0] - 1) * pipe.vae_scale_factor_temporal + 1),
             expert_boundary=None if len(self.experts) == 1 else
             pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps,
             cache_layout=self.cache_layout(),

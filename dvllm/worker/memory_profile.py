@@ -65,8 +65,10 @@ def largest_size(info: ModelInfo, max_pixels: int, max_frames: int | None = None
     side = max(factor, min(math.isqrt(max_pixels), info.latents.max_side or max_pixels) // factor * factor)
     if info.video is None:
         return side, side
-    step = info.video.frame_multiple
-    return side, side, (max(1, max_frames or info.video.frames) - 1) // step * step + 1
+    step, frames = info.video.frame_multiple, max_frames or info.video.frames
+    if info.video.max_frames is not None:
+        frames = min(frames, info.video.max_frames)
+    return side, side, (max(1, frames) - 1) // step * step + 1
 
 
 def worst_size(info: ModelInfo, config: EngineConfig) -> tuple[int, ...]:
