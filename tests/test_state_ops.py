@@ -287,32 +287,25 @@ def custom_ops_on(device: str):
     return torch.ops.dvllm
 
 
+def _raise_in_a_process_of_its_own(*case: str) -> None:
+    """tests/kernel_raises.py's case in a fresh interpreter: a crash while raising (seen once on an H200) fails
+    this test, naming the signal, and the suite goes on."""
+    script = os.path.join(os.path.dirname(__file__), "kernel_raises.py")
+    done = subprocess.run([sys.executable, script, *case], capture_output=True, text=True, timeout=300)
+    how = f"killed by signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+    assert done.returncode == 0, f"kernel_raises.py {' '.join(case)}: {how}\n{done.stdout}\n{done.stderr[-3000:]}"
+    assert "raised as expected" in done.stdout
+
+
 def test_kernels_check_their_arguments(device: str) -> None:
     """Called directly, the ops check what the wrappers would (RuntimeError from TORCH_CHECK)."""
-    custom_ops = custom_ops_on(device)
-    pool, table = torch.zeros(8, 16, device=device), torch.zeros(2, 2, dtype=torch.int32, device=device)
-    out, coeffs = torch.zeros(2, 20, device=device), torch.zeros(2, NUM_COEFFS, device=device)
-    with pytest.raises(RuntimeError, match="block_table must be int32"):
-        custom_ops.gather_blocks(out, pool, table.long())
-    with pytest.raises(RuntimeError, match=r"block_table must have shape \[2, 2\]"):
-        custom_ops.scatter_blocks(out, pool, table[:, :1])
-    with pytest.raises(RuntimeError, match=r"coeffs must have shape \[2, 8\]"):
-        custom_ops.scatter_update(pool, table, out, coeffs[:, :4], None, None, False)
-    with pytest.raises(RuntimeError, match="noise must be float32 or the pool's dtype"):
-        custom_ops.scatter_update(pool, table, out, coeffs, None, out.double(), False)
+    custom_ops_on(device)
+    _raise_in_a_process_of_its_own("arguments", device)
 
 
 def test_cpu_kernels_check_block_ids() -> None:
-    custom_ops = custom_ops_on("cpu")
-    pool, out = torch.zeros(8, 16), torch.zeros(2, 20)
-    coeffs, table = torch.zeros(2, NUM_COEFFS), torch.tensor([[0, 1], [2, 8]], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match=r"block_table\[1, 1\] = 8 is not a block of the pool"):
-        custom_ops.gather_blocks(out, pool, table)
-    with pytest.raises(RuntimeError, match=r"block_table\[1, 1\] = 8"):
-        custom_ops.scatter_blocks(out, pool, table)
-    history = torch.tensor([[-1, -1], [3, -1]], dtype=torch.int32)  # a row of -1 is fine; a -1 inside a row is not
-    with pytest.raises(RuntimeError, match=r"history_table\[1, 1\] = -1"):
-        custom_ops.scatter_update(pool, table.clamp(max=7), out, coeffs, history, None, False)
+    custom_ops_on("cpu")
+    _raise_in_a_process_of_its_own("block_ids")
 
 
 def test_opcheck(device: str) -> None:
