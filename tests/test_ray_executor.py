@@ -285,8 +285,10 @@ def test_bench_throughput_with_ray_workers(sd_eps_path, tmp_path):
                        "--num-requests", "4", "--steps", "2", "--rounds", "1", "--output-json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert set(result["images_per_s"]) == {"in-process", "ray x1", "ray x2"}
-    # the same schedule in-process and on one Ray worker: the overhead compares like with like
-    assert result["steps"]["in-process"] == result["steps"]["ray x1"]
+    # the same work in-process and on Ray: the rows denoised are fixed by the jobs (4 requests, 2 steps, CFG);
+    # the step count is not, as when each request's encoding lands decides the step it joins ([4] vs [3] seen)
+    assert result["rows"] == {name: [4 * 2 * 2] for name in result["images_per_s"]}
+    assert all(2 <= s <= 4 * 2 for name in result["steps"] for s in result["steps"][name])
     assert result["scaling"] > 0 and result["overhead_ms_per_step"]["ray x1"] > 0 and not ray.is_initialized()
 
 

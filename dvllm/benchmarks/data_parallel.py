@@ -3,7 +3,8 @@
 Three engines run the same requests, interleaved round by round: in-process (one torch
 thread), Ray with one worker and Ray with N workers (one CPU and one thread each, or a
 GPU each). Reports images/s, N workers vs one, and the time per step that Ray adds to
-the in-process executor (both run the same schedule, so their step counts match).
+the in-process executor. Both denoise the same rows; their step counts may differ by a step or two, as when
+each request's encoding lands decides the step it joins.
 """
 from __future__ import annotations
 
@@ -40,15 +41,17 @@ def run(args: argparse.Namespace) -> dict:
             _generate(engine, jobs)
         times: dict[str, list[float]] = {name: [] for name in engines}
         steps: dict[str, list[int]] = {name: [] for name in engines}
+        rows: dict[str, list[int]] = {name: [] for name in engines}
         for engine in engines.values():  # the per-step overhead counts timed rounds only
             _reset_core_times(engine)
         for _ in range(args.rounds):
             for name, engine in engines.items():
-                before = _steps(engine)
+                before, rows_before = _steps(engine), _rows(engine)
                 start = time.perf_counter()
                 _generate(engine, jobs)
                 times[name].append(time.perf_counter() - start)
                 steps[name].append(_steps(engine) - before)
+                rows[name].append(_rows(engine) - rows_before)
         # what each executor adds to a step: the driver's round trip minus the worker's own time
         overhead = {name: statistics.mean(w["overhead_ms_per_step"] for w in engine.worker_stats())
                     for name, engine in engines.items()}
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> dict:
     one_steps = statistics.median(steps["ray x1"])
     end_to_end = (statistics.median(times["ray x1"]) - statistics.median(times["in-process"])) / one_steps
     return {"machine": _machine(device, dtype), "args": vars(args), "images_per_s": ips, "seconds": times,
-            "steps": steps, "scaling": ips[n] / ips["ray x1"], "overhead_ms_per_step": overhead,
+            "steps": steps, "rows": rows, "scaling": ips[n] / ips["ray x1"], "overhead_ms_per_step": overhead,
             "end_to_end_difference_ms_per_step": 1000 * end_to_end}
 
 
@@ -84,6 +87,11 @@ def _reset_core_times(engine: DiffusionEngine) -> None:
 
 def _steps(engine: DiffusionEngine) -> int:
     return sum(w["steps"] for w in engine.worker_stats())
+
+
+def _rows(engine: DiffusionEngine) -> int:
+    """Rows denoised (a request's step, twice with CFG): fixed by the jobs, whatever batches they shared."""
+    return sum(core.rows for core in engine.coordinator.cores)
 
 
 def print_report(result: dict) -> None:
