@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from dvllm.models.model_info import ModelInfo
 
 CPU_STATE_POOL_MB = 1024
+# A stage process's call bounds (stage_process.CallBounds): vLLM's execute-model timeout for a batch; a process's
+# start (imports, its model copy, its first batch's warm-up) twice that
+STAGE_CALL_TIMEOUT_S = 300.0
+STAGE_START_TIMEOUT_S = 600.0
 DEFAULT_PIXELS_FACTOR = 4  # default max_image_pixels: this many times the model's native area
 
 
@@ -105,7 +109,8 @@ class EngineConfig:
         default=None,
         metadata={"help": "The most pixels running at once over all shapes (each request's rows x frames x height x "
                           "width): admission waits, in order, while one more would pass it; a request alone always "
-                          "runs. Where one request fills the GPU (large DiTs, video), running more only shares its "
+                          "runs; with scheduling_policy=priority an urgent request preempts less urgent ones to fit. "
+                          "Where one request fills the GPU (large DiTs, video), running more only shares its "
                           "steps: each finishes later and none sooner. Default: bounded only by max_batch_size and "
                           "memory."})
     max_num_waiting: int = field(default=1024, metadata={"help": "Requests allowed to wait for admission."})
@@ -324,6 +329,25 @@ class EngineConfig:
         metadata={"help": "A collective of the group (a forward's exchange, its forming) that waits this long fails "
                           "(a member hung): the group is formed anew and the forward runs again."},
     )
+    stage_call_timeout_s: float = field(
+        default=STAGE_CALL_TIMEOUT_S,
+        metadata={"help": "An encode or decode worker process that leaves a batch unanswered this long (stopped, "
+                          "wedged, deadlocked) is killed and started again, and its batch redone, as one that dies "
+                          "is. A process's first batches, until it has answered one, have stage_start_timeout_s "
+                          "instead. Raise it for slow batches (CPU decode workers of large videos). A group "
+                          "member's calls have group_timeout_s."})
+    stage_start_timeout_s: float = field(
+        default=STAGE_START_TIMEOUT_S,
+        metadata={"help": "The bound of a stage process's (encode or decode worker, group member) calls until it "
+                          "has answered one: its start imports torch, builds its copy of the model and warms up. "
+                          "Past it the process is killed and started again."})
+    core_heartbeat_timeout_s: float = field(
+        default=120.0,
+        metadata={"help": "The async engine's core answers a ping between two steps; one that has answered nothing "
+                          "this long (a frozen or wedged process, a step stuck) turns /health to 503 and new "
+                          "requests are refused with 503 until it answers again; accepted requests keep waiting "
+                          "(bounded by --request-timeout). It must exceed the longest single step (tens of seconds "
+                          "for a large video model on one GPU, more on a first step that compiles)."})
     engine_core_process: bool | None = field(
         default=None,
         metadata={"help": "Run the async engine's core (scheduler, workers, decode stage) in a process of its own, "
@@ -350,6 +374,12 @@ class EngineConfig:
         default="off",
         metadata={"help": "torch.compile the denoiser: off | dynamic (one graph for any batch) | bucketed "
                           "(batches padded up to 1, 2, 4, 8, then multiples of 8 rows, one graph each)."},
+    )
+    compile_backend: str | None = field(
+        default=None,
+        metadata={"help": "torch.compile's backend with compile on: inductor (the default: generated kernels) | "
+                          "aot_eager | eager (no code generation: dynamo's tracing alone, to tell a compile "
+                          "problem from a tracing one, and fast to start)."},
     )
     cuda_graph: bool = field(
         default=False,

@@ -11,6 +11,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 GROUP_POLICIES = ("static", "elastic")
 COMPILE_MODES = ("off", "dynamic", "bucketed")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 EXECUTORS = ("uniproc", "ray")
 
 # Most decode (or encode) worker processes one worker may start
@@ -111,6 +112,14 @@ def check_workers(config: EngineConfig) -> None:
         raise ValueError(f"max_worker_restarts must be an integer >= 0, got {config.max_worker_restarts!r}")
 
 
+def check_liveness(config: EngineConfig) -> None:
+    """The heartbeat and call bounds: finite numbers > 0 (a bound that never passes hides a frozen process)."""
+    for name in ("stage_call_timeout_s", "stage_start_timeout_s", "core_heartbeat_timeout_s"):
+        value = getattr(config, name)
+        if not (is_number(value) and 0 < value < float("inf")):
+            raise ValueError(f"{name} must be a finite number > 0 (seconds), got {value!r}")
+
+
 def device_list(devices: str | None) -> list[str]:
     """A comma-separated device list's names ([] for None)."""
     return [] if devices is None else [device.strip() for device in devices.split(",")]
@@ -201,6 +210,11 @@ def check_config(config: EngineConfig) -> None:
             raise ValueError("vae_tile_size is set but vae_tiling is off: it sizes the tiles of a tiled decode")
     choice("scheduling_policy", config.scheduling_policy, SCHEDULING_POLICIES)
     choice("compile", config.compile, COMPILE_MODES)
+    if config.compile_backend is not None:
+        choice("compile_backend", config.compile_backend, COMPILE_BACKENDS)
+        if config.compile == "off":
+            raise ValueError("compile_backend is set but compile is 'off': it picks the backend of a compiled "
+                             "denoiser")
     choice("executor", config.executor, EXECUTORS)
     if config.cuda_graph and config.device == "cpu":
         raise ValueError("cuda_graph needs a CUDA device, but device is 'cpu'")
@@ -217,6 +231,7 @@ def check_config(config: EngineConfig) -> None:
             positive_int(name, getattr(config, name))
     check_limits(config)
     check_workers(config)
+    check_liveness(config)
     if not (isinstance(config.gpu_memory_utilization, (int, float)) and 0 < config.gpu_memory_utilization <= 1):
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization!r}")
     check_encoder_device(config)
@@ -227,3 +242,6 @@ def check_config(config: EngineConfig) -> None:
         from dvllm.models.quantization import check_use
 
         check_use(config.quantization, config.model, config.load_format, config.enable_lora)
+    from dvllm.models.model_files import check_model_files  # (os and json only: no model code)
+
+    check_model_files(config)  # model, vae and base_model paths, a GGUF's header, the defaults' size

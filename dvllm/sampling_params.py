@@ -31,7 +31,11 @@ MAX_LORA_WEIGHT = 100.0  # as ComfyUI's LoRA strength; far past it the images ar
 # Adapters one request may name: far more than any engine's max_loras (resident slots, checked in resolve),
 # so that a body naming thousands is refused before each name is looked at.
 MAX_REQUEST_LORAS = 256
+# A video's frame rate. Its MP4 carries the rate as a fraction of denominator <= 1001 (video/mp4.py): below
+# 1/1000 fps that fraction is far off, or 0, which the muxer replaces with 24 fps without a word.
+MIN_FPS = 0.001
 MAX_FPS = 240.0
+FPS_RANGE = f"[{MIN_FPS:g}, {MAX_FPS:g}]"
 
 
 @dataclass
@@ -97,8 +101,8 @@ class SamplingParams:
         _optional_int("n", self.n, low=1)
         _optional_int("num_frames", self.num_frames, low=1)
         if self.fps is not None and (isinstance(self.fps, bool) or not isinstance(self.fps, (int, float))
-                                     or not 0 < self.fps <= MAX_FPS):
-            raise ValueError(f"fps must be a number in (0, {MAX_FPS}], got {self.fps!r}")
+                                     or not MIN_FPS <= self.fps <= MAX_FPS):
+            raise ValueError(f"fps must be a number in {FPS_RANGE}, got {self.fps!r}")
         if self.seed is not None:
             _optional_int("seed", self.seed, low=0)
             if self.seed >= SEED_LIMIT:

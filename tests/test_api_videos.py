@@ -220,6 +220,7 @@ def test_finished_jobs_are_evicted_oldest_first(server, started):
     ({"prompt": "x", "seconds": "four"}, 400, "seconds", "number of seconds"),
     ({"prompt": "x", "seconds": 0}, 400, "seconds", "number of seconds"),
     ({"prompt": "x", "size": "16x16", "fps": 500}, 400, "fps", "fps must be a number in"),
+    ({"prompt": "x", "size": "16x16", "fps": 1e-300}, 400, "fps", "fps must be a number in [0.001, 240]"),
     ({"prompt": "x", "crf": 52}, 400, "crf", ""),
     ({"prompt": "x", "priority": 1}, 400, "priority", "--allow-client-priority"),
     ({"size": "16x16"}, 400, "prompt", "Missing"),

@@ -156,7 +156,8 @@ def test_a_video_model_refuses_image_names_and_bad_frames(wan_path, tmp_path, ca
 
 @pytest.mark.parametrize("flags, message", [
     (["--num-frames", "0"], "--num-frames must be >= 1"),
-    (["--fps", "0"], "--fps must be a number in (0, 240.0]"),
+    (["--fps", "0"], "--fps must be a number in [0.001, 240]"),
+    (["--fps", "1e-300"], "--fps must be a number in [0.001, 240], got 1e-300"),  # was written at 24 fps
     (["--fps", "nan"], "--fps must be a number"),
 ])
 def test_bad_video_flags_are_refused_before_the_model_loads(no_model_load, tmp_path, capsys, flags,  # noqa: F811

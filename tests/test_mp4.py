@@ -70,11 +70,30 @@ def test_a_fractional_rate_is_kept():
     (np.full((2, 48, 64, 3), np.nan, np.float32), {}, "not finite"),
     (np.zeros((2, 48, 64, 3), np.uint8), {"fps": 0}, "fps must be"),
     (np.zeros((2, 48, 64, 3), np.uint8), {"fps": float("inf")}, "fps must be"),
+    (np.zeros((2, 48, 64, 3), np.uint8), {"fps": 1e-300}, "fps must be"),  # rounded to 0, written as 24 fps
     (np.zeros((2, 48, 64, 3), np.uint8), {"crf": 52}, "crf must be"),
 ])
 def test_what_cannot_be_encoded_is_refused(frames, kwargs, match):
     with pytest.raises(ValueError, match=match):
         encode_mp4(frames, **{"fps": 16, **kwargs})
+
+
+def test_the_slowest_rate_an_mp4_carries_is_written_and_a_slower_one_refused_everywhere():
+    """fps=1e-300 was accepted and the MP4 silently written at 24 fps: the muxer's rate (a fraction of denominator
+    <= 1001) rounds it to 0, which it replaces with 24. MIN_FPS is written as asked; a slower rate is refused by the
+    writer, by SamplingParams (the Python API, the CLI's JSONL lines, the HTTP APIs) and by the defaults."""
+    from dvllm import EngineConfig, SamplingParams
+    from dvllm.sampling_params import MIN_FPS
+
+    _, fps = decode_mp4(encode_mp4(_moving_circle(frames=2), fps=MIN_FPS))
+    assert fps == pytest.approx(MIN_FPS, rel=1e-6)
+    for slow in (1e-300, MIN_FPS / 2):
+        with pytest.raises(ValueError, match="fps must be a finite number >= 0.001"):
+            encode_mp4(_moving_circle(frames=2), fps=slow)
+        with pytest.raises(ValueError, match=r"fps must be a number in \[0.001, 240\]"):
+            SamplingParams(fps=slow).validate()
+        with pytest.raises(ValueError, match=r"default_params: fps must be a number in \[0.001, 240\]"):
+            EngineConfig(default_params={"fps": slow})
 
 
 def test_a_file_without_video_is_refused():

@@ -70,6 +70,27 @@ def test_a_request_over_the_bound_runs_alone_rather_than_never():
     assert order == ["a", "b"] and most == 1
 
 
+def test_an_urgent_request_preempts_less_urgent_ones_past_the_bound():
+    """With scheduling_policy=priority the bound orders requests by urgency, as rows and blocks do: an urgent
+    arrival preempts the less urgent running requests whose pixels keep it out (it used to wait behind them),
+    and never a more urgent one; the victims resume after it."""
+    s, c = make(max_running_pixels=2 * ONE_16PX_CFG, scheduling_policy="priority"), Clock()
+    for rid in ("low", "mid"):
+        s.add_request(c.request(rid, steps=6, priority={"low": 5, "mid": 1}[rid]))
+    out, _ = iterate(s)
+    assert sorted(out.scheduled_ids) == ["low", "mid"]
+    s.add_request(c.request("urgent", steps=2, priority=0))
+    out, _ = iterate(s)
+    assert out.preempted_ids == ["low"] and sorted(out.scheduled_ids) == ["mid", "urgent"]
+    s.add_request(c.request("later", steps=2, priority=3))  # less urgent than mid: it waits, preempting no one
+    out, outputs = iterate(s)
+    assert not out.preempted_ids and "later" not in out.scheduled_ids
+    assert [o.request_id for o in outputs if o.finished] == ["urgent"]
+    order, most = run_to_the_end(s)
+    assert order == ["later", "mid", "low"] or order == ["mid", "later", "low"]
+    assert most <= 2 and s.num_preemptions == 1
+
+
 def test_a_videos_pixels_count_its_frames_and_rows():
     params = SamplingParams(num_inference_steps=4, guidance_scale=5.0, height=32, width=48, num_frames=9, n=2,
                             seed=0)

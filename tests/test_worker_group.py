@@ -17,7 +17,8 @@ from dvllm.config import EngineConfig
 
 TOL = 1e-5  # the bound on the CPU in float32; measured: about 1e-7
 
-# Sizes whose image tokens an even split does not divide (16x48: 3 Flux tokens) ride with even ones
+# Sizes of other token counts ride together (16x48: 3 tokens of a real Flux; the tiny Flux's 48, even: odd counts
+# and fewer tokens than the group are tests/test_uneven_split.py's)
 PROMPTS = ["a red circle", "a blue square on a green field", "a star"]
 
 

@@ -34,7 +34,7 @@ from dvllm.benchmarks.quant_bytes import parse_spec, quantized_bytes
 from dvllm.config import EngineConfig
 from dvllm.engine.input_processor import InputProcessor
 from dvllm.models.base import ModelAdapter
-from dvllm.models.loader import DTYPES, _apply_defaults, dummy_components, resolve_dtype, resolve_model
+from dvllm.models.loader import DTYPES, _apply_defaults, _default_layers, dummy_components, resolve_dtype, resolve_model
 from dvllm.models.quantization import components_of
 from dvllm.models.registry import adapter_for
 from dvllm.sampling_params import SamplingParams
@@ -162,7 +162,7 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
             for module in modules.values():
                 to_fake(module)
             with PeakTracker(mode):  # the model's info encodes the empty prompt once
-                _apply_defaults(adapter, source, None)
+                _apply_defaults(adapter, source, _default_layers(source, None))
             info = adapter.info
             size = size or (info.defaults.height, info.defaults.width)
             memory = TrackedMemory(mode)

@@ -1,6 +1,6 @@
 """Which running requests to preempt for one that does not fit (scheduling_policy="priority"): from the least
-urgent candidate on, only as many as it takes to free what the request lacks in rows of its shape, blocks and
-LoRA slots; none if all of them together would not free enough."""
+urgent candidate on, only as many as it takes to free what the request lacks in rows of its shape, blocks,
+LoRA slots or running pixels (max_running_pixels); none if all of them together would not free enough."""
 from __future__ import annotations
 
 from dvllm.core.block_manager import BlockManager
@@ -35,3 +35,18 @@ def _shared_blocks_freed(victim: Request, chosen: list[Request], wanted: Request
             holders = sum(1 for r in chosen for e in (r.cond_entry, r.uncond_entry) if e is entry)
             freed += blocks.blocks_freed_by(entry, holders)
     return freed
+
+
+def choose_pixel_victims(wanted: Request, candidates: list[Request], running_pixels: int,
+                         max_running_pixels: int) -> list[Request] | None:
+    """The victims whose pixels, once freed, let `wanted` run under max_running_pixels (least urgent first), or
+    None if preempting every candidate would not. Alone, any request runs: freeing every running one is enough."""
+    chosen: list[Request] = []
+    for victim in candidates:
+        if running_pixels + wanted.pixels <= max_running_pixels:
+            break
+        chosen.append(victim)
+        running_pixels -= victim.pixels
+    if running_pixels and running_pixels + wanted.pixels > max_running_pixels:
+        return None
+    return chosen

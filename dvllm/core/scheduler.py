@@ -30,7 +30,7 @@ from dvllm.core.block_manager import BlockManager
 from dvllm.core.deadlines import Pace
 from dvllm.core.encode_ahead import EncodeAhead, EncodeKey
 from dvllm.core.lora_slots import LoraSlots
-from dvllm.core.preemption import choose_victims
+from dvllm.core.preemption import choose_pixel_victims, choose_victims
 from dvllm.core.request import Request, RequestStatus
 from dvllm.core.scheduler_output import BlockTables, ResumedRequestData, RunnerOutput, SchedulerOutput
 from dvllm.outputs import RequestOutput
@@ -206,7 +206,8 @@ class Scheduler:
             images = 0 if request.swapped else request.num_input_images
             if admitted_new and (chars > chars_budget or images > images_budget):
                 break  # in order: it goes first next iteration
-            if not self._pixels_fit(request):
+            if not self._pixels_fit(request) and not (self.by_priority and self._preempt_for_pixels(request, rows,
+                                                                                                   out)):
                 break  # in order: nobody overtakes it while the running requests fill max_running_pixels
             if not self._fits(request, rows):
                 preempted = self.by_priority and self._preempt_for(request, rows, out)
@@ -270,6 +271,18 @@ class Scheduler:
         victims = choose_victims(request, candidates, rows[request.shape_key] + request.rows - self.max_batch_size,
                                  self._blocks_needed(request) - self.blocks.num_available,
                                  self.lora_slots.shortfall(request.lora_adapters), self.blocks, self.lora_slots)
+        for victim in victims or []:
+            self._preempt(victim, rows, out)
+        return victims is not None
+
+    def _preempt_for_pixels(self, request: Request, rows: dict, out: SchedulerOutput) -> bool:
+        """Preempt less urgent running requests whose pixels keep `request` over max_running_pixels, if that
+        makes it fit (the bound delays requests by arrival, but never an urgent one behind a less urgent)."""
+        running = [r for r in self.running if r.steps_scheduled < r.num_steps]
+        candidates = sorted((r for r in running if self.urgency(r) > self.urgency(request)), key=self.urgency,
+                            reverse=True)
+        victims = choose_pixel_victims(request, candidates, sum(r.pixels for r in running),
+                                       self.max_running_pixels)
         for victim in victims or []:
             self._preempt(victim, rows, out)
         return victims is not None

@@ -156,3 +156,6 @@ class RunnerOutput:
     # The step's busy seconds and items per stage (encode, denoise, decode in the loop; the decode stage's since
     # the last output): the stage metrics.
     stages: StageStats = field(default_factory=StageStats)
+    # Each stage process's heartbeat as the step ends (StageProcess.health, with its "stage" and "index"): the
+    # encode and decode workers', the worker group's members'.
+    stage_processes: list[dict] = field(default_factory=list)

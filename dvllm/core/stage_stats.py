@@ -25,6 +25,8 @@ class StageStats:
     # Restarts of a stage's parts: "<stage>.thread" (a stage thread that died) and "<stage>.process" (a decode or
     # encode worker process that died), counted where they happen and reported once
     restarts: dict[str, int] = field(default_factory=dict)
+    # Of those, the processes that passed a call's bound (stopped, wedged) and were killed, by the same keys
+    timeouts: dict[str, int] = field(default_factory=dict)
     group_forwards: dict[str, int] = field(default_factory=dict)  # a worker group's forwards, by GROUP_SPLITS
 
     def add(self, stage: str, seconds: float, items: int) -> None:
@@ -34,7 +36,8 @@ class StageStats:
     def merge(self, other: StageStats) -> None:
         for stage, seconds in other.seconds.items():
             self.add(stage, seconds, other.items.get(stage, 0))
-        for counts, more in ((self.restarts, other.restarts), (self.group_forwards, other.group_forwards)):
+        for counts, more in ((self.restarts, other.restarts), (self.timeouts, other.timeouts),
+                             (self.group_forwards, other.group_forwards)):
             for part, count in more.items():
                 counts[part] = counts.get(part, 0) + count
 

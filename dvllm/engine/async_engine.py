@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +22,7 @@ from dvllm.config import EngineConfig
 from dvllm.core.request import Request
 from dvllm.engine.core_loop import CoreLoop
 from dvllm.engine.engine import DiffusionEngine, StepStats
+from dvllm.engine.heartbeat import CoreHeartbeat
 from dvllm.engine.input_processor import InputProcessor
 from dvllm.lora.registry import registry_for, require_registry
 from dvllm.outputs import RequestOutput
@@ -37,6 +39,11 @@ class EngineShuttingDownError(RuntimeError):
     """The engine no longer accepts requests."""
 
 
+class EngineUnresponsiveError(EngineDeadError):
+    """The engine core has answered nothing for longer than core_heartbeat_timeout_s (frozen, or wedged in a
+    step): new requests are refused until it answers again."""
+
+
 class AsyncDiffusionEngine:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []  # run off the event loop
@@ -49,6 +56,7 @@ class AsyncDiffusionEngine:
         self._stats: dict = {}
         self.dead: BaseException | None = None
         config = EngineConfig.from_kwargs(model=model, **engine_args)  # bad arguments fail before anything starts
+        self.heartbeat = CoreHeartbeat(lambda: self._send("ping"), config.core_heartbeat_timeout_s)
         self.core_process = None
         if config.engine_core_process:
             self._start_process(config, {**engine_args, "model": model, "engine_core_process": False})
@@ -99,6 +107,7 @@ class AsyncDiffusionEngine:
         if not self._started.is_set():
             self._loop = asyncio.get_running_loop()
             self._started.set()
+            self.heartbeat.start()
 
     @property
     def is_running(self) -> bool:
@@ -109,6 +118,7 @@ class AsyncDiffusionEngine:
     async def shutdown(self, grace_seconds: float = 30.0) -> None:
         """Stops accepting; lets running requests finish for up to grace_seconds; aborts the rest."""
         self._accepting = False
+        self.heartbeat.stop()
         deadline = time.monotonic() + grace_seconds
         while self._streams and self.is_running and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -140,6 +150,9 @@ class AsyncDiffusionEngine:
             raise EngineShuttingDownError("the engine is shutting down")
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running: {self.dead!r}")
+        if not self.heartbeat.responsive:  # it would only queue behind a loop that does not come round
+            raise EngineUnresponsiveError(f"the engine core has answered nothing for {self.heartbeat.age:.0f} s "
+                                          f"(core_heartbeat_timeout_s={self.heartbeat.limit_s:g})")
         request_id = request_id or f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -194,6 +207,17 @@ class AsyncDiffusionEngine:
         worker under "workers"."""
         return dict(self._stats)
 
+    def liveness(self) -> dict[str, Any]:
+        """What /health reports: the engine core's heartbeat (seconds since its loop last reported, its bound) and
+        each stage process's (its call in flight's age and bound, as of its worker's latest step)."""
+        responsive = self.heartbeat.responsive  # (first: an age read after it is as old or older)
+        core = {"pid": self.core_process.pid if self.core_process is not None else os.getpid(),
+                "heartbeat_age_s": round(self.heartbeat.age, 3), "limit_s": self.heartbeat.limit_s,
+                "responsive": responsive, "stalls": self.heartbeat.stalls}
+        stages = [{"worker": w["worker"], **p} for w in self._stats.get("workers", []) for p in
+                  w.get("stage_processes", [])]
+        return {"engine_core": core, "stage_processes": stages}
+
     # -- the core --------------------------------------------------------------------
     def _send(self, *command: Any) -> None:
         if self.core_process is not None:
@@ -223,7 +247,10 @@ class AsyncDiffusionEngine:
 
     def _on_report(self, report: tuple) -> None:
         """What the core says (on its loop thread, or the reader thread of a core process)."""
+        self.heartbeat.seen()
         kind = report[0]
+        if kind == "pong":
+            return
         if kind == "accepted":
             _, request_id, error = report
             self._loop.call_soon_threadsafe(self._settle, request_id, error)

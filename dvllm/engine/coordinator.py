@@ -36,6 +36,8 @@ _STAT_KEYS = ("num_running", "num_waiting", "num_decoding", "num_encoding", "num
 # started again at once: one count per reform)
 RESTART_KEYS = ("encode_stage.thread", "encode_stage.process", "decode_stage.thread", "decode_stage.process",
                 "worker_group.members")
+# Of those, the processes whose calls have a bound (stage_process.CallBounds)
+TIMEOUT_KEYS = ("encode_stage.process", "decode_stage.process", "worker_group.members")
 
 
 class Coordinator:
@@ -281,11 +283,13 @@ class Coordinator:
         return {**totals, "stage_seconds": {name: stages.seconds.get(name, 0.0) for name in STAGES},
                 "stage_items": {name: stages.items.get(name, 0) for name in STAGES},
                 "stage_restarts": {key: stages.restarts.get(key, 0) for key in RESTART_KEYS},
+                "stage_timeouts": {key: stages.timeouts.get(key, 0) for key in TIMEOUT_KEYS},
                 "group_forwards": {split: stages.group_forwards.get(split, 0) for split in GROUP_SPLITS}}
 
     def worker_stats(self) -> list[dict]:
         """Per worker: liveness, rows per step, steps per second in flight, the time per step the executor
-        adds to the worker's own (transport, serialization, waiting for the driver), blocks used, restarts."""
+        adds to the worker's own (transport, serialization, waiting for the driver), blocks used, restarts, its
+        stage processes' heartbeats as of its latest step."""
         out = []
         for core in self.cores:
             s = core.scheduler.stats() if core.alive else {}
@@ -297,6 +301,7 @@ class Coordinator:
                 if core.steps else 0.0,
                 "num_running": s.get("num_running", 0), "num_waiting": s.get("num_waiting", 0),
                 "pool_used_blocks": s.get("pool_used_blocks", 0), "pool_total_blocks": s.get("pool_total_blocks", 0),
+                "stage_processes": core.stage_processes,
                 **self.executor.describe(core.index),
             })
         return out

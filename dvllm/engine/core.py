@@ -40,6 +40,8 @@ class EngineCore:
     stages: StageStats = field(default_factory=StageStats)  # busy seconds and items per stage, since start
     last_step: tuple[int, int] = (0, 0)    # the latest step's denoiser rows, and requests that stepped
     ahead: deque[tuple[SchedulerOutput, Future]] = field(default_factory=deque)  # async: in flight, oldest first
+    stage_processes: list[dict] = field(default_factory=list)  # the worker's stage processes' heartbeats, as of its
+    # latest step (RunnerOutput.stage_processes)
 
     @property
     def alive(self) -> bool:
@@ -84,6 +86,7 @@ class EngineCore:
             self.busy_seconds += result.execute_seconds if seconds is None else seconds
             self.worker_seconds += result.execute_seconds
             self.stages.merge(result.stages)
+            self.stage_processes = result.stage_processes
         return self.scheduler.update_from_output(sched_out, result)
 
     # -- the coordinator's split of the same step ------------------------------------

@@ -6,6 +6,7 @@ steps; everything the loop has to say leaves through one `report` callable as a 
     ("accepted", request_id, error or None)   an add was applied (error: what add_processed raised)
     ("step", StepStats, outputs, stats)        a step ran
     ("stats", stats)                           the counters changed while idle (commands, worker polls)
+    ("pong",)                                  the answer to a ping: the loop came round (engine/heartbeat.py)
 
 The same loop runs on a thread of the server's process (the report goes to the event loop) and as
 the main loop of an engine core process (the report goes down a pipe): see core_process.py.
@@ -36,7 +37,8 @@ class CoreLoop:
         self._stats: dict | None = None
 
     def put(self, *command: Any) -> None:
-        """("add", Request) or ("abort", request_id, reason or None); thread-safe, applied before the next step."""
+        """("add", Request), ("abort", request_id, reason or None) or ("ping",); thread-safe, applied before the
+        next step."""
         self._commands.put(command)
         self._wakeup.set()
 
@@ -79,6 +81,9 @@ class CoreLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
+            if command[0] == "ping":  # answered here, between steps, by the thread that steps
+                self._report(("pong",))
+                continue
             applied = True
             if command[0] == "add":
                 request = command[1]

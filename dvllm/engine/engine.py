@@ -39,14 +39,17 @@ class DiffusionEngine:
                              "AsyncDiffusionEngine (and dvllm serve) can run the core in a process of its own")
         self.config.check_lora_modules()  # a typo'd adapter fails now, not after the model loads
         self.executor = create_executor(self.config)
-        try:
-            self.model_info = self.executor.model_info()
-            self.loaded_model = self.executor.loaded_model()
-            self._timer = PhaseTimer(self.config.profile_steps)  # the driver's phases: scheduling
-            self.coordinator = Coordinator(self.config, self.executor, self._timer)
+        try:  # a refusal at start (a pair of options, a pool too small) leaves no process or group behind
+            self._start()
         except BaseException:
             self.executor.shutdown()
             raise
+
+    def _start(self) -> None:
+        self.model_info = self.executor.model_info()
+        self.loaded_model = self.executor.loaded_model()
+        self._timer = PhaseTimer(self.config.profile_steps)  # the driver's phases: scheduling
+        self.coordinator = Coordinator(self.config, self.executor, self._timer)
         self.block_numel = self.coordinator.block_numel
         pool_blocks = min(self.executor.pool_info(i)[0] for i in range(self.executor.num_workers))
         self.loras = registry_for(self.config, self.loaded_model.name)
@@ -61,12 +64,8 @@ class DiffusionEngine:
         self.last_step = StepStats(0, 0, 0.0)
         self._profiled_steps, self._profiled_seconds = 0, 0.0
         self._check_pool_holds_a_default_request()
-        try:
-            for name, path in self.config.lora_modules.items():
-                self.load_lora(name, path)
-        except BaseException:
-            self.executor.shutdown()
-            raise
+        for name, path in self.config.lora_modules.items():
+            self.load_lora(name, path)
 
     @property
     def scheduler(self) -> Scheduler | None:

@@ -37,6 +37,7 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 
 import dvllm
 from dvllm.engine.async_engine import AsyncDiffusionEngine
+from dvllm.entrypoints.health import health_response
 from dvllm.entrypoints.image_store import ImageStore
 from dvllm.entrypoints.metrics import ServerMetrics
 from dvllm.entrypoints.model_facts import model_facts
@@ -61,7 +62,8 @@ def build_app(engine: AsyncDiffusionEngine, args: argparse.Namespace) -> FastAPI
     ctx = ServerContext(
         engine=engine,
         model_name=getattr(args, "served_model_name", None) or engine.loaded_model.name,
-        metrics=ServerMetrics(engine.stats, lambda: ctx.in_flight),  # called on the loop thread
+        metrics=ServerMetrics(engine.stats, lambda: ctx.in_flight,  # called on the loop thread
+                              getattr(engine, "liveness", None)),  # (a test's engine may have none)
         images=ImageStore(getattr(args, "image_store_size", 64),
                           int(getattr(args, "image_store_mb", 256.0) * (1 << 20))),
         api_key=getattr(args, "api_key", None) or None,
@@ -279,17 +281,7 @@ def _open_routes(ctx: ServerContext) -> APIRouter:
 
     @router.get("/health")
     async def health() -> Response:
-        if ctx.draining or not ctx.engine.is_running:
-            raise APIError(503, "The server is shutting down or its engine loop is not running.",
-                           code="service_unavailable")
-        stats = ctx.engine.stats()
-        alive, total = stats["num_workers_alive"], stats["num_workers"]
-        if alive == 0:
-            raise APIError(503, f"No worker is alive (0 of {total}); requests wait for a restart.",
-                           code="service_unavailable")
-        # Degraded still serves (200): fewer workers, requests moved to the survivors.
-        return JSONResponse({"status": "ok" if alive == total else "degraded",
-                             "workers": total, "workers_alive": alive})
+        return health_response(ctx)
 
     @router.get("/metrics")
     async def metrics() -> Response:

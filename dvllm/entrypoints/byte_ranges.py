@@ -18,13 +18,20 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
         return None
     first, last = match.groups()
     if not first:  # the last N bytes
-        if int(last) == 0:
+        if not last.strip("0"):
             raise ValueError("bytes -0: an empty suffix")
-        return max(size - int(last), 0), size - 1
-    start, end = int(first), min(int(last) if last else size - 1, size - 1)
+        return size - _capped(last, size), size - 1
+    start, end = _capped(first, size), _capped(last, size - 1) if last else size - 1
     if start >= size:
-        raise ValueError(f"bytes {start}- start past the end of {size} bytes")
+        raise ValueError(f"bytes {first[:20]}- start past the end of {size} bytes")
     return None if end < start else (start, end)
+
+
+def _capped(digits: str, cap: int) -> int:
+    """min(int(digits), cap) for digits of any length: int() refuses more than 4,300 digits
+    (sys.get_int_max_str_digits), and a range end past the body is as good as its end."""
+    digits = digits.lstrip("0") or "0"
+    return cap if len(digits) > len(str(max(cap, 0))) else min(int(digits), cap)
 
 
 def ranged_response(body: bytes, range_header: str | None, media_type: str, headers: dict[str, str]) -> Response:

@@ -14,7 +14,7 @@ from PIL import Image, UnidentifiedImageError
 
 from dvllm.entrypoints.mask_upload import mask_from_upload
 from dvllm.sampler_names import SHORT_NAMES, did_you_mean, scheduler_class
-from dvllm.sampling_params import MAX_FPS, PARAM_ALIASES, SEED_LIMIT, SamplingParams, lora_weight
+from dvllm.sampling_params import FPS_RANGE, MAX_FPS, MIN_FPS, PARAM_ALIASES, SEED_LIMIT, SamplingParams, lora_weight
 from dvllm.step_cache import parse_cache_flag
 from dvllm.video.save import VIDEO_SUFFIX
 
@@ -214,8 +214,8 @@ def check_generate_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--strength must be in (0, 1], got {args.strength}")
     if args.num_frames is not None and args.num_frames < 1:
         raise ValueError(f"--num-frames must be >= 1, got {args.num_frames}")
-    if args.fps is not None and not 0 < args.fps <= MAX_FPS:
-        raise ValueError(f"--fps must be a number in (0, {MAX_FPS}], got {args.fps}")
+    if args.fps is not None and not MIN_FPS <= args.fps <= MAX_FPS:
+        raise ValueError(f"--fps must be a number in {FPS_RANGE}, got {args.fps}")
     if args.prompts_file is None and args.image is None:  # a file's lines may bring their own image
         for flag, value in (("--mask", args.mask), ("--strength", args.strength)):
             if value is not None:

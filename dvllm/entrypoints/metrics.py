@@ -24,7 +24,8 @@ _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class ServerMetrics:
     """Request outcomes and latencies (event loop), step stats (engine loop thread), engine gauges."""
 
-    def __init__(self, engine_stats: Callable[[], dict], in_flight: Callable[[], int]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict], in_flight: Callable[[], int],
+                 liveness: Callable[[], dict] | None = None) -> None:
         self.registry = CollectorRegistry()  # collectors without describe() are not called at registration
         r = self.registry
         self.requests = Counter("dvllm_requests", "Image generation requests by outcome.", ["outcome"], registry=r)
@@ -42,6 +43,8 @@ class ServerMetrics:
         self._snapshot = engine_stats()  # replaced from the loop thread after every step
         self._lock = threading.Lock()
         r.register(_EngineCollector(self.snapshot, in_flight))
+        if liveness is not None:  # the engine core's heartbeat, read at scrape time (AsyncDiffusionEngine.liveness)
+            r.register(_CoreCollector(liveness))
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -120,6 +123,14 @@ class _EngineCollector(Collector):
             for w in s.get("workers", []):
                 family.add_metric([str(w["worker"])], read(w))
             yield family
+        calls = GaugeMetricFamily("dvllm_stage_process_call_age_seconds", "How long a stage process's call in flight "
+                                  "(an encode or decode worker's batch, a group member's forward) has waited, as of "
+                                  "its worker's latest step (0: idle); past its bound the process is killed and "
+                                  "started again.", labels=["worker", "stage", "index"])
+        for w in s.get("workers", []):
+            for p in w.get("stage_processes", []):
+                calls.add_metric([str(w["worker"]), p["stage"], str(p["index"])], p["call_age_s"] or 0.0)
+        yield calls
         yield CounterMetricFamily("dvllm_preemptions", "Requests preempted (state swapped out).",
                                   value=s["num_preemptions"])
         deadlines = CounterMetricFamily("dvllm_deadlines", "Finished requests that had a deadline, by whether "
@@ -173,9 +184,29 @@ def _stage_metrics(s: dict) -> Iterator[Metric]:
                                    labels=["stage", "part"])
     for key, count in s.get("stage_restarts", {}).items():
         restarts.add_metric(key.split("."), count)
+    timeouts = CounterMetricFamily("dvllm_stage_timeouts", "Of dvllm_stage_restarts, the stage processes that "
+                                   "left a call unanswered past its bound (stopped, wedged) and were killed.",
+                                   labels=["stage", "part"])
+    for key, count in s.get("stage_timeouts", {}).items():
+        timeouts.add_metric(key.split("."), count)
     forwards = CounterMetricFamily("dvllm_group_forwards", "A worker group's denoiser forwards, by how they ran: "
                                    "every row's tokens split, the rows split, or on the worker alone (forwards with "
                                    "step-cached rows).", labels=["split"])
     for split, count in s.get("group_forwards", {}).items():
         forwards.add_metric([split], count)
-    yield from (queue, busy, done, restarts, forwards)
+    yield from (queue, busy, done, restarts, timeouts, forwards)
+
+
+class _CoreCollector(Collector):
+    """The engine core's heartbeat: the age of its loop's latest report, and the times it passed its bound."""
+
+    def __init__(self, liveness: Callable[[], dict]) -> None:
+        self._liveness = liveness
+
+    def collect(self) -> Iterator[Metric]:
+        core = self._liveness()["engine_core"]
+        yield GaugeMetricFamily("dvllm_engine_core_heartbeat_age_seconds", "Seconds since the engine core's step "
+                                "loop last reported (it answers a ping between two steps); past "
+                                "core_heartbeat_timeout_s /health answers 503.", value=core["heartbeat_age_s"])
+        yield CounterMetricFamily("dvllm_engine_core_stalls", "Times the engine core answered nothing for longer "
+                                  "than core_heartbeat_timeout_s.", value=core["stalls"])

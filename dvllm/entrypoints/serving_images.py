@@ -18,7 +18,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from dvllm.engine.async_engine import AsyncDiffusionEngine, EngineDeadError, EngineShuttingDownError
+from dvllm.engine.async_engine import (
+    AsyncDiffusionEngine,
+    EngineDeadError,
+    EngineShuttingDownError,
+    EngineUnresponsiveError,
+)
 from dvllm.entrypoints.image_store import ImageStore, encode_b64, encode_image
 from dvllm.entrypoints.metrics import ServerMetrics
 from dvllm.entrypoints.protocol import (
@@ -213,6 +218,8 @@ async def engine_call(awaitable: Awaitable[Any]) -> Any:
                        headers={"Retry-After": RETRY_AFTER_SECONDS}) from None
     except EngineShuttingDownError:
         raise APIError(503, "The server is shutting down.", code="service_unavailable") from None
+    except EngineUnresponsiveError as e:  # (GET /health says so too)
+        raise APIError(503, f"The engine is not responding: {e}.", code="service_unavailable") from None
     except EngineDeadError:
         raise APIError(503, "The engine loop is not running.", code="service_unavailable") from None
     except NoWorkerError as e:

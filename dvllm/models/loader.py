@@ -31,7 +31,15 @@ from dvllm.models.byte_tokenizer import (
     byte_t5_tokenizer,
 )
 from dvllm.models.load_config import LoadConfig
-from dvllm.models.model_defaults import DEFAULTS_FIELDS, VIDEO_FIELDS, known_defaults, parse_defaults
+from dvllm.models.model_defaults import (  # noqa: F401 - DEFAULTS_FILE is read from here too
+    DEFAULTS_FIELDS,
+    DEFAULTS_FILE,
+    VIDEO_FIELDS,
+    known_defaults,
+    parse_defaults,
+    read_defaults_file,
+)
+from dvllm.models.model_files import check_path_kind
 from dvllm.models.quantization import finish_quantization, pipeline_config
 from dvllm.models.registry import adapter_for
 from dvllm.models.single_file import (
@@ -46,7 +54,6 @@ from dvllm.models.single_file import (
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "tiny-shapes"  # trained in the repo (scripts/train_tiny_shapes.py), shipped in the package
-DEFAULTS_FILE = "dvllm_defaults.json"  # a model folder's own defaults (steps, guidance, size) for dvllm
 
 
 def builtin_folder(name: str) -> str | None:
@@ -93,6 +100,7 @@ def resolve_model(model: str | None, load: LoadConfig | None = None) -> ModelSou
     if model in preset_names():
         preset = load_preset(model)
         return ModelSource(name=model, model_index=preset["model_index"], preset=preset)
+    check_path_kind("model", model)  # a FIFO or a device: refused, never read
     path = os.path.expanduser(model)
     if is_single_file(path):
         return _single_file_source(model, load or LoadConfig())
@@ -175,6 +183,7 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     found as `load` says (revision, variant, cache, offline)."""
     load = load or LoadConfig()
     source = resolve_model(model, load)
+    defaults = _default_layers(source, default_params)  # a bad defaults file is named before the weights load
     adapter_cls = adapter_for(source.pipeline_class)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, device, adapter_cls)
@@ -202,7 +211,7 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
         adapter.place_vae(DTYPES[load.vae_dtype])
     if load.encoder_device and torch.device(load.encoder_device) != device:
         adapter.place_text_encoders(torch.device(load.encoder_device))
-    _apply_defaults(adapter, source, default_params)
+    _apply_defaults(adapter, source, defaults)
     return adapter
 
 
@@ -241,19 +250,23 @@ def _absent_components(source: ModelSource, pipeline_cls: type) -> dict[str, Non
             if not name.startswith("_") and spec in ([None, None], (None, None)) and name not in optional}
 
 
-def _apply_defaults(adapter: ModelAdapter, source: ModelSource, default_params: Any) -> None:
-    """The model's request defaults over its pipeline's (model_defaults.py): the known table's, its folder's
-    dvllm_defaults.json, then the engine's default_params. "max_sequence_length" sets the text length of a
-    model whose pipeline pads its text to that length with zeros (stable-diffusion-3 without T5): it changes
-    the model's conditions, so it is applied first, before the adapter's info (which reads it) is computed."""
+def _default_layers(source: ModelSource, default_params: Any) -> list[tuple[dict[str, Any], str]]:
+    """The model's request defaults over its pipeline's (model_defaults.py), each layer with where it comes from:
+    the known table's, its folder's dvllm_defaults.json, then the engine's default_params."""
     layers = [(known_defaults(source.hub_id or source.name), f"dvllm's defaults for {source.name}")]
     path = os.path.join(source.folder, DEFAULTS_FILE) if source.folder else None
     if path and os.path.isfile(path):
-        with open(path) as f:
-            text = f.read()
-        layers.append((parse_defaults(text, path), path))
+        layers.append((read_defaults_file(path), path))
     if default_params is not None:
         layers.append((parse_defaults(default_params, "default_params"), "default_params"))
+    return layers
+
+
+def _apply_defaults(adapter: ModelAdapter, source: ModelSource, layers: list[tuple[dict[str, Any], str]]) -> None:
+    """The layers of defaults (_default_layers) applied, each over the one before. "max_sequence_length" sets the
+    text length of a model whose pipeline pads its text to that length with zeros (stable-diffusion-3 without T5):
+    it changes the model's conditions, so it is applied first, before the adapter's info (which reads it) is
+    computed."""
     defaults: dict[str, Any] = {}
     where: dict[str, str] = {}
     for layer, origin in layers:

@@ -17,6 +17,9 @@ from typing import Any
 
 import torch
 
+from dvllm.models.gguf_header import read_gguf_names
+from dvllm.models.model_files import check_path_kind
+
 SUFFIXES = (".safetensors", ".sft", ".gguf")
 # What an original-layout whole checkpoint holds besides its UNet: the VAE's weights
 _WHOLE_CHECKPOINT_PREFIX = "first_stage_model."
@@ -39,7 +42,7 @@ def check_single_file(path: str) -> None:
 def header_shapes(path: str) -> dict[str, tuple[int, ...]]:
     """Each tensor's name and shape, from the file's header only."""
     if path.lower().endswith(".gguf"):
-        return {name: () for name in _gguf_names(path)}
+        return {name: () for name in read_gguf_names(path)}
     from safetensors import safe_open
 
     try:
@@ -47,14 +50,6 @@ def header_shapes(path: str) -> dict[str, tuple[int, ...]]:
             return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     except Exception as e:  # not a safetensors file, a truncated download...
         raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
-
-
-def _gguf_names(path: str) -> list[str]:
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise ValueError(f"{path}: reading a GGUF file needs the gguf package (pip install gguf)") from None
-    return [t.name for t in GGUFReader(path).tensors]
 
 
 def is_whole_checkpoint(shapes: dict[str, tuple[int, ...]]) -> bool:
@@ -107,7 +102,7 @@ def load_component_file(path: str, class_name: str, folder: str, subfolder: str,
         raise ValueError(f"{path}: diffusers cannot read a {class_name} from a single file")
     kwargs: dict[str, Any] = {}
     if path.lower().endswith(".gguf"):
-        _gguf_names(path)  # the package is there, or a clear error
+        read_gguf_names(path)  # the package is there and the file is whole, or a clear error
         from diffusers import GGUFQuantizationConfig
 
         kwargs["quantization_config"] = GGUFQuantizationConfig(compute_dtype=dtype)
@@ -129,6 +124,7 @@ def load_vae(vae: str, model_index: dict[str, Any], folder: str | None, dtype: t
     if not isinstance(spec, list):
         raise ValueError("--vae: this pipeline has no VAE to replace")
     class_name = spec[1]
+    check_path_kind("vae", vae)  # a FIFO or a device is no Hub id: refused, not looked up
     path = os.path.expanduser(vae)
     if os.path.isfile(path):
         check_single_file(path)

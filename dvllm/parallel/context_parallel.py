@@ -15,6 +15,17 @@ from typing import Iterator
 import torch
 
 
+class TooFewTokens(Exception):
+    """A forward's sequence (image, video or text tokens) is shorter than the group splitting it. Every process
+    raises it at the same split (their inputs are the same), so none is left waiting in an exchange; the caller
+    runs the forward whole instead (parallel/uneven_split.py)."""
+
+    def __init__(self, tokens: int, size: int) -> None:
+        super().__init__(f"a sequence of {tokens} token{'s' * (tokens != 1)} cannot be split across {size} "
+                         "processes")
+        self.tokens, self.size = tokens, size
+
+
 def has_plan(transformer: torch.nn.Module) -> bool:
     return bool(getattr(type(transformer), "_cp_plan", None))
 
@@ -28,8 +39,9 @@ def check_context_parallel(transformer: torch.nn.Module, ulysses_degree: int, ri
     if ulysses_degree * ring_degree == 1:
         return
     if not has_plan(transformer):
-        raise ValueError(f"diffusers has no context-parallel plan (_cp_plan) for {type(transformer).__name__}: its "
-                         "forward cannot be split across a group")
+        raise ValueError(f"sequence_parallel_size: diffusers has no context-parallel plan (_cp_plan) for "
+                         f"{type(transformer).__name__}: its forward's tokens cannot be split across a group "
+                         "(cfg_parallel_size splits rows, for any family)")
     heads = getattr(transformer.config, "num_attention_heads", None)
     if heads is not None and heads % ulysses_degree:
         raise ValueError(f"ulysses_degree {ulysses_degree} must divide the model's {heads} attention heads (Ulysses "
@@ -46,6 +58,9 @@ def enable_context_parallel(transformer: torch.nn.Module, ulysses_degree: int, r
     a mesh [row_groups, ring, ulysses]: consecutive ranks split tokens among themselves, and each such run of
     ranks (a row group) runs its own slice of the rows (CFG-parallel and sequence parallel at once)."""
     from diffusers import ContextParallelConfig
+    from diffusers.hooks.context_parallel import remove_context_parallel
+
+    from dvllm.parallel.uneven_split import apply_plan
 
     check_context_parallel(transformer, ulysses_degree, ring_degree, device)
     if not torch.distributed.is_initialized():
@@ -60,6 +75,9 @@ def enable_context_parallel(transformer: torch.nn.Module, ulysses_degree: int, r
                                    ulysses_anything=ring_degree == 1, ring_anything=ulysses_degree == 1)
     with _a_device_count():
         transformer.enable_parallelism(config=config)
+    # diffusers' gather of unequal shards fails on gloo: its split and gather swapped for ours (uneven_split.py)
+    remove_context_parallel(transformer, type(transformer)._cp_plan)
+    apply_plan(transformer, config)
 
 
 def rejoin_context_parallel(transformer: torch.nn.Module) -> None:
@@ -84,19 +102,24 @@ def _mesh(shape: tuple[int, ...], names: tuple[str, ...] = ("rows", "ring", "uly
 @contextmanager
 def context_parallel_paused(transformer: torch.nn.Module) -> Iterator[None]:
     """The transformer's split turned off for the calls inside (each process runs its own rows whole), and on
-    again after: the plan's hooks removed and put back, the attention processors told of no split meanwhile."""
-    from diffusers.hooks.context_parallel import apply_context_parallel, remove_context_parallel
+    again after: the plan's hooks pass their calls through, the attention processors told of no split meanwhile.
+    The hooks stay where they are: removing and putting back hooks under others (the step cache's sit on the same
+    blocks of Wan and Qwen-Image) would leave those calling the removed ones."""
+    from dvllm.parallel.uneven_split import split_hooks
 
-    config, plan = transformer._parallel_config, type(transformer)._cp_plan
+    config = transformer._parallel_config
     processors = [m.processor for m in transformer.modules()
                   if getattr(getattr(m, "processor", None), "_parallel_config", None) is config]
-    remove_context_parallel(transformer, plan)
+    hooks = split_hooks(transformer)
+    for hook in hooks:
+        hook.paused = True
     for processor in processors:
         processor._parallel_config = None
     try:
         yield
     finally:
-        apply_context_parallel(transformer, config.context_parallel_config, plan)
+        for hook in hooks:
+            hook.paused = False
         for processor in processors:
             processor._parallel_config = config
 

@@ -43,6 +43,7 @@ from dvllm.config_checks import device_list
 from dvllm.lora.weights import LoraWeights
 from dvllm.parallel.call_broadcast import pack, send_tensors
 from dvllm.parallel.context_parallel import (
+    TooFewTokens,
     check_context_parallel,
     context_parallel_paused,
     enable_context_parallel,
@@ -53,7 +54,7 @@ from dvllm.parallel.group_decode import DecodeCalls, assign
 from dvllm.parallel.group_member import JoinOrder, LoraSlot, SharedCall, backend, denoiser_lora
 from dvllm.parallel.row_split import call_rows, chunk, cut, gather_rows
 from dvllm.worker.lora_layers import LoraLayers
-from dvllm.worker.stage_process import StageProcess, WorkerProcessLost, check_devices
+from dvllm.worker.stage_process import CallBounds, StageProcess, WorkerProcessLost, check_devices
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,8 @@ class WorkerGroup:
         self._generation = 0
         threads = torch.get_num_threads()  # a CPU member runs as many torch threads as the worker
         self.members = [GroupMember(lambda: config, place, threads, rank) for rank, place in enumerate(devices, 1)]
+        for member in self.members:  # a member's call (a forward, a decode share) is bounded as the collectives are
+            member.bounds = CallBounds(config.group_timeout_s, config.stage_start_timeout_s)
         try:
             self._load()
             self._form(first=True)
@@ -175,23 +178,43 @@ class WorkerGroup:
 
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> torch.Tensor:
-            alone = self.runs_alone()
-            # the worker's split off: a forward alone, or (elastic) a rows step
-            paused = self.splits_tokens and (alone or self.row_groups == self.size)
-            with self.lock, context_parallel_paused(self.denoiser) if paused else contextlib.nullcontext():
-                self._alone = alone
+            with self.lock:
                 try:
-                    return fn(*args, **kwargs)
-                except Exception as e:  # noqa: BLE001 - the group is in an unknown state after any failed forward
-                    self._call_scope.close()  # (a call that failed inside never reached _call_done)
-                    if alone or not self._recover("forward", e):  # (alone, the members were not in it)
-                        raise
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    self._call_scope.close()
+                    return self._run(fn, args, kwargs, self.runs_alone())
+                except TooFewTokens:  # a sequence shorter than the group: every process stopped at its split
+                    self._abandon_call()
+                return self._run(fn, args, kwargs, True)  # (a pure function of its inputs: the same output)
 
         return run
+
+    def _run(self, fn: Callable[..., torch.Tensor], args: tuple, kwargs: dict, alone: bool) -> torch.Tensor:
+        # the worker's split off: a forward alone, or (elastic) a rows step
+        paused = self.splits_tokens and (alone or self.row_groups == self.size)
+        with context_parallel_paused(self.denoiser) if paused else contextlib.nullcontext():
+            self._alone = alone
+            try:
+                return fn(*args, **kwargs)
+            except TooFewTokens:
+                raise
+            except Exception as e:  # noqa: BLE001 - the group is in an unknown state after any failed forward
+                self._call_scope.close()  # (a call that failed inside never reached _call_done)
+                if alone or not self._recover("forward", e):  # (alone, the members were not in it)
+                    raise
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._call_scope.close()
+
+    def _abandon_call(self) -> None:
+        """The shared call that stopped at its split (TooFewTokens) let go: the members' answers to it taken (each
+        stopped there too, or ran no rows of it), and it is not counted as split."""
+        self._call_scope.close()
+        self.forwards["rows" if self.row_groups > 1 else "tokens"] -= 1
+        try:
+            for member in self.members:
+                member.done()
+        except Exception as e:  # noqa: BLE001 - as guard's; the forward then runs alone anyway
+            self._recover("forward", e)
 
     def decode_units(self, units: list[torch.Tensor], run: Callable[[torch.Tensor], torch.Tensor]
                      ) -> list[torch.Tensor]:

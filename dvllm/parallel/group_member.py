@@ -142,8 +142,12 @@ def run(member: Member, message: Any, device: torch.device) -> list[torch.Tensor
         else:
             member.lora.load(message.slot, message.weights)
         return None
+    from dvllm.parallel.context_parallel import TooFewTokens
+
     try:
         return shared_call(member, message, device)
+    except TooFewTokens:  # the leader runs this call alone (every process of the group stopped at the same split)
+        return None
     except Exception:
         # A shared call that failed leaves its collectives half done: the member leaves, so that every peer
         # waiting on it (the leader for its rows, a token partner) fails now rather than at group_timeout_s, and

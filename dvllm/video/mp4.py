@@ -14,8 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from dvllm.sampling_params import MIN_FPS
+
 DEFAULT_CRF = 18  # x264's constant rate factor: 18 is visually lossless for most content; 0 is lossless
 MAX_CRF = 51
+RATE_DENOMINATOR = 1001  # the rate is written as a fraction of at most this denominator: 24000/1001 exactly
 
 
 def to_uint8_frames(frames: Any) -> np.ndarray:
@@ -44,8 +47,8 @@ def encode_mp4(frames: Any, fps: float, crf: int = DEFAULT_CRF, metadata: dict[s
     height, width = pixels.shape[1:3]
     if height % 2 or width % 2:
         raise ValueError(f"an H.264 video in yuv420p needs an even height and width, got {height}x{width}")
-    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
-        raise ValueError(f"fps must be a finite number > 0, got {fps!r}")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps < MIN_FPS:
+        raise ValueError(f"fps must be a finite number >= {MIN_FPS:g} (an MP4 carries no slower rate), got {fps!r}")
     if isinstance(crf, bool) or not isinstance(crf, int) or not 0 <= crf <= MAX_CRF:
         raise ValueError(f"crf must be an integer in [0, {MAX_CRF}], got {crf!r}")
     # A file, not memory: faststart moves the index in a second pass that reopens the file by its name
@@ -53,7 +56,8 @@ def encode_mp4(frames: Any, fps: float, crf: int = DEFAULT_CRF, metadata: dict[s
         path = os.path.join(folder, "video.mp4")
         with av.open(path, mode="w", format="mp4", options={"movflags": "+faststart"}) as container:
             container.metadata.update(metadata or {})
-            stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+            # (a rate of 0 here would be written as 24 fps: MIN_FPS keeps it near fps)
+            stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(RATE_DENOMINATOR))
             stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
             stream.options = {"crf": str(crf)}
             for pixel in pixels:

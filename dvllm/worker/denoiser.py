@@ -72,7 +72,9 @@ def cuda_capture(run: Callable[[], torch.Tensor], pool: Any) -> tuple[Replayable
             run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: the encode and decode stages' threads go on using CUDA while the step loop captures (under
+    # the default, global, any of their calls would break the capture, or fail)
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         output = run()
     return graph, output
 
@@ -111,7 +113,8 @@ class Denoiser:
         self.buckets = batch_buckets(2 * config.max_batch_size)
         self.compiled = None
         if config.compile != "off":
-            self.compiled = torch.compile(adapter.denoise, dynamic=config.compile == "dynamic")
+            self.compiled = torch.compile(adapter.denoise, dynamic=config.compile == "dynamic",
+                                          backend=config.compile_backend or "inductor")
         if config.cuda_graph and adapter.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a CUDA device, but the model is on {adapter.device}")
         self.capture = capture or (cuda_capture if config.cuda_graph else None)

@@ -28,6 +28,15 @@ logger = logging.getLogger(__name__)
 _NOT_COPIED = ("pipeline", "narrow_rows")
 
 
+def _copied(value: Any) -> bool:
+    """Whether an adapter attribute goes to the encode process: plain data does (its name, dtype, ModelInfo);
+    modules (Wan's experts: a transformer's weights, quantized ones unpicklable) and the methods a worker group
+    wraps on the instance (denoise, decode) stay: encode_prompt reads neither."""
+    if callable(value) or isinstance(value, torch.nn.Module):
+        return False
+    return not (isinstance(value, (list, tuple)) and any(isinstance(v, torch.nn.Module) for v in value))
+
+
 @dataclass
 class ModuleCopy:
     """A module as plain data: its class, config, mode, and every parameter and buffer on the host (a tied
@@ -97,7 +106,7 @@ class EncoderCopy:
                     absent.append(name)
             else:
                 parts[name] = component
-        attributes = {k: v for k, v in vars(adapter).items() if k not in _NOT_COPIED}
+        attributes = {k: v for k, v in vars(adapter).items() if k not in _NOT_COPIED and _copied(v)}
         for key, value in attributes.items():
             try:
                 pickle.dumps(value)

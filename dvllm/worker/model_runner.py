@@ -155,19 +155,30 @@ class ModelRunner:
                             failed_lora_slots=[slot for slot, _ in failed_loras.values()],
                             cached_ids=[k for k, (step_cached, _, _) in cached.items() if step_cached],
                             cache_rows=(sum(v[1] for v in cached.values()), sum(v[2] for v in cached.values())),
-                            stages=stages)
+                            stages=stages, stage_processes=self.stage_processes())
 
     def _report_restarts(self, stages: StageStats) -> None:
-        """The stages' threads and processes, and the group's members, restarted since the last step's report; the
-        group's forwards, by split, since then."""
+        """The stages' threads and processes, and the group's members, restarted since the last step's report (and
+        of the processes, those that passed a call's bound); the group's forwards, by split, since then."""
         counts = {} if self.group is None else {"worker_group.members": self.group.restarts}
+        timeouts = {} if self.group is None else {"worker_group.members": sum(m.timeouts for m in self.group.members)}
         for name, stage in (("encode_stage", self.encode_stage), ("decode_stage", self.decode_stage)):
             if stage is not None:
                 counts |= {f"{name}.thread": stage.restarts,
                            f"{name}.process": sum(w.restarts for w in stage.workers)}
+                timeouts[f"{name}.process"] = sum(w.timeouts for w in stage.workers)
         self._report_new(counts, stages.restarts, "")
+        self._report_new(timeouts, stages.timeouts, "timeouts.")
         if self.group is not None:
             self._report_new(self.group.forwards, stages.group_forwards, "forwards.")
+
+    def stage_processes(self) -> list[dict]:
+        """Each stage process's heartbeat (StageProcess.health), named by its stage and index."""
+        stages = (("encode_stage", self.encode_stage), ("decode_stage", self.decode_stage))
+        parts = [(name, stage.workers) for name, stage in stages if stage is not None]
+        if self.group is not None:
+            parts.append(("worker_group", self.group.members))
+        return [{"stage": name, "index": p.index, **p.health()} for name, processes in parts for p in processes]
 
     def _report_new(self, counts: dict[str, int], into: dict[str, int], prefix: str) -> None:
         """What each of the running `counts` grew by since it was last reported, into `into`."""

@@ -1,9 +1,11 @@
 """Failures pinned on the request that caused them: a batched call that raises is retried item by item."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def per_request(items: list[T], run: Callable[[list[T]], None], errors: dict, what: str,
@@ -17,7 +19,7 @@ def per_request(items: list[T], run: Callable[[list[T]], None], errors: dict, wh
         return
     except Exception as e:
         if len(items) == 1:
-            errors[key(items[0])] = f"{what} failed: {type(e).__name__}: {e}"
+            _fail(errors, key(items[0]), what, e)
             return
     if restore is not None:
         restore()
@@ -25,4 +27,11 @@ def per_request(items: list[T], run: Callable[[list[T]], None], errors: dict, wh
         try:
             run([item])
         except Exception as e:
-            errors[key(item)] = f"{what} failed: {type(e).__name__}: {e}"
+            _fail(errors, key(item), what, e)
+
+
+def _fail(errors: dict, item_key: Any, what: str, error: Exception) -> None:
+    """The request's error, and its traceback in the log: the request's answer names the failure, the operator's
+    log says where it came from."""
+    logger.error("%s failed for request %s", what, item_key, exc_info=error)
+    errors[item_key] = f"{what} failed: {type(error).__name__}: {error}"

@@ -22,6 +22,7 @@ from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage
 from dvllm.worker.encode_worker import start_encode_workers
 from dvllm.worker.model_runner import ModelRunner, to_output_type
+from dvllm.worker.stage_process import CallBounds, StageProcess
 from dvllm.worker.start_latents import make_start
 from dvllm.worker.state_pool import create_state_pool
 
@@ -52,6 +53,12 @@ def _start_group(config: EngineConfig, adapter: ModelAdapter, device: torch.devi
     return group
 
 
+def _bound(processes: list[StageProcess] | None, config: EngineConfig) -> None:
+    """The stage processes' calls bounded as the config says: past it a process is taken for lost."""
+    for process in processes or []:
+        process.bounds = CallBounds(config.stage_call_timeout_s, config.stage_start_timeout_s)
+
+
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
@@ -64,13 +71,17 @@ class Worker:
         encode_devices = config.encode_devices or ["cpu"]
         encoders = start_encode_workers(adapter, config.encode_workers, encode_devices,
                                         self.device) if config.encode_workers else None
+        _bound(encoders, config)
         self.encoders_at = ",".join(encode_devices) if encoders else None  # None: the adapter's encoder_device
-        self.group = _start_group(config, adapter, self.device) if config.group_size > 1 else None
+        self.group = None
         try:
+            self.group = _start_group(config, adapter, self.device) if config.group_size > 1 else None
             self._build(config, adapter, encoders)
-        except BaseException:  # the group's members and process group go with the worker that failed to start
+        except BaseException:  # the processes and the process group go with the worker that failed to start
             if self.group is not None:
                 self.group.close()
+            for process in encoders or []:
+                process.close()
             raise
 
     def _build(self, config: EngineConfig, adapter: ModelAdapter, encoders: Any) -> None:
@@ -88,6 +99,7 @@ class Worker:
         if decode_stage:
             workers = start_decode_workers(adapter, config.decode_workers, config.decode_devices or [str(self.device)],
                                            self.device) if config.decode_workers else None
+            _bound(workers, config)
             self.runner.decode_stage = DecodeStage(self.runner.decode_chunked, to_output_type, self.device,
                                                    config.max_decode_batch, config.max_decode_queue, workers)
         if config.encode_stage:  # as many texts a call as the memory profile measured (two per row)
