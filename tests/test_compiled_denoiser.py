@@ -142,3 +142,12 @@ def test_compiled_denoiser_with_lora_layers_loaded_keeps_fidelity(sd_eps_path, t
     for want, got in zip(*results):
         assert got.error is None, got.error
         np.testing.assert_allclose(got.images[0], want.images[0], atol=1e-3, rtol=0)
+
+
+def test_compile_backend_is_checked():
+    """compile_backend names one of torch.compile's backends, and only with compile on."""
+    assert EngineConfig(compile="dynamic", compile_backend="eager").compile_backend == "eager"
+    with pytest.raises(ValueError, match=r"compile_backend must be one of \['inductor', 'aot_eager', 'eager'\]"):
+        EngineConfig(compile="dynamic", compile_backend="tvm")
+    with pytest.raises(ValueError, match="compile_backend is set but compile is 'off'"):
+        EngineConfig(compile_backend="eager")

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from dvllm.models.loader import load_adapter
-from dvllm.parallel.context_parallel import TooFewTokens, enable_context_parallel
+from dvllm.parallel.context_parallel import enable_context_parallel
+from dvllm.parallel.uneven_split import TooFewTokens
 
 TEXT = 7  # text tokens (Flux and Qwen-Image split them as well): odd too
 # Image grids (rows x columns of tokens; Wan: frames x rows x columns): 1 token (fewer than the group) first, then

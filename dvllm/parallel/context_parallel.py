@@ -15,17 +15,6 @@ from typing import Iterator
 import torch
 
 
-class TooFewTokens(Exception):
-    """A forward's sequence (image, video or text tokens) is shorter than the group splitting it. Every process
-    raises it at the same split (their inputs are the same), so none is left waiting in an exchange; the caller
-    runs the forward whole instead (parallel/uneven_split.py)."""
-
-    def __init__(self, tokens: int, size: int) -> None:
-        super().__init__(f"a sequence of {tokens} token{'s' * (tokens != 1)} cannot be split across {size} "
-                         "processes")
-        self.tokens, self.size = tokens, size
-
-
 def has_plan(transformer: torch.nn.Module) -> bool:
     return bool(getattr(type(transformer), "_cp_plan", None))
 

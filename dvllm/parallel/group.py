@@ -43,7 +43,6 @@ from dvllm.config_checks import device_list
 from dvllm.lora.weights import LoraWeights
 from dvllm.parallel.call_broadcast import pack, send_tensors
 from dvllm.parallel.context_parallel import (
-    TooFewTokens,
     check_context_parallel,
     context_parallel_paused,
     enable_context_parallel,
@@ -53,6 +52,7 @@ from dvllm.parallel.context_parallel import (
 from dvllm.parallel.group_decode import DecodeCalls, assign
 from dvllm.parallel.group_member import JoinOrder, LoraSlot, SharedCall, backend, denoiser_lora
 from dvllm.parallel.row_split import call_rows, chunk, cut, gather_rows
+from dvllm.parallel.uneven_split import TooFewTokens
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.stage_process import CallBounds, StageProcess, WorkerProcessLost, check_devices
 

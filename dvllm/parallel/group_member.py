@@ -142,7 +142,7 @@ def run(member: Member, message: Any, device: torch.device) -> list[torch.Tensor
         else:
             member.lora.load(message.slot, message.weights)
         return None
-    from dvllm.parallel.context_parallel import TooFewTokens
+    from dvllm.parallel.uneven_split import TooFewTokens
 
     try:
         return shared_call(member, message, device)

@@ -29,7 +29,16 @@ from diffusers.hooks.context_parallel import (
 )
 from diffusers.models._modeling_parallel import ContextParallelConfig, ContextParallelInput, ContextParallelOutput
 
-from dvllm.parallel.context_parallel import TooFewTokens
+
+class TooFewTokens(Exception):
+    """A forward's sequence (image, video or text tokens) is shorter than the group splitting it. Every process
+    raises it at the same split (their inputs are the same), so none is left waiting in an exchange; the caller
+    runs the forward whole instead (parallel/group.py)."""
+
+    def __init__(self, tokens: int, size: int) -> None:
+        super().__init__(f"a sequence of {tokens} token{'s' * (tokens != 1)} cannot be split across {size} "
+                         "processes")
+        self.tokens, self.size = tokens, size
 
 
 # torch 2.13 renamed all_gather_tensor (deprecated there); older torch has only that name

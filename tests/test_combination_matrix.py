@@ -1,0 +1,181 @@
+"""The combination matrix: every served family crossed pairwise with the engine's documented modes (decode stage
+and workers, encode stage and workers, the core's process, async scheduling, the result cache, LoRA rows, step
+caching, cfg- and sequence-parallel groups, the CUDA-graph emulator, compile, torchao quantization, VAE tiling,
+max_running_pixels, priority preemption). Every pair of values appears together in at least one cell; each cell
+gives the plain engine's images (combination_matrix.py says what that is), or its pair is refused at start with
+a message naming both sides. Never a failed request, a hang or a 500. README.md's table lists the refusals."""
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+from combination_matrix import (COSTS, FACTORS, TOL, Family, Models, References, engine_options, jobs_for,
+                                run_cell)
+from pairwise import Pair, all_pairs, covering_rows, pairs_of
+from test_engine_core_process import _zombie, children_of
+
+from dvllm import AsyncDiffusionEngine, EngineConfig
+
+
+def pair(a: tuple[str, Any], b: tuple[str, Any]) -> Pair:
+    return frozenset((a, b))
+
+
+def _refusals() -> dict[Pair, tuple[str, ...]]:
+    """Pairs the engine refuses at start -> words its message must hold (both sides named)."""
+    refused: dict[Pair, tuple[str, ...]] = {}
+    for group in ("cfg", "sp"):
+        refused[pair(("group", group), ("compile", True))] = ("worker group", "compile")
+        refused[pair(("group", group), ("graphs", True))] = ("worker group", "cuda_graph")
+    refused[pair(("encode", "workers"), ("lora", True))] = ("encode_workers", "LoRA")
+    for family in NO_STEP_CACHE:
+        refused[pair(("family", family), ("step_cache", True))] = ("default_cache", "serves no step caching")
+    for family, denoiser in NO_SEQUENCE_PLAN.items():
+        refused[pair(("family", family), ("group", "sp"))] = ("sequence_parallel_size", denoiser)
+    return refused
+
+
+# Families whose adapters give the step-cache hooks nowhere to sit, and those whose denoiser diffusers has no
+# context-parallel plan for (so its tokens cannot be split)
+NO_STEP_CACHE = ("sd", "sdxl", "kontext", "qwen-image-edit", "inpaint")
+NO_SEQUENCE_PLAN = {"sd": "UNet2DConditionModel", "sdxl": "UNet2DConditionModel", "inpaint": "UNet2DConditionModel",
+                    "sd3": "SD3Transformer2DModel", "z-image": "ZImageTransformer2DModel"}
+REFUSED = _refusals()
+# Pairs served, but which this CPU harness cannot build: the emulator replaces the denoiser of a worker in the
+# test's process, and with the core's process the worker is in another
+NOT_ON_CPU = {pair(("graphs", True), ("core", "process")):
+              "the CUDA-graph emulator patches the test's process; the engine core's process has its own worker"}
+ROWS = covering_rows(FACTORS, lambda p: p in REFUSED or p in NOT_ON_CPU, lambda value: COSTS.get(value, 0))
+
+
+def row_id(index: int, row: dict[str, Any]) -> str:
+    plain = {name: values[0] for name, values in FACTORS.items()}
+    shown = [row["family"]] + [name if value is True else f"{name}={value}" for name, value in row.items()
+                               if name != "family" and value != plain[name]]
+    return f"{index:02d}-" + ",".join(shown)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Models:
+    return Models(tmp_path_factory.mktemp("matrix"))
+
+
+@pytest.fixture(scope="module")
+def references():
+    refs = References()
+    yield refs
+    refs.close()
+
+
+def test_the_cells_hold_every_pair_but_the_refused_and_none_of_those():
+    covered = set().union(*(pairs_of(row) for row in ROWS))
+    allowed = {p for p in all_pairs(FACTORS) if p not in REFUSED and p not in NOT_ON_CPU}
+    assert allowed <= covered and not (covered & (REFUSED.keys() | NOT_ON_CPU.keys()))
+    assert len(ROWS) < 0.01 * np.prod([len(v) for v in FACTORS.values()])  # pairwise, not the product
+
+
+class _Emulator:
+    """Installs the CUDA-graph emulator as the worker's capture, and keeps the denoiser to check its graphs."""
+
+    def __init__(self) -> None:
+        self.denoiser = None
+
+    def __call__(self, engine: Any) -> None:
+        from graph_emulator import emulated_capture
+
+        from dvllm.worker.denoiser import Denoiser
+
+        runner = engine.executor.worker.runner
+        runner.denoiser = self.denoiser = Denoiser(runner.adapter, engine.config, capture=emulated_capture)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", ROWS, ids=[row_id(i, row) for i, row in enumerate(ROWS)])
+def test_each_cell_gives_the_plain_engines_images(row, models, references):
+    family = models.families[row["family"]]
+    path = models.path(row["family"])
+    loras = models.loras(row["family"]) if row["lora"] else {}
+    jobs = jobs_for(row, family)
+    emulator = _Emulator()
+    result = run_cell(path, row, family, jobs, loras, emulator)
+    for job in jobs:
+        out = result.outputs[job.name]
+        assert out is not None and out.finished and out.error is None, f"{job.name}: {out and out.error}"
+        want = references.images(path, row, family, loras, job)
+        assert len(out.images) == len(want), job.name
+        for got, expected in zip(out.images, want):
+            np.testing.assert_allclose(np.asarray(got), expected, atol=TOL, rtol=0, err_msg=job.name)
+    # each mode did what it is for, not only left the images alone
+    if row["priority"]:
+        assert result.stats["num_preemptions"] >= 1
+    if row["result_cache"]:
+        assert result.outputs["again"].metrics.result_cache_hit
+    if row["step_cache"]:
+        assert any(result.outputs[job.name].metrics.cached_steps for job in jobs)
+    if row["graphs"]:  # no capture failed; forwards with step-cached rows run eagerly (the cache decides inside)
+        graphs = emulator.denoiser.graphs
+        assert all(g is not None for g in graphs.values()), [k for k, g in graphs.items() if g is None]
+        assert row["step_cache"] or any(g.graph.replays >= 2 for g in graphs.values())
+
+
+def _refusal_options(refused: Pair, family: Family, loras: dict[str, str]) -> dict[str, Any]:
+    """A cell with the refused pair and every other mode plain."""
+    row = {name: values[0] for name, values in FACTORS.items()}
+    row.update(dict(refused))
+    options = engine_options(row, family, loras)
+    if row["graphs"]:  # a real CUDA graph: what the emulator stands in for
+        options.update(device="cuda", cuda_graph=True)
+    return options
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("refused", list(REFUSED), ids=["+".join(f"{k}={v}" for k, v in sorted(p)) for p in REFUSED])
+def test_each_refused_pair_is_refused_at_start_naming_both(refused, models):
+    values = dict(refused)
+    name = values.get("family", "flux" if values.get("group") != "sp" else "flux")
+    family = models.families[name]
+    loras = models.loras(name) if values.get("lora") else {}
+    options = _refusal_options(refused, family, loras)
+    before = set(children_of(os.getpid()))
+    with pytest.raises(ValueError) as error:
+        if options.get("device") == "cuda":  # no GPU here: the config refuses it before any device is touched
+            EngineConfig(model=models.path(name), **options)
+        else:
+            AsyncDiffusionEngine(model=models.path(name), dtype="float32", **{"device": "cpu", **options})
+    for word in REFUSED[refused]:
+        assert word in str(error.value), f"{sorted(refused)}: {error.value}"
+    # and nothing it started is left behind: no process group, no member or stage process
+    assert not dist.is_initialized()
+    deadline = time.monotonic() + 120
+    while left := [pid for pid in children_of(os.getpid()) if pid not in before and not _zombie(pid)]:
+        assert time.monotonic() < deadline, f"processes left behind by a refused start: {left}"
+        time.sleep(0.05)
+
+
+def test_the_readme_lists_every_refused_pair():
+    """README.md's table of refused pairs (and of the pair not run on the CPU) is this module's."""
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    table = text[text.index("<!-- refused-pairs -->"):text.index("<!-- /refused-pairs -->")]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    listed = {frozenset(re.findall(r"`([^`]+)`", line)[:2]) for line in rows}
+    expected = {frozenset(README_NAMES[v] for v in p) for p in [*REFUSED, *NOT_ON_CPU]}
+    assert listed == expected
+
+
+def _readme_names() -> dict[tuple[str, Any], str]:
+    """How README.md's table names a factor's value (a flag, or a family)."""
+    names: dict[tuple[str, Any], str] = {("family", f): f for f in FACTORS["family"]}
+    names.update({("group", "cfg"): "--cfg-parallel-size", ("group", "sp"): "--sequence-parallel-size",
+                  ("compile", True): "--compile", ("graphs", True): "--cuda-graph",
+                  ("encode", "workers"): "--encode-workers", ("lora", True): "--lora-modules",
+                  ("step_cache", True): "--default-cache", ("core", "process"): "--engine-core-process"})
+    return names
+
+
+README_NAMES = _readme_names()
