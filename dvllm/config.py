@@ -393,7 +393,8 @@ class EngineConfig:
     priority_aging_iterations: int = field(
         default=100,
         metadata={"help": "With scheduling_policy=priority, one priority level is worth this many engine "
-                          "iterations of earlier arrival, so low priorities are delayed, never starved."},
+                          "iterations of earlier arrival (iterations that run a step: waiting for the encode or "
+                          "decode stage ages no one), so low priorities are delayed, never starved."},
     )
     executor: str = field(
         default="uniproc",

@@ -285,7 +285,8 @@ def _wan_parts(two_experts: bool, in_channels: int = 16, image_dim: int | None =
         experts.append(WanTransformer3DModel(
             patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels,
             out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=32, image_dim=image_dim))
+            # a rotary table that covers the pipeline's default 480x832 (52 patches a side; diffusers' tests use 32)
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=64, image_dim=image_dim))
     torch.manual_seed(2)
     text_encoder = UMT5EncoderModel(UMT5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                                                vocab_size=300, decoder_start_token_id=0))

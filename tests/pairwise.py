@@ -51,7 +51,9 @@ def covering_rows(factors: dict[str, list[Any]], forbidden: Callable[[Pair], boo
 def _candidate(names: list[str], factors: dict[str, list[Any]], uncovered: set[Pair],
                forbidden: Callable[[Pair], bool], cost: Callable[[Value], float],
                rng: random.Random) -> dict[str, Any] | None:
-    seed_pair = sorted(rng.choice(sorted(uncovered, key=repr)), key=lambda v: names.index(v[0]))
+    # (sorted by a key of the values themselves: a frozenset's repr follows string hashes, which differ per process)
+    ordered = sorted(uncovered, key=lambda p: sorted((names.index(f), repr(v)) for f, v in p))
+    seed_pair = sorted(rng.choice(ordered), key=lambda v: names.index(v[0]))
     row = dict(seed_pair)
     rest = [n for n in names if n not in row]
     rng.shuffle(rest)

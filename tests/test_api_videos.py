@@ -254,9 +254,8 @@ def test_a_video_model_refuses_the_image_routes(server):
 
 def test_the_model_card_tells_the_default_frames_and_fps(server):
     card = httpx.get(server.url + "/v1/models", timeout=WAIT).json()["data"][0]
-    # max_num_frames is 129, but the tiny transformer's rotary table holds 32 latent frames: 1 + 31 * 4
     assert card["dvllm"]["video"] == {"num_frames": 81, "fps": 16.0, "frame_multiple": 4, "seconds": 5.062,
-                                      "max_num_frames": 125}
+                                      "max_num_frames": 129}
 
 
 # -- in process: a job that fails, an image model, the flags ----------------------------------------

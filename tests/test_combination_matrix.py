@@ -80,6 +80,26 @@ def test_the_cells_hold_every_pair_but_the_refused_and_none_of_those():
     assert len(ROWS) < 0.01 * np.prod([len(v) for v in FACTORS.values()])  # pairwise, not the product
 
 
+def test_the_cells_are_the_same_in_every_process():
+    """The covering array does not depend on string hashing (which differs per process): the cells' ids are the
+    same wherever the module is collected."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from pairwise import covering_rows; "
+            "f, refused, costs = json.loads(sys.stdin.read()); "
+            "forbid = {frozenset(map(tuple, p)) for p in refused}; "
+            "cost = {(k, v): c for k, v, c in costs}; "
+            "print(json.dumps(covering_rows(f, lambda p: p in forbid, lambda v: cost.get(v, 0))))")
+    data = json.dumps([FACTORS, [sorted(p) for p in [*REFUSED, *NOT_ON_CPU]], [[*k, c] for k, c in COSTS.items()]])
+    for seed in ("1", "2"):
+        done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], input=data, text=True,
+                              capture_output=True, env={**os.environ, "PYTHONHASHSEED": seed}, timeout=120,
+                              check=True)
+        assert json.loads(done.stdout) == ROWS
+
+
 class _Emulator:
     """Installs the CUDA-graph emulator as the worker's capture, and keeps the denoiser to check its graphs."""
 
@@ -161,6 +181,7 @@ def test_each_refused_pair_is_refused_at_start_naming_both(refused, models):
 def test_the_readme_lists_every_refused_pair():
     """README.md's table of refused pairs (and of the pair not run on the CPU) is this module's."""
     text = (Path(__file__).parent.parent / "README.md").read_text()
+    assert f"({len(ROWS)} cells," in text
     table = text[text.index("<!-- refused-pairs -->"):text.index("<!-- /refused-pairs -->")]
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     listed = {frozenset(re.findall(r"`([^`]+)`", line)[:2]) for line in rows}

@@ -41,6 +41,9 @@ def test_wan_frames_and_sizes_stop_at_its_rope_table():
                           SamplingParams(num_frames=125, num_inference_steps=1, output_type="np"), use_tqdm=False)[0]
     assert out.error is None and out.images[0].shape == (125, 32, 32, 3)  # the longest it has positions for
     assert largest_size(info, config.pixel_limit(info), 1000)[2] == 125
+    from dvllm.entrypoints.model_facts import _video_facts
+
+    assert _video_facts(info, config.max_num_frames)["video"]["max_num_frames"] == 125  # /v1/models: the lower
     engine.shutdown()
 
 

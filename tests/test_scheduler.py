@@ -294,6 +294,26 @@ def test_aging_keeps_low_priorities_from_starving():
     assert finished_at <= 12 * 2 + 2 + 1
 
 
+def test_iterations_that_only_wait_age_no_one():
+    """Aging counts steps run, not iterations: with encode workers the loop waits for the stage 50 times a second,
+    and a low-priority request that waited out an encode process's start used to age past every later urgent one
+    (no preemption ever happened behind it)."""
+    s, c = make(max_batch_size=2, scheduling_policy="priority", priority_aging_iterations=10, encode_workers=1), \
+        Clock()
+    s.add_request(c.request("low", steps=6, priority=1))
+    for _ in range(30):  # its texts are with the encode stage: nothing runs
+        assert not s.schedule().scheduled_ids
+    s.ahead.mark_ready(list(s.ahead.keys))
+    out, _ = iterate(s)
+    assert out.scheduled_ids == ["low"]
+    s.add_request(c.request("urgent", steps=2, priority=0))
+    out, _ = iterate(s)  # low steps on; the urgent request's texts go to the stage
+    assert out.scheduled_ids == ["low"] and out.encode_jobs
+    s.ahead.mark_ready(list(s.ahead.keys))
+    out, _ = iterate(s)
+    assert out.preempted_ids == ["low"] and out.scheduled_ids == ["urgent"]
+
+
 def test_prompt_cache_keys_are_small_digests_of_role_and_text():
     c = Clock()
     long_text = "x" * 100_000

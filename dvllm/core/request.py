@@ -70,7 +70,7 @@ class Request:
     uncond_entry: CachedEntry | None = None
     swapped: bool = False       # preempted: its state waits in the worker's host memory
     num_preemptions: int = 0
-    arrival_iteration: int = 0  # the scheduler iteration it arrived in (priority aging)
+    arrival_iteration: int = 0  # the scheduler's steps run when it arrived (priority aging's clock)
     failed_workers: set[int] = field(default_factory=set)  # workers that died while holding it
 
     def reset(self) -> None:

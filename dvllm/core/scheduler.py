@@ -53,6 +53,9 @@ class Scheduler:
         self.decoding: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.iteration = 0
+        # Priority aging's clock: iterations that ran a step. Those that only wait (for the encode stage, for
+        # decodes: 50 a second while an encode process starts) are no one's turn, and must not age anyone
+        self.steps_run = 0
         self.num_preemptions = 0
         self.cache_skipped_rows = self.cache_computed_rows = 0  # step caching, over the engine's life
         self.deadlines = {True: 0, False: 0}  # finished requests with a deadline: met, missed
@@ -75,7 +78,7 @@ class Scheduler:
         bound the queue. `age` keeps the iterations it already waited on another worker (priority aging)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        request.arrival_iteration = self.iteration - age
+        request.arrival_iteration = self.steps_run - age
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -85,7 +88,7 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} has state on this worker and cannot move")
         self.waiting.remove(request)
         del self.requests[request.request_id]
-        return self.iteration - request.arrival_iteration
+        return self.steps_run - request.arrival_iteration
 
     def unstarted(self) -> list[Request]:
         """Waiting requests with nothing on the worker, most urgent first: they may move to another worker."""
@@ -143,7 +146,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self.decoding or self._freed)
 
     def urgency(self, request: Request) -> tuple[int, int]:
-        """Lower is more urgent: each priority level is worth `aging` iterations of earlier arrival."""
+        """Lower is more urgent: each priority level is worth `aging` steps of earlier arrival."""
         if not self.by_priority:
             return (0, request.arrival_seq)
         return (request.priority * self.aging + request.arrival_iteration, request.arrival_seq)
@@ -170,6 +173,7 @@ class Scheduler:
             request.steps_in_flight += 1
         if batch:
             self._batches[self.iteration] = batch
+            self.steps_run += 1
         out.num_rows = sum(r.rows for r in batch)
         out.freed_ids, self._freed = self._freed, []
         idle = not (batch or out.new_requests or out.resumed_requests)
