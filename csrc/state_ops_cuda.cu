@@ -18,7 +18,7 @@
 #include <vector>
 
 // The Coeff enumeration (scatter_update's coefficient columns), generated from dvllm/sampler_coeffs.py by
-// dvllm/_extension.py into the build directory.
+// setup.py's build (the wheel) or dvllm/_extension.py's (just in time) into the build directory.
 #include "dvllm_coeffs.h"
 
 namespace dvllm {

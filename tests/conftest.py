@@ -2,8 +2,15 @@
 through the engine's real loader. No network: the tokenizer is made from local files."""
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# One intra-op thread in every process of the suite: the pytest workers share the machine's cores (pytest -n),
+# and each child process they start (core, stage and group processes, servers, CLI calls) inherits this instead
+# of taking every core for itself. Results do not depend on it: references and engines run alike.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel
 
@@ -329,3 +336,14 @@ def tiny_wan_i2v_pipeline(two_experts: bool = False, image_encoder: bool = True)
                                    boundary_ratio=0.9 if two_experts else None)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    import durations_guard
+    import extras_guard
+    import xdist_order
+
+    durations_guard.register(config)
+    extras_guard.register(config)
+    xdist_order.register(config)

@@ -31,6 +31,7 @@ def server(sd_eps_path):
         yield s
 
 
+@pytest.mark.slow
 def test_openai_client_edit_equals_the_offline_engine(server, sd_eps_path):
     client = OpenAI(base_url=server.url + "/v1", api_key="unused")
     result = client.images.edit(image=("start.png", png_bytes(1), "image/png"), prompt="a red circle",
@@ -46,6 +47,7 @@ def test_openai_client_edit_equals_the_offline_engine(server, sd_eps_path):
     assert diff.max() <= 1 and (diff == 0).mean() > 0.99
 
 
+@pytest.mark.slow
 def test_edit_streams_image_edit_events(server):
     client = OpenAI(base_url=server.url + "/v1", api_key="unused")
     events = list(client.images.edit(image=("start.png", png_bytes(2), "image/png"), prompt="a star", stream=True,
@@ -64,6 +66,7 @@ def test_edit_streams_image_edit_events(server):
     ({"image": ("a.png", png_bytes(1), "image/png")}, {}, 400, "prompt"),
     ({"image": ("a.png", png_bytes(1, (4, 4)), "image/png")}, {"prompt": "x"}, 400, "image"),
 ])
+@pytest.mark.slow
 def test_bad_edits_are_4xx_naming_the_field(server, files, data, status, param):
     response = httpx.post(server.url + "/v1/images/edits", files=files or None, data=data, timeout=60)
     assert response.status_code == status, response.text
@@ -71,6 +74,7 @@ def test_bad_edits_are_4xx_naming_the_field(server, files, data, status, param):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_edits_want_a_multipart_form(server):
     response = httpx.post(server.url + "/v1/images/edits", json={"prompt": "x"}, timeout=30)
     assert response.status_code == 415

@@ -92,6 +92,7 @@ def client(server):
 
 # -- the openai client --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_openai_client_plain(client):
     result = client.images.generate(model=MODEL, prompt="a red circle", size="16x16", n=2,
                                     extra_body={"seed": 7, "num_inference_steps": 4})
@@ -120,6 +121,7 @@ def test_openai_client_streams_partial_images_then_the_image(client):
     assert np.array_equal(png_pixels(done.b64_json), png_pixels(plain.data[0].b64_json))  # previews change nothing
 
 
+@pytest.mark.slow
 def test_models_health_version(client, http):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -323,6 +325,7 @@ def test_metrics_parse_with_the_expected_families(server, http):
 
 # -- auth, 429, timeout ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_auth_on(keyed):
     # On `keyed`, not `limited`: under load even a 2-step request can take longer than a 2 s timeout.
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -344,6 +347,7 @@ def test_auth_off(http):
     assert http.get("/v1/models").status_code == 200  # `server` has no key
 
 
+@pytest.mark.slow
 def test_queue_full_is_429(keyed):
     auth = {"Authorization": f"Bearer {KEY}"}
     before = metrics(keyed.url)
@@ -365,6 +369,7 @@ def test_queue_full_is_429(keyed):
         assert after[key] - before[key] == count, outcome
 
 
+@pytest.mark.slow
 def test_timeout_is_504(limited):
     before = metrics(limited.url)
     # ENDLESS outlasts the 2 s timeout on any machine; a slower one only makes the 504 surer.
@@ -378,6 +383,7 @@ def test_timeout_is_504(limited):
         assert after[key] - before[key] == count, outcome
 
 
+@pytest.mark.slow
 def test_stream_timeout_ends_with_an_error_event(stream_limited):
     good = openai.OpenAI(base_url=stream_limited.url + "/v1", api_key=KEY, max_retries=0, timeout=WAIT)
     # generate() returns with the stream's headers, which go out with the first step's output: well within

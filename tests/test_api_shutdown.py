@@ -6,6 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import pytest
+
 from utils_server import (
     BASE_ARGS,
     ENDLESS,
@@ -24,6 +26,7 @@ from utils_server import (
 # "aborts what outlives the grace period" a request longer than the grace period. One grace period for
 # both is a bet on the machine's speed.
 
+@pytest.mark.slow
 def test_sigterm_finishes_running_requests_and_exits_0():
     # No MODEL: `dvllm serve` alone serves the built-in tiny-shapes. --log-level info: the drain logs how
     # many requests were in flight when it began. A grace period of WAIT: reached only if the drain is broken.
@@ -43,6 +46,7 @@ def test_sigterm_finishes_running_requests_and_exits_0():
         assert "shutting down: 1 request(s) in flight" in s.log(), s.log()[-3000:]
 
 
+@pytest.mark.slow
 def test_sigterm_aborts_requests_that_outlive_the_grace_period():
     with RemoteServer(None, [*BASE_ARGS, *MAX_STEPS, "--shutdown-grace", "10"]) as s, ThreadPoolExecutor(1) as pool:
         endless = pool.submit(httpx.post, s.url + "/v1/images/generations", timeout=WAIT,

@@ -97,6 +97,7 @@ def png(size: tuple[int, int] = (16, 16)) -> bytes:
 
 # -- the openai client ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_openai_client_video_is_the_engines_for_the_same_seed(server, client, started, wan_path):
     params = {"seed": 3, "steps": 3, "crf": 0}  # crf 0: lossless H.264, so the frames can be compared closely
     video = client.videos.create(prompt="a red ball", seconds="0.5", size="32x16", extra_body=params)
@@ -125,6 +126,7 @@ def test_openai_client_video_is_the_engines_for_the_same_seed(server, client, st
     assert 10 * np.log10(255**2 / mse) > 30  # and the MP4 shows the engine's frames (yuv420p costs a little)
 
 
+@pytest.mark.slow
 def test_openai_client_lists_newest_first_in_pages(server, client, started):
     ids = [post(server, {"prompt": f"clip {i}", **FAST}, started).json()["id"] for i in range(2)]
     for video_id in ids:
@@ -260,6 +262,7 @@ def test_the_model_card_tells_the_default_frames_and_fps(server):
 
 # -- in process: a job that fails, an image model, the flags ----------------------------------------
 
+@pytest.mark.slow
 def test_a_job_past_the_request_timeout_fails_with_an_error_object(wan_path):
     engine = AsyncDiffusionEngine(model=wan_path, device="cpu", dtype="float32", max_inference_steps=20_000)
     with TestClient(build_app(engine, argparse.Namespace(request_timeout=0.5))) as app:
@@ -314,6 +317,7 @@ def _job(**kw) -> VideoJob:
     return VideoJob(model="m", prompt="p", width=16, height=16, num_frames=5, fps=16.0, **kw)
 
 
+@pytest.mark.slow
 def test_the_store_evicts_finished_jobs_oldest_first_by_count_and_bytes():
     store = VideoJobs(capacity=3, max_bytes=100)
     a, b, c = _job(), _job(), _job()
@@ -356,6 +360,7 @@ def test_seconds_become_the_nearest_frame_count_the_model_makes(seconds, fps, fr
     assert frames_for_seconds(seconds, fps, 4) == frames
 
 
+@pytest.mark.slow
 def test_the_mp4_is_served_in_byte_ranges_for_players_that_seek(server, started):
     """A <video> element asks for `Range: bytes=...` and seeks only where the server answers 206."""
     video_id = post(server, {"prompt": "x", **FAST}, started).json()["id"]

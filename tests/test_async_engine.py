@@ -43,6 +43,7 @@ async def collect(engine: AsyncDiffusionEngine, prompt: str, params: SamplingPar
     return outs
 
 
+@pytest.mark.slow
 def test_concurrent_streams_match_the_offline_engine(sd_eps_path):
     params = [P(seed=i, num_inference_steps=3 + i % 3, sampler=("ddim", "euler_a", "dpmpp_2m")[i % 3])
               for i in range(6)]
@@ -138,6 +139,7 @@ def test_one_requests_failure_reaches_only_its_stream(sd_eps_path):
     assert bad[-1].finished and "text encoder failure" in bad[-1].error
 
 
+@pytest.mark.slow
 def test_shutdown_lets_running_requests_finish_and_refuses_new_ones(sd_eps_path):
     async def main():
         engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
@@ -155,6 +157,7 @@ def test_shutdown_lets_running_requests_finish_and_refuses_new_ones(sd_eps_path)
     assert outs[-1].finished and outs[-1].error is None and not running
 
 
+@pytest.mark.slow
 def test_event_loop_stays_responsive_while_the_model_runs(sd_eps_path):
     """The steps run off the event loop: while they run, its timers fire on time. Were the loop blocked
     by a step, a 10 ms timer would fire only when that step ended, late by about a step; so the bound is

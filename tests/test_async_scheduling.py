@@ -371,6 +371,7 @@ def test_async_scheduling_is_off_by_default_and_a_cli_flag():
     assert engine_kwargs(parser.parse_args([]))["async_scheduling"] is False
 
 
+@pytest.mark.slow
 def test_an_id_reused_at_once_after_an_abort_in_flight_is_a_new_request(make, reference, monkeypatch):
     """The old request's step in flight reports on its id after the new one took it: that report (here a
     failure) belongs to the old request, not to the new one, which takes all of its own steps."""

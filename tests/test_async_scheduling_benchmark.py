@@ -8,6 +8,7 @@ from dvllm.benchmarks import async_scheduling
 
 
 @pytest.mark.parametrize("per_step", [0, 2], ids=["at-once", "staggered"])
+@pytest.mark.slow
 def test_the_async_scheduling_benchmark_runs_both_engines_on_the_same_requests(sd_eps_path, tmp_path, per_step):
     out = tmp_path / "async_scheduling.json"
     result = async_scheduling.main([

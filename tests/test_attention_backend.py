@@ -38,6 +38,7 @@ def test_a_transformer_runs_on_the_backend_asked_for(flux_path):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)  # the same attention, another kernel
 
 
+@pytest.mark.slow
 def test_qwen_edit_runs_its_padded_rows_on_the_backend(qwen_image_edit_plus_path, monkeypatch):
     """dvllm's processor for edit rows of other image sizes dispatches as diffusers' own does."""
     from diffusers.models import attention_dispatch

@@ -78,6 +78,7 @@ def assert_duration_brackets_the_requests(summary: dict, records: list[dict], wa
     assert 0 < max(ends) <= summary["duration_s"] <= wall
 
 
+@pytest.mark.slow
 def test_load_generator_against_dvllm(servers, tmp_path):
     dvllm, _ = servers
     rows_before, start = denoiser_rows(dvllm.url), time.perf_counter()
@@ -206,6 +207,7 @@ def test_plot_writes_pngs(tmp_path):
             assert image.width > 100 and image.height > 100
 
 
+@pytest.mark.slow
 def test_bench_throughput_subcommand(sd_eps_path, tmp_path):
     out = tmp_path / "throughput.json"
     assert dvllm_main(["bench", "throughput", "--model", sd_eps_path, "--device", "cpu", "--dtype", "float32",

@@ -49,6 +49,7 @@ def test_a_bare_name_is_the_shipped_folder(tmp_path, monkeypatch):
             locate_lora(other, policy)
 
 
+@pytest.mark.slow
 def test_matches_diffusers_after_load_lora_weights(engine):
     from diffusers import StableDiffusionPipeline
 
@@ -71,6 +72,7 @@ def test_matches_diffusers_after_load_lora_weights(engine):
         assert np.abs(out.images[0] - want).max() <= TOL, (prompt, loras)
 
 
+@pytest.mark.slow
 def test_every_shape_comes_out_blue(engine):
     asked = [c for seed in SEEDS for c in cases(forms=("plain",), seed=seed) if c.colour != "blue"]
     counts = {}

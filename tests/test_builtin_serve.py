@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import numpy as np
-
+import pytest
 from utils_server import BASE_ARGS, WAIT, RemoteServer, png_pixels
 
 from dvllm import DiffusionEngine, SamplingParams
@@ -12,6 +12,7 @@ from dvllm import DiffusionEngine, SamplingParams
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
+@pytest.mark.slow
 def test_serve_tiny_shapes_dit_offline_equals_the_engine():
     with RemoteServer("tiny-shapes-dit", BASE_ARGS, env=OFFLINE) as s:
         models = httpx.get(s.url + "/v1/models", timeout=WAIT).json()["data"]

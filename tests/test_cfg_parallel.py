@@ -47,6 +47,7 @@ def _denoiser(engine: DiffusionEngine):
 
 @pytest.mark.parametrize("family, fixture", [("sdxl", "sdxl_path"), ("sd3", "sd3_path"),
                                              ("z-image", "z_image_path"), ("qwen", "qwen_image_path")])
+@pytest.mark.slow
 def test_a_cfg_parallel_group_gives_the_one_worker_images(family, fixture, request):
     model, params = request.getfixturevalue(fixture), _params(family)
     alone = DiffusionEngine(model=model, device="cpu", dtype="float32")
@@ -67,6 +68,7 @@ def test_a_cfg_parallel_group_gives_the_one_worker_images(family, fixture, reque
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_a_member_killed_mid_forward_loses_nothing(sdxl_path):
     params = _params("sdxl")
     engine = DiffusionEngine(model=sdxl_path, device="cpu", dtype="float32", cfg_parallel_size=2)

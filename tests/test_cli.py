@@ -60,6 +60,7 @@ def test_n_images_get_numbered_files(sd_eps_path, tmp_path, capsys):
 
 # -- --prompts-file ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_prompts_file_plain_and_jsonl_lines(sd_eps_path, tmp_path, capsys):
     out_dir = tmp_path / "images"
     named = tmp_path / "elsewhere" / "named.png"  # absolute "output": used as given
@@ -106,6 +107,7 @@ def test_prompts_file_plain_and_jsonl_lines(sd_eps_path, tmp_path, capsys):
             np.testing.assert_array_equal(pixels(path), np.asarray(image), err_msg=str(path))
 
 
+@pytest.mark.slow
 def test_cli_seed_gives_the_engines_image(sd_eps_path, tmp_path):
     out = tmp_path / "seeded.png"
     args = ["--seed", "42", "--guidance", "4.0", "--sampler", "dpmpp_2m", "--negative-prompt", "dark"]
@@ -259,6 +261,7 @@ def test_admission_is_bounded_by_max_num_waiting(sd_eps_path, tmp_path, monkeypa
 
 # -- quiet start-up, Ctrl-C: the real command in a subprocess ------------------------------------------
 
+@pytest.mark.slow
 def test_generate_start_up_is_quiet(sd_eps_path, tmp_path):
     out = tmp_path / "x.png"
     proc = subprocess.run(cli("generate", "x", "-o", str(out), "--model", sd_eps_path, "--device", "cpu", "--dtype",
@@ -275,6 +278,7 @@ def test_log_level_debug_brings_the_libraries_back(sd_eps_path, tmp_path, capfd)
     assert "Loading pipeline components" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_at_the_next_step_and_keeps_finished_images(sd_eps_path, tmp_path):
     out_dir = tmp_path / "out"
     prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "quick", "steps": 2, "seed": 1},

@@ -178,6 +178,7 @@ def https_server(sd_eps_path, tmp_path_factory):
         yield s
 
 
+@pytest.mark.slow
 def test_https(https_server):
     assert https_server.url.startswith("https://")
     r = httpx.post(https_server.url + "/v1/images/generations", verify=False, timeout=60,
@@ -188,6 +189,7 @@ def test_https(https_server):
     assert f"Uvicorn running on {https_server.url}" in https_server.log()
 
 
+@pytest.mark.slow
 def test_serve_start_up_is_quiet(https_server):
     log = https_server.log()  # the same server: one model load fewer
     assert "Application startup complete" in log and "state pool" in log  # dvllm's and uvicorn's lines stay
@@ -199,6 +201,7 @@ def test_serve_start_up_is_quiet(https_server):
 
 # -- signals during the drain ---------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_repeated_signals_during_the_drain_are_ignored_and_it_exits_0(sd_eps_path):
     # Requests that cannot finish (20,000 euler steps: minutes here, 20 s even at 1 ms a step) keep the
     # server draining for its whole grace period; 20 s is far longer than sending three signals and seeing

@@ -36,6 +36,7 @@ def test_buckets_are_powers_of_two_then_multiples_of_eight():
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 8])
+@pytest.mark.slow
 def test_bucketed_padding_changes_no_row(rows):
     adapter = RowWiseAdapter()
     denoiser = Denoiser(adapter, EngineConfig(compile="bucketed", max_batch_size=4))
@@ -89,6 +90,7 @@ def test_compiled_denoiser_keeps_fidelity(sd_eps_path):
             np.testing.assert_allclose(a, b, atol=1e-3, rtol=0)
 
 
+@pytest.mark.slow
 def test_profile_splits_the_step(sd_eps_path):
     engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", profile_steps=True)
     # Time the forwards ourselves, inside the in-process worker: the profile's "forward" phase encloses them.

@@ -18,6 +18,7 @@ _TIMEOUT_S = 300  # two interpreters importing torch and diffusers, on a loaded 
 
 
 @pytest.mark.parametrize("family", ["flux_path", "qwen_image_path"])
+@pytest.mark.slow
 def test_a_forward_split_across_two_processes_equals_the_forward_alone(family, request, tmp_path):
     model, out = request.getfixturevalue(family), tmp_path / "out.pt"
     members = [subprocess.Popen([sys.executable, _MEMBER, str(rank), "2", str(tmp_path / "init"), model, "2",

@@ -45,6 +45,7 @@ def test_the_elastic_split_rule():
     assert [rows_split_pays(rows, 4) for rows in (3, 4, 5, 6, 8, 9)] == [False, True, False, False, True, True]
 
 
+@pytest.mark.slow
 def test_an_elastic_group_gives_the_one_worker_images_and_reports_deadlines(flux_path):
     # 4 rows, then 3, 2, 1 as the requests finish: rows, tokens, rows, tokens
     params = [SamplingParams(num_inference_steps=n, seed=i, height=32, width=32, output_type="np",
@@ -72,6 +73,7 @@ def test_an_elastic_group_gives_the_one_worker_images_and_reports_deadlines(flux
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_the_benchmark_compares_attainment(flux_path, tmp_path):
     import json
 

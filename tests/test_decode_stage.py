@@ -62,6 +62,7 @@ def in_loop(sd_eps_path) -> dict[str, list]:
     return _run(_engine(sd_eps_path, decode_stage=False))
 
 
+@pytest.mark.slow
 def test_images_and_previews_equal_the_loops_and_no_decode_runs_in_the_loop(sd_eps_path, in_loop, monkeypatch):
     engine = _engine(sd_eps_path)
     threads = _decode_spy(engine, monkeypatch)
@@ -86,6 +87,7 @@ def test_images_and_previews_equal_the_loops_and_no_decode_runs_in_the_loop(sd_e
     assert not engine.has_unfinished_requests() and _stage(engine).pending == 0
 
 
+@pytest.mark.slow
 def test_a_failing_decode_fails_its_request_only(sd_eps_path, in_loop, monkeypatch):
     engine = _engine(sd_eps_path)
 
@@ -177,6 +179,7 @@ def test_closing_the_stage_drains_it():
     assert float(done.images["r2"][1][0, 0]) == 4.0
 
 
+@pytest.mark.slow
 def test_the_loop_stall_benchmark_runs_both_engines_on_the_same_requests(sd_eps_path, tmp_path):
     from dvllm.benchmarks.loop_stall import main
 
@@ -186,6 +189,7 @@ def test_the_loop_stall_benchmark_runs_both_engines_on_the_same_requests(sd_eps_
     assert result["cohort_images_max_abs_diff"] < 1e-5
 
 
+@pytest.mark.slow
 def test_the_stage_metrics_count_each_stage_where_it_ran(sd_eps_path):
     """Requests encoded, rows denoised and images decoded (finals and previews), in the loop or on the
     stage's thread, through the engine's stats, Prometheus and the benchmark's reading of two scrapes."""

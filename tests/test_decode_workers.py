@@ -78,6 +78,7 @@ def in_loop(sd_eps_path) -> dict[str, list]:
     return _finish(engine)
 
 
+@pytest.mark.slow
 def test_images_equal_the_loops_and_the_workers_process_runs_no_decode(sd_eps_path, in_loop, monkeypatch):
     engine = _engine(sd_eps_path, decode_workers=2)
     stage = _stage(engine)
@@ -118,6 +119,7 @@ def _wait_until(condition, what: str) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_batch_loses_no_request(sd_eps_path, in_loop):
     engine = _engine(sd_eps_path, decode_workers=1)
     stage = _stage(engine)
@@ -138,6 +140,7 @@ def test_a_worker_killed_mid_batch_loses_no_request(sd_eps_path, in_loop):
     engine.shutdown()
 
 
+@pytest.mark.slow
 def test_a_core_process_runs_its_decode_workers_and_takes_them_down_with_it(sd_eps_path):
     """dvllm serve's engine core (a process of its own) starts the decode processes as its children; every image
     and preview streams back, and shutting the engine down leaves no decode process behind. (Pixels against the
@@ -222,6 +225,7 @@ def test_a_job_whose_worker_dies_twice_fails_its_request_only():
     assert not done.previews  # a preview lost is no failure
 
 
+@pytest.mark.slow
 def test_shutdown_drains_the_stage_and_stops_the_processes(sd_eps_path, in_loop):
     engine = _engine(sd_eps_path, decode_workers=2)
     stage = _stage(engine)

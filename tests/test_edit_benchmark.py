@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
 from PIL import Image
 from test_benchmarks import ENGINE_ARGS, BaselineServer
 from utils_server import RemoteServer
@@ -43,6 +44,7 @@ def _bench(url: str, out, label: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_edit_bench_end_to_end(qwen_image_edit_plus_path, tmp_path):
     serial = BaselineServer(qwen_image_edit_plus_path, ["--mode", "serial", "--device", "cpu", "--dtype", "float32"])
     try:

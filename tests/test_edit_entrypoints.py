@@ -402,6 +402,7 @@ def test_generate_image_and_mask_flags_and_jsonl(sd_eps_path, sd_reference, tmp_
     (["--image", "IMAGE", "--mask", "SMALL"], "--mask: mask"),
 ], ids=["mask-without-image", "strength-without-image", "bad-strength", "missing-image", "missing-mask",
         "image-not-an-image", "mask-not-an-image", "mask-of-another-size"])
+@pytest.mark.slow
 def test_bad_image_flags_are_usage_errors(capsys, no_model_load, tmp_path, flags, expected):  # noqa: F811
     files = {"IMAGE": png(picture(1)), "MASK": png(alpha_mask()), "SMALL": png(alpha_mask((16, 16))),
              "TEXT": b"not an image"}
@@ -422,6 +423,7 @@ def test_bad_image_flags_are_usage_errors(capsys, no_model_load, tmp_path, flags
     ({"prompt": "x", "mask": ["MASK"], "image": "IMAGE"}, ":2: mask: must be a path"),
     ({"prompt": "x", "strength": 0.5}, ":2: strength needs an image"),
 ], ids=["mask-without-image", "missing-file", "not-a-path", "empty-list", "mask-list", "strength-without-image"])
+@pytest.mark.slow
 def test_bad_jsonl_inputs_are_usage_errors(capsys, no_model_load, tmp_path, line, expected):  # noqa: F811
     (tmp_path / "IMAGE").write_bytes(png(picture(1)))
     (tmp_path / "MASK").write_bytes(png(alpha_mask()))

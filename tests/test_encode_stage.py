@@ -101,6 +101,7 @@ def in_loop(sd_eps_path) -> dict[str, list]:
     return _run(_engine(sd_eps_path, encode_stage=False))
 
 
+@pytest.mark.slow
 def test_texts_that_arrive_during_a_batch_are_encoded_off_the_loop_with_the_same_images(sd_eps_path, in_loop,
                                                                                         monkeypatch):
     engine = _engine(sd_eps_path)
@@ -120,6 +121,7 @@ def test_texts_that_arrive_during_a_batch_are_encoded_off_the_loop_with_the_same
     assert stats["stage_seconds"]["encode_stage"] > 0
 
 
+@pytest.mark.slow
 def test_the_loop_keeps_stepping_while_the_stage_encodes(sd_eps_path, in_loop, monkeypatch):
     engine = _engine(sd_eps_path)
     entered, release = threading.Event(), threading.Event()
@@ -216,6 +218,7 @@ def test_an_abort_while_its_texts_are_encoded_ends_the_request_once(sd_eps_path,
     assert engine.stats()["num_encoding"] == 0
 
 
+@pytest.mark.slow
 def test_text_adapters_encode_in_the_loop_and_do_not_reach_the_stages_encodes(sd_eps_path, tmp_path, monkeypatch):
     """A request with a text LoRA is encoded at admission (with its adapter); the stage's encodes run while the
     loop's forward applies that adapter's plan, and take none of it: the images equal the stage-off engine's."""
@@ -342,6 +345,7 @@ FAMILIES = ["sdxl_path", "sd3_path", "flux_path", "qwen_image_path", "z_image_pa
 
 
 @pytest.mark.parametrize("path_fixture", FAMILIES)
+@pytest.mark.slow
 def test_every_familys_texts_encoded_by_the_stage_give_the_in_loop_images(path_fixture, request, monkeypatch):
     """Two text encoders and a length (Flux), a chat-template encoder with masks and true CFG (Qwen-Image), ...:
     the stage runs each family's own encode_prompt, and the images are the stage-off engine's."""
@@ -357,6 +361,7 @@ def test_every_familys_texts_encoded_by_the_stage_give_the_in_loop_images(path_f
     _assert_same_images(got, want, ["first", "0", "1"])
 
 
+@pytest.mark.slow
 def test_an_edit_models_prompts_are_encoded_with_their_images_by_the_stage(qwen_image_edit_path, monkeypatch):
     """Qwen-Image-Edit's encoder reads each prompt with the request's images (its VL encoder): those texts go to the
     stage with their images, once per digest, and the edits are the stage-off engine's."""

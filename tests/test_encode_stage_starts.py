@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
+
 from test_encode_stage import STAGE, P, _assert_same_images, _engine, _run, _stage_done_at
 
 from dvllm import DiffusionEngine
@@ -48,6 +50,7 @@ IMAGE_JOBS = [("a blue square", P(seed=2, image=_picture(2), strength=0.7, heigh
                                   width=32))]
 
 
+@pytest.mark.slow
 def test_img2img_and_inpainting_starts_are_made_by_the_stage_with_the_same_images(sd_eps_path, monkeypatch):
     """The VAE encode of an input image (and the draws of the request's generator around it) run on the stage's
     thread; the loop takes the start with the generator as they left it, so the images are the stage-off
@@ -63,6 +66,7 @@ def test_img2img_and_inpainting_starts_are_made_by_the_stage_with_the_same_image
     assert stage._starts == {} and stage._results == {}  # nothing held once taken
 
 
+@pytest.mark.slow
 def test_a_start_that_fails_in_the_stage_fails_its_request_only(sd_eps_path, monkeypatch):
     first = ("a red circle", P(seed=1, num_inference_steps=6, height=32, width=32))
     want = _run(_engine(sd_eps_path, encode_stage=False), first=first, later=IMAGE_JOBS)

@@ -8,6 +8,7 @@ from dvllm.benchmarks.encode_stall import _check, burst_texts, main, percentile
 from dvllm.benchmarks.loop_stall import gaps
 
 
+@pytest.mark.slow
 def test_the_encode_stall_benchmark_runs_both_engines_on_the_same_bursts(sd_eps_path, tmp_path):
     out = tmp_path / "encode_stall.json"
     result = main(["--model", sd_eps_path, "--size", "16", "--burst", "3", "--runners", "1", "--steps", "2",
@@ -28,6 +29,7 @@ def test_the_encode_stall_benchmark_runs_both_engines_on_the_same_bursts(sd_eps_
     assert "workers" not in result and "workers_images_max_abs_diff" not in result  # no encode workers: two engines
 
 
+@pytest.mark.slow
 def test_the_encode_stall_benchmark_adds_the_stage_with_encode_workers(sd_eps_path):
     result = main(["--model", sd_eps_path, "--size", "16", "--burst", "3", "--runners", "1", "--steps", "2",
                    "--rounds", "1", "--encode-workers", "1"])

@@ -40,6 +40,7 @@ def stage_off(sd_eps_path) -> dict[str, list]:
     return _run(_engine(sd_eps_path, encode_stage=False))
 
 
+@pytest.mark.slow
 def test_images_equal_the_stage_off_engines_and_the_worker_holds_and_runs_no_text_encoder(sd_eps_path, stage_off,
                                                                                           monkeypatch):
     engine = _engine(sd_eps_path, encode_workers=2)
@@ -99,6 +100,7 @@ def test_an_edit_models_copy_reads_its_prompts_with_the_images(qwen_image_edit_p
                                    encode_flat(adapter, TEXTS[:2], None, images), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_an_edit_engines_prompts_go_to_the_process_with_their_images(qwen_image_edit_path):
     """Qwen-Image-Edit's VL encoder reads each prompt with its request's image: with an encode process the images
     travel with the texts, and the edits are the stage-off engine's."""
@@ -207,6 +209,7 @@ def test_a_text_whose_process_dies_twice_fails_alone():
     assert list(done.errors) == [KEYS[1]] and "WorkerProcessLost" in done.errors[KEYS[1]]
 
 
+@pytest.mark.slow
 def test_shutdown_stops_the_processes(sd_eps_path):
     engine = _engine(sd_eps_path, encode_workers=2)
     processes = [w._process for w in _stage(engine).workers]

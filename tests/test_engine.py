@@ -109,6 +109,7 @@ def _expected(sd_eps_path, prompts, params):
     return clean.generate(prompts, params, use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_failure_in_prompt_encoding_fails_only_that_request(engine, sd_eps_path):
     adapter = engine.executor.worker.runner.adapter
     real = adapter.encode_prompt
@@ -129,6 +130,7 @@ def test_failure_in_prompt_encoding_fails_only_that_request(engine, sd_eps_path)
     assert worker_states(engine) == {}
 
 
+@pytest.mark.slow
 def test_failure_in_the_forward_fails_only_that_request(engine, sd_eps_path):
     adapter = engine.executor.worker.runner.adapter
     real = adapter.denoise
@@ -171,6 +173,7 @@ def test_failure_in_decode_fails_only_that_request(engine):
     assert outs[1].error == "decode failed: RuntimeError: out of memory"
 
 
+@pytest.mark.slow
 def test_generate_feeds_a_bounded_queue_and_keeps_others_outputs(sd_eps_path):
     engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", max_num_waiting=2, max_batch_size=4)
     engine.add_request("mine", "added by hand", P(num_inference_steps=2, seed=1))
@@ -203,6 +206,7 @@ def test_new_prompts_encode_in_one_call_and_finishers_decode_together(engine):
     assert forward_rows == [7, 7, 7]  # 4 conditional rows + 3 unconditional (guidance 1.0 has none)
 
 
+@pytest.mark.slow
 def test_a_batched_step_that_fails_after_drawing_noise_is_retried_from_the_same_noise(engine, sd_eps_path,
                                                                                      monkeypatch):
     """euler_a draws each request's noise from its generator before the fused update; the update then
@@ -229,6 +233,7 @@ def test_a_batched_step_that_fails_after_drawing_noise_is_retried_from_the_same_
         np.testing.assert_allclose(out.images[0], want.images[0], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_a_request_sharing_an_entry_whose_refill_failed_fails_instead_of_reading_garbage(sd_eps_path, monkeypatch):
     """A is preempted and its prompt's cache entry evicted; when A resumes it is to refill a new entry,
     and B, admitted in the same step with the same prompt, shares it. A's swap-in fails: B must not

@@ -32,6 +32,7 @@ async def until(predicate, what: str) -> None:
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_streams_through_a_core_process_match_the_offline_engine(sd_eps_path):
     params = [P(seed=i, num_inference_steps=3 + i % 3, sampler=("ddim", "euler_a", "dpmpp_2m")[i % 3],
                 num_previews=1 if i == 0 else 0) for i in range(5)]
@@ -61,6 +62,7 @@ def test_streams_through_a_core_process_match_the_offline_engine(sd_eps_path):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.slow
 def test_prompts_arriving_during_a_batch_go_through_the_cores_encode_stage(sd_eps_path, async_scheduling):
     """With --encode-stage in the core process: requests that arrive while one runs are encoded on the stage's
     thread, and every stream's images are the offline engine's; with --async-scheduling too (the worker on its
@@ -89,6 +91,7 @@ def test_prompts_arriving_during_a_batch_go_through_the_cores_encode_stage(sd_ep
     assert stats["num_encoding"] == 0
 
 
+@pytest.mark.slow
 def test_errors_cross_the_pipe_as_the_callers(sd_eps_path):
     async def main():
         engine = core_engine(sd_eps_path, max_num_waiting=1, max_batch_size=2, max_inference_steps=20_000)
@@ -131,6 +134,7 @@ def test_a_killed_core_fails_its_requests_at_once_and_the_engine_reports_it(sd_e
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_the_core_ignores_ctrl_c_and_drains_on_shutdown(sd_eps_path):
     """A terminal's SIGINT reaches the whole process group: the server drains, so the core must not die of it;
     a request running at shutdown finishes within the grace period."""
@@ -151,6 +155,7 @@ def test_the_core_ignores_ctrl_c_and_drains_on_shutdown(sd_eps_path):
     assert asyncio.run(main()).core_process.returncode == 0
 
 
+@pytest.mark.slow
 def test_a_core_that_cannot_load_raises_at_construction(tmp_path):
     with pytest.raises(Exception, match="nowhere"):
         core_engine(str(tmp_path / "nowhere"))
@@ -173,6 +178,7 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_dvllm_serve_runs_its_core_apart_and_answers_503_when_it_dies(sd_eps_path):
     import httpx
     from utils_server import BASE_ARGS, FAST, RemoteServer, assert_error, metrics
@@ -225,6 +231,7 @@ def test_adapters_cross_the_pipe_once_while_the_core_holds_them():
     assert LoraRef(1) == LoraRef(1)
 
 
+@pytest.mark.slow
 def test_a_server_killed_outright_takes_its_core_with_it(sd_eps_path):
     """No orphaned core holding a GPU: its end of the pipe closes with the server, and it leaves."""
     from utils_server import BASE_ARGS, RemoteServer

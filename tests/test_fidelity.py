@@ -119,6 +119,7 @@ def sdxl(sdxl_path):
 
 
 @pytest.mark.parametrize("family", ["eps", "vpred", "sdxl"])
+@pytest.mark.slow
 def test_mixed_batch_matches_pipeline_per_request(family, request):
     engine, pipe = request.getfixturevalue(family)
     batch = mixed_batch()
@@ -141,6 +142,7 @@ def test_request_alone_equals_pipeline_and_batch(eps, sampler):
 
 @pytest.mark.parametrize("sampler, eta", [("TCDScheduler", None), ("TCDScheduler", 0.3), ("ddim", 0.7),
                                          ("DDIMParallelScheduler", 0.5)])
+@pytest.mark.slow
 def test_eta_reaches_the_scheduler_as_the_pipeline_passes_it(eps, sampler, eta):
     """The pipeline passes eta (its default 0.0) to every scheduler whose step() takes it: TCD's own
     default is 0.3, and DDIM with eta > 0 draws noise, so each is stepped as diffusers would."""
@@ -191,6 +193,7 @@ def dataclass_np(p: SamplingParams) -> SamplingParams:
     return SamplingParams(**{**p.__dict__, "output_type": "np"})
 
 
+@pytest.mark.slow
 def test_guidance_embedding_unet_matches_pipeline(sd_guidance_embed_path):
     """LCM-distilled UNets take the guidance scale as an embedding per row instead of CFG rows."""
     engine = engine_for(sd_guidance_embed_path)

@@ -53,6 +53,7 @@ def P(**kwargs) -> SamplingParams:
                              "output_type": "np", **kwargs})
 
 
+@pytest.mark.slow
 def test_edits_of_other_input_sizes_share_steps_and_match_the_pipeline(kontext_path):
     tall, wide = picture(1, (64, 96)), picture(2, (96, 64))  # other aspects: other preferred resolutions and grids
     jobs = [

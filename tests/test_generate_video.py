@@ -126,6 +126,7 @@ def test_output_thread_keeps_order_and_hands_back_a_failed_write():
     assert 99 not in done
 
 
+@pytest.mark.slow
 def test_an_image_model_refuses_video_flags_with_the_engines_message(sd_eps_path, tmp_path, capsys):
     engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
     with pytest.raises(ValueError) as refused:

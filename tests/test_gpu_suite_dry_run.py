@@ -1,9 +1,12 @@
 """The GPU suite's own code, exercised on the CPU with tiny-sd (its --dry-run)."""
 import json
 
+import pytest
+
 from dvllm.benchmarks import gpu_suite
 
 
+@pytest.mark.slow
 def test_gpu_suite_dry_run_writes_its_table(tmp_path, capsys):
     out = tmp_path / "suite.json"
     gpu_suite.main(["--dry-run", "--output-json", str(out)])
@@ -14,6 +17,7 @@ def test_gpu_suite_dry_run_writes_its_table(tmp_path, capsys):
     assert "vs serial" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_batch_invariance_dry_run_measures_and_stresses(tmp_path, capsys):
     from dvllm.benchmarks import batch_invariance
 

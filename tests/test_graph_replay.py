@@ -115,6 +115,7 @@ def _batches(edit: bool, unet: bool, lora: bool) -> list[list]:
 
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.slow
 def test_every_family_replays_captured_forwards_with_the_eager_images(family, lora, request, two_loras,
                                                                      tmp_path_factory):
     fixture, edit, unet = FAMILIES[family]

@@ -54,6 +54,7 @@ def _assert_close(got: list[np.ndarray], want: list[np.ndarray]) -> None:
     ("sd_eps_path", 5.0, dict(cfg_parallel_size=2), (True, False), (None, False)),
     ("flux_path", 3.5, dict(sequence_parallel_size=2), (True,), (None,)),
 ])
+@pytest.mark.slow
 def test_a_group_shares_its_decodes_and_gives_the_one_worker_images(fixture, guidance, group, tilings, stages,
                                                                      request):
     model = request.getfixturevalue(fixture)
@@ -68,6 +69,7 @@ def test_a_group_shares_its_decodes_and_gives_the_one_worker_images(fixture, gui
     assert units == [0, 0]
 
 
+@pytest.mark.slow
 def test_a_member_killed_inside_a_decode_loses_nothing(sd_eps_path):
     want, _ = _images(sd_eps_path, 5.0, vae_tiling=True)
     engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", max_image_pixels=4096,

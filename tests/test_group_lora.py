@@ -66,6 +66,7 @@ def _assert_close(got: list, want: list) -> None:
     # 4 rows, every step: the rows split on a group that splits tokens, its plan paused, each its LoRA rows
     ("flux_path", "flux", 3.5, dict(sequence_parallel_size=2, group_policy="elastic")),
 ])
+@pytest.mark.slow
 def test_lora_rows_in_a_group_give_the_one_worker_images(fixture, family, guidance, group, adapters, request):
     model, seeds = request.getfixturevalue(fixture), [1, 1, 2, 3]  # rows 0 and 1: one seed, with and without
     want, got = (_run(model, adapters[family], guidance, PROMPTS, LORAS, seeds, **config) for config in ({}, group))
@@ -73,6 +74,7 @@ def test_lora_rows_in_a_group_give_the_one_worker_images(fixture, family, guidan
     _assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_a_member_killed_gets_the_slots_again_and_a_slot_taken_anew_is_taken_on_the_members(sd_eps_path, adapters):
     turns = [({"a": 1.0}, 1), ({"a": 0.7}, 2), ({"b": 1.0}, 3)]  # max_loras=1: "b" takes "a"'s slot
     one = _engine(sd_eps_path, adapters["sd"], max_loras=1)

@@ -52,6 +52,7 @@ def _one_worker(model: str, loras: dict[str, str]) -> list[np.ndarray]:
         alone.shutdown()
 
 
+@pytest.mark.slow
 def test_a_mesh_of_row_groups_gives_the_one_worker_images(qwen_image_path, qwen_lora):
     want = _one_worker(qwen_image_path, qwen_lora)
     engine = DiffusionEngine(model=qwen_image_path, device="cpu", dtype="float32", lora_modules=qwen_lora, **MESH)
@@ -71,6 +72,7 @@ def test_a_mesh_of_row_groups_gives_the_one_worker_images(qwen_image_path, qwen_
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_a_member_killed_mid_forward_forms_the_mesh_anew(qwen_image_path, qwen_lora):
     want = _one_worker(qwen_image_path, qwen_lora)
     engine = DiffusionEngine(model=qwen_image_path, device="cpu", dtype="float32", lora_modules=qwen_lora, **MESH)

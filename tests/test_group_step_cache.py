@@ -47,6 +47,7 @@ def _run(model: str, guidance: float, **config) -> tuple[list[np.ndarray], list[
     ("qwen_image_path", 4.0, dict(sequence_parallel_size=2), "tokens"),
     ("wan_path", 5.0, dict(sequence_parallel_size=2), "tokens"),
 ])
+@pytest.mark.slow
 def test_cached_rows_run_on_the_worker_alone_and_give_the_one_worker_images(fixture, guidance, group, split,
                                                                             request):
     model = request.getfixturevalue(fixture)

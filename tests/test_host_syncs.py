@@ -155,6 +155,7 @@ def _engine_at_a_middle_step(family: str, lora: bool, method: str | None, device
 
 
 @pytest.mark.parametrize("family, lora, method", CASES, ids=IDS)
+@pytest.mark.slow
 def test_a_step_reads_nothing_back_from_the_device(family, lora, method, request, lora_folders, tmp_path_factory):
     engine = _engine_at_a_middle_step(family, lora, method, "cpu", request, lora_folders, tmp_path_factory)
     with HostSyncs(host=_fallback_tensors(engine)) as syncs:
@@ -208,6 +209,7 @@ def test_a_cuda_step_syncs_within_the_allowance(family, lora, method, request, l
 
 
 @pytest.mark.parametrize("family", list(SYNC_FAMILIES))
+@pytest.mark.slow
 def test_every_family_batched_forward_traces_whole(family, request, monkeypatch):
     fixture, edit, unet = SYNC_FAMILIES[family]
     engine = DiffusionEngine(model=request.getfixturevalue(fixture), device="cpu", dtype="float32")

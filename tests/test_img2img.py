@@ -35,6 +35,7 @@ def reference(pipe, engine, prompt: str, p: SamplingParams) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fixture", sorted(PIPELINES))
+@pytest.mark.slow
 def test_img2img_in_a_mixed_batch_matches_the_img2img_pipeline(fixture, request):
     path = request.getfixturevalue(fixture)
     text2img, img2img = PIPELINES[fixture]
@@ -94,6 +95,7 @@ def test_flow_families_refuse_an_image(flux_path):
         engine.add_request("r", "x", SamplingParams(image=start_image(1)))
 
 
+@pytest.mark.slow
 def test_an_image_size_is_rounded_to_the_vae_scale_factor_as_the_pipeline_does(sd_eps_path):
     """The tiny VAE's scale factor is 2: a 35x27 image runs at 34x26, as the img2img pipeline's image
     processor rounds it (not at the text-to-image size factor, 8)."""

@@ -75,6 +75,7 @@ def reference(pipe, engine: DiffusionEngine, prompt: str, p: SamplingParams) -> 
 
 
 @pytest.mark.parametrize("fixture", sorted(MODELS))
+@pytest.mark.slow
 def test_inpainting_in_a_mixed_batch_matches_the_inpainting_pipeline(fixture, request):
     path = request.getfixturevalue(fixture)
     folder_class, inpaint_class, img2img_class, nine_channels = MODELS[fixture]
@@ -135,6 +136,7 @@ def test_a_mask_changes_only_what_the_pipeline_changes(sd_eps_path):
     assert float(np.abs(a.images[0] - b.images[0]).max()) > 0.05
 
 
+@pytest.mark.slow
 def test_inpainting_errors_name_the_field(sd_eps_path, sd_inpaint_path, qwen_image_path):
     engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
     bad = [

@@ -110,6 +110,7 @@ def test_health_tells_the_heartbeats_and_503s_past_their_bounds(core_age, call_a
 
 # -- a stage process's watchdog; a core on a thread ---------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_call_blocked_sending_to_a_stopped_process_is_cut_at_its_bound():
     """A stopped process reads nothing, so a message larger than the pipe's buffer blocks its sender: the watchdog
     frees it by killing the process at the call's bound, and the process is started again."""
@@ -219,6 +220,7 @@ def _metric(client: TestClient, line_start: str) -> float:
 
 
 @pytest.mark.parametrize("stage", ["encode_stage", "decode_stage"])
+@pytest.mark.slow
 def test_a_stopped_stage_process_is_restarted_past_its_bound_and_the_image_is_the_normal_runs(client, normal,
                                                                                              stage):
     before = _process(client, stage)
@@ -240,6 +242,7 @@ def test_a_stopped_stage_process_is_restarted_past_its_bound_and_the_image_is_th
     assert _health(client)["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_a_stopped_engine_core_turns_health_503_and_refuses_requests_until_it_runs_again(client, normal):
     core = _health(client)["engine_core"]
     assert core["responsive"] and core["limit_s"] == CORE_S and core["heartbeat_age_s"] < CORE_S

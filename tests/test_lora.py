@@ -145,6 +145,7 @@ def test_text_encoder_adapters_join_the_prompt_cache_key_denoiser_only_ones_do_n
     engine.shutdown()
 
 
+@pytest.mark.slow
 def test_one_slot_serves_adapters_in_turn_and_requests_without_loras_never_wait(families):
     """max_loras=1: the second adapter waits until the first one's request finished (an adapter in use is
     never evicted), then replaces it; a request without adapters runs alongside either."""
@@ -223,6 +224,7 @@ def _kohya_file(folder, pipe, seed: int, alpha: float) -> str:
     return path
 
 
+@pytest.mark.slow
 def test_alpha_from_kohya_alpha_keys_and_from_metadata_and_else_rank(families, tmp_path, monkeypatch):
     """Three ways of saying alpha, each as diffusers reads it: an `.alpha` key per layer (here alpha 2 at rank
     4: scale 0.5), adapter metadata ('full': alpha 8 at rank 4), none ('plain': alpha = rank)."""
@@ -247,6 +249,7 @@ def test_alpha_from_kohya_alpha_keys_and_from_metadata_and_else_rank(families, t
 
 
 @pytest.mark.parametrize("method", ["first_block", "taylorseer"])
+@pytest.mark.slow
 def test_lora_rows_follow_step_caching_inside_the_forward(tmp_path, method, monkeypatch):
     """With step caching, some rows leave the batch inside the forward; each remaining row must still get
     its own adapters. A cached LoRA request equals the pipeline with the same adapter and enable_cache."""
@@ -328,6 +331,7 @@ def test_adapters_this_model_cannot_serve_are_value_errors_naming_why(families, 
     engine.shutdown()
 
 
+@pytest.mark.slow
 def test_too_many_adapters_and_loras_without_lora_serving_are_refused(families):
     family = families["sd"]
     engine = _engine(family, max_loras=1)

@@ -17,6 +17,7 @@ CONTENDERS = {"dvllm (no LoRA)", "dvllm+LoRA mixed batch", "dvllm+LoRA one adapt
               "pipeline+LoRA serial", "pipeline+LoRA one batch per adapter"}
 
 
+@pytest.mark.slow
 def test_lora_benchmark_reports_every_contender_and_the_step_cost(tmp_path):
     out = tmp_path / "lora.json"
     run = subprocess.run(

@@ -293,6 +293,7 @@ def test_generate_lora_flag_and_jsonl_loras(sd_eps_path, adapters, reference, tm
      "--lora: unknown LoRA adapter(s) ['other']; --lora-modules loads ['style']"),
     (["--lora", "style"], "--lora: unknown LoRA adapter(s) ['style']; --lora-modules loads none"),
 ], ids=["no-name", "not-a-number", "nan", "twice", "unknown", "no-modules"])
+@pytest.mark.slow
 def test_bad_lora_flags_are_usage_errors(capsys, no_model_load, adapters, flags, expected):  # noqa: F811
     flags = [f"style={adapters['style']}" if flag == "style=STYLE" else flag for flag in flags]
     err = expect_usage_error(capsys, "generate", "x", "--device", "cpu", *flags)
@@ -322,6 +323,7 @@ def test_bad_jsonl_loras_are_usage_errors(capsys, no_model_load, adapters, tmp_p
     (["--max-lora-file-mb", "0", "--enable-lora"], "max_lora_file_mb must be a finite number > 0"),
 ], ids=["updating-without-lora", "adapter-named-as-the-model", "missing-path", "bad-name", "model-folder",
         "too-large", "zero-file-limit"])
+@pytest.mark.slow
 def test_bad_serve_lora_flags_are_usage_errors(capsys, no_model_load, sd_eps_path, adapters,  # noqa: F811
                                                flags, expected):
     """--lora-modules names and paths are checked with the other flags, before the model loads."""

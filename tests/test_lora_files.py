@@ -160,6 +160,7 @@ def test_hub_ids_when_allowed_are_fetched_once_then_local(tmp_path, adapters, mo
     assert len(fetched) == 1  # refused by its size, before the download
 
 
+@pytest.mark.slow
 def test_a_reread_checks_the_file_is_the_one_loaded(tmp_path, engine, adapters):
     """max_cpu_loras=1: loading b evicts a, so a request for a reads a's file again. A file modified or deleted
     since it was loaded fails the requests that need it, naming why (it is never looked up on the Hub)."""

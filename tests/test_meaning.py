@@ -25,6 +25,7 @@ BOUNDS = {
 
 
 @pytest.mark.parametrize("model", sorted(BOUNDS))
+@pytest.mark.slow
 def test_builtin_model_draws_what_it_is_asked(model, capsys):
     engine = DiffusionEngine(model=model, max_batch_size=64)
     assert engine.loaded_model.name == model

@@ -1,5 +1,6 @@
 """memory_estimate: fake runs tracked as real CPU runs are, weights as the loaded models hold them, and the
-README's "Serve a real model on one GPU" commands true to `dvllm serve` and to the estimator."""
+commands of docs/gpus.md's "Serve a real model on one GPU" and of the README's "Choose your flags" true to
+`dvllm serve` and to the estimator."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,8 @@ from dvllm.models.loader import load_adapter, preset_names
 from dvllm.models.model_defaults import KNOWN_DEFAULTS
 from dvllm.worker.memory_profile import step_peaks
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "README.md"  # its short table: "Choose your flags"
+GPUS = Path(__file__).resolve().parents[1] / "docs" / "gpus.md"  # the full table
 # The small models' worst step, kept small so the real CPU runs take a second or two
 LIMITS = {"max_batch_size": 2, "max_image_pixels": 64 * 64, "max_decode_batch": 1}
 
@@ -72,6 +74,7 @@ def real():
 
 
 @pytest.mark.parametrize("name", ["tiny-sd", "flux-cpu"])
+@pytest.mark.slow
 def test_the_fake_step_is_the_real_cpu_step_and_the_weights_the_loaded_ones(real, name):
     adapter = real[name]
     memory = ProfiledMemory() if name == "tiny-sd" else TrackedMemory(None)  # (the profiler is slow on flux-cpu)
@@ -137,24 +140,40 @@ def test_the_table_says_it_is_an_estimate(capsys):
     assert "not measured on a GPU" in out and "1 GiB card" in out and "requests" in out
 
 
-# -- the README section ------------------------------------------------------------------------------------------
-def _section() -> str:
-    text = README.read_text()
-    start = text.index("## Serve a real model on one GPU")
+# -- docs/gpus.md's section and the README's short table -----------------------------------------------------------
+def _section(path: Path = GPUS, title: str = "## Serve a real model on one GPU") -> str:
+    text = path.read_text()
+    start = text.index(title)
     return text[start:text.index("\n## ", start + 1)]
 
 
+def _readme_commands() -> list[list[str]]:
+    """The README's "Choose your flags": a model a row, then a card a cell (its flags, "no flags", or no command)."""
+    commands = []
+    for row in re.findall(r"^\|(.+)\|$", _section(README, "## Choose your flags"), re.MULTILINE):
+        cells = [c.strip() for c in row.split("|")]
+        model = re.search(r"`([\w.-]+/[\w.-]+)`", cells[0])
+        for cell in cells[1:] if model else ():
+            flags = re.findall(r"`(--[^`]+)`", cell)
+            if flags or cell == "no flags":
+                commands.append(["--model", model.group(1), *(part for f in flags for part in shlex.split(f))])
+    return commands
+
+
 def _commands() -> list[list[str]]:
-    """Every dvllm serve command of the section: its code block's lines, and its table's rows (model, flags)."""
+    """Every dvllm serve command of the section: its code block's lines, and its table's rows (model, flags; a
+    row with no model is the row above's model on another card)."""
     section = _section()
     block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
     commands = [shlex.split(line)[2:] for line in block.splitlines() if line.startswith("dvllm serve ")]
+    model = None
     for row in re.findall(r"^\|(.+)\|$", section, re.MULTILINE):
         cells = [c.strip() for c in row.split("|")]
-        model = re.search(r"`([\w.-]+/[\w.-]+)`", cells[0])
+        named = re.search(r"`([\w.-]+/[\w.-]+)`", cells[0])
+        model = named.group(1) if named else model if not cells[0] else None
         if model:
             flags = re.findall(r"`(--[^`]+)`", cells[1])
-            commands.append(["--model", model.group(1), *(part for f in flags for part in shlex.split(f))])
+            commands.append(["--model", model, *(part for f in flags for part in shlex.split(f))])
     return commands
 
 
@@ -164,8 +183,10 @@ def test_the_readme_commands_are_dvllm_serve_commands_the_estimate_computes():
     serve = argparse.ArgumentParser(exit_on_error=False)
     _add_serve_args(serve)
     estimator = build_parser()
-    commands = _commands()
+    commands, short = _commands(), _readme_commands()
     assert len(commands) >= 8 and {c[1].lower() for c in commands} == set(HUB_PRESETS)
+    assert len(short) >= 8 and {c[1].lower() for c in short} == set(HUB_PRESETS)
+    assert all(argv in commands for argv in short)  # the short table's commands are the full table's
     for argv in commands:
         serve.parse_args(argv)  # every flag exists, every value its type (argparse exits otherwise)
         estimator.parse_args(argv)  # and the estimate takes the same flags
@@ -181,6 +202,7 @@ def test_text_encoders_on_the_cpu_leave_the_gpu():
     assert "weights on the CPU" in render(fake)
 
 
+@pytest.mark.slow
 def test_the_decode_stage_reserves_its_vae_beside_the_loops_work_and_its_queue():
     off = estimate("tiny-sd", dtype="float32", size=(64, 64), **LIMITS)
     on = estimate("tiny-sd", dtype="float32", size=(64, 64), decode_stage=True, max_decode_queue=8, **LIMITS)
@@ -205,6 +227,7 @@ def test_decode_workers_take_the_stages_vae_off_the_gpu_and_keep_its_queue():
         estimate("tiny-sd", dtype="float32", size=(64, 64), decode_workers=1, decode_stage=False, **LIMITS)
 
 
+@pytest.mark.slow
 def test_the_encode_stage_reserves_its_encoders_beside_the_loops_work_and_its_ready_texts():
     """As memory_profile.gpu_pool_bytes reserves it: the text encoders' peak (and, for a family that takes input
     images, the VAE encode of a start) on top of the loop's forward (and the decode stage's VAE), plus
@@ -228,6 +251,7 @@ def test_the_encode_stage_reserves_its_encoders_beside_the_loops_work_and_its_re
     assert "the encode stage's encoders beside the loop's" in render(on)
 
 
+@pytest.mark.slow
 def test_encode_workers_take_the_text_encoders_off_the_gpu():
     """As memory_profile.gpu_pool_bytes reserves it with encode processes: the stage runs, the text encoders'
     weights are not on the GPU and their work not among its peaks (the stage's starts, a VAE encode, still are),

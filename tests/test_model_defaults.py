@@ -23,6 +23,7 @@ def test_turbo_kind_models_get_their_cards_defaults_not_their_pipelines():
     assert known_defaults("black-forest-labs/FLUX.1-dev") == {}  # its pipeline's defaults are its own
 
 
+@pytest.mark.slow
 def test_each_layer_of_defaults_over_the_one_before(sd_eps_path, tmp_path, monkeypatch):
     folder = tmp_path / "a-turbo"
     shutil.copytree(sd_eps_path, folder)

@@ -37,6 +37,7 @@ def server():
 
 @pytest.fixture
 def browser():
+    pytest.importorskip("selenium")  # `.[test]`, not the fast tier's `.[dev]`
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -97,6 +98,7 @@ def generate(driver, server: RemoteServer) -> None:
     assert text_of(driver, "status").startswith("done"), (text_of(driver, "status"), server.log()[-3000:])
 
 
+@pytest.mark.slow
 def test_playground_generates_with_previews_then_the_image(browser, server, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
@@ -176,6 +178,7 @@ def test_playground_layout_keeps_each_control_inside_its_panel(browser, server, 
     assert layout["scrollWidth"] <= width  # nothing runs past the viewport's right edge
 
 
+@pytest.mark.slow
 def test_playground_keeps_the_api_key_out_of_web_storage(browser, server):
     browser.get(server.url + "/")
     # a key an earlier version of the page left in localStorage: the page drops it, not reads it
@@ -193,6 +196,7 @@ def test_playground_keeps_the_api_key_out_of_web_storage(browser, server):
     assert KEY not in stored, stored
 
 
+@pytest.mark.slow
 def test_playground_shows_and_sends_seeds_past_2_53_exactly(browser, server):
     from selenium.webdriver.common.by import By
 
@@ -260,6 +264,7 @@ def video_server(wan_path):
         yield s
 
 
+@pytest.mark.slow
 def test_playground_makes_a_video_and_plays_it(browser, video_server, tmp_path):
     from selenium.webdriver.common.by import By
 

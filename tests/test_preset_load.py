@@ -8,6 +8,7 @@ import torch
 from dvllm.benchmarks import preset_load
 
 
+@pytest.mark.slow
 def test_each_case_measures_and_quantized_weights_are_smaller():
     plain, int8 = (preset_load.measure(case, "cpu", 1, (16, 16)) for case in preset_load.DRY_CASES[1:3])
     assert plain["case"] == "flux-cpu float32" and int8["case"] == "flux-cpu float32 (torchao:int8wo)"

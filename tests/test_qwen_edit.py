@@ -47,6 +47,7 @@ def P(**kwargs) -> SamplingParams:
                              "output_type": "np", **kwargs})
 
 
+@pytest.mark.slow
 def test_edits_of_other_input_sizes_share_steps_and_match_the_pipeline(qwen_image_edit_path):
     tall, wide = picture(1, (40, 56)), picture(2, (64, 48))
     jobs = [
@@ -62,6 +63,7 @@ def test_edits_of_other_input_sizes_share_steps_and_match_the_pipeline(qwen_imag
     assert stats["prompt_cache_hits"] == 2  # "make it red" and "blurry" with the same image, again
 
 
+@pytest.mark.slow
 def test_plus_takes_one_or_several_images(qwen_image_edit_plus_path):
     jobs = [
         ("combine them", P(image=[picture(1, (40, 40)), picture(2, (64, 32))], seed=1, negative_prompt="ugly")),
@@ -82,6 +84,7 @@ def test_the_default_size_is_the_pipelines(qwen_image_edit_path, qwen_image_edit
         assert (params.height, params.width) == (height // 16 * 16, width // 16 * 16)
 
 
+@pytest.mark.slow
 def test_edit_errors_name_the_field(qwen_image_edit_path, qwen_image_edit_plus_path):
     engine = DiffusionEngine(model=qwen_image_edit_path, device="cpu", dtype="float32")
     image = picture(1, (40, 40))
@@ -129,6 +132,7 @@ def test_served_edits_with_several_images_equal_the_engine(qwen_image_edit_plus_
         np.testing.assert_array_equal(png_pixels(events[-1].b64_json), expected)
 
 
+@pytest.mark.slow
 def test_zero_cond_t_models_run_a_call_per_shape_set(tmp_path):
     """Qwen-Image-Edit-2511's transformer (zero_cond_t) modulates each token by its image's place in the sequence,
     which padding would shift: rows of other input shapes run apart, and still equal the pipeline."""
@@ -159,6 +163,7 @@ def test_previews_of_packed_latents(fixture, request):
     assert len(previews) == 1 and previews[0].size == (32, 32)
 
 
+@pytest.mark.slow
 def test_lora_rows_in_separate_calls_keep_their_adapters(qwen_image_edit_plus_path, tmp_path):
     """Rows of other image counts run in separate transformer calls within one step: each call's LoRA layers
     must see its own rows' adapters. Every image equals the pipeline with the adapter set as the request asks."""
@@ -198,6 +203,7 @@ def test_lora_rows_in_separate_calls_keep_their_adapters(qwen_image_edit_plus_pa
     engine.shutdown()
 
 
+@pytest.mark.slow
 def test_the_memory_profile_runs_the_worst_edit_step(qwen_image_edit_plus_path):
     """The GPU pool sizing's worst step (run here with the memory queries faked): a prompt read with as many
     images as the model takes, their encode, and a forward with the largest input state."""

@@ -40,6 +40,7 @@ def _assert_differ(a: np.ndarray, b: np.ndarray) -> None:
     assert np.abs(a - b).max() > 1e-4
 
 
+@pytest.mark.slow
 def test_edit_pipeline_loads_and_the_image_conditions_it(qwen_image_edit_path):
     pipe = _load(qwen_image_edit_path)
     assert type(pipe) is QwenImageEditPipeline

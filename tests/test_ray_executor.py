@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 
 from dvllm import DiffusionEngine, SamplingParams
+
+ray = pytest.importorskip("ray")  # `.[test]`, not the fast tier's `.[dev]`
 
 pytestmark = pytest.mark.slow
 
@@ -105,44 +106,6 @@ def test_two_workers_match_in_process_and_survive_a_killed_worker(sd_eps_path, r
     finally:
         engine.shutdown()
     assert not ray.is_initialized()  # the engine stops the Ray it started
-
-
-def test_a_request_that_dies_on_every_worker_fails_instead_of_hanging(sd_eps_path):
-    engine = DiffusionEngine(sd_eps_path, executor="ray", num_workers=1, max_worker_restarts=0)
-    try:
-        engine.add_request("doomed", "a photo", SamplingParams(seed=1, num_inference_steps=50))
-        engine.step()
-        ray.kill(engine.executor.actors[0], no_restart=True)
-        finished = _run_to_completion(engine, timeout=60)
-        assert "died on every try" in finished["doomed"].error
-        assert engine.stats()["num_workers_alive"] == 0
-        with pytest.raises(RuntimeError, match="every worker is dead"):
-            engine.add_request("late", "a photo")
-    finally:
-        engine.shutdown()
-
-
-def test_lora_adapters_travel_to_ray_workers(sd_eps_path, tmp_path):
-    """Adapters are read on the driver and shipped to each worker when a slot loads them: two Ray workers
-    give the in-process engine's images for a mix of adapters."""
-    from conftest import tiny_sd_pipeline
-    from lora_utils import make_lora
-
-    adapters = {"style": make_lora(tiny_sd_pipeline(), str(tmp_path / "style"), seed=5,
-                                   components=("unet", "text_encoder"))}
-    params = [SamplingParams(num_inference_steps=3, seed=s, height=16, width=16, output_type="np", loras=loras)
-              for s, loras in ((1, {"style": 0.7}), (2, None), (3, {"style": 1.0}), (4, {"style": -0.5}))]
-    prompts = ["a red circle", "a blue square", "a red circle", "a green circle"]
-    local = DiffusionEngine(sd_eps_path, lora_modules=adapters).generate(prompts, params, use_tqdm=False)
-    engine = DiffusionEngine(sd_eps_path, executor="ray", num_workers=2, worker_num_cpus=1, lora_modules=adapters)
-    try:
-        remote = engine.generate(prompts, params, use_tqdm=False)
-        assert engine.stats()["lora_slot_loads"] >= 1
-    finally:
-        engine.shutdown()
-    for want, got in zip(local, remote):
-        assert got.error is None, got.error
-        np.testing.assert_allclose(got.images[0], want.images[0], atol=1e-3, rtol=0)
 
 
 def _free_port() -> int:
@@ -292,7 +255,56 @@ def test_bench_throughput_with_ray_workers(sd_eps_path, tmp_path):
     assert result["scaling"] > 0 and result["overhead_ms_per_step"]["ray x1"] > 0 and not ray.is_initialized()
 
 
-def test_a_worker_that_dies_idle_is_noticed_by_the_heartbeat(sd_eps_path):
+# The tests above start and stop a Ray of their own (what they check); those below share one local Ray runtime,
+# started once for the module: Ray's start-up is seconds of the machine's two cores, and what they check is the
+# executor on a running Ray (the engine joins a Ray it finds initialized and leaves it running).
+@pytest.fixture(scope="module")
+def shared_ray():
+    assert not ray.is_initialized()
+    ray.init(include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+def test_a_request_that_dies_on_every_worker_fails_instead_of_hanging(sd_eps_path, shared_ray):
+    engine = DiffusionEngine(sd_eps_path, executor="ray", num_workers=1, max_worker_restarts=0)
+    try:
+        engine.add_request("doomed", "a photo", SamplingParams(seed=1, num_inference_steps=50))
+        engine.step()
+        ray.kill(engine.executor.actors[0], no_restart=True)
+        finished = _run_to_completion(engine, timeout=60)
+        assert "died on every try" in finished["doomed"].error
+        assert engine.stats()["num_workers_alive"] == 0
+        with pytest.raises(RuntimeError, match="every worker is dead"):
+            engine.add_request("late", "a photo")
+    finally:
+        engine.shutdown()
+
+
+def test_lora_adapters_travel_to_ray_workers(sd_eps_path, tmp_path, shared_ray):
+    """Adapters are read on the driver and shipped to each worker when a slot loads them: two Ray workers
+    give the in-process engine's images for a mix of adapters."""
+    from conftest import tiny_sd_pipeline
+    from lora_utils import make_lora
+
+    adapters = {"style": make_lora(tiny_sd_pipeline(), str(tmp_path / "style"), seed=5,
+                                   components=("unet", "text_encoder"))}
+    params = [SamplingParams(num_inference_steps=3, seed=s, height=16, width=16, output_type="np", loras=loras)
+              for s, loras in ((1, {"style": 0.7}), (2, None), (3, {"style": 1.0}), (4, {"style": -0.5}))]
+    prompts = ["a red circle", "a blue square", "a red circle", "a green circle"]
+    local = DiffusionEngine(sd_eps_path, lora_modules=adapters).generate(prompts, params, use_tqdm=False)
+    engine = DiffusionEngine(sd_eps_path, executor="ray", num_workers=2, worker_num_cpus=1, lora_modules=adapters)
+    try:
+        remote = engine.generate(prompts, params, use_tqdm=False)
+        assert engine.stats()["lora_slot_loads"] >= 1
+    finally:
+        engine.shutdown()
+    for want, got in zip(local, remote):
+        assert got.error is None, got.error
+        np.testing.assert_allclose(got.images[0], want.images[0], atol=1e-3, rtol=0)
+
+
+def test_a_worker_that_dies_idle_is_noticed_by_the_heartbeat(sd_eps_path, shared_ray):
     """No request is running, so no step would notice: the heartbeat must, and the async engine's
     stats (what /health reads) say degraded within seconds; the worker is restarted."""
     import asyncio
@@ -326,7 +338,8 @@ def test_a_worker_that_dies_idle_is_noticed_by_the_heartbeat(sd_eps_path):
     assert engine.engine.coordinator.cores[1].restarts == 1
 
 
-def test_decode_encode_and_group_processes_run_beside_a_ray_worker_on_its_node(sd_eps_path, reference):
+def test_decode_encode_and_group_processes_run_beside_a_ray_worker_on_its_node(sd_eps_path, reference,
+                                                                              shared_ray):
     """A Ray worker starts its decode and encode processes, and its group's member (CFG-parallel: each CFG
     request's unconditional rows run there), on its node: the images are the in-process engine's, every one
     decoded by the decode stage (not in the loop), every text encoded by the encode stage, and the processes are
@@ -349,7 +362,8 @@ def test_decode_encode_and_group_processes_run_beside_a_ray_worker_on_its_node(s
         engine.shutdown()
 
 
-def test_async_scheduling_queues_each_workers_next_step_and_survives_a_killed_worker(sd_eps_path, reference):
+def test_async_scheduling_queues_each_workers_next_step_and_survives_a_killed_worker(sd_eps_path, reference,
+                                                                                     shared_ray):
     """With async scheduling each Ray worker gets its next step submitted behind the one it runs: the images are
     the in-process engine's, and a worker killed with steps queued loses no request."""
     engine = DiffusionEngine(sd_eps_path, executor="ray", num_workers=2, worker_num_cpus=1, async_scheduling=True)

@@ -1,4 +1,4 @@
-"""The README's Python snippet runs as pasted (a newcomer's first try)."""
+"""The README's and docs' examples run as pasted (a newcomer's first try)."""
 from __future__ import annotations
 
 import json
@@ -8,11 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 
 
+@pytest.mark.slow
 def test_the_python_snippet_runs_as_pasted(tmp_path):
-    section = README.read_text().split("## Use it from Python", 1)[1]
+    section = (DOCS / "python.md").read_text().split("# Use it from Python", 1)[1]
     snippet = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
     done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600)
@@ -20,16 +25,19 @@ def test_the_python_snippet_runs_as_pasted(tmp_path):
     assert (tmp_path / "red.png").is_file()
 
 
+@pytest.mark.slow
 def test_the_command_line_examples_run_as_written(tmp_path):
-    """The README's `dvllm generate` block, pasted into a shell in an empty folder: no model to name, no file to
-    make first (it failed on a size the built-in model refuses, after loading it)."""
-    section = README.read_text().split("## Use it from the command line", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
+    """The README's one `dvllm generate` example and docs/cli.md's block, pasted into a shell in an empty folder:
+    no model to name, no file to make first (it failed on a size the built-in model refuses, after loading it)."""
+    first = re.search(r"```bash\n(.*?)```", README.read_text().split("## Generate", 1)[1], re.DOTALL).group(1)
+    assert first.startswith("dvllm generate ") and first.count("\n") == 1  # the README's one example
+    section = (DOCS / "cli.md").read_text().split("# Use it from the command line", 1)[1]
+    block = first + re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
     bin_dir = str(Path(sys.executable).parent)  # the `dvllm` script of this environment
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, capture_output=True, text=True,
                           timeout=900, env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"]})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (tmp_path / "out.png").is_file()
+    assert (tmp_path / "out.png").is_file() and (tmp_path / "red.png").is_file()
     lines = [json.loads(line) for line in (tmp_path / "out" / "manifest.jsonl").read_text().splitlines()]
     by_prompt = {line["prompt"]: line for line in lines}  # (in the order they finished)
     assert sorted(by_prompt) == ["a blue square", "a red circle"]

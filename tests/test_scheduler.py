@@ -401,3 +401,17 @@ def test_scheduling_ahead_counts_steps_in_flight_and_frees_the_rows_of_a_last_st
     assert "a" not in s.requests and s.requests["b"].steps_scheduled == 1
     s.update_from_output(third, RunnerOutput())
     assert s.requests["b"].num_steps_done == 1 and s.requests["b"].steps_in_flight == 0
+
+
+def test_the_scheduler_imports_no_torch():
+    """dvllm.core is bookkeeping: importing all of it (a core process's scheduler, a test of it) must not pull
+    torch or diffusers in (core/lora_slots.py once did, through LoRA weights: 4 s an import under load)."""
+    import subprocess
+    import sys
+
+    code = ("import pkgutil, importlib, sys, dvllm.core\n"
+            "for m in pkgutil.iter_modules(dvllm.core.__path__): importlib.import_module('dvllm.core.' + m.name)\n"
+            "print(sorted(n for n in ('torch', 'diffusers', 'transformers', 'peft') if n in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

@@ -62,6 +62,7 @@ def _reference(pipe, engine: DiffusionEngine, prompt: str, p: SamplingParams) ->
     ("refiner_path", StableDiffusionXLImg2ImgPipeline, False),
     ("aesthetic_inpaint_path", StableDiffusionXLInpaintPipeline, True),
 ], ids=["refiner", "inpaint"])
+@pytest.mark.slow
 def test_each_request_scores_its_rows_as_the_pipeline_does(fixture, pipeline_class, inpaint, request):
     path = request.getfixturevalue(fixture)
     pipe = pipeline_class.from_pretrained(path)

@@ -16,6 +16,7 @@ FAMILIES = ["sdxl_path", "sd3_path", "flux_path", "qwen_image_path", "z_image_pa
 
 
 @pytest.mark.parametrize("fixture", FAMILIES)
+@pytest.mark.slow
 def test_family_serves_the_offline_image(fixture, request):
     path = request.getfixturevalue(fixture)
     body = {"prompt": "a red circle", "size": "32x32", "seed": 5, "num_inference_steps": 3, "guidance_scale": 4.0,

@@ -299,6 +299,7 @@ def open_stream(url: str, body: dict) -> socket.socket:
     return sock
 
 
+@pytest.mark.slow
 def test_disconnected_requests_do_not_count_against_the_queue_limit(queue_of_two):
     endless = {"prompt": "a", "num_inference_steps": 20_000, "sampler": "euler", "size": "16x16"}
     for _ in range(3):
@@ -309,6 +310,7 @@ def test_disconnected_requests_do_not_count_against_the_queue_limit(queue_of_two
         assert r.status_code == 200, r.text
 
 
+@pytest.mark.slow
 def test_only_streamed_requests_ask_for_progress_outputs():
     from dvllm.entrypoints.protocol import ImageGenerationRequest
 
@@ -317,6 +319,7 @@ def test_only_streamed_requests_ask_for_progress_outputs():
     assert streamed.output_kind == "progress" and streamed.num_previews == 2
 
 
+@pytest.mark.slow
 def test_a_request_given_up_is_aborted_once(client, app_engine, monkeypatch):
     """A timeout (504) ends the engine stream, and that alone aborts the request: one abort command."""
     sent = []

@@ -154,6 +154,7 @@ def slow_server(sd_eps_path):
         yield server
 
 
+@pytest.mark.slow
 def test_a_trickled_body_is_408_and_its_connection_closed(slow_server):
     sock = start_body(slow_server.url)
     trickle_until_answered(sock)
@@ -164,6 +165,7 @@ def test_a_trickled_body_is_408_and_its_connection_closed(slow_server):
     assert httpx.get(slow_server.url + "/health", timeout=WAIT).status_code == 200
 
 
+@pytest.mark.slow
 def test_request_timeout_counts_from_the_bodys_arrival(slow_server):
     """A body slower than --request-timeout (1 s) but within --body-timeout (3 s) is served, not 504:
     here a bad sampler, refused at admission, is its 400."""
@@ -181,6 +183,7 @@ def gate_server(sd_eps_path):
         yield server
 
 
+@pytest.mark.slow
 def test_bodies_arriving_at_once_are_bounded(gate_server):
     url = gate_server.url
     generate = url + "/v1/images/generations"
@@ -227,6 +230,7 @@ def keyed_server(sd_eps_path):
         yield server
 
 
+@pytest.mark.slow
 def test_a_refusal_before_the_body_is_read_closes_a_trickling_connection(keyed_server):
     """A 401 (no key) or 415 answered before the body was read used to leave the connection open, so its sender
     could trickle the body for ever, outside --max-pending-bodies and --body-timeout. Now the body is received

@@ -88,6 +88,7 @@ def with_other_weights(pipe):
 
 
 @pytest.mark.parametrize("build", [tiny_sd_pipeline, tiny_sdxl_two_widths], ids=["sd", "sdxl"])
+@pytest.mark.slow
 def test_a_whole_checkpoint_in_the_original_layout_gives_the_folders_image(build, tmp_path):
     """A civitai-style file (UNet, VAE and text encoders in the original key layout, written by the inverse of
     diffusers' conversion) with --base-model naming a folder of the same configs and other weights."""
@@ -122,6 +123,7 @@ def other_vae(tmp_path_factory) -> tuple[str, str, str]:
     return str(root / "vae-folder"), str(root / "vae.safetensors"), str(root / "merged")
 
 
+@pytest.mark.slow
 def test_vae_as_a_folder_or_a_file_replaces_the_models_own(other_vae, sd_eps_path):
     folder, file, merged = other_vae
     want = image(model=merged)

@@ -42,6 +42,7 @@ def run(engine: DiffusionEngine, prompts, params, arrivals_per_step: int):
     return [outs[i] for i in range(len(prompts))]
 
 
+@pytest.mark.slow
 def test_small_pool_with_preemption_gives_the_unconstrained_images(sd_eps_path):
     prompts, params = mixed_workload()
     roomy = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", scheduling_policy="priority")
@@ -90,6 +91,7 @@ def test_prompt_cache_skips_the_text_encoder(sd_eps_path):
     assert stats["pool_used_blocks"] == 0 and stats["pool_cached_blocks"] > 0
 
 
+@pytest.mark.slow
 def test_requests_too_big_for_the_pool_are_refused_and_tiny_pools_at_start(sd_eps_path):
     with pytest.raises(ValueError, match="state pool is too small for even one default request"):
         DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", num_state_blocks=3)

@@ -28,6 +28,7 @@ def offline(path: str, cache, steps: list | None = None) -> np.ndarray:
     return np.round(out[0].images[0] * 255)
 
 
+@pytest.mark.slow
 def test_served_cache_field_default_and_errors(flux_path):
     body = {"prompt": "a red circle", "size": "32x32", "seed": 3, "num_inference_steps": 6}
     with RemoteServer(flux_path, ["--device", "cpu", "--dtype", "float32", "--default-cache",
@@ -63,6 +64,7 @@ def test_served_cache_field_default_and_errors(flux_path):
     assert counters["dvllm_step_cache_computed_rows_total"] > 0
 
 
+@pytest.mark.slow
 def test_unet_server_refuses_cache_with_a_400(sd_eps_path):
     body = {"prompt": "x", "size": "16x16", "num_inference_steps": 2, "cache": {"method": "first_block"}}
     png = io.BytesIO()
@@ -83,6 +85,7 @@ def test_unet_server_refuses_cache_with_a_400(sd_eps_path):
     assert opted_out.status_code == 200, opted_out.text  # a form's JSON null: no cache, as in a JSON body
 
 
+@pytest.mark.slow
 def test_generate_cache_flag_and_jsonl_cache(flux_path, tmp_path):
     flag = tmp_path / "flag.png"
     assert main(["generate", "a red circle", "-o", str(flag), "--model", flux_path, *CLI,
@@ -104,6 +107,7 @@ def test_generate_bad_cache_flag_is_a_usage_error(flux_path, capsys, flag, expec
     assert expected in err
 
 
+@pytest.mark.slow
 def test_bench_throughput_with_cache_reports_every_contender(flux_path, tmp_path):
     out = tmp_path / "cache.json"
     assert main(["bench", "throughput", "--model", flux_path, "--device", "cpu", "--dtype", "float32", "--size",
@@ -123,6 +127,7 @@ def test_bench_throughput_with_cache_reports_every_contender(flux_path, tmp_path
     ("taylorseer:disable_cache_before_step=1,cache_interval=2", "pipeline+cache"),
     ("first_block:threshold=0.2", "pipeline"),
 ])
+@pytest.mark.slow
 def test_bench_throughput_with_cache_on_sd3(sd3_path, tmp_path, cache, baseline):
     """SD3 has no enable_cache: diffusers' TaylorSeer hook runs on it directly; its first block cache does not,
     so that baseline is the plain pipeline, and the result says why."""

@@ -43,6 +43,7 @@ def test_the_builtin_folder_loads_by_name_with_its_defaults(engine):
     assert (info.video.frames, info.video.fps) == (NUM_FRAMES, 8)  # its dvllm_defaults.json, not Wan's 81 at 16
 
 
+@pytest.mark.slow
 def test_videos_equal_diffusers_wan_pipeline(engine):
     pipe = WanPipeline.from_pretrained(builtin_folder(NAME), torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
@@ -62,6 +63,7 @@ def test_videos_equal_diffusers_wan_pipeline(engine):
         assert diff <= TOL, f"{prompt!r}: max abs diff {diff}"
 
 
+@pytest.mark.slow
 def test_it_draws_the_shape_moving_the_way_asked(engine, capsys):
     asked = video_cases()[::9]
     assert {c.motion for c in asked} == set(MOTIONS)

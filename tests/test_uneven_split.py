@@ -38,6 +38,7 @@ def split_forwards(flux_path, qwen_image_path, wan_path, tmp_path_factory) -> di
 
 
 @pytest.mark.parametrize("family, tokens", CASES)
+@pytest.mark.slow
 def test_a_forward_split_unevenly_equals_the_forward_alone(split_forwards, family, tokens):
     result = split_forwards[(family, tokens)]
     assert result["block_tokens"] == (tokens + 1) // 2  # split (the leader's the longer shard), then gathered
@@ -84,6 +85,7 @@ def _images(engine: DiffusionEngine, sizes: list[tuple[int, int]]) -> list[np.nd
 @pytest.mark.parametrize("model, sizes", [("flux_path", [(20, 20), (12, 28), (4, 4), (32, 32)]),
                                           ("flux_test_vae", [(18, 22), (2, 2)]),
                                           ("qwen_image_path", [(24, 40), (8, 8), (40, 24)])])
+@pytest.mark.slow
 def test_a_group_of_two_serves_odd_token_counts_with_one_workers_images(model, sizes, request, tmp_path_factory):
     path = _flux_test_components(tmp_path_factory) if model == "flux_test_vae" else request.getfixturevalue(model)
     alone = DiffusionEngine(model=path, device="cpu", dtype="float32")

@@ -20,6 +20,7 @@ def run(path: str, params: SamplingParams, **kwargs) -> np.ndarray | torch.Tenso
     return out.images[0]
 
 
+@pytest.mark.slow
 def test_a_bfloat16_vae_decodes_the_float32_denoisers_latents_as_diffusers_would(sd_eps_path):
     latents = run(sd_eps_path, SamplingParams(num_inference_steps=3, seed=1, height=16, width=16,
                                               output_type="latent"))
@@ -37,6 +38,7 @@ def test_a_bfloat16_vae_decodes_the_float32_denoisers_latents_as_diffusers_would
 
 @pytest.mark.parametrize("fixture", ["sd_eps_path", "sdxl_path", "sd3_path", "flux_path", "qwen_image_path",
                                      "z_image_path"])
+@pytest.mark.slow
 def test_every_family_decodes_with_a_vae_of_another_dtype(request, fixture):
     path = request.getfixturevalue(fixture)
     params = SamplingParams(num_inference_steps=2, seed=3, output_type="np",
@@ -47,6 +49,7 @@ def test_every_family_decodes_with_a_vae_of_another_dtype(request, fixture):
 
 
 @pytest.mark.parametrize("fixture", ["sd_eps_path", "qwen_image_edit_path"])
+@pytest.mark.slow
 def test_image_inputs_encode_through_a_vae_of_another_dtype(request, fixture):
     path = request.getfixturevalue(fixture)
     picture = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)

@@ -3,12 +3,15 @@ decode whole; the images equal the diffusers pipeline's with tiling on."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
+
 from diffusers import StableDiffusionPipeline
 
 from dvllm import DiffusionEngine, SamplingParams
 
 
+@pytest.mark.slow
 def test_tiled_decodes_equal_the_pipelines_with_tiling_on(sd_eps_path):
     params = SamplingParams(num_inference_steps=3, seed=5, height=64, width=64, guidance_scale=4.0, output_type="np")
     engines = {tiling: DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", vae_tiling=tiling,

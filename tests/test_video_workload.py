@@ -86,6 +86,7 @@ def test_every_engine_makes_every_video_and_the_report_says_so(wan_path, tmp_pat
 
 
 
+@pytest.mark.slow
 def test_the_pixel_bound_reaches_dvllms_engine(wan_path, tmp_path, capsys, monkeypatch):
     """The scheduler's tests (test_running_pixels.py) check what the bound does; here, that the run passes it on
     and every video still comes."""

@@ -262,6 +262,7 @@ def test_bfloat16_keeps_the_pipelines_float32_latents(wan_path, sampler):
     engine.shutdown()
 
 
+@pytest.mark.slow
 def test_decode_workers_give_the_pipelines_videos(wan_path):
     """A decode process (decode_workers) decodes videos as the loop does: each video, of two sizes and frame
     counts, and its previews, equal the pipeline's (the copy once lacked the video processor: every video

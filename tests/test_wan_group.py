@@ -33,6 +33,7 @@ def _block_tokens(transformer) -> list[int]:
 
 
 @pytest.mark.parametrize("split", [{"sequence_parallel_size": 2}, {"cfg_parallel_size": 2}])
+@pytest.mark.slow
 def test_a_group_of_two_gives_one_workers_videos(wan_path, split):
     alone = DiffusionEngine(model=wan_path, device="cpu", dtype="float32")
     try:

@@ -45,6 +45,7 @@ def batch() -> list[tuple[str, SamplingParams]]:
 
 
 @pytest.mark.parametrize("shape", ["wan2.1-i2v", "wan2.2-i2v-a14b"])
+@pytest.mark.slow
 def test_videos_from_images_equal_the_pipeline_alone_and_batched(tmp_path_factory, shape):
     two = shape == "wan2.2-i2v-a14b"
     path = _saved(tmp_path_factory, shape, tiny_wan_i2v_pipeline(two_experts=two, image_encoder=not two))

@@ -78,6 +78,7 @@ def wan_cpu():
     return DiffusionEngine(model="wan-cpu", load_format="dummy", device="cpu", dtype="float32")
 
 
+@pytest.mark.slow
 def test_wan_cpu_is_wan_21_at_cpu_size(wan_cpu):
     info = wan_cpu.model_info
     assert info.family == "wan" and info.video.fps == 16.0 and info.video.frames == 81

@@ -54,6 +54,7 @@ def _group(engine: DiffusionEngine):
 
 
 @pytest.mark.parametrize("family, fixture", [("flux", "flux_path"), ("qwen", "qwen_image_path")])
+@pytest.mark.slow
 def test_a_group_of_two_gives_the_one_worker_images(family, fixture, request):
     model, params = request.getfixturevalue(fixture), _params(family)
     alone = DiffusionEngine(model=model, device="cpu", dtype="float32")
@@ -74,6 +75,7 @@ def test_a_group_of_two_gives_the_one_worker_images(family, fixture, request):
     assert not dist.is_initialized() and not any(m.alive for m in group.members)
 
 
+@pytest.mark.slow
 def test_a_member_killed_mid_forward_or_idle_loses_nothing(flux_path):
     params = _params("flux")
     engine = DiffusionEngine(model=flux_path, device="cpu", dtype="float32", sequence_parallel_size=2)
@@ -101,6 +103,7 @@ def test_a_member_killed_mid_forward_or_idle_loses_nothing(flux_path):
         engine.shutdown()
 
 
+@pytest.mark.slow
 def test_a_grouped_request_preempted_comes_back_with_the_same_image(flux_path):
     low = SamplingParams(num_inference_steps=6, guidance_scale=3.5, seed=7, height=32, width=32, output_type="np",
                          priority=5)
@@ -127,6 +130,7 @@ def test_a_grouped_request_preempted_comes_back_with_the_same_image(flux_path):
         engine.shutdown()
 
 
+@pytest.mark.slow
 def test_what_a_group_does_not_serve_is_refused(flux_path, sd3_path):
     for kwargs, match in [
             (dict(compile="dynamic"), "does not serve compile"),
@@ -150,6 +154,7 @@ def test_what_a_group_does_not_serve_is_refused(flux_path, sd3_path):
         engine.shutdown()
 
 
+@pytest.mark.slow
 def test_the_benchmark_compares_a_group_with_one_worker(flux_path, tmp_path):
     from dvllm.benchmarks import sequence_parallel
 

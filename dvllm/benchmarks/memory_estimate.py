@@ -58,7 +58,9 @@ CUDA_CONTEXT_GIB = 0.5  # assumed: the CUDA context and library handles, which m
 DEFAULTS = EngineConfig()
 # Hub ids whose architecture a preset builds (their configs, here without a download; the Hub's gated repos too)
 HUB_PRESETS = {"stabilityai/stable-diffusion-xl-base-1.0": "sdxl", "black-forest-labs/flux.1-dev": "flux-dev",
-               "qwen/qwen-image": "qwen-image", "tongyi-mai/z-image-turbo": "z-image-turbo"}
+               "qwen/qwen-image": "qwen-image", "tongyi-mai/z-image-turbo": "z-image-turbo",
+               "wan-ai/wan2.1-t2v-1.3b-diffusers": "wan2.1-t2v-1.3b",
+               "wan-ai/wan2.1-t2v-14b-diffusers": "wan2.1-t2v-14b"}
 
 
 @dataclasses.dataclass
@@ -90,6 +92,7 @@ class Estimate:
     encode_ahead: int = 0         # bytes: the texts' conditions and starts it may hold ready
     encode_workers: int = 0       # encode processes off this GPU: the text encoders are not on it at all
     cards: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    step_frames: int = 0          # a video model's frames in `step` (its default; 0 for an image model)
 
     @property
     def gpu_weights(self) -> int:
@@ -130,7 +133,7 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
              context_gib: float = CUDA_CONTEXT_GIB, decode_stage: bool | None = DEFAULTS.decode_stage,
              max_decode_queue: int = DEFAULTS.max_decode_queue, encode_stage: bool = DEFAULTS.encode_stage,
              max_encode_ahead: int = DEFAULTS.max_encode_ahead, decode_workers: int = 0,
-             encode_workers: int = 0) -> Estimate:
+             encode_workers: int = 0, max_num_frames: int = DEFAULTS.max_num_frames) -> Estimate:
     """The estimate for `model` served on one GPU with these engine settings; ValueError for bad ones."""
     if dtype not in ("auto", *DTYPES) or vae_dtype not in ("auto", *DTYPES):
         raise ValueError(f"dtype and vae_dtype must be auto or one of {list(DTYPES)}, got {dtype!r}, {vae_dtype!r}")
@@ -145,7 +148,8 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
     engine = {"max_batch_size": max_batch_size, "max_decode_batch": max_decode_batch,
               "gpu_memory_utilization": gpu_memory_utilization, "max_image_pixels": max_image_pixels,
               "decode_stage": decode_stage, "max_decode_queue": max_decode_queue, "encode_stage": encode_stage,
-              "max_encode_ahead": max_encode_ahead, "decode_workers": decode_workers, "encode_workers": encode_workers}
+              "max_encode_ahead": max_encode_ahead, "decode_workers": decode_workers, "encode_workers": encode_workers,
+              "max_num_frames": max_num_frames}
     EngineConfig(**engine)  # the engine's own checks of these values
     if decode_workers:  # the stage runs for them, whatever auto would choose
         decode_stage = True
@@ -180,7 +184,8 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
         utilization=gpu_memory_utilization, vae_tiling=vae_tiling, decode_stage=decode_stage,
         decode_queue=decode_queue_bytes(adapter, EngineConfig(**engine), decode_stage is not False),
         decode_workers=decode_workers, encode_workers=encode_workers,
-        encode_stage=encode_stage, encode_ahead=encode_ahead_bytes(adapter, EngineConfig(**engine)))
+        encode_stage=encode_stage, encode_ahead=encode_ahead_bytes(adapter, EngineConfig(**engine)),
+        step_frames=(largest_size(info, size[0] * size[1]) + (0,))[2])
     for card in cards_gib:  # as memory_profile.gpu_pool_bytes: the share of the card, less all that is used
         def pool_bytes(stage: bool, card: float = card) -> int:
             return int(card * GIB * gpu_memory_utilization) - result.needed_for(stage)
@@ -200,7 +205,9 @@ def _steps(adapter: ModelAdapter, engine: dict[str, Any], size: tuple[int, int],
     holds more, as start-up reserves it)."""
     info, height, width = adapter.info, *size
     step_size = largest_size(info, height * width)
-    step = step_peaks(adapter, EngineConfig(**(engine | {"max_image_pixels": height * width})), memory)
+    # a video model's step at its default frames (its worst at max_num_frames, below)
+    frames = {"max_num_frames": step_size[2]} if len(step_size) == 3 else {}
+    step = step_peaks(adapter, EngineConfig(**(engine | {"max_image_pixels": height * width} | frames)), memory)
     config = EngineConfig(**engine)
     worst_size = worst_size_of(info, config)  # as start-up reserves it: a video model at max_num_frames
     worst = dict(step) if worst_size == step_size else step_peaks(adapter, config, memory)
@@ -270,7 +277,8 @@ def render(e: Estimate) -> str:
     rows = [("weights on the GPU", e.gpu_weights, _parts(e.weights))]
     if e.host_weights:
         rows.append(("weights on the CPU (not counted)", sum(e.host_weights.values()), _parts(e.host_weights)))
-    rows += [(f"step at {w}x{h}, {e.rows} rows", max(e.step.values()),
+    default_frames = f", {e.step_frames} frames" if e.step_frames else ""
+    rows += [(f"step at {w}x{h}{default_frames}, {e.rows} rows", max(e.step.values()),
               f"{_parts(e.step)} ({e.decode_batch} images a decode)"),
              (f"worst step reserved ({ww}x{wh}{frames})", e.reserved, _parts(e.worst) + (
                  (f"; the decode stage's VAE in {e.decode_workers} decode process(es) off this GPU, its queue "
@@ -314,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch-size", type=int, default=DEFAULTS.max_batch_size)
     parser.add_argument("--max-image-pixels", type=int, default=None)
     parser.add_argument("--max-decode-batch", type=int, default=DEFAULTS.max_decode_batch)
+    parser.add_argument("--max-num-frames", type=int, default=DEFAULTS.max_num_frames, help="video models")
     parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULTS.gpu_memory_utilization)
     parser.add_argument("--decode-stage", action=argparse.BooleanOptionalAction, default=DEFAULTS.decode_stage)
     parser.add_argument("--max-decode-queue", type=int, default=DEFAULTS.max_decode_queue)
@@ -337,7 +346,8 @@ def main(argv: list[str] | None = None) -> None:
         result = estimate(args.model, args.dtype, args.encoder_device, args.quantization, args.max_batch_size, size,
                           args.max_image_pixels, args.max_decode_batch, args.gpu_memory_utilization, args.vae_dtype,
                           args.vae_tiling, cards, args.context_gib, args.decode_stage, args.max_decode_queue,
-                          args.encode_stage, args.max_encode_ahead, args.decode_workers, args.encode_workers)
+                          args.encode_stage, args.max_encode_ahead, args.decode_workers, args.encode_workers,
+                          max_num_frames=args.max_num_frames)
     except ValueError as e:
         parser.error(str(e))
     print(render(result))

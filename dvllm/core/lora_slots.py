@@ -7,9 +7,10 @@ cannot all be placed waits, and other requests go on.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dvllm.lora.weights import LoraWeights
+if TYPE_CHECKING:  # the scheduler reads only .uid: dvllm.core imports no torch (a test checks)
+    from dvllm.lora.weights import LoraWeights
 
 
 class LoraSlots:

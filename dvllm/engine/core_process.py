@@ -8,7 +8,8 @@ RequestOutputs the other, pickled (protocol 5).
 
 The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group, and the server
 drains before it stops its core) and leaves when told to or when the server's end of the pipe
-closes, so a server that dies takes its core with it.
+closes, so a server that dies takes its core with it; while it still loads, dvllm.child_process
+sees to that.
 """
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from dvllm.child_process import child_command, child_env
 from dvllm.config import EngineConfig
 from dvllm.engine.lora_mirror import LoraMirror
+from dvllm.entrypoints.logging_setup import STARTUP_LOGGER
 from dvllm.models.base import ModelInfo
 from dvllm.models.load_config import LoadedModel
 
@@ -60,15 +63,24 @@ class CoreProcess:
         commands_in, self._commands = multiprocessing.Pipe(duplex=False)  # (reader, writer): the core reads
         self._reports, reports_out = multiprocessing.Pipe(duplex=False)   # commands and writes reports
         fds = (commands_in.fileno(), reports_out.fileno())
-        self._process = subprocess.Popen([sys.executable, "-m", "dvllm.engine.core_process", *map(str, fds)],
-                                         pass_fds=fds, stdin=subprocess.DEVNULL)
-        commands_in.close()  # the core holds its own ends: ours must close for EOF to mean "gone"
-        reports_out.close()
-        self._commands.send_bytes(pickle.dumps((engine_args, log_level), protocol=_PROTOCOL))
         self._on_report, self._on_exit = on_report, on_exit
         self._stopping = False
         self._send_queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.info = self._wait_ready()
+        # (through dvllm.child_process: it dies with this process, even while it imports and loads)
+        self._process = subprocess.Popen(child_command("dvllm.engine.core_process", *map(str, fds)),
+                                         pass_fds=fds, stdin=subprocess.DEVNULL, env=child_env())
+        try:
+            commands_in.close()  # the core holds its own ends: ours must close for EOF to mean "gone"
+            reports_out.close()
+            logging.getLogger(STARTUP_LOGGER).info("the engine core process (pid %d) loads the model ...",
+                                                   self._process.pid)
+            self._commands.send_bytes(pickle.dumps((engine_args, log_level), protocol=_PROTOCOL))
+            self.info = self._wait_ready()
+        except BaseException:  # a failed load (the core has exited), or SIGTERM / Ctrl-C while it loads
+            if self._process.poll() is None:
+                self._process.kill()
+            self._wait(5)
+            raise
         self._loras = LoraMirror(self.info.config.cpu_lora_cache_size)
         on_report(("stats", self.info.stats))  # the counters are there before any request or probe
         self._reader = threading.Thread(target=self._read, name="dvllm-core-reader", daemon=True)
@@ -155,11 +167,13 @@ def run_core(commands: Connection, reports: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from dvllm.engine.core_loop import CoreLoop, portable
     from dvllm.engine.engine import DiffusionEngine
-    from dvllm.entrypoints.logging_setup import setup_logging
+    from dvllm.entrypoints.logging_setup import child_library_logs, set_third_party_verbosity, setup_logging
 
     engine_args, log_level = pickle.loads(commands.recv_bytes())
     if log_level is not None:  # the server's dvllm logging, on the stderr the core shares with it
         setup_logging(log_level)
+    else:  # a library user's server: dvllm's own process, its libraries as quiet as the user's during dvllm's calls
+        set_third_party_verbosity(verbose=child_library_logs())
     out: queue.SimpleQueue = queue.SimpleQueue()
     writer = threading.Thread(target=_send_reports, args=(out, reports), name="dvllm-core-writer", daemon=True)
     writer.start()

@@ -13,6 +13,7 @@ from dvllm.core.scheduler import Scheduler
 from dvllm.engine.coordinator import Coordinator
 from dvllm.engine.input_processor import InputProcessor
 from dvllm.engine.result_cache import CachedResult, ResultCache
+from dvllm.entrypoints.logging_setup import quiet_libraries
 from dvllm.executor import create_executor
 from dvllm.lora.registry import LoraRegistry, registry_for, require_registry
 from dvllm.outputs import RequestMetrics, RequestOutput
@@ -38,12 +39,13 @@ class DiffusionEngine:
             raise ValueError("engine_core_process: DiffusionEngine steps in the caller's process; "
                              "AsyncDiffusionEngine (and dvllm serve) can run the core in a process of its own")
         self.config.check_lora_modules()  # a typo'd adapter fails now, not after the model loads
-        self.executor = create_executor(self.config)
-        try:  # a refusal at start (a pair of options, a pool too small) leaves no process or group behind
-            self._start()
-        except BaseException:
-            self.executor.shutdown()
-            raise
+        with quiet_libraries():  # the libraries' loading chatter and bars, not the caller's own logging
+            self.executor = create_executor(self.config)
+            try:  # a refusal at start (a pair of options, a pool too small) leaves no process or group behind
+                self._start()
+            except BaseException:
+                self.executor.shutdown()
+                raise
 
     def _start(self) -> None:
         self.model_info = self.executor.model_info()
@@ -199,6 +201,11 @@ class DiffusionEngine:
     def generate(self, prompts: str | list[str], params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs in input order (failed ones carry `error`)."""
+        with quiet_libraries():
+            return self._generate(prompts, params, use_tqdm)
+
+    def _generate(self, prompts: str | list[str], params: SamplingParams | list[SamplingParams] | None,
+                  use_tqdm: bool) -> list[RequestOutput]:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if isinstance(params, list):
             if len(params) != len(prompts):

@@ -63,7 +63,8 @@ def build_app(engine: AsyncDiffusionEngine, args: argparse.Namespace) -> FastAPI
         engine=engine,
         model_name=getattr(args, "served_model_name", None) or engine.loaded_model.name,
         metrics=ServerMetrics(engine.stats, lambda: ctx.in_flight,  # called on the loop thread
-                              getattr(engine, "liveness", None)),  # (a test's engine may have none)
+                              getattr(engine, "liveness", None),  # (a test's engine may have none)
+                              getattr(getattr(engine, "loaded_model", None), "custom_ops", None)),
         images=ImageStore(getattr(args, "image_store_size", 64),
                           int(getattr(args, "image_store_mb", 256.0) * (1 << 20))),
         api_key=getattr(args, "api_key", None) or None,

@@ -6,22 +6,25 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import logging
 import os
 import re
 import ssl
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import dvllm
+from dvllm.child_process import Terminated, terminate_on_sigterm
 from dvllm.config import EngineConfig
 from dvllm.entrypoints.cli_args import add_engine_args, engine_kwargs
 from dvllm.entrypoints.generate_jobs import Job, check_lora_names, process, read_jobs
 from dvllm.entrypoints.generate_output import MANIFEST, ImageWriter, OutputThread, image_paths
 from dvllm.entrypoints.generate_progress import StepProgress, run_requests, stop_on_sigint
-from dvllm.entrypoints.logging_setup import LOG_LEVELS, set_third_party_verbosity, setup_logging
+from dvllm.entrypoints.logging_setup import LOG_LEVELS, STARTUP_LOGGER, set_third_party_verbosity, setup_logging
 from dvllm.entrypoints.server_socket import bind_socket
+from dvllm.models.model_names import check_model_name, hub_offline
 from dvllm.outputs import RequestOutput
 from dvllm.sampler_names import SHORT_NAMES
 
@@ -30,29 +33,59 @@ if TYPE_CHECKING:
     from dvllm.engine.engine import DiffusionEngine
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+_startup = logging.getLogger(STARTUP_LOGGER)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dvllm", description="Serve and run diffusion image models.")
+    # allow_abbrev=False on every parser (as vLLM): a prefix such as --max-batch must not pass for --max-batch-size
+    parser = argparse.ArgumentParser(prog="dvllm", description="Serve and run diffusion image models.",
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=dvllm.__version__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="Generate images offline.")
+    gen = _leaf(sub, "generate", help="Generate images offline.")
     _add_generate_args(gen)
-    serve = sub.add_parser("serve", help="Serve a model over the OpenAI Images API.")
+    serve = _leaf(sub, "serve", help="Serve a model over the OpenAI Images API.")
     _add_serve_args(serve)
-    bench = sub.add_parser("bench", help="Benchmark a server (serve) or the engine offline (throughput).")
+    bench = sub.add_parser("bench", help="Benchmark a server (serve) or the engine offline (throughput).",
+                           allow_abbrev=False)
     argv = sys.argv[1:] if argv is None else argv
     if "bench" in argv:  # its flags come from the benchmark modules, which import torch: only when asked for
         _add_bench_args(bench)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    command_parser = args.__dict__.pop("_parser", parser)
+    if unknown:  # the command's own usage and the flag meant, not the top-level usage
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(command_parser, unknown)}")
     run = {"serve": run_serve, "generate": run_generate, "bench": run_bench}[args.command]
     try:
-        return run(args)
+        with terminate_on_sigterm():  # SIGTERM while loading: children stopped, exit 143 (child_process.py)
+            return run(args)
     except (ValueError, ConnectionError) as e:
         parser.exit(2, f"dvllm {args.command}: error: {e}\n")
     except KeyboardInterrupt:  # e.g. Ctrl-C while the model loads: one line, no traceback
         print(f"dvllm {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print(f"dvllm {args.command}: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
+
+
+def _leaf(sub: argparse._SubParsersAction, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A command's parser, which its namespace names (`_parser`) so that an unknown flag is reported with its usage."""
+    parser = sub.add_parser(name, allow_abbrev=False, **kwargs)
+    parser.set_defaults(_parser=parser)
+    return parser
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    # compared without the dashes, which every flag shares and which would make any two flags look alike
+    flags = {flag.lstrip("-"): flag for action in parser._actions for flag in action.option_strings}
+    for arg in unknown:
+        if arg.startswith("-"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0].lstrip("-"), list(flags), n=1, cutoff=0.7)
+            if close:
+                return f" (did you mean {flags[close[0]]}?)"
+    return ""
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -189,11 +222,11 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     from dvllm.benchmarks import serving, throughput
 
     sub = p.add_subparsers(dest="bench_command", required=True)
-    serve = sub.add_parser("serve", help="Load-test a server speaking the Images API (dvllm serve or a baseline).",
-                           description=serving.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve = _leaf(sub, "serve", help="Load-test a server speaking the Images API (dvllm serve or a baseline).",
+                  description=serving.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     serving.add_cli_args(serve)
-    offline = sub.add_parser("throughput", help="Offline: serial pipeline vs best static batch vs dvllm, one run.",
-                             description=throughput.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    offline = _leaf(sub, "throughput", help="Offline: serial pipeline vs best static batch vs dvllm, one run.",
+                    description=throughput.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     throughput.add_arguments(offline)
 
 
@@ -214,39 +247,15 @@ def run_bench(args: argparse.Namespace) -> int:
 def check_engine_args(args: argparse.Namespace) -> EngineConfig:
     """The engine flags, as EngineConfig checks them, and the model name: before the model loads."""
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
-    check_model_name(args.model)
+    # a typo'd name, a missing path, a Hub id an offline machine lacks: answered now, before torch (model_names.py)
+    offline = config.local_files_only or hub_offline()
+    check_model_name(config.model, offline, config.revision, config.download_dir)
     if config.attention_backend is not None:  # (diffusers knows the names: imported for this flag only)
         from dvllm.models.attention_backend import check_backend_name
 
         check_backend_name(config.attention_backend)
     config.check_lora_modules()
     return config
-
-
-def check_model_name(model: str | None) -> None:
-    """A bare name that is no preset, no built-in model and no existing path can only be a typo (a Hub
-    id has a '/'): say so now, with the nearest names, instead of failing inside the loader."""
-    if model is None or "/" in model or os.path.exists(os.path.expanduser(model)):
-        return
-    from dvllm.models.loader import preset_names  # the model code: imported only for a bare name
-
-    known = sorted(set(preset_names()) | set(_builtin_names()))
-    if model in known:
-        return
-    close = difflib.get_close_matches(model, known, n=3, cutoff=0.5)
-    hint = f"; did you mean {' or '.join(repr(name) for name in close)}?" if close else ""
-    raise ValueError(f"model {model!r} is not a built-in model or preset ({', '.join(known)}), nor a local "
-                     f"folder or a Hub id (owner/name){hint}")
-
-
-def _builtin_names() -> list[str]:
-    """The models shipped with weights in the package (dvllm/models/builtin)."""
-    from importlib import resources
-
-    from dvllm.models.loader import builtin_folder
-
-    folder = resources.files("dvllm.models") / "builtin"
-    return [p.name for p in folder.iterdir() if builtin_folder(p.name) is not None] if folder.is_dir() else []
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
@@ -325,6 +334,7 @@ def run_serve(args: argparse.Namespace) -> int:
     check_serve_args(args)
     sock = bind_socket(args.host, args.port)  # a taken port fails now, before torch and the model load
     try:
+        _startup.info("loading torch and diffusers ...")  # tens of seconds that would pass without a line
         set_third_party_verbosity(verbose=args.log_level == "debug")  # before the model code makes them talk
         from dvllm.entrypoints.api_server import run_server  # fastapi and uvicorn only when serving
 
@@ -340,6 +350,7 @@ def run_generate(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, libraries=False)
     jobs = read_jobs(args)
     check_lora_names(args, jobs, check_engine_args(args).lora_modules)
+    _startup.info("loading torch and diffusers ...")
     set_third_party_verbosity(verbose=args.log_level == "debug")
     from dvllm.engine.engine import DiffusionEngine
 
@@ -362,6 +373,7 @@ def _generate(engine: DiffusionEngine, jobs: list[Job], requests: list[Request],
     progress = StepProgress(requests, enabled=not args.no_progress, noun=noun)
     outputs = OutputThread()  # PNG and MP4 encodes off the engine loop
     failed = 0
+    cache_steps = [0, 0]  # steps the step cache skipped, of the steps of requests that had one
 
     def on_finished(out: RequestOutput) -> None:
         nonlocal failed
@@ -374,10 +386,16 @@ def _generate(engine: DiffusionEngine, jobs: list[Job], requests: list[Request],
         paths = image_paths(index if batch_mode else None, out.seed, len(out.images), job.output, args.output_dir,
                             suffix)
 
+        skipped = out.metrics.cached_steps  # None: no step cache
+        cached = "" if skipped is None else f", {skipped} skipped by the step cache"
+        if skipped is not None:
+            cache_steps[0] += skipped * len(out.images)
+            cache_steps[1] += out.num_inference_steps * len(out.images)
+
         def write() -> None:
-            writer.write(job.prompt, requests[index].params, out.seed, out.images, paths, job.inputs)
+            writer.write(job.prompt, requests[index].params, out.seed, out.images, paths, job.inputs, skipped)
             for path in paths:
-                progress.print(f"{path}  (seed {out.seed}, {out.num_inference_steps} steps)")
+                progress.print(f"{path}  (seed {out.seed}, {out.num_inference_steps} steps{cached})")
         outputs.submit(write)
 
     stop = threading.Event()
@@ -398,7 +416,8 @@ def _generate(engine: DiffusionEngine, jobs: list[Job], requests: list[Request],
         print(f"interrupted: {writer.written} of {total} {noun} written", file=sys.stderr)
         return EXIT_INTERRUPTED
     written = f"{writer.written} {noun.removesuffix('s') if writer.written == 1 else noun}"  # "1 video", "2 videos"
-    print(f"{written} in {elapsed:.2f} s ({writer.written / elapsed:.2f} {noun}/s); {failed} failed")
+    cache = f"; the step cache skipped {cache_steps[0]} of {cache_steps[1]} steps" if cache_steps[1] else ""
+    print(f"{written} in {elapsed:.2f} s ({writer.written / elapsed:.2f} {noun}/s); {failed} failed{cache}")
     return 1 if failed else 0
 
 

@@ -1,11 +1,12 @@
 """Where `dvllm generate` puts its images and videos: file names, the PNG text chunk, and manifest.jsonl.
 
-Each PNG carries its prompt and parameters (text chunks "prompt" and "parameters", the latter JSON),
-and with --prompts-file every image also gets a line in <output-dir>/manifest.jsonl, so which prompt
-made which file is never lost. The manifest is appended to, one line per image as it is written:
-a run stopped with Ctrl-C still describes every image it left behind. A video model's request makes
-one MP4 per video where an image model's makes one PNG per image, named alike, listed alike (with its
-frames and fps), and with --save-frames also a folder of its frames as PNGs.
+Each PNG carries its prompt and parameters (text chunks "prompt" and "parameters", the latter JSON; with a step
+cache, the cache and `cached_steps`, the steps it skipped), and with --prompts-file every image also gets a line
+in <output-dir>/manifest.jsonl, so which prompt made which file is never lost. The manifest is appended to, one
+line per image as it is written: a run stopped with Ctrl-C still describes every image it left behind. A video
+model's request makes one MP4 per video where an image model's makes one PNG per image, named alike, listed alike
+(with its frames and fps, its parameters in the MP4's comment tag), and with --save-frames also a folder of its
+frames as PNGs.
 
 Files are written on a thread of their own (OutputThread), so a PNG's or an MP4's encode runs while the
 engine steps the next requests.
@@ -23,6 +24,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from dvllm.sampling_params import SamplingParams
+from dvllm.step_cache import CacheConfig
 from dvllm.video.save import save_frames, save_video
 
 MANIFEST = "manifest.jsonl"
@@ -58,7 +60,8 @@ def image_parameters(params: SamplingParams, model: str, inputs: dict[str, Any] 
             **(inputs or {}), **({"strength": params.strength} if params.strength is not None else {}),
             **({"aesthetic_score": params.aesthetic_score, "negative_aesthetic_score": params.negative_aesthetic_score}
                if params.aesthetic_score is not None else {}),
-            **({"num_frames": params.num_frames, "fps": params.fps} if params.num_frames is not None else {})}
+            **({"num_frames": params.num_frames, "fps": params.fps} if params.num_frames is not None else {}),
+            **({"cache": params.cache.as_dict()} if isinstance(params.cache, CacheConfig) else {})}
 
 
 class ImageWriter:
@@ -74,9 +77,12 @@ class ImageWriter:
         self.written = 0
 
     def write(self, prompt: str, params: SamplingParams, seed: int, images: list[Any],
-              paths: list[str], inputs: dict[str, Any] | None = None) -> None:
-        """`images`: a final output's images, or its videos (a video request: params.num_frames is set)."""
+              paths: list[str], inputs: dict[str, Any] | None = None, cached_steps: int | None = None) -> None:
+        """`images`: a final output's images, or its videos (a video request: params.num_frames is set);
+        `cached_steps`: the steps its step cache skipped (None: it had no cache)."""
         parameters = image_parameters(params, self.model, inputs, self.sampler)
+        if cached_steps is not None:  # (the request's count: its images were denoised as one batch)
+            parameters["cached_steps"] = cached_steps
         for k, (image, path) in enumerate(zip(images, paths)):
             record = {"prompt": prompt, "seed": seed, "index": k, **parameters}
             if params.num_frames is None:

@@ -5,7 +5,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -25,7 +25,7 @@ class ServerMetrics:
     """Request outcomes and latencies (event loop), step stats (engine loop thread), engine gauges."""
 
     def __init__(self, engine_stats: Callable[[], dict], in_flight: Callable[[], int],
-                 liveness: Callable[[], dict] | None = None) -> None:
+                 liveness: Callable[[], dict] | None = None, custom_ops: dict | None = None) -> None:
         self.registry = CollectorRegistry()  # collectors without describe() are not called at registration
         r = self.registry
         self.requests = Counter("dvllm_requests", "Image generation requests by outcome.", ["outcome"], registry=r)
@@ -45,6 +45,10 @@ class ServerMetrics:
         r.register(_EngineCollector(self.snapshot, in_flight))
         if liveness is not None:  # the engine core's heartbeat, read at scrape time (AsyncDiffusionEngine.liveness)
             r.register(_CoreCollector(liveness))
+        if custom_ops is not None:  # the workers' kernels (LoadedModel.custom_ops): fixed at start
+            Gauge("dvllm_custom_ops_info", "dvllm's kernels in the workers: the device types they serve (none: the "
+                  "pure-torch reference ops) and where they came from (package, jit, none).", ["kernels", "source"],
+                  registry=r).labels(",".join(custom_ops["kernels"]) or "none", custom_ops["source"]).set(1)
 
     def snapshot(self) -> dict:
         with self._lock:

@@ -29,7 +29,8 @@ def model_facts(info: ModelInfo, max_image_pixels: int, samplers: list[str],
     served = {}
     if loaded is not None:
         served = {"device": loaded.device, "dtype": loaded.dtype, "vae_dtype": loaded.vae_dtype,
-                  "encoder_device": loaded.encoder_device, "quantization": loaded.quantization}
+                  "encoder_device": loaded.encoder_device, "quantization": loaded.quantization,
+                  "custom_ops": loaded.custom_ops}
     return {
         "family": info.family,
         "default_size": f"{default[0]}x{default[1]}",

@@ -2,7 +2,7 @@
 (models/loader.py owns what they mean)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -36,3 +36,5 @@ class LoadedModel:
     vae_dtype: str  # the VAE's (float32 where its config asks, or --vae-dtype)
     encoder_device: str  # where the text encoders run
     quantization: str | None = None  # the backend quantizing it (None: full weights)
+    # dvllm's kernels in the worker's process (_extension.CustomOps.as_dict): not what identifies the model's pixels
+    custom_ops: dict[str, Any] | None = field(default=None, compare=False, repr=False)

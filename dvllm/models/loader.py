@@ -12,15 +12,16 @@ import importlib
 import json
 import logging
 import os
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
+from dvllm.entrypoints.logging_setup import STARTUP_LOGGER
 from dvllm.models.attention_backend import set_attention_backend
 from dvllm.models.base import ModelAdapter
 from dvllm.models.byte_tokenizer import (
@@ -40,6 +41,14 @@ from dvllm.models.model_defaults import (  # noqa: F401 - DEFAULTS_FILE is read 
     read_defaults_file,
 )
 from dvllm.models.model_files import check_path_kind
+from dvllm.models.model_names import (
+    DEFAULT_MODEL,
+    OFFLINE_HINT,
+    builtin_folder,
+    load_preset,
+    looks_like_path,
+    preset_names,
+)
 from dvllm.models.quantization import finish_quantization, pipeline_config
 from dvllm.models.registry import adapter_for
 from dvllm.models.single_file import (
@@ -53,25 +62,7 @@ from dvllm.models.single_file import (
 )
 
 logger = logging.getLogger(__name__)
-DEFAULT_MODEL = "tiny-shapes"  # trained in the repo (scripts/train_tiny_shapes.py), shipped in the package
-
-
-def builtin_folder(name: str) -> str | None:
-    """The path of a model shipped inside the package (with weights), or None."""
-    builtin = resources.files("dvllm.models") / "builtin"
-    if not builtin.is_dir() or name not in {p.name for p in builtin.iterdir()}:  # a bare name, never a path
-        return None
-    folder = builtin / name
-    return str(folder) if (folder / "model_index.json").is_file() else None
-
-
-def preset_names() -> list[str]:
-    folder = resources.files("dvllm.models.presets")
-    return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json"))
-
-
-def load_preset(name: str) -> dict[str, Any]:
-    return json.loads((resources.files("dvllm.models.presets") / f"{name}.json").read_text())
+startup = logging.getLogger(STARTUP_LOGGER)  # shown by the CLI at its default levels
 
 
 @dataclass
@@ -119,7 +110,7 @@ def resolve_model(model: str | None, load: LoadConfig | None = None) -> ModelSou
         if not isinstance(model_index, dict) or not isinstance(model_index.get("_class_name"), str):
             raise ValueError(f"{index} names no pipeline class ('_class_name')")
         return ModelSource(name=model.rstrip("/"), model_index=model_index, folder=path)
-    if os.path.exists(path) or _looks_like_path(model):
+    if os.path.exists(path) or looks_like_path(model):
         raise ValueError(f"model path {path!r} does not exist or is not a diffusers folder")
     return _from_hub(model, load or LoadConfig())
 
@@ -144,10 +135,6 @@ def _single_file_source(model: str, load: LoadConfig) -> ModelSource:
     return dataclasses.replace(base, name=model, single_file=path)
 
 
-def _looks_like_path(model: str) -> bool:
-    return model.startswith((".", "/", "~")) or model.count("/") != 1
-
-
 def _from_hub(repo_id: str, load: LoadConfig) -> ModelSource:
     from huggingface_hub import snapshot_download
 
@@ -156,7 +143,7 @@ def _from_hub(repo_id: str, load: LoadConfig) -> ModelSource:
     except Exception as e:  # no network, unknown repo, gated repo...
         raise ValueError(
             f"model {repo_id!r} is not a preset ({preset_names()}), not a local folder, and could not be "
-            f"fetched from the Hugging Face Hub: {type(e).__name__}: {e}"
+            f"fetched from the Hugging Face Hub: {type(e).__name__}: {e}; {OFFLINE_HINT}"
         ) from e
     source = resolve_model(folder)
     source.name = source.hub_id = repo_id
@@ -182,6 +169,8 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     with its request defaults (model_defaults.py; `default_params`: the engine's, over the model's), its files
     found as `load` says (revision, variant, cache, offline)."""
     load = load or LoadConfig()
+    start = time.perf_counter()
+    startup.info("loading model %s on %s ...", model or DEFAULT_MODEL, device)
     source = resolve_model(model, load)
     defaults = _default_layers(source, default_params)  # a bad defaults file is named before the weights load
     adapter_cls = adapter_for(source.pipeline_class)
@@ -212,6 +201,7 @@ def load_adapter(model: str | None, load_format: str, device: torch.device, dtyp
     if load.encoder_device and torch.device(load.encoder_device) != device:
         adapter.place_text_encoders(torch.device(load.encoder_device))
     _apply_defaults(adapter, source, defaults)
+    startup.info("model %s loaded in %.1f s", source.name, time.perf_counter() - start)
     return adapter
 
 

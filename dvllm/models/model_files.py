@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 import stat
-from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from dvllm.models.model_defaults import DEFAULTS_FILE, check_default_size, read_defaults_file
+from dvllm.models.model_names import is_packaged
 
 if TYPE_CHECKING:
     from dvllm.config import EngineConfig
@@ -55,20 +55,12 @@ def check_model_files(config: EngineConfig) -> None:
 def defaults_folder(model: str | None, base_model: str | None) -> str | None:
     """The local folder whose dvllm_defaults.json the loader reads: the model's, or a single file's base model's
     (None for a Hub id, whose file comes with its configs, and for a model shipped in the package)."""
-    if not model or _is_packaged(model):
+    if not model or is_packaged(model):
         return None
     path = os.path.expanduser(model)
     if os.path.isdir(path):
         return path
-    if os.path.isfile(path) and base_model and not _is_packaged(base_model):
+    if os.path.isfile(path) and base_model and not is_packaged(base_model):
         base = os.path.expanduser(base_model)
         return base if os.path.isdir(base) else None
     return None
-
-
-def _is_packaged(name: str) -> bool:
-    """A built-in model or preset, which the loader takes before any folder of that name."""
-    if "/" in name or os.sep in name:
-        return False
-    models = resources.files("dvllm.models")
-    return (models / "builtin" / name / "model_index.json").is_file() or (models / "presets" / f"{name}.json").is_file()

@@ -175,7 +175,7 @@ def check_use(spec: QuantizationSpec | None, model: str | None, load_format: str
         return
     if enable_lora and spec.backend not in LORA_BACKENDS:
         raise ValueError(f"LoRA serving cannot run on {spec.backend}-quantized layers: {LORA_REASON}")
-    from dvllm.models.loader import preset_names
+    from dvllm.models.model_names import preset_names
 
     if spec.backend != "torchao" and (load_format == "dummy" or model in preset_names()):
         raise ValueError(f"quantization {spec}: load_format='dummy' and the presets build random weights instead "

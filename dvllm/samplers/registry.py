@@ -5,6 +5,7 @@ from typing import Any
 
 from diffusers import SchedulerMixin
 
+from dvllm.entrypoints.logging_setup import quiet_libraries
 from dvllm.sampler_names import SHORT_NAMES, scheduler_class
 
 __all__ = ["SHORT_NAMES", "make_scheduler", "scheduler_class"]
@@ -25,4 +26,5 @@ def make_scheduler(model_scheduler_config: dict[str, Any], sampler: str | None) 
             f"sampler must be one of {sorted(SHORT_NAMES)} or the class name of a diffusers scheduler, "
             f"got {sampler!r}"
         )
-    return cls.from_config(model_scheduler_config, **overrides)
+    with quiet_libraries():  # diffusers' notes on config keys another class ignores, not the request's business
+        return cls.from_config(model_scheduler_config, **overrides)

@@ -1,11 +1,11 @@
 """A stage's worker process (a decode worker, an encode worker): a fresh interpreter that builds its part of the
 model from a copy sent to it first, then answers one batch at a time over a pipe.
 
-A process is spawned as the engine core process is (a new interpreter running `python -m <module>`: never a fork
-of a process that holds CUDA or threads, and not multiprocessing's spawn, which imports the caller's main script
-again). The lane thread that owns it sends a batch and waits for the answer, checking now and then that the
-process lives; one found dead is spawned again and WorkerProcessLost is raised to the lane, which sends the batch
-once more: no request is lost to a killed process.
+A process is spawned as the engine core process is (a new interpreter running `<module>`, dying with its parent:
+child_process.py; never a fork of a process that holds CUDA or threads, and not multiprocessing's spawn, which
+imports the caller's main script again). The lane thread that owns it sends a batch and waits for the answer,
+checking now and then that the process lives; one found dead is spawned again and WorkerProcessLost is raised to
+the lane, which sends the batch once more: no request is lost to a killed process.
 
 A process that lives but does not answer (stopped, wedged in a driver, deadlocked) is lost too: each call has a
 bound (CallBounds), past which a watchdog kills the process, whatever the lane is blocked in (waiting for the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import pickle
 import signal
 import subprocess
@@ -29,7 +28,9 @@ from typing import Any, Callable
 
 import torch
 
+from dvllm.child_process import child_command, child_env
 from dvllm.config import STAGE_CALL_TIMEOUT_S, STAGE_START_TIMEOUT_S
+from dvllm.entrypoints.logging_setup import child_library_logs, set_third_party_verbosity
 
 logger = logging.getLogger(__name__)
 
@@ -193,11 +194,11 @@ class StageProcess:
 
     def _spawn(self) -> None:
         parent, child = multiprocessing.Pipe()
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", self.module, str(child.fileno()), self.device, str(self.threads)],
+        self._process = subprocess.Popen(  # (dvllm.child_process: it dies with this process, even while starting)
+            child_command(self.module, str(child.fileno()), self.device, str(self.threads)),
             pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
             # its OpenMP threads sleep between batches instead of spinning on cores the worker's threads use
-            env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ})
+            env=child_env({"OMP_WAIT_POLICY": "PASSIVE"}))
         child.close()  # the child's end lives in the child alone: its death ends the pipe
         self._conn = parent
         self._built = self._answered = False
@@ -227,6 +228,7 @@ def serve(build: BuildFn, run: RunFn) -> None:
     """The process's main: `python -m <module> <pipe fd> <device> <threads>`. Builds its part from the first
     message, then answers batches until told to stop (or the engine is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the engine's to handle: it stops us
+    set_third_party_verbosity(verbose=child_library_logs())  # (its stderr is the engine's: no loading bars there)
     conn, device = Connection(int(sys.argv[1])), torch.device(sys.argv[2])
     torch.set_num_threads(int(sys.argv[3]))
     built = None

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from dvllm._extension import custom_ops_available
+from dvllm._extension import custom_ops_available, custom_ops_status
 from dvllm.config import EngineConfig
 from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
 from dvllm.models.base import ModelAdapter, ModelInfo, denoiser_component, denoiser_of
@@ -117,7 +117,8 @@ class Worker:
         return LoadedModel(name=adapter.name, device=str(self.device), dtype=_dtype_name(self.dtype),
                            vae_dtype=_dtype_name(adapter.pipeline.vae.dtype),
                            encoder_device=self.encoders_at or str(adapter.encoder_device),
-                           quantization=None if self.quantization is None else str(self.quantization))
+                           quantization=None if self.quantization is None else str(self.quantization),
+                           custom_ops=custom_ops_status().as_dict())
 
     def phase_seconds(self) -> dict[str, float]:
         """Seconds spent per step phase on this worker (with profile_steps)."""
