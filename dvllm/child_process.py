@@ -26,10 +26,10 @@ import threading
 import time
 from collections.abc import Iterator
 
+from dvllm.entrypoints.logging_setup import LIBRARY_LOGS_ENV, quiet_child_libraries
+
 PARENT_PID_ENV = "DVLLM_PARENT_PID"
 DEATH_SIGNAL_ENV = "DVLLM_PARENT_DEATH_SIGNAL"
-# "1" when the parent shows the libraries' logs (its dvllm logger at DEBUG): a child's own are quiet otherwise
-LIBRARY_LOGS_ENV = "DVLLM_LIBRARY_LOGS"
 _WATCH_INTERVAL_S = 0.5
 _PR_SET_PDEATHSIG = 1
 
@@ -104,8 +104,6 @@ def terminate_on_sigterm() -> Iterator[None]:
 
 if __name__ == "__main__":
     import runpy
-
-    from dvllm.entrypoints.logging_setup import quiet_child_libraries
 
     die_with_parent()
     quiet_child_libraries()  # before the module's imports, which load torchao (its "Failed to load ..." lines)

@@ -79,6 +79,7 @@ def test_the_copy_leaves_the_denoiser_and_what_a_group_wraps(wan_path):
     """Wan keeps its experts (its transformers) on the adapter, and a worker group wraps the adapter's denoise and
     decode on the instance: neither goes to the process (the quantized experts could not be pickled, the wrapped
     methods not at all: every Wan request failed with encode workers and a group or quantization)."""
+    pytest.importorskip("torchao")  # `.[test]` (the quantization backends), not the fast tier's `.[dev]`
     adapter = load_adapter(wan_path, "auto", torch.device("cpu"), torch.float32,
                            load=EngineConfig(quantization="torchao:int8wo").load_config)
     adapter.denoise = lambda *args: adapter.denoise(*args)  # as WorkerGroup.guard does

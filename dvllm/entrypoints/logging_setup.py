@@ -73,10 +73,12 @@ def set_third_party_verbosity(verbose: bool) -> None:
         warnings.filterwarnings("ignore", module=THIRD_PARTY_WARNING_MODULES)
 
 
+# "1" when a child's parent shows the libraries' logs (its dvllm logger at DEBUG): set by child_process.child_env
+LIBRARY_LOGS_ENV = "DVLLM_LIBRARY_LOGS"
+
+
 def child_library_logs() -> bool:
     """In a process dvllm started (child_process.py): whether its parent shows the libraries' logs."""
-    from dvllm.child_process import LIBRARY_LOGS_ENV
-
     return os.environ.get(LIBRARY_LOGS_ENV) == "1"
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine, in an environment with a CUDA build of torch and dvllm installed
-# (`pip install -e ".[test]"`): builds dvllm's custom ops with their CUDA kernels (JIT,
-# cached in torch's extensions directory) and runs the state-op tests on the CUDA path.
+# (`pip install -e ".[test]"`): loads dvllm's custom ops with their CUDA kernels (the package's library when it
+# has them, else a build just in time in a per-environment directory: docs/install.md) and runs the state-op
+# tests on the CUDA path.
 #
 #   tests/gpu/run.sh                      # build + tests/test_state_ops.py
 #   tests/gpu/run.sh --bench              # and the kernel benchmark on the GPU (fp16, fp32)
