@@ -6,6 +6,7 @@
 # 2. A fresh venv, outside the tree: torch==2.13.0, then the wheel with its dependencies.
 # 3. From a directory outside the tree: `dvllm generate` on the built-in default model, writing an image; its
 #    log must say the CPU kernels were loaded from the package (not built just in time, not the reference ops).
+# 4. `dvllm serve` from there: one image through the HTTP API, and /v1/models says the kernels are the package's.
 #
 # PYTHON picks the interpreter that makes the venv (default: python3). KEEP=1 leaves the temp dir behind.
 set -euo pipefail
@@ -45,4 +46,29 @@ if ! grep -q "dvllm custom ops: cpu kernels, loaded from the package" "$tmp/run/
   exit 1
 fi
 grep "dvllm custom ops" "$tmp/run/log"
-step "OK: the wheel serves with its own kernels"
+
+step "dvllm serve, and one image through its HTTP API"
+port=$("$tmp/venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+"$tmp/venv/bin/dvllm" serve --port "$port" >"$tmp/run/serve.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; [[ "${KEEP:-0}" == 1 ]] || rm -rf "$tmp"' EXIT
+for _ in $(seq 600); do  # up to 10 minutes on a loaded machine; the log says why if it never comes up
+  "$tmp/venv/bin/python" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" \
+    2>/dev/null && break
+  kill -0 $server 2>/dev/null || { cat "$tmp/run/serve.log"; echo "FAIL: dvllm serve exited" >&2; exit 1; }
+  sleep 1
+done
+"$tmp/venv/bin/python" - "$port" <<'PY' || { cat "$tmp/run/serve.log"; echo "FAIL: no image from dvllm serve" >&2; exit 1; }
+import base64, io, json, sys, urllib.request
+from PIL import Image
+body = json.dumps({"prompt": "a red circle", "seed": 0}).encode()
+request = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/v1/images/generations", body,
+                                 {"Content-Type": "application/json"})
+data = json.load(urllib.request.urlopen(request, timeout=300))["data"][0]
+image = Image.open(io.BytesIO(base64.b64decode(data["b64_json"])))
+models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/v1/models", timeout=30))
+ops = models["data"][0]["dvllm"]["custom_ops"]
+print(f"served a {image.size[0]}x{image.size[1]} image; /v1/models custom_ops: {ops}")
+assert ops["source"] == "package" and ops["kernels"] == ["cpu"], ops
+PY
+step "OK: the wheel generates and serves with its own kernels"
