@@ -3,6 +3,8 @@ latents), alone and batched with other images, sizes and frame counts; with Wan 
 image encoder) too; the image is required, and a size left out follows the image's aspect ratio."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -83,3 +85,40 @@ def test_a_text_to_video_model_refuses_an_image(wan_path):
     engine = DiffusionEngine(model=wan_path, device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="image"):
         engine.add_request("i2v", "x", P(image=picture(1), num_frames=5, height=16, width=16))
+
+
+@pytest.mark.slow
+def test_the_stateful_vae_is_called_by_one_thread_at_a_time(tmp_path_factory):
+    """Wan's VAE keeps causal features in the module and every encode or decode resets them: the encode stage's
+    image encodes and the decode stage's decodes ran at once and swapped batches (a video of n=5 came back
+    with 2 frames' worth of rows, found by the combination matrix). Every VAE call holds the adapter's lock,
+    and videos of different n through both stages equal the plain engine's."""
+    path = _saved(tmp_path_factory, "wan-i2v-stages", tiny_wan_i2v_pipeline())
+    requests = [("the circle rolls away", P(image=picture(1), num_inference_steps=2, guidance_scale=5.0, seed=1,
+                                            height=16, width=16, num_frames=5, n=3, output_type="np")),
+                ("a square spins", P(image=picture(2), num_inference_steps=3, guidance_scale=1.0, seed=2,
+                                     height=16, width=16, num_frames=5, n=1, output_type="np")),
+                ("the star fades", P(image=picture(3), num_inference_steps=2, guidance_scale=1.0, seed=3,
+                                     height=16, width=16, num_frames=5, n=2, output_type="np"))]
+    plain = DiffusionEngine(model=path, device="cpu", dtype="float32")
+    want = [o.images for o in plain.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)]
+    plain.shutdown()
+    staged = DiffusionEngine(model=path, device="cpu", dtype="float32", encode_stage=True, decode_stage=True)
+    adapter = staged.executor.worker.runner.adapter
+    vae, unlocked = adapter.pipeline.vae, []
+    clear_cache = vae.clear_cache
+
+    def checked_clear_cache():  # the first thing of every encode and decode
+        if not adapter.vae_lock.locked():
+            unlocked.append(threading.current_thread().name)
+        clear_cache()
+
+    vae.clear_cache = checked_clear_cache
+    for _ in range(2):
+        outs = staged.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
+        for out, expected in zip(outs, want):
+            assert len(out.images) == len(expected), out.request_id
+            for got, image in zip(out.images, expected):
+                np.testing.assert_allclose(np.asarray(got), np.asarray(image), atol=1e-5, rtol=0)
+    assert unlocked == []
+    staged.shutdown()

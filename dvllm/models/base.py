@@ -1,6 +1,7 @@
 """The model adapter interface: the scheduler and runner know families only through this."""
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -81,6 +82,12 @@ class ModelAdapter(ABC):
         # (rows, their index on the device) -> a context in which the forward runs on those of its rows (the
         # worker's RowScope.narrow)
         self.narrow_rows: Callable[[list[int], torch.Tensor], ContextManager[None]] = lambda rows, index: nullcontext()
+        # Held around every call into the VAE where the VAE keeps state between calls: Wan's and Qwen-Image's
+        # causal VAEs cache features in the module, and each encode or decode resets both caches, so the loop,
+        # the encode stage (input images) and the decode stage would mix each other's batches. Other VAEs keep
+        # nothing: their encodes and decodes still overlap.
+        vae = getattr(pipeline, "vae", None)
+        self.vae_lock: ContextManager[Any] = threading.Lock() if hasattr(vae, "clear_cache") else nullcontext()
 
     @property
     @abstractmethod

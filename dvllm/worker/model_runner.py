@@ -318,7 +318,8 @@ class ModelRunner:
 
     def decode_chunked(self, latents: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
         """At most max_decode_batch images a VAE call: the decode's memory is bounded (and profiled)."""
-        return torch.cat([self.adapter.decode(part, size) for part in latents.split(self.max_decode_batch)])
+        with self.adapter.vae_lock:  # (the loop's, or the decode stage's thread)
+            return torch.cat([self.adapter.decode(part, size) for part in latents.split(self.max_decode_batch)])
 
     def _decode_previews(self, x0: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
         """Partial images: x0 estimates through the VAE, in one call. A failed preview is skipped, not fatal."""
@@ -326,7 +327,8 @@ class ModelRunner:
             return {}
         try:
             first = self.states[next(iter(x0))].data  # one forward, one size
-            decoded = self.adapter.decode(torch.cat(list(x0.values())).to(self.adapter.dtype), first.size)
+            with self.adapter.vae_lock:
+                decoded = self.adapter.decode(torch.cat(list(x0.values())).to(self.adapter.dtype), first.size)
         except Exception:
             logger.exception("preview decode failed for %s; skipping these previews", sorted(x0))
             return {}

@@ -22,6 +22,12 @@ class Start:
 
 
 def make_start(adapter: ModelAdapter, job: StartJob) -> Start:
+    """(The loop's admission, or the encode stage's thread, while the decode stage may be decoding.)"""
+    with adapter.vae_lock:
+        return _make_start(adapter, job)
+
+
+def _make_start(adapter: ModelAdapter, job: StartJob) -> Start:
     generator = torch.Generator("cpu").manual_seed(job.seed)
     inputs = None
     if job.mask is not None:
