@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 # What the worker keeps of the adapter for the process: not its pipeline (rebuilt there), nor the row scope the
 # denoiser's forward reads
-_NOT_COPIED = ("pipeline", "narrow_rows")
+_NOT_COPIED = ("pipeline", "narrow_rows", "vae_lock")  # (the process has no VAE: the lock stays with it)
 
 
 def _copied(value: Any) -> bool:
@@ -173,5 +173,6 @@ def start_encode_workers(adapter: Any, count: int, devices: list[str], worker_de
     return [EncodeWorker(lambda: copy, devices[i % len(devices)], threads, i) for i in range(count)]
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The process's entry (dvllm.child_process.run_entry)."""
     serve(lambda copy, device: copy.build(device), _encode_batch)
