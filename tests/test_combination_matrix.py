@@ -18,7 +18,7 @@ import torch.distributed as dist
 from combination_matrix import (COSTS, FACTORS, TOL, Family, Models, References, engine_options, jobs_for,
                                 run_cell)
 from pairwise import Pair, all_pairs, covering_rows, pairs_of
-from test_engine_core_process import _zombie, children_of
+from process_tree import descendants, process_name, zombie
 
 from dvllm import AsyncDiffusionEngine, EngineConfig
 
@@ -163,7 +163,7 @@ def test_each_refused_pair_is_refused_at_start_naming_both(refused, models):
     family = models.families[name]
     loras = models.loras(name) if values.get("lora") else {}
     options = _refusal_options(refused, family, loras)
-    before = set(children_of(os.getpid()))
+    before = set(descendants(os.getpid()))
     with pytest.raises(ValueError) as error:
         if options.get("device") == "cuda":  # no GPU here: the config refuses it before any device is touched
             EngineConfig(model=models.path(name), **options)
@@ -174,7 +174,8 @@ def test_each_refused_pair_is_refused_at_start_naming_both(refused, models):
     # and nothing it started is left behind: no process group, no member or stage process
     assert not dist.is_initialized()
     deadline = time.monotonic() + 120
-    while left := [pid for pid in children_of(os.getpid()) if pid not in before and not _zombie(pid)]:
+    while left := [pid for pid in descendants(os.getpid())  # (the fork server stays: this process's, not the start's)
+                   if pid not in before and not zombie(pid) and process_name(pid) != "dvllm-fork"]:
         assert time.monotonic() < deadline, f"processes left behind by a refused start: {left}"
         time.sleep(0.05)
 

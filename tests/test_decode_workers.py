@@ -8,7 +8,6 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -148,15 +147,15 @@ def test_a_core_process_runs_its_decode_workers_and_takes_them_down_with_it(sd_e
     stepping, so on a loaded machine the two runs may batch them differently: one CI run saw 3e-7 between them,
     most likely the float rounding of other batch neighbours (2.5e-6 in encode_stall), not the decode.)"""
     from test_async_engine import collect
-    from test_engine_core_process import _zombie, children_of
+    from process_tree import dvllm_processes, zombie
 
-    def decode_processes(pid: int) -> list[int]:  # (not whatever else a process may start: a compiler, a tracker)
-        return [c for c in children_of(pid) if b"dvllm.worker.decode_worker" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    def decode_processes() -> list[int]:  # (the core's, forked by this process's fork server: its descendants)
+        return dvllm_processes(os.getpid(), "dvllm-decode")
 
     async def run(**kwargs):
         engine = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", max_image_pixels=64 * 64,
                                       engine_core_process=True, **kwargs)
-        decoders = decode_processes(engine.core_process.pid)
+        decoders = decode_processes()
         engine.start()
         results = await asyncio.gather(*(collect(engine, prompt, params) for prompt, params in REQUESTS))
         await engine.shutdown(1)
@@ -171,7 +170,7 @@ def test_a_core_process_runs_its_decode_workers_and_takes_them_down_with_it(sd_e
         assert final.finished and final.error is None and len(final.images) == len(want.images)
         assert sum(len(o.previews) for o in results[request_id]) == sum(len(o.previews) for o in outs)
     # gone, or a zombie: an orphan whose reaper (a container's pid 1) may never reap it
-    _wait_until(lambda: not os.path.exists(f"/proc/{decoders[0]}") or _zombie(decoders[0]),
+    _wait_until(lambda: zombie(decoders[0]),
                 "the decode process to exit")
 
 

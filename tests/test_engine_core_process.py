@@ -16,6 +16,7 @@ import pytest
 
 from dvllm import AsyncDiffusionEngine, DiffusionEngine, QueueFullError
 from dvllm.engine.async_engine import EngineDeadError, EngineShuttingDownError
+from process_tree import dvllm_processes, zombie
 from test_async_engine import ENDLESS, WAIT, P, collect  # the thread-mode tests' requests and stream reader
 
 
@@ -163,32 +164,17 @@ def test_a_core_that_cannot_load_raises_at_construction(tmp_path):
         DiffusionEngine(model=str(tmp_path), engine_core_process=True)
 
 
-def children_of(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
 @pytest.mark.slow
 def test_dvllm_serve_runs_its_core_apart_and_answers_503_when_it_dies(sd_eps_path):
     import httpx
     from utils_server import BASE_ARGS, FAST, RemoteServer, assert_error, metrics
 
-    with RemoteServer(sd_eps_path, BASE_ARGS) as server:
+    with RemoteServer(sd_eps_path, BASE_ARGS, fresh=True) as server:  # (its core is its descendant)
         assert metrics(server.url)["dvllm_num_requests_running"] == 0  # the core's counters from the start
         ok = httpx.post(server.url + "/v1/images/generations", json={"prompt": "x", **FAST}, timeout=WAIT)
         assert ok.status_code == 200, ok.text
         assert metrics(server.url)["dvllm_stage_items_total{stage=\"denoise\"}"] > 0  # the core's counters
-        cores = children_of(server.proc.pid)
+        cores = dvllm_processes(server.proc.pid, "dvllm-core")
         assert len(cores) == 1, "dvllm serve runs one engine core process by default"
         os.kill(cores[0], signal.SIGKILL)
         deadline = time.monotonic() + WAIT
@@ -236,19 +222,11 @@ def test_a_server_killed_outright_takes_its_core_with_it(sd_eps_path):
     """No orphaned core holding a GPU: its end of the pipe closes with the server, and it leaves."""
     from utils_server import BASE_ARGS, RemoteServer
 
-    with RemoteServer(sd_eps_path, BASE_ARGS) as server:
-        (core,) = children_of(server.proc.pid)
+    with RemoteServer(sd_eps_path, BASE_ARGS, fresh=True) as server:  # (as a user starts it)
+        (core,) = dvllm_processes(server.proc.pid, "dvllm-core")
         server.proc.kill()
         server.proc.wait()
         deadline = time.monotonic() + WAIT
-        while os.path.exists(f"/proc/{core}") and not _zombie(core):
+        while os.path.exists(f"/proc/{core}") and not zombie(core):
             assert time.monotonic() < deadline, "the engine core outlived its server"
             time.sleep(0.05)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from process_tree import dvllm_processes
 from utils_cli import assert_quiet, cli
 
 from dvllm.entrypoints.logging_setup import quiet_libraries
@@ -222,20 +223,6 @@ def test_an_offline_hub_id_in_the_cache_passes(tmp_path):
 
 # -- item 11: children die with their parent -------------------------------------------------------------------
 
-def _children(pid: int) -> dict[int, list[str]]:
-    """The processes whose parent is `pid`, with their command lines (Linux /proc)."""
-    found = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid == pid:
-                found[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().decode().split("\0")
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -276,8 +263,7 @@ def test_a_server_stopped_while_loading_takes_its_core_process_with_it(hanging_h
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     cores: list[int] = []
     try:
-        cores = _wait_for(lambda: [pid for pid, argv in _children(server.pid).items()
-                                   if "dvllm.engine.core_process" in argv], "the engine core process")
+        cores = _wait_for(lambda: dvllm_processes(server.pid, "dvllm-core"), "the engine core process")
         server.send_signal(sig)
         server.wait(WAIT)
         _wait_for(lambda: not _alive(cores[0]), "the core process to exit with its server", timeout=60)

@@ -343,8 +343,8 @@ def test_decode_encode_and_group_processes_run_beside_a_ray_worker_on_its_node(s
     """A Ray worker starts its decode and encode processes, and its group's member (CFG-parallel: each CFG
     request's unconditional rows run there), on its node: the images are the in-process engine's, every one
     decoded by the decode stage (not in the loop), every text encoded by the encode stage, and the processes are
-    the actor's children."""
-    from test_engine_core_process import children_of
+    the actor's (forked by its fork server)."""
+    from process_tree import dvllm_processes
 
     engine = DiffusionEngine(sd_eps_path, executor="ray", num_workers=1, worker_num_cpus=1, decode_workers=1,
                              encode_workers=1, cfg_parallel_size=2)
@@ -354,10 +354,9 @@ def test_decode_encode_and_group_processes_run_beside_a_ray_worker_on_its_node(s
         assert stats["stage_items"]["decode_stage"] == sum(p.n for p in _params())
         assert stats["stage_items"]["decode"] == 0
         assert stats["stage_items"]["encode_stage"] > 0
-        children = children_of(engine.executor.nodes[0]["pid"])
-        commands = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children]
-        for module in (b"dvllm.worker.decode_worker", b"dvllm.worker.encode_worker", b"dvllm.parallel.group_member"):
-            assert [c for c in commands if module in c] != []
+        actor = engine.executor.nodes[0]["pid"]
+        for name in ("dvllm-decode", "dvllm-encode", "dvllm-member"):
+            assert dvllm_processes(actor, name) != [], name
     finally:
         engine.shutdown()
 

@@ -18,6 +18,8 @@ import numpy as np
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from dvllm.fork_server import start_child
+
 FAST = {"num_inference_steps": 4, "size": "16x16"}
 BASE_ARGS = ["--device", "cpu", "--dtype", "float32", "--state-pool-mb", "32", "--max-image-pixels", "4096",
              "--max-images-per-prompt", "4", "--max-body-mb", "0.25", "--log-level", "warning"]
@@ -46,19 +48,29 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    """Starts `python -m dvllm.entrypoints.cli serve [MODEL] ARGS` and waits for GET /health to answer 200."""
+    """Starts `dvllm serve [MODEL] ARGS` and waits for GET /health to answer 200.
+
+    The server is forked by this process's fork server (dvllm/fork_server.py: `dvllm.entrypoints.cli:main` with
+    the same argv), which forks its engine core too: what a test examines is the server, not the imports a fresh
+    interpreter makes (5 s of CPU each, twice a server). `fresh=True` starts `python -m dvllm.entrypoints.cli serve`
+    as a user types it, with a fork server of its own: for the tests of its process tree."""
 
     def __init__(self, model: str | None, args: list[str], env: dict[str, str] | None = None,
-                 startup_timeout: float = 600.0) -> None:
+                 startup_timeout: float = 600.0, fresh: bool = False) -> None:
         # A bound for a hang only (a server that fails exits, and that is seen at once): on a loaded
         # 2-core machine loading the model has taken 100 s.
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="dvllm-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "dvllm.entrypoints.cli", "serve", *([model] if model else []),
-               "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})})
+        argv = ["serve", *([model] if model else []), "--port", str(self.port), *args]
+        if fresh:
+            self.proc = subprocess.Popen([sys.executable, "-m", "dvllm.entrypoints.cli", *argv], stdout=self._log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **(env or {})})
+        else:
+            self.proc = start_child("dvllm.entrypoints.cli:main", "dvllm-serve", args=argv,
+                                    env={**os.environ, **(env or {})}, stdout=self._log.fileno(),
+                                    stderr=self._log.fileno())
         try:
             self._wait_ready(startup_timeout)
         except BaseException:

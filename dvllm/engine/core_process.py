@@ -8,8 +8,8 @@ RequestOutputs the other, pickled (protocol 5).
 
 The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group, and the server
 drains before it stops its core) and leaves when told to or when the server's end of the pipe
-closes, so a server that dies takes its core with it; while it still loads, dvllm.child_process
-sees to that.
+closes, so a server that dies takes its core with it; while it still loads, the rules every child
+is started with (dvllm.child_process) see to that.
 """
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from dvllm.child_process import child_command, child_env
 from dvllm.config import EngineConfig
 from dvllm.engine.lora_mirror import LoraMirror
 from dvllm.entrypoints.logging_setup import STARTUP_LOGGER
+from dvllm.fork_server import start_child
 from dvllm.models.base import ModelInfo
 from dvllm.models.load_config import LoadedModel
 
@@ -58,17 +58,16 @@ class CoreProcess:
 
     def __init__(self, engine_args: dict[str, Any], on_report: Callable[[tuple], None],
                  on_exit: Callable[[BaseException], None], log_level: str | None = None) -> None:
-        # A fresh interpreter (`python -m dvllm.engine.core_process`), not multiprocessing's spawn: that would
-        # import the caller's main script again, which a script without a __main__ guard does not survive.
+        # Forked by the fork server or a fresh interpreter (fork_server.py), not multiprocessing's spawn: that
+        # would import the caller's main script again, which a script without a __main__ guard does not survive.
         commands_in, self._commands = multiprocessing.Pipe(duplex=False)  # (reader, writer): the core reads
         self._reports, reports_out = multiprocessing.Pipe(duplex=False)   # commands and writes reports
         fds = (commands_in.fileno(), reports_out.fileno())
         self._on_report, self._on_exit = on_report, on_exit
         self._stopping = False
         self._send_queue: queue.SimpleQueue = queue.SimpleQueue()
-        # (through dvllm.child_process: it dies with this process, even while it imports and loads)
-        self._process = subprocess.Popen(child_command("dvllm.engine.core_process", *map(str, fds)),
-                                         pass_fds=fds, stdin=subprocess.DEVNULL, env=child_env())
+        # (it dies with this process, even while it imports and loads)
+        self._process = start_child("dvllm.engine.core_process:main", "dvllm-core", fds)
         try:
             commands_in.close()  # the core holds its own ends: ours must close for EOF to mean "gone"
             reports_out.close()
@@ -228,8 +227,6 @@ def _send_reports(out: queue.SimpleQueue, reports: Connection) -> None:
             return  # the server is gone; the command reader stops the loop
 
 
-if __name__ == "__main__":
-    # through the module's import name, so that what it pickles (CoreInfo) unpickles in the server
-    from dvllm.engine import core_process
-
-    core_process.run_core(Connection(int(sys.argv[1])), Connection(int(sys.argv[2])))
+def main() -> None:
+    """The process's entry (dvllm.child_process.run_entry): `<commands fd> <reports fd>`."""
+    run_core(Connection(int(sys.argv[1])), Connection(int(sys.argv[2])))

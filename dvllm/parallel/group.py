@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 class GroupMember(StageProcess):
     kind = "group member"
     module = "dvllm.parallel.group_member"
+    process_name = "dvllm-member"
 
     def load(self) -> None:
         """Sends the engine's config: the member loads the model (its answer comes later: `loaded`)."""

@@ -184,7 +184,6 @@ def shared_call(member: Member, message: SharedCall, device: torch.device) -> No
     return None
 
 
-if __name__ == "__main__":  # this module's own names, which is what the leader pickles (not __main__'s)
-    from dvllm.parallel import group_member
-
-    serve(group_member.load_denoiser, group_member.run)
+def main() -> None:
+    """The process's entry (dvllm.child_process.run_entry)."""
+    serve(load_denoiser, run)

@@ -99,6 +99,7 @@ class DecodeWorker(StageProcess):
 
     kind = "decode"
     module = "dvllm.worker.decode_worker"
+    process_name = "dvllm-decode"
 
     def decode(self, batch: Batch) -> list[list[Any]]:
         return self.call(batch)
@@ -128,5 +129,6 @@ def start_decode_workers(adapter: Any, count: int, devices: list[str], worker_de
     return [DecodeWorker(lambda: VaeCopy.of(adapter), devices[i % len(devices)], threads, i) for i in range(count)]
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The process's entry (dvllm.child_process.run_entry)."""
     serve(lambda copy, device: copy.build(device), _decode_batch)

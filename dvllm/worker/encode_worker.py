@@ -147,6 +147,7 @@ class EncodeWorker(StageProcess):
 
     kind = "encode"
     module = "dvllm.worker.encode_worker"
+    process_name = "dvllm-encode"
 
     def encode(self, batch: Batch) -> torch.Tensor:
         return self.call(batch)

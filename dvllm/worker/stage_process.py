@@ -1,10 +1,10 @@
-"""A stage's worker process (a decode worker, an encode worker): a fresh interpreter that builds its part of the
-model from a copy sent to it first, then answers one batch at a time over a pipe.
+"""A stage's worker process (a decode worker, an encode worker, a group member): a process of its own that builds
+its part of the model from a copy sent to it first, then answers one batch at a time over a pipe.
 
-A process is spawned as the engine core process is (a new interpreter running `<module>`, dying with its parent:
-child_process.py; never a fork of a process that holds CUDA or threads, and not multiprocessing's spawn, which
-imports the caller's main script again). The lane thread that owns it sends a batch and waits for the answer,
-checking now and then that the process lives; one found dead is spawned again and WorkerProcessLost is raised to
+A process is started as the engine core process is (forked by the fork server, or a fresh interpreter, running
+`<module>.main` and dying with its parent: fork_server.py; never a fork of a process that holds CUDA or threads,
+and not multiprocessing's spawn, which imports the caller's main script again). The lane thread that owns it
+sends a batch and waits for the answer, checking now and then that the process lives; one found dead is spawned again and WorkerProcessLost is raised to
 the lane, which sends the batch once more: no request is lost to a killed process.
 
 A process that lives but does not answer (stopped, wedged in a driver, deadlocked) is lost too: each call has a
@@ -28,9 +28,9 @@ from typing import Any, Callable
 
 import torch
 
-from dvllm.child_process import child_command, child_env
 from dvllm.config import STAGE_CALL_TIMEOUT_S, STAGE_START_TIMEOUT_S
 from dvllm.entrypoints.logging_setup import child_library_logs, set_third_party_verbosity
+from dvllm.fork_server import Child, start_child
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +59,12 @@ class _Watchdog:
 
     def __init__(self, name: str) -> None:
         self._cond = threading.Condition()
-        self._armed: tuple[float, subprocess.Popen] | None = None  # (deadline, the process the call went to)
+        self._armed: tuple[float, Child] | None = None  # (deadline, the process the call went to)
         self._closed = False
         self.fired = False  # the last call armed passed its deadline and its process was killed
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def arm(self, seconds: float, process: subprocess.Popen) -> None:
+    def arm(self, seconds: float, process: Child) -> None:
         with self._cond:
             self._armed, self.fired = (time.monotonic() + seconds, process), False
             self._cond.notify()
@@ -97,7 +97,8 @@ class StageProcess:
     """One process and the pipe to it; used by one lane thread at a time."""
 
     kind = "stage"  # named in logs: "<kind> worker 0"
-    module = ""  # the module the process runs (`python -m`), whose main calls serve()
+    module = ""  # the module whose main() the process runs (it calls serve())
+    process_name = "dvllm-stage"  # its /proc/PID/comm
 
     def __init__(self, copy: Callable[[], Any], device: str, threads: int, index: int) -> None:
         self._copy = copy  # what the process builds its part from, sent first to each process started
@@ -105,7 +106,7 @@ class StageProcess:
         self.restarts = 0
         self.timeouts = 0  # calls that passed their bound (each also counts as a restart)
         self.bounds = CallBounds()  # set by whoever starts it, from the engine's config
-        self._process: subprocess.Popen | None = None
+        self._process: Child | None = None
         self._conn: Connection | None = None
         self._built = False
         self._answered = False  # a batch was answered since the process started: later calls have call_s
@@ -194,11 +195,10 @@ class StageProcess:
 
     def _spawn(self) -> None:
         parent, child = multiprocessing.Pipe()
-        self._process = subprocess.Popen(  # (dvllm.child_process: it dies with this process, even while starting)
-            child_command(self.module, str(child.fileno()), self.device, str(self.threads)),
-            pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+        self._process = start_child(  # (it dies with this process, even while starting)
+            f"{self.module}:main", self.process_name, [child.fileno()], [self.device, str(self.threads)],
             # its OpenMP threads sleep between batches instead of spinning on cores the worker's threads use
-            env=child_env({"OMP_WAIT_POLICY": "PASSIVE"}))
+            {"OMP_WAIT_POLICY": "PASSIVE"})
         child.close()  # the child's end lives in the child alone: its death ends the pipe
         self._conn = parent
         self._built = self._answered = False
@@ -225,7 +225,7 @@ RunFn = Callable[[Any, Any, torch.device], Any]
 
 
 def serve(build: BuildFn, run: RunFn) -> None:
-    """The process's main: `python -m <module> <pipe fd> <device> <threads>`. Builds its part from the first
+    """The process's main, with sys.argv[1:] = `<pipe fd> <device> <threads>`. Builds its part from the first
     message, then answers batches until told to stop (or the engine is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the engine's to handle: it stops us
     set_third_party_verbosity(verbose=child_library_logs())  # (its stderr is the engine's: no loading bars there)
