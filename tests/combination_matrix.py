@@ -37,8 +37,10 @@ class Family:
     cfg: bool = True  # guidance runs as CFG rows (Flux and Kontext embed it: one row an image)
     # The preempted request's steps: it must still run when the requests that preempt it are ready, which with an
     # encode stage or encode processes is once their texts (and an edit's image) are encoded: about a second here
-    # (Qwen-Image-Edit's steps take most of a second each: fewer of them run as long)
-    victim_steps: int = 48
+    # (Qwen-Image-Edit's steps take most of a second each: fewer of them run as long). 48 were too few once: a tiny
+    # video's steps take milliseconds, and in one CI run wan-i2v's victim (encode processes, core process) finished
+    # before the requests sent after its first step were ready, so nothing preempted it.
+    victim_steps: int = 96
     # vae_tile_size smaller than the images, so the tiled decode tiles (AutoencoderKL's; twice the VAE's scale
     # at least). None: the VAE tiles its own way (Wan's, Qwen-Image's), at sizes past these tiny images.
     tile: int | None = 16
