@@ -47,6 +47,7 @@ from dvllm.child_process import (
     set_process_name,
 )
 from dvllm.entrypoints.logging_setup import quiet_child_libraries
+from dvllm.forked_child import STATUS, ForkedChild
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,6 @@ FORK_SERVER_ENV = "DVLLM_FORK_SERVER"  # "0": fresh interpreters; set by an owne
 PRELOAD = ("dvllm.engine.core_process", "dvllm.worker.decode_worker", "dvllm.worker.encode_worker",
            "dvllm.parallel.group_member", "dvllm.models.registry")
 _MAX_MESSAGE = 1 << 20
-_STATUS = struct.Struct("q")
 _WATCH_S = 0.5
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
@@ -68,71 +68,6 @@ class _Request:
     env: dict[str, str]
     cwd: str
     requester: int      # the pid the child dies with
-
-
-class ForkedChild:
-    """A child the server forked, as subprocess.Popen shows a child: the server reports its exit status."""
-
-    def __init__(self, entry: str, pid: int, status: socket.socket) -> None:
-        self.args, self.pid, self._status = entry, pid, status
-        self.returncode: int | None = None
-        self._lock = threading.Lock()  # (one reader of the status: a poll and a wait may race for it)
-        try:
-            self._pidfd: int | None = os.pidfd_open(pid)
-        except (OSError, AttributeError):  # gone already (its status is on the way), or no pidfd here
-            self._pidfd = None
-
-    def poll(self) -> int | None:
-        return self._read_status(0.0)
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self._read_status(timeout) is None:
-            raise subprocess.TimeoutExpired(self.args, timeout)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is not None:
-            return
-        try:
-            if self._pidfd is not None:
-                signal.pidfd_send_signal(self._pidfd, sig)
-            else:
-                os.kill(self.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def _read_status(self, timeout: float | None) -> int | None:
-        if self.returncode is not None:
-            return self.returncode
-        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):  # another thread reads it
-            return self.returncode
-        try:
-            if self.returncode is None:
-                self._receive(timeout)
-            return self.returncode
-        finally:
-            self._lock.release()
-
-    def _receive(self, timeout: float | None) -> None:
-        self._status.settimeout(timeout)
-        try:
-            data = self._status.recv(_STATUS.size)
-        except (TimeoutError, BlockingIOError, socket.timeout):
-            return
-        except OSError:
-            data = b""
-        # no status: the server is gone, and the kernel killed its children with it
-        self.returncode = _STATUS.unpack(data)[0] if len(data) == _STATUS.size else -signal.SIGKILL
-        self._status.close()
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
 
 
 Child = Union[subprocess.Popen, ForkedChild]  # what start_child returns
@@ -155,14 +90,14 @@ class ForkServerClient:
         try:
             with self._lock:
                 socket.send_fds(self._sock, [pickle.dumps(request)], [theirs.fileno(), stdin, stdout, stderr, *fds])
-            data = status.recv(_STATUS.size)
+            data = status.recv(STATUS.size)
         finally:
             theirs.close()
             os.close(stdin)
-        if len(data) != _STATUS.size:
+        if len(data) != STATUS.size:
             status.close()
             raise OSError(f"the fork server did not start {entry}")
-        return ForkedChild(entry, _STATUS.unpack(data)[0], status)
+        return ForkedChild(entry, STATUS.unpack(data)[0], status)
 
 
 def start_child(entry: str, name: str, fds: Sequence[int] = (), args: Sequence[str] = (),
@@ -230,6 +165,14 @@ def _start_server() -> ForkServerClient | None:
     return ForkServerClient(address, process)
 
 
+def _close(fds: Sequence[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def _abstract(address: str) -> str:
     """A socket in Linux's abstract namespace: nothing left on disk when the server is killed."""
     return "\0" + address
@@ -272,18 +215,37 @@ class _Server:
         if not data:  # that client is gone
             self.selector.unregister(conn)
             conn.close()
+            _close(fds)
             return
+        try:
+            request: _Request = pickle.loads(data)
+            if len(fds) < 4:
+                raise ValueError(f"{len(fds)} descriptors, not the status socket, stdio and the child's")
+        except Exception:  # noqa: BLE001 - a bad request fails that start only: its requester sees the socket close
+            logger.exception("the fork server refused a request")
+            _close(fds)
+            return
+        self._fork(request, fds)
+
+    def _fork(self, request: _Request, fds: list[int]) -> None:
         status = socket.socket(fileno=fds[0])
-        request: _Request = pickle.loads(data)
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:  # (out of memory or processes): that start fails, the server serves on
+            logger.exception("the fork server could not fork")
+            status.close()
+            _close(fds[1:])
+            return
         if pid == 0:
             self._close_for_child(status)
             _run_child(request, fds[1:])  # (never returns)
-        for fd in fds[1:]:
-            os.close(fd)
-        status.sendall(_STATUS.pack(pid))
+        _close(fds[1:])
+        try:
+            status.sendall(STATUS.pack(pid))
+        except OSError:
+            pass  # its requester is gone: the child dies with it, and is reaped below
         pidfd = os.pidfd_open(pid)
         self.children[pid] = (status, pidfd)
         self.selector.register(pidfd, selectors.EVENT_READ, pid)
@@ -294,7 +256,7 @@ class _Server:
         os.close(pidfd)
         _, code = os.waitpid(pid, 0)
         try:
-            status.sendall(_STATUS.pack(os.waitstatus_to_exitcode(code)))
+            status.sendall(STATUS.pack(os.waitstatus_to_exitcode(code)))
         except OSError:
             pass  # its requester is gone
         status.close()

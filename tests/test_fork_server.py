@@ -108,3 +108,26 @@ def test_children_die_with_who_asked_for_them_and_all_with_the_owner():
     finally:
         owner.kill()
         owner.wait()
+
+
+def test_a_bad_request_fails_alone_and_the_server_serves_on(monkeypatch):
+    """A request the server cannot read (not a pickle, too few descriptors) is refused; the server and the children
+    it forked before go on, and the next start is forked as usual."""
+    import socket
+
+    from dvllm import fork_server
+
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    before = start_child("fork_child:sleep", "fork-sleep")
+    assert isinstance(before, ForkedChild)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.connect("\0" + fork_server._client().address)
+        sock.send(b"not a request")
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        socket.send_fds(sock, [b"still not a request"], [devnull])
+        os.close(devnull)
+    after = start_child("fork_child:sleep", "fork-sleep")
+    assert isinstance(after, ForkedChild) and before.poll() is None and after.poll() is None
+    for child in (before, after):
+        child.kill()
+        assert child.wait(WAIT) == -signal.SIGKILL
