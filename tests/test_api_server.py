@@ -311,6 +311,9 @@ def test_health_is_fast_while_the_engine_is_loaded(server):
 
 def test_metrics_parse_with_the_expected_families(server, http):
     assert http.post("/v1/images/generations", json={"prompt": "m", **FAST}).status_code == 200
+    assert http.post("/v1/images/generations", json={"prompt": "m", **FAST}).status_code == 200  # a cached prompt
+    # its own bad request and repeated prompt: the tests before it in the module may not have run (-k, another order)
+    assert http.post("/v1/images/generations", json={"prompt": "m", **FAST, "guidance_scale": -1}).status_code == 400
     families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
     for name in ("dvllm_requests", "dvllm_request_queue_time_seconds", "dvllm_request_latency_seconds",
                  "dvllm_step_time_seconds", "dvllm_batch_rows", "dvllm_num_requests_running",
@@ -320,7 +323,7 @@ def test_metrics_parse_with_the_expected_families(server, http):
     m = metrics(server.url)
     assert m['dvllm_requests_total{outcome="success"}'] >= 1 and m['dvllm_requests_total{outcome="bad_request"}'] >= 1
     assert m["dvllm_step_time_seconds_count"] >= 4 and m["dvllm_pool_total_blocks"] > 0
-    assert 0 < m["dvllm_prompt_cache_hit_rate"] <= 1  # the earlier tests repeat prompts
+    assert 0 < m["dvllm_prompt_cache_hit_rate"] <= 1
 
 
 # -- auth, 429, timeout ---------------------------------------------------------------------------------
