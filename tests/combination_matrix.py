@@ -37,7 +37,7 @@ class Family:
     cfg: bool = True  # guidance runs as CFG rows (Flux and Kontext embed it: one row an image)
     # The preempted request's steps: it must still run when the requests that preempt it are ready, which with an
     # encode stage or encode processes is once their texts (and an edit's image) are encoded: about a second here
-    # (Qwen-Image-Edit's steps take most of a second each: fewer of them run as long). 48 were too few once: a tiny
+    # (Qwen-Image-Edit's victim steps take about 0.2 s each: fewer of them run as long). 48 were too few once: a tiny
     # video's steps take milliseconds, and in one CI run wan-i2v's victim (encode processes, core process) finished
     # before the requests sent after its first step were ready, so nothing preempted it.
     victim_steps: int = 96
@@ -77,7 +77,7 @@ def _families() -> dict[str, Family]:
         "kontext": Family(tiny_flux_kontext_pipeline, image=True, tile=256, cfg=False),
         "qwen-image": Family(conftest.tiny_qwen_image_pipeline, tile=None),
         "qwen-image-edit": Family(lambda: tiny_qwen_image_edit_pipeline(plus=True), image=True, tile=None,
-                                  victim_steps=16),
+                                  victim_steps=32),
         "z-image": Family(conftest.tiny_z_image_pipeline),
         "wan": Family(conftest.tiny_wan_pipeline, video=True, tile=None),
         "wan-i2v": Family(conftest.tiny_wan_i2v_pipeline, image=True, video=True, tile=None),

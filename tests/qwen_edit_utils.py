@@ -1,10 +1,13 @@
 """Tiny random-weight Qwen-Image-Edit pipelines (QwenImageEditPipeline, QwenImageEditPlusPipeline).
 
 The components are tiny_qwen_image_pipeline's (conftest.py) except the VAE. The edit pipelines resize every input
-image to about 1024x1024 px for the VAE whatever the output size, so the VAE downsamples 8x as the real one does
-(at 4x the image latents alone would be 16384 tokens for the transformer), and it has 8 channels at every level
-and no residual blocks: encoding that image is what a call costs most (0.7 s on one core, against 3 s for
-tiny_qwen_image_pipeline's VAE with one more level). The processor is made from no files
+image to about 1024x1024 px for the VAE whatever the output size, so what a call costs is set by the VAE's scale:
+- vae_scale=16 (the default): one more level than the real VAE. Each input image is 32x32 = 1024 tokens for the
+  transformer and the VAE's middle attention; a Plus call with two images, CFG and 3 steps takes 1.1 s on one core.
+  Output sizes are multiples of 32.
+- vae_scale=8, as the real VAE: 4096 tokens an image (a quadratic attention over 16384 latent pixels in the VAE's
+  middle block), 4.3 s for the same call. tests/test_qwen_edit.py keeps one check of the pipeline's images at it.
+The VAE has 8 channels at every level and no residual blocks. The processor is made from no files
 (byte_qwen_vl_processor) with the vision token ids of the text encoder's config.
 """
 from __future__ import annotations
@@ -21,16 +24,19 @@ VISION_TOKEN_IDS = dict(vision_start_token_id=290, image_token_id=291, video_tok
 VISION_END_TOKEN_ID = 293
 
 
-def tiny_qwen_image_edit_pipeline(plus: bool = False,
-                                  num_layers: int = 2) -> QwenImageEditPipeline | QwenImageEditPlusPipeline:
+def tiny_qwen_image_edit_pipeline(plus: bool = False, num_layers: int = 2,
+                                  vae_scale: int = 16) -> QwenImageEditPipeline | QwenImageEditPlusPipeline:
     """A QwenImageEditPipeline (plus: a QwenImageEditPlusPipeline, which takes one or several images)."""
+    if vae_scale not in (8, 16):
+        raise ValueError(f"vae_scale must be 8 or 16, not {vae_scale}")
+    halvings = 3 if vae_scale == 8 else 4  # Wan's VAE halves the time too at all but the first
     torch.manual_seed(0)
     transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=num_layers,
                                               attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16,
                                               guidance_embeds=False, axes_dims_rope=(8, 4, 4))
     torch.manual_seed(1)
-    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=0,
-                                 temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1] * (halvings + 1), num_res_blocks=0,
+                                 temperal_downsample=[False] + [True] * (halvings - 1), latents_mean=[0.0] * 4,
                                  latents_std=[1.0] * 4)
     torch.manual_seed(2)
     text_encoder = _tiny_text_encoder()

@@ -55,7 +55,7 @@ def test_edits_of_other_input_sizes_share_steps_and_match_the_pipeline(qwen_imag
         ("add a hat", P(image=wide, seed=2)),  # another input size: another token grid
         # the same prompt with another image: its conditions must not come from the prompt cache
         ("add a hat", P(image=tall, seed=3, negative_prompt=" ", guidance_scale=3.0, num_inference_steps=4)),
-        ("make it red", P(image=tall, negative_prompt="blurry", seed=4, height=48)),  # another output size
+        ("make it red", P(image=tall, negative_prompt="blurry", seed=4, height=64)),  # another output size
     ]
     engine = _check(qwen_image_edit_path, jobs)
     # identical prompts with identical images share one encoding; with other images they do not
@@ -71,6 +71,19 @@ def test_plus_takes_one_or_several_images(qwen_image_edit_plus_path):
         ("three", P(image=[picture(4, (32, 32)), picture(5, (40, 32)), picture(6, (32, 48))], seed=3, n=2)),
     ]
     _check(qwen_image_edit_plus_path, jobs)
+
+
+@pytest.mark.slow
+def test_the_real_vaes_scale_matches_the_pipeline(tmp_path):
+    """The fixtures' VAE downsamples 16x to keep the suite fast; the real one downsamples 8x (4096 tokens an
+    input image, output sizes in multiples of 16): one batch at that scale, two images and one, equals the pipeline."""
+    from qwen_edit_utils import tiny_qwen_image_edit_pipeline
+
+    tiny_qwen_image_edit_pipeline(plus=True, vae_scale=8).save_pretrained(tmp_path)
+    jobs = [("combine them", P(image=[picture(1, (40, 40)), picture(2, (64, 32))], seed=1, height=48,
+                               negative_prompt="ugly", num_inference_steps=2)),
+            ("one image", P(image=picture(3, (48, 40)), seed=2, width=16, num_inference_steps=2))]
+    _check(str(tmp_path), jobs)
 
 
 def test_the_default_size_is_the_pipelines(qwen_image_edit_path, qwen_image_edit_plus_path):
@@ -93,7 +106,7 @@ def test_edit_errors_name_the_field(qwen_image_edit_path, qwen_image_edit_plus_p
         (SamplingParams(image=image, strength=0.5), "strength: QwenImageEditPipeline conditions on its images"),
         (SamplingParams(image=[image, image]), "image: 2 images, but this model takes at most 1"),
         (SamplingParams(image=image, mask_image=image), "mask_image: inpainting is not supported"),
-        (SamplingParams(image=image, height=40), "height must be a positive multiple of 16"),
+        (SamplingParams(image=image, height=40), "height must be a positive multiple of 32"),
     ]
     for params, message in bad:
         with pytest.raises(ValueError, match=message):
