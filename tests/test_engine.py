@@ -276,6 +276,31 @@ def test_a_request_sharing_an_entry_whose_refill_failed_fails_instead_of_reading
     np.testing.assert_allclose(after[0].images[0], expected[0].images[0], atol=1e-3)
 
 
+def test_engines_of_one_model_in_a_process_probe_its_samplers_once(sd_eps_path, sd_v_path, monkeypatch):
+    """The start-up probe (0.4-1.4 s) is remembered per process for the schedule it probed: a second engine of
+    the model asks no scheduler again and gets the same answer; another schedule is probed, and the memo is
+    bounded (with room for one, the first model is probed again after the second)."""
+    from dvllm.engine import input_processor
+
+    monkeypatch.setattr(input_processor, "_PROBED", input_processor._ProbeMemo(size=1))
+    tried = []
+    real_runs = input_processor.InputProcessor._runs
+    monkeypatch.setattr(input_processor.InputProcessor, "_runs",
+                        lambda self, *args: tried.append(args[0]) or real_runs(self, *args))
+
+    def probes_at_start(path: str) -> tuple[int, list[str]]:
+        before = len(tried)
+        engine = DiffusionEngine(model=path, device="cpu", dtype="float32")
+        return len(tried) - before, engine.valid_samplers()
+
+    first, valid = probes_at_start(sd_eps_path)
+    assert first > 40 and "ddim" in valid
+    assert probes_at_start(sd_eps_path) == (0, valid)
+    other, _ = probes_at_start(sd_v_path)  # v-prediction: another scheduler config
+    assert other == first
+    assert probes_at_start(sd_eps_path) == (first, valid)
+
+
 def test_valid_samplers_are_probed_from_start_up_not_on_the_first_refusal(engine, monkeypatch):
     """Probing every diffusers scheduler took the first request with a bad sampler 1.4 s (2.2 s loaded)."""
     processor = engine.processor

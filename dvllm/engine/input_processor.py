@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import diffusers
 import numpy as np
@@ -44,8 +45,8 @@ class InputProcessor:
         self._plans: OrderedDict[tuple, SamplerPlan | ValueError] = OrderedDict()  # failures are cached too
         self._arrivals = itertools.count()
         self._most: OrderedDict[tuple, int] = OrderedDict()  # (sampler, strength, size) -> most steps it runs
-        # Which samplers run this model is probed at start-up (every diffusers scheduler is tried: 0.4-1.4 s),
-        # not by the first request that names a bad one.
+        # Which samplers run this model is probed at start-up (every diffusers scheduler is tried: 0.4-1.4 s,
+        # once per process and schedule: _ProbeMemo), not by the first request that names a bad one.
         self._valid_samplers = self._probe_samplers() if valid_samplers is None else list(valid_samplers)
 
     def process(self, request_id: str, prompt: str, params: SamplingParams | None,
@@ -196,8 +197,41 @@ class InputProcessor:
     def _probe_samplers(self) -> list[str]:
         info, steps = self.info, self.info.defaults.steps
         params = SamplingParams(num_inference_steps=steps, height=info.defaults.height, width=info.defaults.width)
-        candidates = list(SHORT_NAMES) + sorted(n for n in dir(diffusers) if scheduler_class(n) is not None)
-        return [n for n in candidates if self._runs(n, steps, params)]
+
+        def probe() -> tuple[str, ...]:
+            candidates = list(SHORT_NAMES) + sorted(n for n in dir(diffusers) if scheduler_class(n) is not None)
+            return tuple(n for n in candidates if self._runs(n, steps, params))
+
+        try:  # everything _build reads of the model, for the default request
+            key = (json.dumps(info.schedule.config, sort_keys=True), self._plan_key(params), info.schedule.step_kwargs,
+                   info.schedule.fused_update, self._probe_shape())
+        except TypeError:  # a config JSON cannot hold (none from diffusers' files): probed, not remembered
+            return list(probe())
+        return list(_PROBED.get(key, probe))
+
+
+class _ProbeMemo:
+    """Which samplers run a schedule, remembered per process (bounded). Every engine built in one process from
+    one model (a benchmark's contenders, data-parallel lanes, a test suite's engines) would otherwise try the
+    ~50 diffusers schedulers again at its start-up: 0.4-1.4 s each time."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._lock = threading.Lock()
+        self._answers: OrderedDict[tuple, tuple[str, ...]] = OrderedDict()
+
+    def get(self, key: tuple, probe: Callable[[], tuple[str, ...]]) -> tuple[str, ...]:
+        with self._lock:  # held while probing: a second engine of the model waits for the first's answer
+            answer = self._answers.get(key)
+            if answer is None:
+                answer = self._answers[key] = probe()
+                while len(self._answers) > self._size:
+                    self._answers.popitem(last=False)
+            self._answers.move_to_end(key)
+            return answer
+
+
+_PROBED = _ProbeMemo(size=16)
 
 
 def image_digest(image: Any) -> str:
