@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate_args(gen)
     serve = _leaf(sub, "serve", help="Serve a model over the OpenAI Images API.")
     _add_serve_args(serve)
-    bench = sub.add_parser("bench", help="Benchmark a server (serve) or the engine offline (throughput).",
+    bench = sub.add_parser("bench", help="Benchmark a server (serve), the engine offline (throughput) or under "
+                                         "MLPerf LoadGen (loadgen).",
                            allow_abbrev=False)
     argv = sys.argv[1:] if argv is None else argv
     if "bench" in argv:  # its flags come from the benchmark modules, which import torch: only when asked for
@@ -219,7 +220,7 @@ def _str_list(value: str) -> list[str]:
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
     # Argument definitions only: torch, httpx and the model load when a benchmark runs.
-    from dvllm.benchmarks import serving, throughput
+    from dvllm.benchmarks import loadgen, serving, throughput
 
     sub = p.add_subparsers(dest="bench_command", required=True)
     serve = _leaf(sub, "serve", help="Load-test a server speaking the Images API (dvllm serve or a baseline).",
@@ -228,6 +229,9 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     offline = _leaf(sub, "throughput", help="Offline: serial pipeline vs best static batch vs dvllm, one run.",
                     description=throughput.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     throughput.add_arguments(offline)
+    mlperf = _leaf(sub, "loadgen", help="MLPerf LoadGen (Offline, Server, SingleStream) driving the engine.",
+                   description=loadgen.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    loadgen.add_arguments(mlperf)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -235,6 +239,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.bench_command == "serve":
         return serving.main(args)
+    if args.bench_command == "loadgen":
+        from dvllm.benchmarks import loadgen
+
+        return loadgen.main(args)
     result = throughput.run_and_report(args)  # what throughput.main does after parsing
     if args.output_json:
         with open(args.output_json, "w") as f:
