@@ -112,7 +112,8 @@ def test_load_generator_against_dvllm(servers, tmp_path):
 def test_trace_slo_and_failures(servers, tmp_path):
     dvllm, _ = servers
     trace = tmp_path / "trace.jsonl"
-    lines = [{"prompt": "a", "size": "16x16", "steps": 3, "guidance": 1.0, "sampler": "euler", "slo": 60},
+    lines = [{"prompt": "a", "size": "16x16", "steps": 3, "guidance": 1.0, "sampler": "euler", "slo": 60,
+              "priority": 1, "deadline": 120},  # the trace's own fields reach the server, which takes them
              {"prompt": "b", "size": "16x16", "steps": 2, "guidance": 7.5, "slo": 1e-6},  # cannot be met
              {"prompt": "c", "size": "15x15", "steps": 2}]  # not a multiple of 8: the server refuses it
     trace.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
@@ -157,6 +158,29 @@ def test_trace_arrivals_and_errors(tmp_path):
         trace_workload(str(trace), size="16x16", steps=20, guidance=7.5, sampler=None)
     gaps = np.diff(arrival_times(2000, 10.0, burstiness=0.5, seed=1))
     assert gaps.mean() == pytest.approx(0.1, rel=0.1) and gaps.std() > 0.1  # burstier than Poisson (std = mean)
+
+
+def test_trace_lines_carry_loras_cache_priority_and_deadline(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    lines = [{"prompt": "a", "loras": {"style": 0.8, "ink": 1}, "cache": {"method": "first_block", "threshold": 0.1},
+              "priority": -1, "deadline": 30},
+             {"prompt": "b", "cache": None},  # no cache, whatever the server's default
+             {"prompt": "c"}]  # nothing sent: the server's defaults
+    trace.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    a, b, c = trace_workload(str(trace), size="16x16", steps=4, guidance=1.0, sampler=None)
+    assert a.body()["loras"] == {"style": 0.8, "ink": 1.0} and a.body()["cache"]["method"] == "first_block"
+    assert (a.body()["priority"], a.body()["deadline"]) == (-1, 30.0)
+    assert "cache" in b.body() and b.body()["cache"] is None
+    assert not {"loras", "cache", "priority", "deadline"} & set(c.body())
+    assert json.loads(a.form()["loras"]) == {"style": 0.8, "ink": 1.0} and b.form()["cache"] == "null"
+    for bad, message in (({"loras": ["style"]}, "loras must be an object"),
+                         ({"loras": {"style": "x"}}, "could not convert"),
+                         ({"cache": "first_block"}, "cache must be null or an object with a 'method'"),
+                         ({"priority": 1.5}, "priority must be an integer"),
+                         ({"deadline": 0}, "deadline is seconds after arrival")):
+        trace.write_text(json.dumps({"prompt": "x", **bad}) + "\n")
+        with pytest.raises(ValueError, match=message):
+            trace_workload(str(trace), size="16x16", steps=4, guidance=1.0, sampler=None)
 
 
 def _pixels(b64: str) -> np.ndarray:

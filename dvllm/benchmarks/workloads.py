@@ -16,7 +16,8 @@ from typing import Any
 
 _SIZE = re.compile(r"^\d+x\d+$")
 _TRACE_KEYS = {"prompt", "size", "steps", "num_inference_steps", "guidance", "guidance_scale", "sampler", "seed",
-               "n", "negative_prompt", "slo", "arrival"}
+               "n", "negative_prompt", "slo", "arrival", "loras", "cache", "priority", "deadline"}
+SERVER_DEFAULT = "server-default"  # a request that sends no `cache` field: the server's default_cache applies
 
 
 @dataclass
@@ -34,6 +35,10 @@ class RequestSpec:
     # Edit requests (POST /v1/images/edits): the input images as (width, height, pixel seed), made by
     # edit_image_png; None: a generation request.
     images: tuple[tuple[int, int, int], ...] | None = None
+    loras: dict[str, float] | None = None  # adapters loaded on the server, by name, with their weights
+    cache: dict[str, Any] | None | str = SERVER_DEFAULT  # a step cache ({"method": ...}), None: none
+    priority: int | None = None   # lower runs first (the engine's priority)
+    deadline: float | None = None  # seconds after arrival the request asks to be done by
 
     @property
     def endpoint(self) -> str:
@@ -41,7 +46,7 @@ class RequestSpec:
 
     def form(self) -> dict[str, str]:
         """The edit request's multipart text fields: body()'s, as strings."""
-        return {k: str(v) for k, v in self.body().items()}
+        return {k: json.dumps(v) if v is None or isinstance(v, dict) else str(v) for k, v in self.body().items()}
 
     def files(self) -> list[tuple[str, tuple[str, bytes, str]]]:
         """The edit request's file parts: one image as `image`, several as `image[]` in order."""
@@ -59,6 +64,13 @@ class RequestSpec:
             body["sampler"] = self.sampler
         if self.negative_prompt is not None:
             body["negative_prompt"] = self.negative_prompt
+        if self.loras:
+            body["loras"] = dict(self.loras)
+        if self.cache != SERVER_DEFAULT:
+            body["cache"] = self.cache
+        for name in ("priority", "deadline"):
+            if getattr(self, name) is not None:
+                body[name] = getattr(self, name)
         return body
 
     @property
@@ -202,12 +214,43 @@ def _trace_spec(record: dict[str, Any], where: str, rng: random.Random, *, size:
             guidance=float(get("guidance", "guidance_scale", default=guidance)),
             sampler=get("sampler", default=sampler), seed=int(get("seed", default=rng.randrange(2**31))),
             n=int(get("n", default=1)), negative_prompt=get("negative_prompt", default=None),
-            slo=_optional_float(get("slo", default=slo)), arrival=_optional_float(get("arrival", default=None)))
+            slo=_optional_float(get("slo", default=slo)), arrival=_optional_float(get("arrival", default=None)),
+            loras=_loras(record.get("loras")), cache=_cache(record.get("cache", SERVER_DEFAULT)),
+            priority=None if record.get("priority") is None else _int(record["priority"], "priority"),
+            deadline=_optional_float(record.get("deadline")))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
     if spec.steps < 1 or spec.n < 1 or (spec.slo is not None and spec.slo <= 0):
         raise ValueError(f"{where}: steps and n must be >= 1 and slo > 0")
+    if spec.deadline is not None and not spec.deadline > 0:
+        raise ValueError(f"{where}: deadline is seconds after arrival, so > 0")
     return spec
+
+
+def _loras(value: Any) -> dict[str, float] | None:
+    """A trace's `loras`: {name: weight}, as the server takes them (which names exist, the server says)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
+        raise ValueError(f"loras must be an object of adapter name -> weight, got {value!r}")
+    weights = {name: float(weight) for name, weight in value.items()}
+    if not all(math.isfinite(w) for w in weights.values()):
+        raise ValueError(f"loras: weights must be finite numbers, got {value!r}")
+    return weights
+
+
+def _cache(value: Any) -> dict[str, Any] | None | str:
+    if value is None or value == SERVER_DEFAULT:
+        return value
+    if not isinstance(value, dict) or not isinstance(value.get("method"), str):
+        raise ValueError(f"cache must be null or an object with a 'method' (first_block, taylorseer, mag), got {value!r}")
+    return dict(value)
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
 
 
 def _optional_float(value: Any) -> float | None:

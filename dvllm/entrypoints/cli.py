@@ -220,7 +220,7 @@ def _str_list(value: str) -> list[str]:
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
     # Argument definitions only: torch, httpx and the model load when a benchmark runs.
-    from dvllm.benchmarks import loadgen, serving, throughput
+    from dvllm.benchmarks import loadgen, serving, throughput, traces
 
     sub = p.add_subparsers(dest="bench_command", required=True)
     serve = _leaf(sub, "serve", help="Load-test a server speaking the Images API (dvllm serve or a baseline).",
@@ -232,6 +232,9 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     mlperf = _leaf(sub, "loadgen", help="MLPerf LoadGen (Offline, Server, SingleStream) driving the engine.",
                    description=loadgen.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     loadgen.add_arguments(mlperf)
+    trace = _leaf(sub, "trace", help="Write a production-shaped request trace (JSONL) for `bench serve`.",
+                  description=traces.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    traces.add_arguments(trace)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -243,6 +246,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from dvllm.benchmarks import loadgen
 
         return loadgen.main(args)
+    if args.bench_command == "trace":
+        from dvllm.benchmarks import traces
+
+        return traces.main(args)
     result = throughput.run_and_report(args)  # what throughput.main does after parsing
     if args.output_json:
         with open(args.output_json, "w") as f:

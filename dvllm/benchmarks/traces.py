@@ -1,0 +1,104 @@
+"""Production-shaped request traces, generated here from a seed (no download), written as the JSONL that
+`dvllm bench serve --workload trace` replays (workloads.trace_workload reads it).
+
+- `images`: shaped like DiffusionDB (the 14M prompts and settings of Stable Diffusion's Discord users): most
+  requests at the bot's defaults (512x512, 50 steps, guidance 7), the rest spread over 512 to 1024 px sides at
+  several aspect ratios, 4 to 50 steps and guidance 1 to 15. The shares are ours, chosen to that shape, not
+  measured from the dataset.
+- `loras`: the images trace where each request carries a list of 0-3 adapters, as in the public production
+  trace of SwiftDiffusion (Katz): adapters drawn from a pool (32 by default) with Zipf popularity, so a few are
+  in most requests and most are rare, each at its own weight. The server must serve adapters of those names
+  (lora00, lora01, ...).
+- `cache`: the images trace where a share of requests asks for step caching, first_block or TaylorSeer, each at
+  its own setting (a Flux, SD3, Qwen-Image, Z-Image or Wan model: the families that serve it).
+
+Arrivals are Poisson at `rate` requests/s (inf: all at once). `size_divisor` divides every side (8: 512 px
+becomes 64 px, a tiny CPU model's size) so the mix keeps its shape where the model is small.
+
+    dvllm bench trace loras --num 200 --rate 2 --size-divisor 8 -o loras.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from dvllm.benchmarks.captions import caption
+from dvllm.benchmarks.workloads import arrival_times
+
+KINDS = ("images", "loras", "cache")
+# (share, sides): the default size, then square, portrait and landscape sizes up to 1024 px
+_SIZES = [(0.55, (512, 512)), (0.12, (768, 768)), (0.08, (1024, 1024)), (0.08, (512, 768)), (0.07, (768, 512)),
+          (0.05, (576, 1024)), (0.05, (1024, 576))]
+_STEPS = [(0.6, 50), (0.12, 20), (0.1, 30), (0.08, 25), (0.05, 8), (0.05, 4)]
+_GUIDANCE = [(0.6, 7.0), (0.15, 7.5), (0.1, 5.0), (0.05, 9.0), (0.05, 12.0), (0.05, 15.0)]
+_LORA_COUNTS = [(0.4, 0), (0.35, 1), (0.17, 2), (0.08, 3)]
+ZIPF_EXPONENT = 1.1
+_CACHES = [{"method": "first_block", "threshold": t} for t in (0.05, 0.08, 0.12, 0.2)] + \
+          [{"method": "taylorseer", "cache_interval": i, "max_order": 1} for i in (3, 4, 5)]
+
+
+def _pick(rng: random.Random, table: list[tuple[float, Any]]) -> Any:
+    return rng.choices([value for _, value in table], weights=[share for share, _ in table])[0]
+
+
+def zipf_weights(count: int, exponent: float = ZIPF_EXPONENT) -> list[float]:
+    """Popularity of ranks 1..count: rank k is asked 1/k^exponent as often as the first."""
+    weights = [1.0 / (k ** exponent) for k in range(1, count + 1)]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def generate(kind: str, num: int, rate: float, *, seed: int = 0, size_divisor: int = 1, lora_pool: int = 32,
+             cache_share: float = 0.3) -> list[dict[str, Any]]:
+    """The trace's lines, in arrival order."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+    if num < 1:
+        raise ValueError(f"num must be at least 1, got {num}")
+    if size_divisor < 1 or any(side % (size_divisor * 8) for _, sides in _SIZES for side in sides):
+        raise ValueError(f"size_divisor must divide the sizes ({sorted({s for _, x in _SIZES for s in x})}) into "
+                         f"multiples of 8; {size_divisor} does not")
+    if lora_pool < 1 or not 0 <= cache_share <= 1:
+        raise ValueError("lora_pool must be at least 1 and cache_share in [0, 1]")
+    rng = random.Random(seed)
+    popularity = zipf_weights(lora_pool)
+    lines = []
+    for index, arrival in enumerate(arrival_times(num, rate, seed=seed)):
+        width, height = (side // size_divisor for side in _pick(rng, _SIZES))
+        line: dict[str, Any] = {"prompt": caption(rng), "size": f"{width}x{height}", "steps": _pick(rng, _STEPS),
+                                "guidance": _pick(rng, _GUIDANCE), "seed": rng.randrange(2**31),
+                                "arrival": round(arrival, 6)}
+        if kind == "loras":
+            count = _pick(rng, _LORA_COUNTS)
+            chosen: dict[str, float] = {}
+            while len(chosen) < count:
+                rank = rng.choices(range(lora_pool), weights=popularity)[0]
+                chosen.setdefault(f"lora{rank:02d}", round(rng.uniform(0.4, 1.0), 2))
+            if chosen:
+                line["loras"] = chosen
+        if kind == "cache" and rng.random() < cache_share:
+            line["cache"] = dict(rng.choice(_CACHES))
+        lines.append(line)
+    return lines
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("kind", choices=KINDS, help="images, loras (0-3 adapters a request) or cache (a share cached).")
+    p.add_argument("--num", type=int, default=200, help="Requests (default: 200).")
+    p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals, requests/s; inf: all at once.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size-divisor", type=int, default=1, help="Divide every side by this (8 for tiny models).")
+    p.add_argument("--lora-pool", type=int, default=32, help="Adapters named lora00.. (default: 32).")
+    p.add_argument("--cache-share", type=float, default=0.3, help="Share of requests with a step cache (cache).")
+    p.add_argument("-o", "--output", required=True, help="The JSONL file to write.")
+
+
+def main(args: argparse.Namespace) -> int:
+    lines = generate(args.kind, args.num, args.rate, seed=args.seed, size_divisor=args.size_divisor,
+                     lora_pool=args.lora_pool, cache_share=args.cache_share)
+    Path(args.output).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    print(f"{len(lines)} requests written to {args.output} ({args.kind}, {args.rate:g}/s)")
+    return 0
