@@ -115,6 +115,13 @@ class EngineConfig:
                           "memory."})
     max_num_waiting: int = field(default=1024, metadata={"help": "Requests allowed to wait for admission."})
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs | priority (lower value first)."})
+    batching: str = field(
+        default="step",
+        metadata={"help": "step: requests join and leave the denoiser's batch at every step (dvllm's). request: the "
+                          "request-level policy other servers run by default, for comparisons on the same kernels: "
+                          "what waits when the running batch ends is batched by equal shape and parameters (one "
+                          "LoRA set a batch; a step-cached request alone) and runs to completion, nothing joining "
+                          "it and nothing preempted."})
     max_inference_steps: int = field(
         default=1000,
         metadata={"help": "Largest num_inference_steps accepted; a sampler that cannot run that many is refused "

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+BATCHING_POLICIES = ("step", "request")
 GROUP_POLICIES = ("static", "elastic")
 COMPILE_MODES = ("off", "dynamic", "bucketed")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -209,6 +210,7 @@ def check_config(config: EngineConfig) -> None:
         if not config.vae_tiling:
             raise ValueError("vae_tile_size is set but vae_tiling is off: it sizes the tiles of a tiled decode")
     choice("scheduling_policy", config.scheduling_policy, SCHEDULING_POLICIES)
+    choice("batching", config.batching, BATCHING_POLICIES)
     choice("compile", config.compile, COMPILE_MODES)
     if config.compile_backend is not None:
         choice("compile_backend", config.compile_backend, COMPILE_BACKENDS)

@@ -105,6 +105,7 @@ FACTORS: dict[str, list[Any]] = {
     "vae_tiling": [False, True],
     "running_pixels": [False, True],
     "priority": [False, True],
+    "batching": ["step", "request"],
 }
 
 # What a value costs a cell, roughly in seconds of a loaded 2-core machine: processes to start
@@ -138,6 +139,8 @@ def engine_options(row: dict[str, Any], family: Family, loras: dict[str, str]) -
         options.update(compile="dynamic", compile_backend="eager")  # dynamo's tracing, without inductor's build
     if row["priority"]:
         options["scheduling_policy"] = "priority"
+    if row["batching"] != "step":
+        options["batching"] = row["batching"]
     return options
 
 

@@ -37,6 +37,22 @@ def test_settings_are_checked(changes, message):
         Settings(**{"scenario": "Offline", "min_duration_s": 1.0, **changes})
 
 
+def test_scenarios_are_named_alone_in_a_list_or_all():
+    import argparse
+
+    from dvllm.benchmarks.loadgen import add_arguments, scenario_settings
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    names = lambda flag: [s.scenario for s in scenario_settings(parser.parse_args(["--scenario", flag]))]  # noqa: E731
+    assert names("Server") == ["Server"] and names("Offline, Server") == ["Offline", "Server"]
+    assert names("all") == ["Offline", "Server", "SingleStream"]
+    with pytest.raises(ValueError, match="names a scenario twice"):
+        names("Server,Server")
+    with pytest.raises(ValueError, match="scenario must be one of"):
+        names("Offline,Multi")
+
+
 class _FailingEngine:
     """An engine whose odd samples fail (an error output) and whose samples of index 2 raise."""
 

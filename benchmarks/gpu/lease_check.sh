@@ -2,6 +2,10 @@
 # What fits one lent GPU (15 minutes of device time, one call): run_suite.sh's most needed steps, each capped so
 # that the whole ends inside --budget seconds (default 540), most needed first. Every step writes its own log and
 # JSON under --out; a step that fails or runs out of time is reported and the next one runs.
+#   0. MLPerf LoadGen (issue 49): sdxl (dummy weights, bf16) at MLPerf's settings (1024x1024, 20 Euler steps,
+#      guidance 8.0), Offline then Server, short runs: their summaries' samples/s, queries/s and p99 beside MLPerf
+#      v5.0's published 2.37 samples/s and 2.29 queries/s a GPU (8x H200, TensorRT). Needs mlcommons-loadgen in
+#      .whl/ (cp312 manylinux wheel, as the others)
 #   1. video (issue 29): wan2.1-t2v-1.3b at 832x480 and 480x480, dvllm vs serial vs static (video_workload); its
 #      engine builds the CUDA kernels (Hopper only, TORCH_CUDA_ARCH_LIST=9.0) for the steps after it
 #   1b. the same with dvllm's max_running_pixels at one CFG 832x480 clip of 33 frames: requests run in turn
@@ -15,7 +19,8 @@
 #
 #   benchmarks/gpu/lease_check.sh [--out DIR] [--budget SECONDS] [--only STEP,STEP] [--dry-run]
 #
-# --only runs just the named steps (video, video_turns, kernel_errors, graphs, kernels, sd, group), in the order above.
+# --only runs just the named steps (loadgen, video, video_turns, kernel_errors, graphs, kernels, sd, group), in the
+# order above.
 #
 # Wheels the machine lacks (diffusers and its small needs) travel in .whl/ as run_suite.sh says.
 # --dry-run runs the same steps on the CPU at tiny sizes (the presets' CPU cousins).
@@ -59,6 +64,9 @@ print("GPU:", torch.cuda.get_device_name() if torch.cuda.is_available() else "no
 PY
 
 if [ $dry = 1 ]; then
+  step loadgen 90 $python -m dvllm.entrypoints.cli bench loadgen --model tiny-sd --load-format dummy --device cpu \
+    --dtype float32 --size 32x32 --steps 4 --num-samples 64 --scenario Offline --min-duration-s 5 \
+    --offline-expected-qps 4 --output-dir "$out/loadgen" --output-json "$out/loadgen.json"
   step video 120 $python -m dvllm.benchmarks.video_workload --model wan-cpu --sizes 64x64,96x64 --frames 5,9 \
     --steps 2,3 --num-requests 4 --shorts 2 --output-json "$out/video_workload.json"
   step video_turns 120 $python -m dvllm.benchmarks.video_workload --model wan-cpu --sizes 64x64,96x64 --frames 5,9 \
@@ -71,6 +79,12 @@ if [ $dry = 1 ]; then
   step kernels 120 $python -m pytest -q -x tests/test_state_ops.py -k "cpu and dtype0" -p no:cacheprovider
   exit 0
 fi
+# One engine, Offline then Server, 45 s each: Offline at an expected 2 samples/s; Server Poisson at 1.5 queries/s,
+# p99 <= 20 s (too few queries for LoadGen's early stopping to vouch for a p99: that run may say INVALID for that
+# alone, and says why)
+step loadgen 200 $python -m dvllm.entrypoints.cli bench loadgen --model sdxl --load-format dummy --device cuda \
+  --dtype bfloat16 --num-samples 500 --scenario Offline,Server --min-duration-s 45 --offline-expected-qps 2 \
+  --server-target-qps 1.5 --output-dir "$out/loadgen" --output-json "$out/loadgen.json"
 step video 280 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3b --device cuda --dtype bfloat16 \
   --sizes 832x480,480x480 --frames 17,33 --steps 8,12 --guidance 1.0,5.0 --num-requests 6 --shorts 2 \
   --output-json "$out/video_workload.json"

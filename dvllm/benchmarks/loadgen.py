@@ -42,8 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from dvllm.entrypoints.cli_args import add_engine_args
 
     run = p.add_argument_group("loadgen")
-    run.add_argument("--scenario", choices=(*SCENARIOS, "all"), default="Offline",
-                     help="LoadGen scenario; all: the three in turn on one engine (default: Offline).")
+    run.add_argument("--scenario", default="Offline",
+                     help="Offline, Server or SingleStream, several as a comma list (run in turn on one engine), or "
+                          "all (default: Offline).")
     run.add_argument("--size", default=MLPERF_SDXL["size"], help="WxH (default: MLPerf SDXL's 1024x1024).")
     run.add_argument("--steps", type=int, default=MLPERF_SDXL["steps"], help="Denoising steps (default: 20).")
     run.add_argument("--guidance", type=float, default=MLPERF_SDXL["guidance"], help="guidance_scale (default: 8.0).")
@@ -255,7 +256,9 @@ def _metrics(scenario: str, logged: dict[str, Any]) -> dict[str, Any]:
 
 
 def scenario_settings(args: argparse.Namespace) -> list[Settings]:
-    names = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    names = SCENARIOS if args.scenario == "all" else tuple(n.strip() for n in args.scenario.split(","))
+    if len(set(names)) != len(names):
+        raise ValueError(f"--scenario names a scenario twice: {args.scenario!r}")
     counts = {"Server": args.server_min_query_count or args.min_query_count}
     return [Settings(name, args.min_duration_s, counts.get(name, args.min_query_count), args.offline_expected_qps,
                      args.server_target_qps, args.server_target_latency_s, args.server_latency_percentile,

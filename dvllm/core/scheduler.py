@@ -15,6 +15,10 @@ p * priority_aging_iterations iterations later, so low priorities are delayed,
 never starved. The ranking never changes over time, so two requests cannot take
 turns preempting each other.
 
+With batching="request", the scheduler runs the request-level policy instead, to compare the two on the same
+kernels: while a batch runs nothing is admitted; when it ends, the most urgent waiting request and those with its
+batch key (request_batch_key) are admitted together and run to completion.
+
 With group_policy="elastic" (a worker group), deadlines count: a running request whose remaining steps would end
 after its deadline at the present pace (each of its steps waiting for a step of every shape's ready rows, at the
 recent seconds per row) but not if it stepped alone takes steps in a forward of its own with the other late
@@ -26,6 +30,7 @@ import time
 from collections import defaultdict
 
 from dvllm.config import EngineConfig
+from dvllm.core.batch_key import request_batch_key
 from dvllm.core.block_manager import BlockManager
 from dvllm.core.deadlines import Pace
 from dvllm.core.encode_ahead import EncodeAhead, EncodeKey
@@ -43,6 +48,7 @@ class Scheduler:
         self.prompt_chars_per_step = config.prompt_chars_per_step
         self.input_images_per_step = config.max_input_images_per_step
         self.by_priority = config.scheduling_policy == "priority"
+        self.request_level = config.batching == "request"
         self.aging = config.priority_aging_iterations
         self.blocks = block_manager
         self.lora_slots = LoraSlots(config.max_loras)
@@ -198,7 +204,14 @@ class Scheduler:
         lora_blocked = False
         # While a batch runs, texts are encoded by the worker's encode stage, not here: wait for them
         gate = self.ahead is not None and (bool(self.running) or self.ahead.always)
+        batch_key = None
+        if self.request_level:
+            if self.running or not self.waiting:
+                return  # the running batch runs to completion: nothing joins it
+            batch_key = request_batch_key(self.waiting[0])
         for request in list(self.waiting):  # requests preempted below join the queue after this pass
+            if batch_key is not None and request_batch_key(request) != batch_key:
+                continue
             key = request.shape_key
             if key in blocked:
                 continue
@@ -210,11 +223,11 @@ class Scheduler:
             images = 0 if request.swapped else request.num_input_images
             if admitted_new and (chars > chars_budget or images > images_budget):
                 break  # in order: it goes first next iteration
-            if not self._pixels_fit(request) and not (self.by_priority and self._preempt_for_pixels(request, rows,
-                                                                                                   out)):
+            if not self._pixels_fit(request) and not (self.by_priority and not self.request_level
+                                                      and self._preempt_for_pixels(request, rows, out)):
                 break  # in order: nobody overtakes it while the running requests fill max_running_pixels
             if not self._fits(request, rows):
-                preempted = self.by_priority and self._preempt_for(request, rows, out)
+                preempted = self.by_priority and not self.request_level and self._preempt_for(request, rows, out)
                 if not (preempted and self._fits(request, rows)):
                     if not self.lora_slots.can_place(request.lora_adapters):
                         # Its adapters wait for slots that running requests hold; no later LoRA request takes a
@@ -491,3 +504,4 @@ class Scheduler:
             "deadlines_missed": self.deadlines[False],
             "late_steps": 0 if self.pace is None else self.pace.late_steps,
         }
+
