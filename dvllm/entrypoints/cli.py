@@ -220,7 +220,7 @@ def _str_list(value: str) -> list[str]:
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
     # Argument definitions only: torch, httpx and the model load when a benchmark runs.
-    from dvllm.benchmarks import loadgen, serving, throughput, traces
+    from dvllm.benchmarks import harness, loadgen, serving, throughput, traces
 
     sub = p.add_subparsers(dest="bench_command", required=True)
     serve = _leaf(sub, "serve", help="Load-test a server speaking the Images API (dvllm serve or a baseline).",
@@ -235,6 +235,9 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     trace = _leaf(sub, "trace", help="Write a production-shaped request trace (JSONL) for `bench serve`.",
                   description=traces.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     traces.add_arguments(trace)
+    replay = _leaf(sub, "run", help="Replay a trace against dvllm, its request-level policy and the pipeline.",
+                   description=harness.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    harness.add_arguments(replay)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -250,6 +253,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from dvllm.benchmarks import traces
 
         return traces.main(args)
+    if args.bench_command == "run":
+        from dvllm.benchmarks import harness
+
+        return harness.main(args)
     result = throughput.run_and_report(args)  # what throughput.main does after parsing
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -1,0 +1,57 @@
+"""`dvllm bench run`: one trace replayed in process against dvllm, its request-level policy and the serial pipeline,
+each request's SLO a multiple of its kind's solo latency; what the harness refuses, it says before loading."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from dvllm.benchmarks.harness import add_arguments, check_contenders, main
+from dvllm.benchmarks.workloads import trace_workload
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.slow
+def test_a_trace_replays_against_the_three_contenders(sd_eps_path, tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    lines = [{"prompt": f"p{i}", "size": size, "steps": steps, "guidance": guidance, "seed": i, "arrival": 0.05 * i}
+             for i, (size, steps, guidance) in enumerate([("16x16", 3, 5.0), ("32x32", 2, 5.0), ("16x16", 3, 5.0),
+                                                           ("16x16", 4, 1.0), ("32x32", 2, 5.0), ("16x16", 3, 5.0)])]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "run.json"
+    assert main(_args("--model", sd_eps_path, "--device", "cpu", "--dtype", "float32", "--trace", str(trace),
+                      "--rounds", "2", "--slo-factor", "1000", "--output-json", str(out))) == 0
+    result = json.loads(out.read_text())
+    assert result["requests"] == 6 and result["solo_kinds"] == 3  # (16x16, 3, CFG), (32x32, 2, CFG), (16x16, 4)
+    assert list(result["contenders"]) == ["dvllm", "request", "serial"]
+    for name, runs in result["contenders"].items():
+        assert len(runs) == 2, name
+        for s in runs:
+            assert (s["completed"], s["failed"]) == (6, 0), (name, s["errors"])
+            assert s["latency_p50_s"] <= s["latency_p99_s"] and 0 < s["first_step_p50_s"] <= s["latency_p99_s"]
+            assert s["slo_attainment"] == 1.0  # 1000x solo: every request in bound, whoever runs it
+    printed = capsys.readouterr().out
+    assert "SLO 1000x solo latency (3 kinds measured alone), 2 round(s)" in printed
+
+
+def test_what_the_harness_refuses_it_names(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"prompt": "x", "loras": {"style": 1.0}}) + "\n")
+    specs = trace_workload(str(trace), size="16x16", steps=2, guidance=1.0, sampler=None)
+    with pytest.raises(ValueError, match="serial contender runs no LoRA or step-cache requests yet"):
+        check_contenders(["dvllm", "serial"], specs)
+    with pytest.raises(ValueError, match="a comma list of"):
+        check_contenders(["dvllm", "static"], specs)
+    with pytest.raises(ValueError, match="a comma list of"):
+        check_contenders(["dvllm", "dvllm"], specs)
+    with pytest.raises(ValueError, match="give --trace FILE or --generate KIND"):
+        main(_args("--model", "tiny-sd"))
+    with pytest.raises(ValueError, match="solo latencies are measured on an engine"):
+        main(_args("--model", "tiny-sd", "--load-format", "dummy", "--device", "cpu", "--generate", "images",
+                   "--num", "2", "--contenders", "serial"))
