@@ -218,46 +218,38 @@ def _str_list(value: str) -> list[str]:
     return items
 
 
-def _add_bench_args(p: argparse.ArgumentParser) -> None:
-    # Argument definitions only: torch, httpx and the model load when a benchmark runs.
+# `dvllm bench` COMMAND -> its help line. Each command's module in dvllm.benchmarks (_bench_modules) defines its
+# flags and runs it (main(args)); throughput's main parses its own argv, so it is run here.
+_BENCH_HELP = {
+    "serve": "Load-test a server speaking the Images API (dvllm serve or a baseline).",
+    "throughput": "Offline: serial pipeline vs best static batch vs dvllm, one run.",
+    "loadgen": "MLPerf LoadGen (Offline, Server, SingleStream) driving the engine.",
+    "trace": "Write a production-shaped request trace (JSONL) for `bench serve` and `bench run`.",
+    "run": "Replay a trace against dvllm, its request-level policy and the pipeline.",
+}
+
+
+def _bench_modules() -> dict[str, Any]:
+    # imported when `bench` is asked for: they import torch and httpx
     from dvllm.benchmarks import harness, loadgen, serving, throughput, traces
 
+    return {"serve": serving, "throughput": throughput, "loadgen": loadgen, "trace": traces, "run": harness}
+
+
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    # Argument definitions only: the model loads when a benchmark runs.
     sub = p.add_subparsers(dest="bench_command", required=True)
-    serve = _leaf(sub, "serve", help="Load-test a server speaking the Images API (dvllm serve or a baseline).",
-                  description=serving.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    serving.add_cli_args(serve)
-    offline = _leaf(sub, "throughput", help="Offline: serial pipeline vs best static batch vs dvllm, one run.",
-                    description=throughput.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    throughput.add_arguments(offline)
-    mlperf = _leaf(sub, "loadgen", help="MLPerf LoadGen (Offline, Server, SingleStream) driving the engine.",
-                   description=loadgen.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    loadgen.add_arguments(mlperf)
-    trace = _leaf(sub, "trace", help="Write a production-shaped request trace (JSONL) for `bench serve`.",
-                  description=traces.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    traces.add_arguments(trace)
-    replay = _leaf(sub, "run", help="Replay a trace against dvllm, its request-level policy and the pipeline.",
-                   description=harness.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_arguments(replay)
+    for name, module in _bench_modules().items():
+        leaf = _leaf(sub, name, help=_BENCH_HELP[name], description=module.__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        (module.add_cli_args if name == "serve" else module.add_arguments)(leaf)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from dvllm.benchmarks import serving, throughput
-
-    if args.bench_command == "serve":
-        return serving.main(args)
-    if args.bench_command == "loadgen":
-        from dvllm.benchmarks import loadgen
-
-        return loadgen.main(args)
-    if args.bench_command == "trace":
-        from dvllm.benchmarks import traces
-
-        return traces.main(args)
-    if args.bench_command == "run":
-        from dvllm.benchmarks import harness
-
-        return harness.main(args)
-    result = throughput.run_and_report(args)  # what throughput.main does after parsing
+    module = _bench_modules()[args.bench_command]
+    if args.bench_command != "throughput":
+        return module.main(args)
+    result = module.run_and_report(args)  # what throughput.main does after parsing
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
