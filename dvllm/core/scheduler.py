@@ -504,4 +504,3 @@ class Scheduler:
             "deadlines_missed": self.deadlines[False],
             "late_steps": 0 if self.pace is None else self.pace.late_steps,
         }
-
