@@ -113,7 +113,8 @@ def test_trace_slo_and_failures(servers, tmp_path):
     dvllm, _ = servers
     trace = tmp_path / "trace.jsonl"
     lines = [{"prompt": "a", "size": "16x16", "steps": 3, "guidance": 1.0, "sampler": "euler", "slo": 60,
-              "priority": 1, "deadline": 120},  # the trace's own fields reach the server, which takes them
+              "deadline": 120},  # a trace's own field reaches the server (priority would need
+             # --allow-client-priority there)
              {"prompt": "b", "size": "16x16", "steps": 2, "guidance": 7.5, "slo": 1e-6},  # cannot be met
              {"prompt": "c", "size": "15x15", "steps": 2}]  # not a multiple of 8: the server refuses it
     trace.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
