@@ -178,6 +178,7 @@ def test_trace_lines_carry_loras_cache_priority_and_deadline(tmp_path):
                          ({"loras": {"style": "x"}}, "could not convert"),
                          ({"cache": "first_block"}, "cache must be null or an object with a 'method'"),
                          ({"priority": 1.5}, "priority must be an integer"),
+                         ({"priority": 1e999}, "priority must be an integer"),
                          ({"deadline": 0}, "deadline is seconds after arrival")):
         trace.write_text(json.dumps({"prompt": "x", **bad}) + "\n")
         with pytest.raises(ValueError, match=message):

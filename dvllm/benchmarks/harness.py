@@ -140,7 +140,9 @@ async def solo_latencies(contender: EngineContender, specs: list[RequestSpec]) -
     for i, spec in enumerate(specs):
         key = solo_key(spec)
         if key not in solos:
-            outcome = await contender.run(replace(spec, priority=None, deadline=None), f"solo-{i}")
+            # another prompt, so that the replay finds no prompt of the trace already encoded on this engine
+            outcome = await contender.run(replace(spec, prompt=f"solo: {spec.prompt}", priority=None, deadline=None),
+                                          f"solo-{i}")
             if outcome.latency is None:
                 raise ValueError(f"request {i} ({spec.size}, {spec.steps} steps) fails alone on the engine: "
                                  f"{outcome.error}")

@@ -248,7 +248,8 @@ def _cache(value: Any) -> dict[str, Any] | None | str:
 
 
 def _int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     return int(value)
 
