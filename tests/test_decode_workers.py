@@ -196,7 +196,7 @@ class _FakeWorker:
 
 
 def _stage_with(worker: _FakeWorker) -> DecodeStage:
-    return DecodeStage(lambda latents, size: latents, lambda images, kind: [], torch.device("cpu"), max_batch=4,
+    return DecodeStage(lambda latents, counts, size: latents, lambda images, kind: [], torch.device("cpu"), max_batch=4,
                        capacity=16, workers=[worker])
 
 

@@ -1,5 +1,6 @@
-"""A worker group decodes together: the VAE decoder's calls of one decode (its tiles with --vae-tiling, else its
-images) are shared out across the group's members, each holding a copy of the decoder.
+"""A worker group decodes together: the VAE decoder's calls of one decode (a batch of finished requests, each
+request's images in calls of their own; its tiles with --vae-tiling) are shared out across the group's members,
+each holding a copy of the decoder.
 
 The decode itself stays diffusers' own. The leader runs it twice around its decoder (`DecoderRouter`): the first
 pass records each call the decoder gets and answers zeros of its output's shape; the recorded calls are decoded
@@ -143,21 +144,21 @@ class SharedDecode:
     def __init__(self, group: Any, vae: Any) -> None:
         self.group, self.router = group, DecoderRouter(vae)
 
-    def wrap(self, decode: Callable[[torch.Tensor, tuple[int, int]], torch.Tensor]
-             ) -> Callable[[torch.Tensor, tuple[int, int]], torch.Tensor]:
-        """`decode` (an adapter's: latents, image size -> images) run twice: recording, then replaying."""
+    def wrap(self, decode: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """`decode` (the runner's: latents, images a request, image size -> images) run twice: recording, then
+        replaying."""
 
         @functools.wraps(decode)
-        def run(latents: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+        def run(*args: Any) -> torch.Tensor:
             try:
                 with self.router.recording() as calls:
-                    decode(latents, image_size)
+                    decode(*args)
             except UnsharedCall as e:
                 logger.warning("a decode runs on the leader alone: %s", e)
-                return decode(latents, image_size)
+                return decode(*args)
             outputs = self._decode(calls)
             with self.router.replaying(outputs):
-                return decode(latents, image_size)
+                return decode(*args)
 
         return run
 

@@ -30,7 +30,7 @@ from dvllm.worker.stage_thread import StageThread
 logger = logging.getLogger(__name__)
 
 # (latents [n, ...] on the device, (height, width)) -> images [n, 3, H, W] in [0, 1]
-DecodeFn = Callable[[torch.Tensor, tuple[int, int]], torch.Tensor]
+DecodeFn = Callable[[torch.Tensor, list[int], tuple[int, int]], torch.Tensor]  # latents, images a request, size
 # (images [n, 3, H, W] in [0, 1], output type) -> the request's images
 ConvertFn = Callable[[torch.Tensor, str], list[Any]]
 
@@ -215,7 +215,7 @@ class DecodeStage(StageThread):
             batch = (latents.cpu(), jobs[0].size, [(job.n, job.output_type) for job in jobs], self.max_batch)
             outputs = self.workers[lane].decode(batch)
         else:
-            pixels, outputs, lo = self._decode(latents, jobs[0].size), [], 0
+            pixels, outputs, lo = self._decode(latents, [job.n for job in jobs], jobs[0].size), [], 0
             for job in jobs:
                 outputs.append(self._convert(pixels[lo:lo + job.n], job.output_type))  # to the host: synchronizes
                 lo += job.n

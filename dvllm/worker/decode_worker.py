@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from dvllm.worker.stage_process import StageProcess, check_devices, serve
+from dvllm.worker.vae_calls import decode_by_request
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,8 @@ def _decode_batch(decoder: VaeDecoder, batch: Batch, device: torch.device) -> li
     from dvllm.worker.model_runner import to_output_type
 
     latents, size, jobs, chunk = batch
-    pixels = torch.cat([decoder.decode(part, size) for part in latents.to(device).split(chunk)])
+    pixels = decode_by_request(lambda part: decoder.decode(part, size), latents.to(device), [n for n, _ in jobs],
+                               chunk)
     answer, lo = [], 0
     for n, output_type in jobs:
         answer.append(to_output_type(pixels[lo:lo + n], output_type))

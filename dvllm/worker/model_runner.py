@@ -30,6 +30,7 @@ from dvllm.worker.start_latents import Start, make_start
 from dvllm.worker.state_pool import StatePool
 from dvllm.worker.step_cache_hooks import CacheHooks
 from dvllm.worker.step_cache_state import CacheState
+from dvllm.worker.vae_calls import decode_by_request
 
 logger = logging.getLogger(__name__)
 # How long a step with nothing to run but decodes (or encodes) to await waits for one (the loop comes back for new
@@ -316,19 +317,22 @@ class ModelRunner:
         stage.submit(jobs)
         return {s.request_id for s in takers}
 
-    def decode_chunked(self, latents: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
-        """At most max_decode_batch images a VAE call: the decode's memory is bounded (and profiled)."""
+    def decode_requests(self, latents: torch.Tensor, counts: list[int], size: tuple[int, ...]) -> torch.Tensor:
+        """Each request's images in VAE calls of their own (vae_calls.py says why), at most max_decode_batch
+        images a call: the decode's memory is bounded (and profiled)."""
         with self.adapter.vae_lock:  # (the loop's, or the decode stage's thread)
-            return torch.cat([self.adapter.decode(part, size) for part in latents.split(self.max_decode_batch)])
+            return decode_by_request(lambda part: self.adapter.decode(part, size), latents, counts,
+                                     self.max_decode_batch)
 
     def _decode_previews(self, x0: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
-        """Partial images: x0 estimates through the VAE, in one call. A failed preview is skipped, not fatal."""
+        """Partial images: x0 estimates through the VAE, each request's apart. A failed preview is skipped, not
+        fatal."""
         if not x0:
             return {}
         try:
             first = self.states[next(iter(x0))].data  # one forward, one size
-            with self.adapter.vae_lock:
-                decoded = self.adapter.decode(torch.cat(list(x0.values())).to(self.adapter.dtype), first.size)
+            latents = torch.cat(list(x0.values())).to(self.adapter.dtype)
+            decoded = self.decode_requests(latents, [len(x) for x in x0.values()], first.size)
         except Exception:
             logger.exception("preview decode failed for %s; skipping these previews", sorted(x0))
             return {}
@@ -339,7 +343,7 @@ class ModelRunner:
             lo += len(latents)
         return previews
 
-    # 4. decode the requests that took their last step (one VAE call), convert to the output type
+    # 4. decode the requests that took their last step (each in VAE calls of its own), convert to the output type
     def _decode(self, finished: list[RequestState], errors: dict[str, str]) -> dict[str, list[Any]]:
         images: dict[str, list[Any]] = {}
         if not finished:
@@ -353,7 +357,7 @@ class ModelRunner:
             bounds = row_bounds(group)
             pixels = [latents[lo:hi] for s, (lo, hi) in zip(group, bounds) if s.data.output_type != "latent"]
             size = group[0].data.size
-            decoded = self.decode_chunked(torch.cat(pixels), size) if pixels else None
+            decoded = self.decode_requests(torch.cat(pixels), [len(p) for p in pixels], size) if pixels else None
             lo_img = 0
             for s, (lo, hi) in zip(group, bounds):
                 if s.data.output_type == "latent":

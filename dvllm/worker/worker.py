@@ -41,15 +41,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _start_group(config: EngineConfig, adapter: ModelAdapter, device: torch.device) -> WorkerGroup:
-    """The worker's group, its every denoiser call shared with the members (and run again if the group fails), and
-    its decodes shared out when the VAE allows."""
+    """The worker's group, its every denoiser call shared with the members (and run again if the group fails)."""
     if adapter.info.expert_boundary is not None:  # the members would hold and run only the first expert
         raise ValueError(f"{adapter.name}: a two-expert model (Wan 2.2 A14B) is not served in a worker group yet: "
                          "use sequence_parallel_size=1 and cfg_parallel_size=1")
     group = WorkerGroup(config, denoiser_of(adapter.pipeline), device)
     adapter.denoise = group.guard(adapter.denoise)  # the runner reads adapter.denoise per call
-    if decodes_in_group(config, adapter.pipeline.vae):
-        adapter.decode = SharedDecode(group, adapter.pipeline.vae).wrap(adapter.decode)
     return group
 
 
@@ -96,11 +93,14 @@ class Worker:
             self.group.runs_alone = self.runner.caching_now
         if self.group is not None and config.enable_lora:
             self.group.share_loras(self.runner.lora, denoiser_component(adapter.pipeline))
+        if self.group is not None and decodes_in_group(config, adapter.pipeline.vae):  # a batch's calls shared out
+            shared = SharedDecode(self.group, adapter.pipeline.vae)
+            self.runner.decode_requests = shared.wrap(self.runner.decode_requests)
         if decode_stage:
             workers = start_decode_workers(adapter, config.decode_workers, config.decode_devices or [str(self.device)],
                                            self.device) if config.decode_workers else None
             _bound(workers, config)
-            self.runner.decode_stage = DecodeStage(self.runner.decode_chunked, to_output_type, self.device,
+            self.runner.decode_stage = DecodeStage(self.runner.decode_requests, to_output_type, self.device,
                                                    config.max_decode_batch, config.max_decode_queue, workers)
         if config.encode_stage:  # as many texts a call as the memory profile measured (two per row)
             prompts = self.runner.prompts

@@ -1,0 +1,25 @@
+"""How a batch of finished requests goes through the VAE: in calls of one request each.
+
+An image must not depend on what was decoded beside it. A convolution's sums do: on the CPU oneDNN takes another
+kernel for one image than for two or more (about 1e-6 apart a layer; a tiny VAE's decode 4e-6 on [0, 1] pixels,
+and through tiling and an edit's image latents the combination matrix saw 1.2e-5), and on a GPU cuDNN chooses its
+algorithm by shape too. So each request's images are decoded together, as its diffusers pipeline decodes them,
+and never beside another request's: the batch still travels as one (one host copy, one message to a decode
+process), only the VAE calls are per request. Decoding is not where batching pays (a VAE call of one 1024 px image
+already fills a GPU); the denoiser's forward is.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+def decode_by_request(decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor,
+                      counts: Sequence[int], chunk: int) -> torch.Tensor:
+    """`latents` holds the requests' images in order, `counts[i]` of the i-th request's; each request's go through
+    `decode` together, at most `chunk` a call (the memory bound the profile measured)."""
+    if sum(counts) != len(latents):
+        raise ValueError(f"{len(latents)} latents for requests of {list(counts)} images")
+    parts = [decode(part) for request in latents.split(list(counts)) for part in request.split(chunk)]
+    return torch.cat(parts)
