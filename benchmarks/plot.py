@@ -1,6 +1,6 @@
-"""Plots of serving sweeps and step profiles. The code lives in dvllm/benchmarks/plot.py; see --help.
+"""Plots of `dvllm bench run` results and step profiles. The code lives in dvllm/benchmarks/plot.py; see --help.
 
-    python benchmarks/plot.py benchmarks/results/sweep/*.json --output-dir benchmarks/results
+    python benchmarks/plot.py run.json --output-dir benchmarks/results
 """
 from dvllm.benchmarks.plot import main
 

@@ -10,6 +10,7 @@ LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 BATCHING_POLICIES = ("step", "request")
+SHAPE_ORDERS = ("oldest", "turns")
 GROUP_POLICIES = ("static", "elastic")
 COMPILE_MODES = ("off", "dynamic", "bucketed")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -211,6 +212,11 @@ def check_config(config: EngineConfig) -> None:
             raise ValueError("vae_tile_size is set but vae_tiling is off: it sizes the tiles of a tiled decode")
     choice("scheduling_policy", config.scheduling_policy, SCHEDULING_POLICIES)
     choice("batching", config.batching, BATCHING_POLICIES)
+    choice("shape_order", config.shape_order, SHAPE_ORDERS)
+    if not 0 <= config.request_batch_wait_s <= 60:
+        raise ValueError(f"request_batch_wait_s must be within [0, 60] seconds, got {config.request_batch_wait_s}")
+    if config.request_batch_wait_s and config.batching != "request":
+        raise ValueError("request_batch_wait_s is the request-level policy's window: set batching='request' with it")
     choice("compile", config.compile, COMPILE_MODES)
     if config.compile_backend is not None:
         choice("compile_backend", config.compile_backend, COMPILE_BACKENDS)

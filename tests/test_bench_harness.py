@@ -6,6 +6,7 @@ import argparse
 import json
 
 import pytest
+from PIL import Image
 
 from dvllm.benchmarks.harness import add_arguments, check_contenders, main
 from dvllm.benchmarks.workloads import trace_workload
@@ -29,15 +30,38 @@ def test_a_trace_replays_against_the_three_contenders(sd_eps_path, tmp_path, cap
                       "--rounds", "2", "--slo-factor", "1000", "--output-json", str(out))) == 0
     result = json.loads(out.read_text())
     assert result["requests"] == 6 and result["solo_kinds"] == 3  # (16x16, 3, CFG), (32x32, 2, CFG), (16x16, 4)
-    assert list(result["contenders"]) == ["dvllm", "request", "serial"]
-    for name, runs in result["contenders"].items():
-        assert len(runs) == 2, name
-        for s in runs:
+    (run,) = result["runs"]
+    assert run["rate"] is None and list(run["contenders"]) == ["dvllm", "request", "serial"]
+    for name, summaries in run["contenders"].items():
+        assert len(summaries) == 2, name
+        for s in summaries:
             assert (s["completed"], s["failed"]) == (6, 0), (name, s["errors"])
             assert s["latency_p50_s"] <= s["latency_p99_s"] and 0 < s["first_step_p50_s"] <= s["latency_p99_s"]
             assert s["slo_attainment"] == 1.0  # 1000x solo: every request in bound, whoever runs it
+            assert len(s["latencies"]) == 6 and s["latencies"] == sorted(s["latencies"])
+            assert all(0 < share < 1 for share in s["slo_shares"])
+            # admitted to done is the request's time but its wait: no longer than the whole
+            assert 0 <= s["queue_p50_s"] and 0 < s["service_p50_s"] <= s["latencies"][-1]
     printed = capsys.readouterr().out
     assert "SLO 1000x solo latency (3 kinds measured alone), 2 round(s)" in printed
+
+
+@pytest.mark.slow
+def test_a_generated_trace_at_two_rates_is_the_same_requests_and_plots(sd_eps_path, tmp_path):
+    pytest.importorskip("matplotlib")
+    out, figures = tmp_path / "run.json", tmp_path / "figs"
+    assert main(_args("--model", sd_eps_path, "--device", "cpu", "--dtype", "float32", "--generate", "images",
+                      "--num", "3", "--rate", "8,inf", "--size-divisor", "8", "--contenders", "dvllm,request",
+                      "--max-image-pixels", str(128 * 128),
+                      "--output-json", str(out), "--plot-dir", str(figures))) == 0
+    result = json.loads(out.read_text())
+    assert [run["rate"] for run in result["runs"]] == [8.0, "inf"]
+    for run in result["runs"]:
+        for name, (s,) in run["contenders"].items():
+            assert (s["completed"], s["failed"]) == (3, 0), (name, s["errors"])
+    for name in ("latency_cdf.png", "goodput_vs_load.png"):
+        with Image.open(figures / name) as image:
+            assert image.width > 300 and image.height > 200
 
 
 def test_what_the_harness_refuses_it_names(tmp_path):
@@ -52,6 +76,11 @@ def test_what_the_harness_refuses_it_names(tmp_path):
         check_contenders(["dvllm", "dvllm"], specs)
     with pytest.raises(ValueError, match="give --trace FILE or --generate KIND"):
         main(_args("--model", "tiny-sd"))
-    with pytest.raises(ValueError, match="solo latencies are measured on an engine"):
+    with pytest.raises(ValueError, match="--rate is for --generate"):
+        main(_args("--model", "tiny-sd", "--trace", str(trace), "--rate", "2"))
+    for bad in ("0", "1,1", "x", "2,-1"):
+        with pytest.raises(ValueError, match="--rate: positive requests/s"):
+            main(_args("--model", "tiny-sd", "--generate", "images", "--rate", bad))
+    with pytest.raises(ValueError, match="solo latencies are measured on one"):
         main(_args("--model", "tiny-sd", "--load-format", "dummy", "--device", "cpu", "--generate", "images",
                    "--num", "2", "--contenders", "serial"))

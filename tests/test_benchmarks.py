@@ -216,21 +216,24 @@ def test_static_baseline_images_equal_dvllm(servers):
 
 def test_plot_writes_pngs(tmp_path):
     pytest.importorskip("matplotlib")
-    runs = []
-    for label, rate, p50, p95 in (("dvllm", 1.0, 0.5, 0.7), ("dvllm", 3.0, 0.6, 0.9), ("static", 1.0, 0.6, 0.8)):
-        path = tmp_path / f"{label}_{rate}.json"
-        summary = {"requests_per_s": rate * 0.9, "latency_p50_s": p50, "latency_p95_s": p95}
-        path.write_text(json.dumps({"label": label, "request_rate": rate, "summary": summary}))
-        runs.append(str(path))
+    summary = {"num_requests": 3, "latencies": [0.5, 0.7, 2.0], "slo_shares": [0.4, 0.9, 1.6], "goodput_rps": 0.5,
+               "slo_attainment": 2 / 3}
+    runs = [{"rate": rate, "contenders": {"dvllm": [summary], "request": [dict(summary, goodput_rps=0.3)]}}
+            for rate in (1.0, 2.0)]
+    result = tmp_path / "run.json"
+    result.write_text(json.dumps({"model": "tiny-sd", "requests": 3, "slo_factor": 3.0, "runs": runs}))
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"schedule": 0.001, "gather": 0.002, "forward": 0.05, "update_scatter": 0.003,
                                    "decode": 0.004, "bookkeeping": 0.0005, "note": "ignored"}))
     out = tmp_path / "figs"
-    subprocess.run([sys.executable, "benchmarks/plot.py", *runs, "--profile", str(profile), "--output-dir",
+    subprocess.run([sys.executable, "benchmarks/plot.py", str(result), "--profile", str(profile), "--output-dir",
                     str(out)], cwd=REPO, check=True, capture_output=True)
-    for name in ("latency_vs_throughput.png", "step_breakdown.png"):
+    for name in ("latency_cdf.png", "goodput_vs_load.png", "step_breakdown.png"):
         with Image.open(out / name) as image:
             assert image.width > 100 and image.height > 100
+    bad = subprocess.run([sys.executable, "benchmarks/plot.py", str(profile), "--output-dir", str(out)], cwd=REPO,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a `dvllm bench run` result" in bad.stderr
 
 
 @pytest.mark.slow

@@ -100,3 +100,37 @@ def test_batching_is_checked():
 
     with pytest.raises(ValueError, match="batching must be one of"):
         EngineConfig(batching="iteration")
+    with pytest.raises(ValueError, match="shape_order must be one of"):
+        EngineConfig(shape_order="newest")
+    with pytest.raises(ValueError, match="request-level policy's window: set batching='request'"):
+        EngineConfig(request_batch_wait_s=0.1)
+    with pytest.raises(ValueError, match=r"request_batch_wait_s must be within \[0, 60\]"):
+        EngineConfig(batching="request", request_batch_wait_s=-1)
+
+
+def test_a_batch_gathers_its_kind_for_the_window_while_the_engine_sleeps(sd_eps_path):
+    """With a window longer than the test, the first request waits until one more of its kind fills the batch
+    (max_batch_size: two CFG requests); one of another kind does not end the wait. No clock is read."""
+    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", batching="request",
+                             request_batch_wait_s=60, max_batch_size=4)
+    scheduler = engine.coordinator.cores[0].scheduler
+    try:
+        engine.add_request("first", "first", P(seed=1))
+        engine.add_request("other", "other", P(seed=2, guidance_scale=7.0))
+        for _ in range(3):
+            assert engine.step() == [] and not scheduler.running and 0 < scheduler.hold_s <= 60
+        engine.add_request("second", "second", P(seed=3))  # first's kind: the batch is full, it starts
+        outputs, batches = {}, set()
+        while len(outputs) < 2:
+            outputs.update({o.request_id: o for o in engine.step() if o.finished})
+            batches |= {frozenset(r.request_id for r in scheduler.running)} - {frozenset()}
+        assert batches == {frozenset({"first", "second"})}
+        assert engine.step() == [] and 0 < scheduler.hold_s <= 60  # other gathers in its turn
+        engine.add_request("other2", "other2", P(seed=4, guidance_scale=7.0))
+        while engine.has_unfinished_requests():
+            outputs.update({o.request_id: o for o in engine.step() if o.finished})
+            batches |= {frozenset(r.request_id for r in scheduler.running)} - {frozenset()}
+    finally:
+        engine.shutdown()
+    assert batches == {frozenset({"first", "second"}), frozenset({"other", "other2"})}
+    assert set(outputs) == {"first", "second", "other", "other2"} and all(o.error is None for o in outputs.values())

@@ -42,7 +42,7 @@ def test_admission_respects_rows_per_forward():
 
 
 def test_shape_groups_take_turns_within_a_bound():
-    s, c = make(), Clock()
+    s, c = make(shape_order="turns"), Clock()
     sizes = [16, 24, 32]
     for i in range(9):
         s.add_request(c.request(f"r{i}", steps=5 + i, size=sizes[i % 3]))
@@ -62,8 +62,31 @@ def test_shape_groups_take_turns_within_a_bound():
     assert len(last_step) == 9
 
 
-def test_a_stream_of_new_arrivals_does_not_starve_another_shape():
-    s, c = make(max_batch_size=64), Clock()
+def test_shapes_run_oldest_first_and_later_requests_of_the_running_shape_join_it():
+    s, c = make(), Clock()  # shape_order="oldest", the default
+    s.add_request(c.request("a16", steps=3, size=16))
+    s.add_request(c.request("b32", steps=2, size=32))
+    iterate(s)
+    s.add_request(c.request("c16", steps=3, size=16))  # a16's shape, after b32: joins a16's group
+    forwards = []
+    while s.has_unfinished_requests():
+        out, _ = iterate(s)
+        forwards.append(sorted(out.scheduled_ids))
+    # a16's group steps until a16 is done (c16 with it), then b32 (older than c16), then c16's last step
+    assert forwards == [["a16", "c16"], ["a16", "c16"], ["b32"], ["b32"], ["c16"]]
+
+
+def test_the_oldest_shape_goes_first_by_urgency_under_the_priority_policy():
+    s, c = make(scheduling_policy="priority"), Clock()
+    s.add_request(c.request("low", steps=2, size=16, priority=5))
+    s.add_request(c.request("urgent", steps=2, size=32, priority=-1))
+    forwards = [iterate(s)[0].scheduled_ids for _ in range(4)]
+    assert forwards == [["urgent"], ["urgent"], ["low"], ["low"]]
+
+
+@pytest.mark.parametrize("order", ["turns", "oldest"])
+def test_a_stream_of_new_arrivals_does_not_starve_another_shape(order):
+    s, c = make(max_batch_size=64, shape_order=order), Clock()
     s.add_request(c.request("lonely", steps=6, size=32))
     ran = []
     for i in range(12):
@@ -73,7 +96,10 @@ def test_a_stream_of_new_arrivals_does_not_starve_another_shape():
         if s.requests.get("lonely") is None:
             break
     assert "lonely" not in s.requests, "the 32px request must finish while 16px requests keep arriving"
-    assert all(a or b for a, b in zip(ran, ran[1:])), f"the 32px group waited two iterations in a row: {ran}"
+    if order == "turns":
+        assert all(a or b for a, b in zip(ran, ran[1:])), f"the 32px group waited two iterations in a row: {ran}"
+    else:  # the oldest: it runs first, alone, to the end
+        assert ran == [True] * 6
 
 
 def test_a_blocked_request_is_not_overtaken_by_its_own_shape():

@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (< 12 minutes on one H200): build the CUDA extension and run the
-# CUDA kernel tests, then time sd15 and sd-turbo (dvllm.benchmarks.gpu_suite), then measure how far
+# CUDA kernel tests, then time sd15 and sd-turbo (dvllm bench throughput), then measure how far
 # batching moves an image in fp16/bf16 and stress the largest step (dvllm.benchmarks.batch_invariance),
 # then step caching on flux-dev (dvllm.benchmarks.cached, through throughput --cache), then multi-LoRA
 # on sdxl: 8 adapters mixed in one batch and the step cost they add (dvllm.benchmarks.lora, throughput --loras),
-# then image editing on qwen-image-edit: dvllm, serial and static on the same edit requests at 3x what serial
-# sustains (dvllm.benchmarks.edit_sweep, one server at a time: three copies of the 20B model do not fit),
-# then the decode stage's loop stall (a thread, then decode processes on the CPU), the encode stage's (a burst of new prompts while a batch runs; a thread, then an encode process), async
-# scheduling off vs on, and the engine core in its own process against a thread (dvllm.benchmarks.loop_stall,
-# encode_stall, async_scheduling, core_process_serving, sd15 at 512x512),
+# then the decode stage's loop stall (a thread, then decode processes on the CPU), the encode stage's (a burst
+# of new prompts while a batch runs; a thread, then an encode process) and async scheduling off vs on
+# (dvllm.benchmarks.loop_stall, encode_stall, async_scheduling, sd15 at 512x512),
 # then each family's preset loaded as served, bf16/fp16 and quantized (dvllm.benchmarks.preset_load),
 # then video: Wan 2.1 1.3B at 480p, mixed frame counts and steps, dvllm vs serial vs static (video_workload),
 # then a worker group's costs on this one GPU: flux-dev's forward and its Ulysses exchanges, with the N-GPU
@@ -39,16 +37,14 @@ python=${PYTHON:-python3}
 if [ $dry = 1 ]; then
   echo "== dry run: CPU kernels and tiny-sd"
   $python -m pytest -q -x tests/test_state_ops.py -k "cpu and dtype0" -p no:cacheprovider | tail -2
-  $python -m dvllm.benchmarks.gpu_suite --dry-run --output-json "$out/gpu_suite_dry.json"
+  $python -m dvllm.benchmarks.throughput --model tiny-sd --device cpu --dtype float32 --size 16x16 --steps 3 \
+    --num-requests 4 --rounds 1 --static-batch-sizes 2,4 --output-json "$out/throughput_dry.json"
   $python -m dvllm.benchmarks.batch_invariance --dry-run --output-json "$out/batch_invariance_dry.json"
   $python -m dvllm.benchmarks.throughput --model flux-cpu --device cpu --dtype float32 --size 32x32 --steps 4 \
     --num-requests 4 --workload mixed --cache taylorseer --rounds 1 --static-batch-sizes 2 --cost-rows 4 \
     --cost-rounds 1 --output-json "$out/step_cache_dry.json"
   $python -m dvllm.benchmarks.throughput --model tiny-sd --device cpu --dtype float32 --size 16x16 --steps 2 \
     --num-requests 4 --loras 2 --rounds 1 --cost-rows 4 --cost-rounds 1 --output-json "$out/lora_dry.json"
-  $python -m dvllm.benchmarks.edit_sweep --model qwen-image-edit-cpu --device cpu --dtype float32 --size 32x32 \
-    --edit-images 1,2 --steps 2 --num-requests 2 --calibration-requests 1 --sequential \
-    --output-dir "$out/edit_dry"
   $python -m dvllm.benchmarks.loop_stall --model tiny-sd --size 32 --cohort 4 --rounds 1 --output "$out/loop_stall_dry.json"
   $python -m dvllm.benchmarks.loop_stall --model tiny-sd --size 32 --cohort 4 --rounds 1 --decode-workers 1 \
     --output "$out/loop_stall_workers_dry.json"
@@ -56,8 +52,6 @@ if [ $dry = 1 ]; then
     --output "$out/encode_stall_dry.json"
   $python -m dvllm.benchmarks.async_scheduling --model tiny-sd --size 32 --requests 6 --steps 2 --max-batch-size 4 \
     --rounds 1 --output "$out/async_scheduling_dry.json"
-  $python -m dvllm.benchmarks.core_process_serving --model tiny-sd --size 16x16 --steps 3 --concurrency 2 \
-    --num-requests 4 --rounds 1 --warmup 0 --output-json "$out/core_process_dry.json"
   $python -m dvllm.benchmarks.preset_load --dry-run --only tiny-sd --repeats 1 --output-json "$out/preset_load_dry.json"
   $python -m dvllm.benchmarks.video_workload --model wan-cpu --sizes 64x64,96x64 --frames 5,9 --steps 2,3 \
     --num-requests 4 --shorts 2 --output-json "$out/video_workload_dry.json"
@@ -71,7 +65,12 @@ else
   echo "== text encoders on the CPU, denoiser on CUDA (--encoder-device): the images of encoders on the GPU"
   $python -m pytest -q -rfEs -p no:cacheprovider tests/test_encoder_device.py -k "gpu" 2>&1 | tail -5
   echo "== timing"
-  $python -m dvllm.benchmarks.gpu_suite --output-json "$out/gpu_suite.json" 2>&1 | tee "$out/gpu_suite.txt"
+  for case in "sd15 25 7.5" "sd-turbo 1 0.0" "sd-turbo 4 0.0"; do
+    set -- $case
+    $python -m dvllm.benchmarks.throughput --model "$1" --load-format dummy --device cuda --dtype float16 \
+      --size 512x512 --steps "$2" --guidance "$3" --num-requests 32 --rounds 1 --static-batch-sizes 4,8,16,32 \
+      --output-json "$out/throughput_$1_$2.json" 2>&1 | tee "$out/throughput_$1_$2.txt"
+  done
   echo "== batching in half precision (alone vs a mixed batch of 8), and 60 s at the largest size and batch"
   $python -m dvllm.benchmarks.batch_invariance --output-json "$out/batch_invariance.json" 2>&1 \
     | tee "$out/batch_invariance.txt"
@@ -85,11 +84,6 @@ else
   $python -m dvllm.benchmarks.throughput --model sdxl --load-format dummy --device cuda --dtype float16 \
     --size 1024x1024 --steps 4 --guidance 5.0 --num-requests 8 --loras 8 --rounds 1 --cost-rows 16 \
     --cost-rounds 3 --output-json "$out/lora.json" 2>&1 | tee "$out/lora.txt"
-  echo "== image editing: qwen-image-edit (bf16, one input image of 384-512 px (under the 1 MiB body limit), each resized to ~1024x1024 for the"
-  echo "   VAE and VL encoder; 512x512 out; 8/16 steps, CFG with a negative prompt for half), Poisson at 3x serial"
-  $python -m dvllm.benchmarks.edit_sweep --model qwen-image-edit --device cuda --dtype bfloat16 --size 512x512 \
-    --edit-image-sizes 384x384,512x384,384x512 --edit-images 1 --steps 8,16 --guidance 1.0,4.0 \
-    --num-requests 12 --calibration-requests 4 --sequential --output-dir "$out/edit" 2>&1 | tee "$out/edit.txt"
   echo "== decode stage: the loop's longest gap when 16 requests finish together, on vs off (sd15, 512x512)"
   timeout 240 $python -m dvllm.benchmarks.loop_stall --model sd15 --size 512 --cohort 16 --device cuda \
     --output "$out/loop_stall.json" 2>&1 | tee "$out/loop_stall.txt" || echo "loop_stall stopped early"
@@ -105,10 +99,6 @@ else
   timeout 180 $python -m dvllm.benchmarks.async_scheduling --model sd15 --size 512 --requests 32 --steps 8 \
     --max-batch-size 8 --device cuda --output "$out/async_scheduling.json" 2>&1 | tee "$out/async_scheduling.txt" \
     || echo "async_scheduling stopped early (or its images differ)"
-  echo "== the engine core in its own process vs on the server's thread: 32 streaming clients (sd15, 512x512)"
-  timeout 300 $python -m dvllm.benchmarks.core_process_serving --model sd15 --size 512x512 --steps 10 \
-    --num-requests 64 --output-json "$out/core_process.json" 2>&1 | tee "$out/core_process.txt" \
-    || echo "core_process_serving stopped early"
   echo "== each family's preset as served (family dtype; flux-dev int8 and fp8 with T5 on the CPU): weights, pool, step"
   timeout 420 $python -m dvllm.benchmarks.preset_load --output-json "$out/preset_load.json" 2>&1 \
     | tee "$out/preset_load.txt" || echo "preset_load stopped early (its JSON keeps what was measured)"

@@ -3,20 +3,24 @@
 The contenders, all loaded from the same model with the same weights (presets: dummy weights of one seed):
 - `dvllm`: an AsyncDiffusionEngine with step-level batching;
 - `request`: the same engine with the request-level policy other servers run by default (batching="request":
-  batches of equal shape and parameters run to completion, one LoRA set a batch, a cached request alone);
+  batches of equal shape and parameters, gathered for up to --request-wait-s, run to completion, one LoRA set a
+  batch, a cached request alone);
 - `serial`: the diffusers pipeline, one request at a time (the baselines' runner, in process).
 
 The workload is a trace (`--trace FILE`, JSONL as `dvllm bench trace` writes it) or one generated here
 (`--generate images|loras|cache`). Every contender replays the same requests at the same arrival offsets; with
-several rounds the contenders' order rotates, so drift in a shared machine's load hits each alike.
+several rounds the contenders' order rotates, so drift in a shared machine's load hits each alike. A generated
+trace at several rates (`--rate 0.5,1,2`) is the same requests at each, arriving faster: goodput against load.
 
 Each request's SLO is `--slo-factor` times its solo latency: what the dvllm engine takes for that request's
 shape and parameters with nothing else running, measured once per distinct kind before the replay. Reported per
 contender: completed and failed, requests and images per second, latency p50/p95/p99, time to the first step
-(dvllm's engines: the first progress output; serial: when its pipeline call begins), SLO attainment and goodput.
+(dvllm's engines: the first progress output; serial: when its pipeline call begins), SLO attainment and goodput,
+and where a request's time went: waiting to be admitted (queue) and admitted to done (service). `--plot-dir`
+draws the latency CDFs and goodput against load (dvllm/benchmarks/plot.py).
 
-    dvllm bench run --model tiny-sd --load-format dummy --device cpu --generate images --num 40 --rate 2 \\
-        --size-divisor 16 --output-json run.json
+    dvllm bench run --model tiny-sd --load-format dummy --device cpu --generate images --num 40 --rate 1,2,4 \\
+        --size-divisor 16 --output-json run.json --plot-dir figs
 """
 from __future__ import annotations
 
@@ -43,15 +47,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--trace", help="A JSONL trace to replay (dvllm bench trace writes them).")
     run.add_argument("--generate", choices=traces.KINDS, help="Or generate one: images, loras or cache.")
     run.add_argument("--num", type=int, default=40, help="Requests of a generated trace (default: 40).")
-    run.add_argument("--rate", type=float, default=1.0, help="Its Poisson rate, requests/s (default: 1).")
+    run.add_argument("--rate", default="1", help="Its Poisson rate, requests/s; a comma list sweeps them, the same "
+                     "requests at each (default: 1).")
     run.add_argument("--size-divisor", type=int, default=8, help="Its sides divided by this (default: 8).")
     run.add_argument("--trace-seed", type=int, default=0)
     run.add_argument("--contenders", default=",".join(CONTENDERS),
-                     help=f"Comma list of {', '.join(CONTENDERS)} (default: all three).")
+                     help=f"Comma list of {', '.join(CONTENDERS)} and --engine-variant labels (default: the three).")
+    run.add_argument("--request-wait-s", type=float, default=0.05,
+                     help="The request contender's batch window (request_batch_wait_s; default: 0.05).")
+    run.add_argument("--engine-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+                     help="One more contender: the dvllm engine with these engine options changed (values as JSON "
+                          "where they parse, else strings), e.g. oldest:shape_order=oldest or "
+                          "nostage:decode_stage=false. Repeatable; name its label in --contenders.")
     run.add_argument("--rounds", type=int, default=1, help="Replays per contender, the order rotating (default: 1).")
     run.add_argument("--slo-factor", type=float, default=3.0,
                      help="A request meets its SLO within this many times its solo latency (default: 3).")
     run.add_argument("--output-json", help="Also write the results here.")
+    run.add_argument("--plot-dir", help="Draw latency_cdf.png and goodput_vs_load.png here (needs matplotlib).")
     add_engine_args(p)
 
 
@@ -60,6 +72,8 @@ class Outcome:
     latency: float | None  # send to final output, seconds; None if it failed
     first_step: float | None  # send to its first step (serial: to its pipeline call), seconds
     error: str | None
+    queue: float | None = None  # the engine's arrival to its first scheduled step (serial: to its pipeline call)
+    service: float | None = None  # first scheduled step to finished
 
 
 def params_of(spec: RequestSpec) -> Any:
@@ -88,8 +102,10 @@ class EngineContender:
                 final = out
             if final is None or final.error is not None:
                 return Outcome(None, first, final.error if final is not None else "no output")
-            return Outcome(time.perf_counter() - start, first if first is not None else time.perf_counter() - start,
-                           None)
+            latency, m = time.perf_counter() - start, final.metrics
+            service = None if m.first_scheduled_time is None or m.finished_time is None \
+                else m.finished_time - m.first_scheduled_time
+            return Outcome(latency, first if first is not None else latency, None, m.queue_time, service)
         except Exception as e:  # noqa: BLE001 - a refused request is a failed record, not a failed run
             return Outcome(None, first, f"{type(e).__name__}: {e}")
 
@@ -121,8 +137,9 @@ class SerialContender:
             await job.future
         except Exception as e:  # noqa: BLE001
             return Outcome(None, None, f"{type(e).__name__}: {e}")
+        latency = time.perf_counter() - start
         first = job.started - job.arrival if job.started is not None else None
-        return Outcome(time.perf_counter() - start, first, None)
+        return Outcome(latency, first, None, first, None if first is None else latency - first)
 
     async def close(self) -> None:
         await self.batcher.stop()
@@ -168,24 +185,82 @@ def record(i: int, spec: RequestSpec, outcome: Outcome, slo: float) -> RequestRe
                          size=spec.size, guidance=spec.guidance, sampler=spec.sampler, slo=slo)
 
 
-def load_specs(args: argparse.Namespace) -> list[RequestSpec]:
+def rates_of(text: str) -> list[float]:
+    try:
+        rates = [float(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not r > 0 for r in rates) or len(set(rates)) != len(rates):
+        raise ValueError(f"--rate: positive requests/s (inf: all at once), a comma list without repeats; got {text!r}")
+    return rates
+
+
+def load_workloads(args: argparse.Namespace) -> list[tuple[float | None, list[RequestSpec]]]:
+    """(rate, requests) per rate: a trace file once, at its own arrivals (rate None)."""
     if (args.trace is None) == (args.generate is None):
         raise ValueError("give --trace FILE or --generate KIND (one of them)")
     if args.trace is not None:
-        return trace_workload(args.trace, size="512x512", steps=20, guidance=7.5, sampler=None)
-    lines = traces.generate(args.generate, args.num, args.rate, seed=args.trace_seed, size_divisor=args.size_divisor)
-    with tempfile.TemporaryDirectory() as folder:  # read back as a trace file is, checked alike
-        path = Path(folder) / "trace.jsonl"
-        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-        return trace_workload(str(path), size="512x512", steps=20, guidance=7.5, sampler=None)
+        if args.rate != "1":
+            raise ValueError("--rate is for --generate: a trace file's requests arrive at its own offsets")
+        return [(None, trace_workload(args.trace, size="512x512", steps=20, guidance=7.5, sampler=None))]
+    workloads = []
+    for rate in rates_of(args.rate):
+        lines = traces.generate(args.generate, args.num, rate, seed=args.trace_seed, size_divisor=args.size_divisor)
+        with tempfile.TemporaryDirectory() as folder:  # read back as a trace file is, checked alike
+            path = Path(folder) / "trace.jsonl"
+            path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+            workloads.append((rate, trace_workload(str(path), size="512x512", steps=20, guidance=7.5, sampler=None)))
+    return workloads
 
 
-def check_contenders(names: list[str], specs: list[RequestSpec]) -> None:
-    unknown = [n for n in names if n not in CONTENDERS]
+def run_summary(specs: list[RequestSpec], outcomes: list[Outcome], slos: list[float], duration: float
+                ) -> dict[str, Any]:
+    records = [record(i, s, o, slo) for i, (s, o, slo) in enumerate(zip(specs, outcomes, slos))]
+    summary = summarize(records, duration, None)
+
+    def ps(values: list[float | None], *qs: int) -> list[float | None]:
+        kept = [v for v in values if v is not None]
+        return [percentile(kept, q) for q in qs]
+
+    first_p50, first_p99 = ps([o.first_step for o in outcomes], 50, 99)
+    queue_p50, queue_p99 = ps([o.queue for o in outcomes], 50, 99)
+    (service_p50,) = ps([o.service for o in outcomes], 50)
+    summary.update(first_step_p50_s=first_p50, first_step_p99_s=first_p99, queue_p50_s=queue_p50,
+                   queue_p99_s=queue_p99, service_p50_s=service_p50,
+                   latencies=sorted(round(o.latency, 4) for o in outcomes if o.latency is not None),
+                   slo_shares=sorted(round(o.latency / slo, 4) for o, slo in zip(outcomes, slos)
+                                     if o.latency is not None))  # <= 1: met
+    return summary
+
+
+def variants_of(texts: list[str]) -> dict[str, dict[str, Any]]:
+    """--engine-variant LABEL:KEY=VALUE,... -> label -> engine options (checked with the engine's, when it is built)."""
+    variants: dict[str, dict[str, Any]] = {}
+    for text in texts:
+        label, _, body = text.partition(":")
+        pairs = [item.partition("=") for item in body.split(",") if item.strip()]
+        if not label.strip() or label in CONTENDERS or label in variants or not pairs or any(not k or not eq
+                                                                                        for k, eq, _ in pairs):
+            raise ValueError(f"--engine-variant: LABEL:KEY=VALUE[,KEY=VALUE], a new label (not {list(CONTENDERS)} nor "
+                             f"one given before), got {text!r}")
+        options: dict[str, Any] = {}
+        for key, _, value in pairs:
+            try:
+                options[key.strip()] = json.loads(value)
+            except json.JSONDecodeError:
+                options[key.strip()] = value.strip()
+        variants[label.strip()] = options
+    return variants
+
+
+def check_contenders(names: list[str], specs: list[RequestSpec], variants: dict[str, dict[str, Any]] | None = None
+                     ) -> None:
+    known = [*CONTENDERS, *(variants or {})]
+    unknown = [n for n in names if n not in known]
     if unknown or not names or len(set(names)) != len(names):
-        raise ValueError(f"--contenders: a comma list of {list(CONTENDERS)} without repeats, got {names}")
-    if "dvllm" not in names and "request" not in names:
-        raise ValueError("--contenders must include dvllm or request: solo latencies are measured on an engine")
+        raise ValueError(f"--contenders: a comma list of {known} without repeats, got {names}")
+    if names == ["serial"]:
+        raise ValueError("--contenders must include an engine: solo latencies are measured on one")
     if "serial" in names and any(s.loras or s.cache != SERVER_DEFAULT for s in specs):
         raise ValueError("the serial contender runs no LoRA or step-cache requests yet: leave it out of "
                          "--contenders for this trace")
@@ -195,13 +270,19 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
     from dvllm.engine.async_engine import AsyncDiffusionEngine
     from dvllm.entrypoints.cli_args import engine_kwargs
 
-    specs = load_specs(args)
+    if args.plot_dir:
+        from dvllm.benchmarks.plot import pyplot
+
+        pyplot()  # before the run, not after it: matplotlib missing is said at once
+    workloads = load_workloads(args)
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
-    check_contenders(names, specs)
+    variants = variants_of(args.engine_variant)
+    check_contenders(names, workloads[0][1], variants)
     if args.rounds < 1 or not args.slo_factor > 0:
         raise ValueError("--rounds must be at least 1 and --slo-factor positive")
     kwargs = engine_kwargs(args)
     contenders: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
     try:
         for name in names:
             if name == "serial":
@@ -212,42 +293,45 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
                                                 dummy_weight_seed=kwargs["dummy_weight_seed"])
                 contenders[name] = SerialContender(runner, worker)
             else:
-                engine = AsyncDiffusionEngine(**{**kwargs, "batching": "step" if name == "dvllm" else "request"})
+                options = variants.get(name, {"batching": "step"} if name == "dvllm" else
+                                       {"batching": "request", "request_batch_wait_s": args.request_wait_s})
+                engine = AsyncDiffusionEngine(**{**kwargs, "batching": "step", **options})
                 engine.start()
                 contenders[name] = EngineContender(name, engine)
-        reference = contenders.get("dvllm") or contenders["request"]
-        solos = await solo_latencies(reference, specs)
-        slos = [args.slo_factor * solos[solo_key(s)] for s in specs]
-        results: dict[str, Any] = {name: [] for name in names}
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                outcomes, duration = await replay(contenders[name], specs, r)
-                records = [record(i, s, o, slo) for i, (s, o, slo) in enumerate(zip(specs, outcomes, slos))]
-                summary = summarize(records, duration, None)
-                firsts = [o.first_step for o in outcomes if o.first_step is not None]
-                summary.update(first_step_p50_s=percentile(firsts, 50), first_step_p99_s=percentile(firsts, 99))
-                results[name].append(summary)
+        reference = contenders.get("dvllm") or next(c for c in contenders.values() if c.name != "serial")
+        solos = await solo_latencies(reference, [s for _, specs in workloads for s in specs])
+        for rate, specs in workloads:
+            slos = [args.slo_factor * solos[solo_key(s)] for s in specs]
+            results: dict[str, Any] = {name: [] for name in names}
+            for r in range(args.rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    outcomes, duration = await replay(contenders[name], specs, r)
+                    results[name].append(run_summary(specs, outcomes, slos, duration))
+            runs.append({"rate": rate, "contenders": results})
     finally:
         for contender in contenders.values():
             await contender.close()
-    return {"model": args.model, "requests": len(specs), "slo_factor": args.slo_factor, "rounds": args.rounds,
-            "solo_kinds": len(solos), "contenders": results}
+    return {"model": args.model, "requests": len(workloads[0][1]), "slo_factor": args.slo_factor,
+            "rounds": args.rounds, "solo_kinds": len(solos), "runs": runs}
 
 
 def format_results(result: dict[str, Any]) -> str:
     lines = [f"{result['requests']} requests on {result['model']}, SLO {result['slo_factor']:g}x solo latency "
              f"({result['solo_kinds']} kinds measured alone), {result['rounds']} round(s):"]
-    header = f"  {'contender':<10}{'ok/failed':>10}{'req/s':>8}{'p50 s':>8}{'p95 s':>8}{'p99 s':>8}" \
-             f"{'1st step p50':>13}{'SLO met':>9}{'goodput':>9}"
-    lines.append(header)
-    for name, runs in result["contenders"].items():
-        for s in runs:
-            def f(v: float | None, d: int = 2) -> str:
-                return "n/a" if v is None else f"{v:.{d}f}"
-            lines.append(f"  {name:<10}{s['completed']:>5}/{s['failed']:<4}{f(s['requests_per_s']):>8}"
-                         f"{f(s['latency_p50_s']):>8}{f(s['latency_p95_s']):>8}{f(s['latency_p99_s']):>8}"
-                         f"{f(s['first_step_p50_s']):>13}{f(100 * (s['slo_attainment'] or 0), 0) + '%':>9}"
-                         f"{f(s['goodput_rps']):>9}")
+    lines.append(f"  {'rate':>5} {'contender':<10}{'ok/failed':>10}{'req/s':>8}{'p50 s':>8}{'p95 s':>8}{'p99 s':>8}"
+                 f"{'1st step':>9}{'queue':>7}{'service':>8}{'SLO met':>8}{'goodput':>8}")
+
+    def f(v: float | None, d: int = 2) -> str:
+        return "n/a" if v is None else f"{v:.{d}f}"
+
+    for run in result["runs"]:
+        rate = "trace" if run["rate"] is None else f"{run['rate']:g}"
+        for name, summaries in run["contenders"].items():
+            for s in summaries:
+                lines.append(f"  {rate:>5} {name:<10}{s['completed']:>5}/{s['failed']:<4}{f(s['requests_per_s']):>8}"
+                             f"{f(s['latency_p50_s']):>8}{f(s['latency_p95_s']):>8}{f(s['latency_p99_s']):>8}"
+                             f"{f(s['first_step_p50_s']):>9}{f(s['queue_p50_s']):>7}{f(s['service_p50_s']):>8}"
+                             f"{f(100 * (s['slo_attainment'] or 0), 0) + '%':>8}{f(s['goodput_rps']):>8}")
     return "\n".join(lines)
 
 
@@ -256,4 +340,9 @@ def main(args: argparse.Namespace) -> int:
     print(format_results(result))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(json_safe(result), indent=2) + "\n")
+    if args.plot_dir:
+        from dvllm.benchmarks.plot import plot_run
+
+        for path in plot_run(result, args.plot_dir):
+            print(path)
     return 0

@@ -1,86 +1,98 @@
 """Figures from benchmark JSON files, as PNG.
 
-    python benchmarks/plot.py benchmarks/results/sweep/*.json --output-dir benchmarks/results
+    python benchmarks/plot.py run.json --output-dir benchmarks/results           # a `dvllm bench run` result
     python benchmarks/plot.py --profile profile.json --output-dir benchmarks/results
 
-Serving JSONs (benchmark_serving.py / `dvllm bench serve` --output-json): latency p50 and p95 against
-throughput, one line per engine (the JSON's label), one point per run, ordered by request rate ->
-latency_vs_throughput.png. Profile JSONs: phase -> seconds (e.g. {"schedule": .., "gather": ..,
-"forward": .., "update_scatter": .., "decode": .., "bookkeeping": ..}; non-numeric entries are
-skipped, "num_steps"/"steps" divides into per-step times), dvllm.profiler's breakdown, or a
+A `dvllm bench run` result (--output-json) -> latency_cdf.png (each contender's latency CDF, and the same as a
+share of each request's SLO, at each rate) and, with several rates, goodput_vs_load.png (requests/s finishing
+within their SLO, and the share that did, against the offered rate). Profile JSONs: phase -> seconds (e.g.
+{"schedule": .., "gather": .., "forward": .., "update_scatter": .., "decode": .., "bookkeeping": ..}; non-numeric
+entries are skipped, "num_steps"/"steps" divides into per-step times), dvllm.profiler's breakdown, or a
 benchmark_throughput.py --profile --output-json file -> step_breakdown.png, one stacked bar per file.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-from collections import defaultdict
 from typing import Any
 
 _COUNT_KEYS = ("num_steps", "steps")
 _NOT_PHASES = {*_COUNT_KEYS, "total_seconds", "share_outside_forward"}
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib
     except ModuleNotFoundError:
-        raise SystemExit("plot.py needs matplotlib: pip install 'dvllm[bench]' (or pip install matplotlib)") from None
+        raise ValueError("plots need matplotlib: pip install 'dvllm[bench]' (or pip install matplotlib)") from None
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
     return plt
 
 
-def load_runs(paths: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """label -> serving runs, ordered by offered load (inf last)."""
-    runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for path in paths:
-        with open(path) as f:
-            data = json.load(f)
-        if "summary" not in data:
-            raise ValueError(f"{path} is not a serving benchmark JSON (no 'summary')")
-        runs[data.get("label") or os.path.basename(path)].append(data)
-    for label in runs:
-        runs[label].sort(key=lambda d: float(d.get("request_rate", math.inf)))
-    return dict(runs)
+def _rate_label(rate: float | None) -> str:
+    return "the trace's arrivals" if rate is None else f"{rate:g} req/s"
 
 
-def plot_latency_throughput(runs: dict[str, list[dict[str, Any]]], path: str, title: str | None = None,
-                            x_key: str = "requests_per_s") -> str:
-    plt = _pyplot()
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for label, items in sorted(runs.items()):
-        xs = [d["summary"][x_key] or 0.0 for d in items]
-        for ax, q in zip(axes, ("p50", "p95")):
-            ys = [d["summary"][f"latency_{q}_s"] for d in items]
-            line, = ax.plot(xs, ys, marker="o", label=label)
-            for x, y, d in zip(xs, ys, items):  # the offered load, next to each point
-                if y is not None and d.get("request_rate") not in (None, "inf"):
-                    ax.annotate(f"{float(d['request_rate']):g}/s", (x, y), textcoords="offset points",
-                                xytext=(4, 4), fontsize=7, color=line.get_color())
-    plain = FuncFormatter(lambda v, _: f"{v:g}")
-    for ax, q in zip(axes, ("p50", "p95")):
-        ax.set_title(f"latency {q}")
-        ax.set_xlabel("throughput (completed requests/s; labels: offered load)" if x_key == "requests_per_s"
-                      else x_key)
-        ax.grid(True, alpha=0.3)
-        ax.set_yscale("log")
-        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(NullFormatter())
-    axes[0].set_ylabel("latency (s, log scale)")
-    axes[1].legend()
-    if title:
-        fig.suptitle(title)
+def plot_run(result: dict[str, Any], output_dir: str) -> list[str]:
+    """A `dvllm bench run` result's figures; returns their paths. Each contender's rounds are pooled."""
+    if "runs" not in result:
+        raise ValueError("not a `dvllm bench run` result (no 'runs')")
+    plt = pyplot()
+    os.makedirs(output_dir, exist_ok=True)
+    runs = result["runs"]
+    fig, axes = plt.subplots(2, len(runs), figsize=(4.2 * len(runs), 7), squeeze=False)
+    for column, run in enumerate(runs):
+        for row, (key, label) in enumerate((("latencies", "latency (s)"), ("slo_shares", "latency / SLO"))):
+            ax = axes[row][column]
+            for name, summaries in run["contenders"].items():
+                values = sorted(v for s in summaries for v in s[key])
+                total = sum(s["num_requests"] for s in summaries)  # failed requests never reach 1
+                if values:
+                    ax.step(values, [(i + 1) / total for i in range(len(values))], where="post", label=name)
+            if key == "slo_shares":
+                ax.axvline(1.0, color="gray", linestyle="--", linewidth=0.8)
+            ax.set_xlabel(label)
+            ax.set_ylim(0, 1.02)
+            ax.grid(True, alpha=0.3)
+            if column == 0:
+                ax.set_ylabel("share of requests")
+            if row == 0:
+                ax.set_title(_rate_label(run["rate"]))
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"{result['requests']} requests on {result['model']}: latency CDF (SLO {result['slo_factor']:g}x "
+                 "solo)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    paths = [os.path.join(output_dir, "latency_cdf.png")]
+    fig.savefig(paths[0], dpi=110)
     plt.close(fig)
-    return path
+    rated = [run for run in runs if run["rate"] is not None]
+    if len(rated) > 1:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+        for name in rated[0]["contenders"]:
+            rates = [run["rate"] for run in rated]
+            goodput = [_mean(s["goodput_rps"] for s in run["contenders"][name]) for run in rated]
+            met = [_mean(100 * (s["slo_attainment"] or 0) for s in run["contenders"][name]) for run in rated]
+            left.plot(rates, goodput, marker="o", label=name)
+            right.plot(rates, met, marker="o", label=name)
+        left.set(xlabel="offered load (req/s)", ylabel="goodput (req/s within SLO)")
+        right.set(xlabel="offered load (req/s)", ylabel="requests within SLO (%)", ylim=(0, 102))
+        for ax in (left, right):
+            ax.grid(True, alpha=0.3)
+        left.legend(fontsize=8)
+        fig.suptitle(f"{result['model']}: goodput against load (SLO {result['slo_factor']:g}x solo)")
+        fig.tight_layout()
+        paths.append(os.path.join(output_dir, "goodput_vs_load.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def _mean(values: Any) -> float | None:
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
 
 
 def load_profile(path: str) -> dict[str, float]:
@@ -110,7 +122,7 @@ def _number(value: Any) -> bool:
 
 
 def plot_breakdown(profiles: dict[str, dict[str, float]], path: str, title: str | None = None) -> str:
-    plt = _pyplot()
+    plt = pyplot()
     phases = list(dict.fromkeys(p for prof in profiles.values() for p in prof))
     labels = list(profiles)
     fig, ax = plt.subplots(figsize=(9, 1.8 + 0.6 * len(labels)))
@@ -138,19 +150,23 @@ def plot_breakdown(profiles: dict[str, dict[str, float]], path: str, title: str 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="*", help="Serving benchmark JSON files (one engine per label).")
+    p.add_argument("runs", nargs="*", help="`dvllm bench run` result JSON files (their figures go to one folder "
+                   "each, named after the file, when there are several).")
     p.add_argument("--profile", nargs="*", default=[], help="Profile JSON files (phase -> seconds).")
     p.add_argument("--output-dir", default="benchmarks/results")
-    p.add_argument("--name", default="latency_vs_throughput.png", help="File name of the latency figure.")
-    p.add_argument("--title")
     args = p.parse_args(argv)
     if not args.runs and not args.profile:
-        p.error("give serving JSON files and/or --profile files")
-    os.makedirs(args.output_dir, exist_ok=True)
+        p.error("give `dvllm bench run` JSON files and/or --profile files")
     try:
-        if args.runs:
-            print(plot_latency_throughput(load_runs(args.runs), os.path.join(args.output_dir, args.name), args.title))
+        for path in args.runs:
+            with open(path) as f:
+                result = json.load(f)
+            name = os.path.splitext(os.path.basename(path))[0]
+            for figure in plot_run(result, args.output_dir if len(args.runs) == 1
+                                   else os.path.join(args.output_dir, name)):
+                print(figure)
         if args.profile:
+            os.makedirs(args.output_dir, exist_ok=True)
             profiles = {os.path.splitext(os.path.basename(f))[0]: load_profile(f) for f in args.profile}
             print(plot_breakdown(profiles, os.path.join(args.output_dir, "step_breakdown.png")))
     except (ValueError, KeyError, OSError) as e:

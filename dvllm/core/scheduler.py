@@ -3,9 +3,12 @@
 There are no phases. A request is admitted when its shape group has rows free in a
 forward and the state pool has blocks for it; it takes one denoising step in each
 iteration its group is picked, and leaves as soon as its counter reaches its step
-count. Groups (latent shapes) take turns: the group holding the request that waited
-longest since its last step goes next, so with G groups no running request waits
-more than G - 1 iterations for a step.
+count. One group (latent shape) steps at a time: with shape_order="oldest" (the
+default) the group holding the most urgent request (the earliest, under fcfs), so
+shapes run one after another as a request-level server's batches do, later requests
+of the running shape joining it; with "turns" the group holding the request that
+waited longest since its last step, so with G groups no running request waits more
+than G - 1 iterations for a step (shapes share the device: each finishes later).
 
 With scheduling_policy="priority", a request that cannot be admitted for lack of
 rows or blocks preempts less urgent running ones: their state is swapped to the
@@ -17,7 +20,8 @@ turns preempting each other.
 
 With batching="request", the scheduler runs the request-level policy instead, to compare the two on the same
 kernels: while a batch runs nothing is admitted; when it ends, the most urgent waiting request and those with its
-batch key (request_batch_key) are admitted together and run to completion.
+batch key (request_batch_key) are admitted together and run to completion, after waiting up to
+request_batch_wait_s for more of them (the engine sleeps meanwhile: `hold_s`).
 
 With group_policy="elastic" (a worker group), deadlines count: a running request whose remaining steps would end
 after its deadline at the present pace (each of its steps waiting for a step of every shape's ready rows, at the
@@ -49,6 +53,10 @@ class Scheduler:
         self.input_images_per_step = config.max_input_images_per_step
         self.by_priority = config.scheduling_policy == "priority"
         self.request_level = config.batching == "request"
+        self.oldest_first = config.shape_order == "oldest"
+        self.batch_wait = config.request_batch_wait_s
+        self.max_batch_size = config.max_batch_size
+        self.hold_s = 0.0  # batching=request: how much longer the next batch gathers (the engine sleeps meanwhile)
         self.aging = config.priority_aging_iterations
         self.blocks = block_manager
         self.lora_slots = LoraSlots(config.max_loras)
@@ -161,6 +169,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.iteration += 1
         out = SchedulerOutput(iteration=self.iteration)
+        self.hold_s = 0.0
         self._admit(out)
         if self.ahead is not None:  # those left waiting behind a running batch: their texts, to the encode stage
             waiting = sorted(self.waiting, key=self.urgency) if self.running or self.ahead.always else []
@@ -209,6 +218,8 @@ class Scheduler:
             if self.running or not self.waiting:
                 return  # the running batch runs to completion: nothing joins it
             batch_key = request_batch_key(self.waiting[0])
+            if self._gathering(batch_key):
+                return
         for request in list(self.waiting):  # requests preempted below join the queue after this pass
             if batch_key is not None and request_batch_key(request) != batch_key:
                 continue
@@ -244,6 +255,14 @@ class Scheduler:
                 images_budget -= images
                 admitted_new = True
             self._admit_one(request, out)
+
+    def _gathering(self, key: tuple) -> bool:
+        """batching=request with a window: the head's batch waits for more of its kind until request_batch_wait_s
+        after the head arrived, or until its rows fill a batch."""
+        waited = time.time() - self.waiting[0].arrival_time
+        rows = sum(r.rows for r in self.waiting if request_batch_key(r) == key)
+        self.hold_s = self.batch_wait - waited if waited < self.batch_wait and rows < self.max_batch_size else 0.0
+        return self.hold_s > 0
 
     def _chars_to_encode(self, request: Request) -> int:
         """Characters of its texts that admission would have the worker encode (prompt-cache misses)."""
@@ -383,6 +402,9 @@ class Scheduler:
             self.pace.late_steps += 1
             first = min(late, key=lambda r: r.deadline_time)
             return [r for r in late if r.shape_key == first.shape_key]
+
+        if self.oldest_first:
+            return min(groups.values(), key=lambda group: min(self.urgency(r) for r in group))
 
         def staleness(group: list[Request]) -> tuple:
             return (min(r.last_scheduled for r in group), -sum(r.rows for r in group),

@@ -22,6 +22,10 @@ from dvllm.executor.base import Executor
 from dvllm.outputs import RequestOutput
 from dvllm.profiler import PhaseTimer
 
+# A gathering request-level batch: the engine sleeps this long at most before it looks again (new requests come in
+# between, and may fill the batch)
+HOLD_SLICE_S = 0.005
+
 
 @dataclass(eq=False)
 class EngineCore:
@@ -75,7 +79,10 @@ class EngineCore:
 
     def schedule(self) -> SchedulerOutput:
         with self.timer.phase("schedule"):
-            return self.scheduler.schedule()
+            sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and self.scheduler.hold_s > 0:  # a request-level batch gathering: sleep, not spin
+            time.sleep(min(self.scheduler.hold_s, HOLD_SLICE_S))
+        return sched_out
 
     def update(self, sched_out: SchedulerOutput, result: RunnerOutput, seconds: float | None = None) -> list[RequestOutput]:
         """The scheduler's update from the step's result, and the step counted in the worker's statistics

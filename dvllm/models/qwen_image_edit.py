@@ -179,7 +179,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     def padded_denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                        layout: BatchLayout) -> torch.Tensor:
-        """Every row in one call, whatever its image count (benchmarks/edit_padding.py measures it)."""
+        """Every row in one call, whatever its image count (benchmarks/README.md: padded against grouped)."""
         return self._call(latents, timesteps, conditions, [self._shapes(g, layout.image_size) for g in layout.row_grids],
                           list(layout.row_text_lengths), padded=True)
 
