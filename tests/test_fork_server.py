@@ -97,7 +97,9 @@ def test_children_die_with_who_asked_for_them_and_all_with_the_owner():
     owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, env=env)
     try:
         middle, grandchild, other = map(int, owner.stdout.readline().split())
-        assert process_name(grandchild) == "fork-grandchild" and process_name(middle) == "fork-middle"
+        # (a child names itself once forked, maybe after its pid reached who asked for it)
+        _wait_for(lambda: process_name(grandchild) == "fork-grandchild" and process_name(middle) == "fork-middle",
+                  "the children to name themselves")
         (server,) = [p for p in children_of(owner.pid) if process_name(p) == "dvllm-fork"]
         os.kill(middle, signal.SIGKILL)
         _wait_for(lambda: zombie(grandchild), "the grandchild to die with the child that asked for it")
