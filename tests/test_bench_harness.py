@@ -8,7 +8,7 @@ import json
 import pytest
 from PIL import Image
 
-from dvllm.benchmarks.harness import add_arguments, check_contenders, main
+from dvllm.benchmarks.harness import add_arguments, check_contenders, main, variants_of
 from dvllm.benchmarks.workloads import trace_workload
 
 
@@ -47,18 +47,20 @@ def test_a_trace_replays_against_the_three_contenders(sd_eps_path, tmp_path, cap
 
 
 @pytest.mark.slow
-def test_a_generated_trace_at_two_rates_is_the_same_requests_and_plots(sd_eps_path, tmp_path):
+def test_a_generated_lora_trace_at_two_rates_is_the_same_requests_and_plots(sd_eps_path, tmp_path):
+    """Random adapters for the trace's LoRA names, served by the engines and by the serial pipeline alike."""
     pytest.importorskip("matplotlib")
     out, figures = tmp_path / "run.json", tmp_path / "figs"
-    assert main(_args("--model", sd_eps_path, "--device", "cpu", "--dtype", "float32", "--generate", "images",
-                      "--num", "3", "--rate", "8,inf", "--size-divisor", "8", "--contenders", "dvllm,request",
-                      "--max-image-pixels", str(128 * 128),
+    assert main(_args("--model", sd_eps_path, "--device", "cpu", "--dtype", "float32", "--generate", "loras",
+                      "--num", "2", "--rate", "8,inf", "--size-divisor", "8", "--random-loras", "4",
+                      "--max-image-pixels", str(128 * 128), "--trace-seed", "1",
                       "--output-json", str(out), "--plot-dir", str(figures))) == 0
     result = json.loads(out.read_text())
     assert [run["rate"] for run in result["runs"]] == [8.0, "inf"]
     for run in result["runs"]:
+        assert list(run["contenders"]) == ["dvllm", "request", "serial"]
         for name, (s,) in run["contenders"].items():
-            assert (s["completed"], s["failed"]) == (3, 0), (name, s["errors"])
+            assert (s["completed"], s["failed"]) == (2, 0), (name, s["errors"])
     for name in ("latency_cdf.png", "goodput_vs_load.png"):
         with Image.open(figures / name) as image:
             assert image.width > 300 and image.height > 200
@@ -68,12 +70,16 @@ def test_what_the_harness_refuses_it_names(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text(json.dumps({"prompt": "x", "loras": {"style": 1.0}}) + "\n")
     specs = trace_workload(str(trace), size="16x16", steps=2, guidance=1.0, sampler=None)
-    with pytest.raises(ValueError, match="serial contender runs no LoRA or step-cache requests yet"):
-        check_contenders(["dvllm", "serial"], specs)
     with pytest.raises(ValueError, match="a comma list of"):
         check_contenders(["dvllm", "static"], specs)
     with pytest.raises(ValueError, match="a comma list of"):
         check_contenders(["dvllm", "dvllm"], specs)
+    variants = variants_of(["oldest:shape_order=oldest", "small:max_batch_size=4,decode_stage=false"])
+    assert variants == {"oldest": {"shape_order": "oldest"}, "small": {"max_batch_size": 4, "decode_stage": False}}
+    check_contenders(["small", "serial"], specs, variants)
+    for bad in ("dvllm:max_batch_size=4", "x", "x:", "x:max_batch_size", "oldest:a=1"):
+        with pytest.raises(ValueError, match="--engine-variant: LABEL:KEY=VALUE"):
+            variants_of(["oldest:shape_order=oldest", bad])
     with pytest.raises(ValueError, match="give --trace FILE or --generate KIND"):
         main(_args("--model", "tiny-sd"))
     with pytest.raises(ValueError, match="--rate is for --generate"):
@@ -84,3 +90,49 @@ def test_what_the_harness_refuses_it_names(tmp_path):
     with pytest.raises(ValueError, match="solo latencies are measured on one"):
         main(_args("--model", "tiny-sd", "--load-format", "dummy", "--device", "cpu", "--generate", "images",
                    "--num", "2", "--contenders", "serial"))
+
+
+@pytest.mark.slow
+def test_the_serial_baseline_runs_each_requests_loras_as_the_engine_does(sd_eps_path, tmp_path):
+    """diffusers' way (load_lora_weights once, set_adapters per call, LoRA off for a request with none) gives the
+    engine's image for each request, whatever the request before it used."""
+    import asyncio
+
+    import numpy as np
+    from conftest import tiny_sd_pipeline
+    from lora_utils import make_lora
+
+    from dvllm import DiffusionEngine, SamplingParams
+    from dvllm.benchmarks.baselines.runner import Job, PipelineRunner
+
+    adapters = {"style": make_lora(tiny_sd_pipeline(), str(tmp_path / "style"), seed=5),
+                "ink": make_lora(tiny_sd_pipeline(), str(tmp_path / "ink"), seed=6)}
+    runner = PipelineRunner(sd_eps_path, device="cpu", dtype="float32", lora_modules=adapters)
+    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", lora_modules=adapters)
+    loop = asyncio.new_event_loop()
+    try:
+        for i, loras in enumerate([{"style": 0.7}, {"style": 0.3, "ink": -0.5}, None]):
+            params = SamplingParams(num_inference_steps=3, height=16, width=16, seed=i, loras=loras)
+            (image,) = runner.run([Job("a cat", runner.resolve(params), loop.create_future())])[0]
+            want = engine.generate("a cat", params, use_tqdm=False)[0].images[0]
+            diff = np.abs(np.asarray(image, dtype=np.int16) - np.asarray(want, dtype=np.int16))
+            assert diff.max() <= 1, (loras, diff.max())  # PIL images: the same up to a rounding
+    finally:
+        loop.close()
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_a_cache_trace_replays_on_the_serial_pipeline_too(flux_path, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    lines = [{"prompt": "p0", "size": "16x16", "steps": 4, "guidance": 3.5, "seed": 0},
+             {"prompt": "p1", "size": "16x16", "steps": 4, "guidance": 3.5, "seed": 1,
+              "cache": {"method": "first_block", "threshold": 0.2}},
+             {"prompt": "p2", "size": "16x16", "steps": 4, "guidance": 3.5, "seed": 2,
+              "cache": {"method": "taylorseer", "cache_interval": 2, "max_order": 1}}]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "run.json"
+    assert main(_args("--model", flux_path, "--device", "cpu", "--dtype", "float32", "--trace", str(trace),
+                      "--contenders", "dvllm,serial", "--slo-factor", "1000", "--output-json", str(out))) == 0
+    for name, (s,) in json.loads(out.read_text())["runs"][0]["contenders"].items():
+        assert (s["completed"], s["failed"]) == (3, 0), (name, s["errors"])

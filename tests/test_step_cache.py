@@ -225,7 +225,7 @@ def test_sd3_taylorseer_equals_diffusers_hook_applied_directly(sd3_path):
     context (the cached benchmark's baseline): dvllm's cached SD3, alone and batched, equals it."""
     from diffusers import StableDiffusion3Pipeline
 
-    from dvllm.benchmarks.cached import diffusers_cache
+    from dvllm.benchmarks.baselines.pipeline_options import diffusers_cache
 
     cache = {"method": "taylorseer", "cache_interval": 3, "disable_cache_before_step": 2}
     params = P(num_inference_steps=10, guidance_scale=3.5, seed=5, height=16, width=16, output_type="np", cache=cache)

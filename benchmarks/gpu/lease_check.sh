@@ -6,6 +6,11 @@
 #      guidance 8.0), Offline then Server, short runs: their summaries' samples/s, queries/s and p99 beside MLPerf
 #      v5.0's published 2.37 samples/s and 2.29 queries/s a GPU (8x H200, TensorRT). Needs mlcommons-loadgen in
 #      .whl/ (cp312 manylinux wheel, as the others)
+#   0b. the LoRA trace (issue 49): sdxl (dummy weights, fp16) at 256-512 px, 16 requests of 0-3 random rank-16
+#      adapters each (Zipf popularity over the trace's pool) at 1 and 4 requests/s: dvllm vs its request-level
+#      policy vs the pipeline serially (set_adapters per request): goodput at 3x solo latency, p50/p99
+#   0c. step caching under load (issue 49): flux-dev (dummy, bf16) at 256-512 px, 12 DiffusionDB-shaped requests
+#      at 1 request/s: dvllm, dvllm with first_block (0.08) for every request, the request-level policy
 #   1. video (issue 29): wan2.1-t2v-1.3b at 832x480 and 480x480, dvllm vs serial vs static (video_workload); its
 #      engine builds the CUDA kernels (Hopper only, TORCH_CUDA_ARCH_LIST=9.0) for the steps after it
 #   1b. the same with dvllm's max_running_pixels at one CFG 832x480 clip of 33 frames: requests run in turn
@@ -19,8 +24,8 @@
 #
 #   benchmarks/gpu/lease_check.sh [--out DIR] [--budget SECONDS] [--only STEP,STEP] [--dry-run]
 #
-# --only runs just the named steps (loadgen, video, video_turns, kernel_errors, graphs, kernels, sd, group), in the
-# order above.
+# --only runs just the named steps (loadgen, loras, cache, video, video_turns, kernel_errors, graphs, kernels, sd,
+# group), in the order above.
 #
 # Wheels the machine lacks (diffusers and its small needs) travel in .whl/ as run_suite.sh says.
 # --dry-run runs the same steps on the CPU at tiny sizes (the presets' CPU cousins).
@@ -67,6 +72,13 @@ if [ $dry = 1 ]; then
   step loadgen 90 $python -m dvllm.entrypoints.cli bench loadgen --model tiny-sd --load-format dummy --device cpu \
     --dtype float32 --size 32x32 --steps 4 --num-samples 64 --scenario Offline --min-duration-s 5 \
     --offline-expected-qps 4 --output-dir "$out/loadgen" --output-json "$out/loadgen.json"
+  step loras 120 $python -m dvllm.entrypoints.cli bench run --model tiny-sd --load-format dummy --device cpu \
+    --dtype float32 --generate loras --num 3 --rate 2 --size-divisor 8 --random-loras 4 --trace-seed 1 \
+    --max-image-pixels 16384 --output-json "$out/loras.json"
+  step cache 120 $python -m dvllm.entrypoints.cli bench run --model flux-cpu --load-format dummy --device cpu \
+    --dtype float32 --generate images --num 3 --rate 2 --size-divisor 4 --trace-seed 1 --max-image-pixels 65536 \
+    --contenders dvllm,cached,request --engine-variant cached:default_cache=first_block:threshold=0.08 \
+    --output-json "$out/cache.json"
   step video 120 $python -m dvllm.benchmarks.video_workload --model wan-cpu --sizes 64x64,96x64 --frames 5,9 \
     --steps 2,3 --num-requests 4 --shorts 2 --output-json "$out/video_workload.json"
   step video_turns 120 $python -m dvllm.benchmarks.video_workload --model wan-cpu --sizes 64x64,96x64 --frames 5,9 \
@@ -85,6 +97,12 @@ fi
 step loadgen 200 $python -m dvllm.entrypoints.cli bench loadgen --model sdxl --load-format dummy --device cuda \
   --dtype bfloat16 --num-samples 500 --scenario Offline,Server --min-duration-s 45 --offline-expected-qps 2 \
   --server-target-qps 1.5 --output-dir "$out/loadgen" --output-json "$out/loadgen.json"
+step loras 200 $python -m dvllm.entrypoints.cli bench run --model sdxl --load-format dummy --device cuda \
+  --dtype float16 --generate loras --num 16 --rate 1,4 --size-divisor 2 --random-loras 16 --max-loras 8 \
+  --output-json "$out/loras.json"
+step cache 200 $python -m dvllm.entrypoints.cli bench run --model flux-dev --load-format dummy --device cuda \
+  --dtype bfloat16 --generate images --num 12 --rate 1 --size-divisor 2 --contenders dvllm,cached,request \
+  --engine-variant cached:default_cache=first_block:threshold=0.08 --output-json "$out/cache.json"
 step video 280 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3b --device cuda --dtype bfloat16 \
   --sizes 832x480,480x480 --frames 17,33 --steps 8,12 --guidance 1.0,5.0 --num-requests 6 --shorts 2 \
   --output-json "$out/video_workload.json"

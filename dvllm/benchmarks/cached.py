@@ -23,12 +23,13 @@ import argparse
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import diffusers
 import torch
 
+from dvllm.benchmarks.baselines.pipeline_options import diffusers_cache, diffusers_cache_unsupported
 from dvllm.benchmarks.throughput import Job, _machine, _timed, make_engine, make_jobs, static_batches
 from dvllm.sampling_params import SamplingParams
 from dvllm.step_cache import CacheConfig, parse_cache_flag
@@ -61,40 +62,6 @@ def step_cost(args: argparse.Namespace, steps: int = 8) -> dict[str, float]:
     full = statistics.median(times[0])
     result = {f"{rows - k}/{rows} rows compute": statistics.median(times[k]) / full for k in shares}
     return result | {"full_step_ms": 1000 * full}
-
-
-def diffusers_cache_unsupported(transformer: torch.nn.Module, config: CacheConfig) -> str | None:
-    """Why diffusers cannot run this cache on this transformer; None when it can."""
-    if hasattr(transformer, "enable_cache"):
-        return None
-    if type(transformer).__name__ == "SD3Transformer2DModel" and config.method == "taylorseer":
-        return None
-    return (f"diffusers' {config.method} cache does not run on {type(transformer).__name__} (it has no "
-            f"enable_cache, and this benchmark knows no direct use of diffusers' hooks that runs on it)")
-
-
-@contextlib.contextmanager
-def diffusers_cache(transformer: torch.nn.Module, config: CacheConfig) -> Iterator[None]:
-    """diffusers' own cache on the transformer for the span: enable_cache where it has one, otherwise
-    (SD3 TaylorSeer) diffusers' hook applied directly inside a cache context, removed after."""
-    if hasattr(transformer, "enable_cache"):
-        transformer.enable_cache(config.diffusers_config())
-        try:
-            yield
-        finally:
-            transformer.disable_cache()
-        return
-    from diffusers.hooks import HookRegistry, apply_taylorseer_cache
-    from diffusers.hooks.hooks import CacheContext, _set_cache_context
-    from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
-
-    apply_taylorseer_cache(transformer, config.diffusers_config())
-    _set_cache_context(transformer, CacheContext("cond"))  # one call per step: CFG rows share it
-    try:
-        yield
-    finally:
-        _set_cache_context(transformer, None)
-        HookRegistry.check_if_exists_or_initialize(transformer).remove_hook(_TAYLORSEER_CACHE_HOOK, recurse=True)
 
 
 def run(args: argparse.Namespace) -> dict:

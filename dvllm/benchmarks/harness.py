@@ -5,7 +5,9 @@ The contenders, all loaded from the same model with the same weights (presets: d
 - `request`: the same engine with the request-level policy other servers run by default (batching="request":
   batches of equal shape and parameters, gathered for up to --request-wait-s, run to completion, one LoRA set a
   batch, a cached request alone);
-- `serial`: the diffusers pipeline, one request at a time (the baselines' runner, in process).
+- `serial`: the diffusers pipeline, one request at a time (the baselines' runner, in process): the engine's
+  `--lora-modules` loaded with load_lora_weights and each request's set chosen with set_adapters, its cache as
+  diffusers' own on the transformer for its call.
 
 The workload is a trace (`--trace FILE`, JSONL as `dvllm bench trace` writes it) or one generated here
 (`--generate images|loras|cache`). Every contender replays the same requests at the same arrival offsets; with
@@ -38,6 +40,8 @@ from dvllm.benchmarks.report import RequestRecord, json_safe, percentile, summar
 from dvllm.benchmarks.workloads import SERVER_DEFAULT, RequestSpec, trace_workload
 
 CONTENDERS = ("dvllm", "request", "serial")
+# The engine's request limits, which the serial pipeline's checks take too: both refuse the same requests
+LIMITS = ("max_image_pixels", "max_inference_steps", "max_images_per_prompt", "max_loras", "max_lora_rank")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--trace-seed", type=int, default=0)
     run.add_argument("--contenders", default=",".join(CONTENDERS),
                      help=f"Comma list of {', '.join(CONTENDERS)} and --engine-variant labels (default: the three).")
+    run.add_argument("--random-loras", type=int, default=0, metavar="RANK",
+                     help="Random adapters of this rank for the LoRA names the trace uses (a generated loras "
+                          "trace: lora00..lora31), written to a temporary folder and served as --lora-modules: "
+                          "for presets with dummy weights. 0: off (the default).")
     run.add_argument("--request-wait-s", type=float, default=0.05,
                      help="The request contender's batch window (request_batch_wait_s; default: 0.05).")
     run.add_argument("--engine-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
@@ -185,6 +193,26 @@ def record(i: int, spec: RequestSpec, outcome: Outcome, slo: float) -> RequestRe
                          size=spec.size, guidance=spec.guidance, sampler=spec.sampler, slo=slo)
 
 
+def random_loras(kwargs: dict[str, Any], names: list[str], rank: int, root: str) -> dict[str, str]:
+    """name -> folder of a random adapter (lora_adapters.py) for each name, made on the model as the engine loads
+    it (then let go)."""
+    import gc
+
+    from dvllm.benchmarks.lora_adapters import make_adapter
+    from dvllm.models.loader import load_adapter
+    from dvllm.worker.worker import resolve_device
+
+    if not names:
+        raise ValueError("--random-loras: the trace names no LoRA (generate a loras trace, or give --lora-modules)")
+    adapter = load_adapter(kwargs["model"], kwargs["load_format"], resolve_device(kwargs["device"]),
+                           kwargs["dtype"], seed=kwargs["dummy_weight_seed"])
+    paths = {name: make_adapter(adapter.pipeline, str(Path(root) / name), seed=i, rank=rank)
+             for i, name in enumerate(names)}
+    del adapter
+    gc.collect()
+    return paths
+
+
 def rates_of(text: str) -> list[float]:
     try:
         rates = [float(v) for v in str(text).split(",") if v.strip()]
@@ -261,9 +289,6 @@ def check_contenders(names: list[str], specs: list[RequestSpec], variants: dict[
         raise ValueError(f"--contenders: a comma list of {known} without repeats, got {names}")
     if names == ["serial"]:
         raise ValueError("--contenders must include an engine: solo latencies are measured on one")
-    if "serial" in names and any(s.loras or s.cache != SERVER_DEFAULT for s in specs):
-        raise ValueError("the serial contender runs no LoRA or step-cache requests yet: leave it out of "
-                         "--contenders for this trace")
 
 
 async def run_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -281,6 +306,11 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
     if args.rounds < 1 or not args.slo_factor > 0:
         raise ValueError("--rounds must be at least 1 and --slo-factor positive")
     kwargs = engine_kwargs(args)
+    folder = tempfile.TemporaryDirectory(prefix="dvllm-bench-loras-")
+    if args.random_loras:
+        used = sorted({name for _, specs in workloads for s in specs for name in (s.loras or {})})
+        kwargs["lora_modules"] = {**(kwargs.get("lora_modules") or {}),
+                                  **random_loras(kwargs, used, args.random_loras, folder.name)}
     contenders: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     try:
@@ -290,7 +320,9 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
 
                 runner, worker = load_on_worker(model=kwargs["model"], load_format=kwargs["load_format"],
                                                 device=kwargs["device"], dtype=kwargs["dtype"],
-                                                dummy_weight_seed=kwargs["dummy_weight_seed"])
+                                                dummy_weight_seed=kwargs["dummy_weight_seed"],
+                                                lora_modules=kwargs.get("lora_modules"),
+                                                limits={k: kwargs[k] for k in LIMITS if k in kwargs})
                 contenders[name] = SerialContender(runner, worker)
             else:
                 options = variants.get(name, {"batching": "step"} if name == "dvllm" else
@@ -311,6 +343,7 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for contender in contenders.values():
             await contender.close()
+        folder.cleanup()
     return {"model": args.model, "requests": len(workloads[0][1]), "slo_factor": args.slo_factor,
             "rounds": args.rounds, "solo_kinds": len(solos), "runs": runs}
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dvllm.benchmarks.baselines.pipeline_options import diffusers_cache, diffusers_cache_unsupported, use_loras
 from dvllm.config import EngineConfig
 from dvllm.models.loader import load_adapter
 from dvllm.samplers import build_plan, make_scheduler
@@ -43,25 +44,31 @@ class Job:
 
     @property
     def key(self) -> tuple:
-        """Requests with equal keys can share one pipeline call."""
+        """Requests with equal keys can share one pipeline call (one LoRA set and one cache a call)."""
         p = self.params
         return (p.height, p.width, p.num_inference_steps, p.guidance_scale, p.sampler, p.n,
-                p.negative_prompt is None, self.batch_tag)
+                p.negative_prompt is None, self.batch_tag, tuple(sorted((p.loras or {}).items())), repr(p.cache))
 
 
 class PipelineRunner:
     """Loads the model exactly as dvllm's worker does (same loader, dtype, dummy-weight seed)."""
 
     def __init__(self, model: str | None, load_format: str = "auto", device: str = "auto", dtype: str = "auto",
-                 dummy_weight_seed: int = 0) -> None:
-        # The engine's limits (max steps, pixels, n) so both sides refuse the same requests.
+                 dummy_weight_seed: int = 0, lora_modules: dict[str, str] | None = None,
+                 limits: dict[str, Any] | None = None) -> None:
+        # The engine's limits (max steps, pixels, n: `limits`, EngineConfig's names) so both sides refuse the same
+        # requests
         self.config = EngineConfig(model=model, load_format=load_format, device=device, dtype=dtype,
-                                   dummy_weight_seed=dummy_weight_seed)
+                                   dummy_weight_seed=dummy_weight_seed, lora_modules=lora_modules or {},
+                                   **(limits or {}))
         torch_device = resolve_device(device)
         adapter = load_adapter(model, load_format, torch_device, dtype, seed=dummy_weight_seed)
         self.pipeline = adapter.pipeline
         self.name = adapter.name
         self.info = adapter.info
+        self.loras = list(lora_modules or {})  # loaded once; each call chooses its set (pipeline_options.py)
+        for name, path in (lora_modules or {}).items():
+            self.pipeline.load_lora_weights(path, adapter_name=name)
         self._checked: set[tuple] = set()  # (sampler, steps, height, width) whose schedule builds
         self._solo = 0  # edit calls that can hold one request only, numbered
 
@@ -69,6 +76,10 @@ class PipelineRunner:
         """Fills the model's defaults and checks what dvllm checks (limits, sampler, its schedule for this
         step count), so a bad request is refused alone instead of failing the batch it would join."""
         resolved = params.resolve(self.info, self.config)
+        if resolved.cache is not None:
+            why = diffusers_cache_unsupported(self.pipeline.transformer, resolved.cache)
+            if why is not None:
+                raise ValueError(f"cache: {why}")
         info, steps = self.info, resolved.num_inference_steps
         key = (resolved.sampler, steps, resolved.height, resolved.width)
         if key not in self._checked:  # building a schedule costs about a millisecond: once per kind
@@ -89,6 +100,13 @@ class PipelineRunner:
 
     def run(self, jobs: list[Job]) -> list[list[Any]]:
         """One pipeline call for jobs that share a key; each job's PIL images. Runs on the worker thread."""
+        p = jobs[0].params
+        use_loras(self.pipeline, self.loras, p.loras)
+        denoiser = getattr(self.pipeline, "transformer", None)
+        with diffusers_cache(denoiser, p.cache):
+            return self._call(jobs)
+
+    def _call(self, jobs: list[Job]) -> list[list[Any]]:
         p = jobs[0].params
         # A fresh scheduler per call: diffusers schedulers keep state between steps.
         self.pipeline.scheduler = make_scheduler(self.info.schedule.config, p.sampler)
