@@ -71,7 +71,7 @@ def test_what_the_harness_refuses_it_names(tmp_path):
     trace.write_text(json.dumps({"prompt": "x", "loras": {"style": 1.0}}) + "\n")
     specs = trace_workload(str(trace), size="16x16", steps=2, guidance=1.0, sampler=None)
     with pytest.raises(ValueError, match="a comma list of"):
-        check_contenders(["dvllm", "static"], specs)
+        check_contenders(["dvllm", "turbo"], specs)
     with pytest.raises(ValueError, match="a comma list of"):
         check_contenders(["dvllm", "dvllm"], specs)
     variants = variants_of(["oldest:shape_order=oldest", "small:max_batch_size=4,decode_stage=false"])
@@ -82,7 +82,7 @@ def test_what_the_harness_refuses_it_names(tmp_path):
             variants_of(["oldest:shape_order=oldest", bad])
     with pytest.raises(ValueError, match="give --trace FILE or --generate KIND"):
         main(_args("--model", "tiny-sd"))
-    with pytest.raises(ValueError, match="--rate is for --generate"):
+    with pytest.raises(ValueError, match="--rate and --clamp-. are for --generate"):
         main(_args("--model", "tiny-sd", "--trace", str(trace), "--rate", "2"))
     for bad in ("0", "1,1", "x", "2,-1"):
         with pytest.raises(ValueError, match="--rate: positive requests/s"):
@@ -135,4 +135,21 @@ def test_a_cache_trace_replays_on_the_serial_pipeline_too(flux_path, tmp_path):
     assert main(_args("--model", flux_path, "--device", "cpu", "--dtype", "float32", "--trace", str(trace),
                       "--contenders", "dvllm,serial", "--slo-factor", "1000", "--output-json", str(out))) == 0
     for name, (s,) in json.loads(out.read_text())["runs"][0]["contenders"].items():
+        assert (s["completed"], s["failed"]) == (3, 0), (name, s["errors"])
+
+
+@pytest.mark.slow
+def test_a_video_trace_replays_against_the_engine_and_the_pipeline_serial_and_static(wan_path, tmp_path):
+    from dvllm.benchmarks import traces
+
+    lines = traces.generate("video", 3, float("inf"), seed=0, size_divisor=26)
+    assert {line["size"] for line in lines} <= {"32x16", "16x32", "16x16"} and all(line["frames"] for line in lines)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(dict(line, steps=min(line["steps"], 4))) + "\n" for line in lines))
+    out = tmp_path / "run.json"
+    assert main(_args("--model", wan_path, "--device", "cpu", "--dtype", "float32", "--trace", str(trace),
+                      "--contenders", "dvllm,serial,static", "--static-window-s", "0.2", "--output-json",
+                      str(out))) == 0
+    result = json.loads(out.read_text())
+    for name, (s,) in result["runs"][0]["contenders"].items():
         assert (s["completed"], s["failed"]) == (3, 0), (name, s["errors"])

@@ -42,6 +42,28 @@ def test_the_cache_trace_caches_its_share_each_at_its_own_setting():
     assert {c["method"] for c in cached} == {"first_block", "taylorseer"} and len({json.dumps(c) for c in cached}) > 4
 
 
+def test_the_video_trace_is_wans_sizes_and_frames_and_bench_serve_leaves_it_to_bench_run(tmp_path):
+    lines = generate("video", 1000, 0.2, seed=1)
+    sizes, frames = Counter(line["size"] for line in lines), Counter(line["frames"] for line in lines)
+    assert set(sizes) == {"832x480", "480x832", "480x480"} and sizes.most_common(1)[0][0] == "832x480"
+    assert set(frames) == {17, 33, 49, 81} and frames.most_common(1)[0][0] == 81
+    assert {(line["steps"], line["guidance"]) for line in lines} == {(50, 5.0), (30, 5.0), (20, 6.0), (4, 1.0)}
+    tiny = generate("video", 50, 0.2, seed=1, size_divisor=26)  # to Wan's patch: multiples of 16
+    assert {line["size"] for line in tiny} == {"32x16", "16x32", "16x16"}
+    trace = tmp_path / "video.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in tiny))
+    specs = trace_workload(str(trace), size="16x16", steps=2, guidance=1.0, sampler=None)
+    assert [s.frames for s in specs] == [line["frames"] for line in tiny]
+    import argparse
+
+    from dvllm.benchmarks.serving import add_cli_args, build_workload
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    with pytest.raises(ValueError, match="a video trace .frames.: replay it in process with `dvllm bench run`"):
+        build_workload(parser.parse_args(["--workload", "trace", "--trace", str(trace)]))
+
+
 def test_written_traces_replay_line_for_line_at_a_tiny_models_size(tmp_path, capsys):
     out = tmp_path / "loras.jsonl"
     assert dvllm_main(["bench", "trace", "loras", "--num", "50", "--rate", "2", "--size-divisor", "8",
@@ -55,7 +77,7 @@ def test_written_traces_replay_line_for_line_at_a_tiny_models_size(tmp_path, cap
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"kind": "video"}, "kind must be one of"),
+    ({"kind": "audio"}, "kind must be one of"),
     ({"num": 0}, "num must be at least 1"),
     ({"size_divisor": 16}, "size_divisor must divide the sizes"),
     ({"cache_share": 1.5}, r"cache_share in \[0, 1\]"),

@@ -11,9 +11,12 @@
 #      policy vs the pipeline serially (set_adapters per request): goodput at 3x solo latency, p50/p99
 #   0c. step caching under load (issue 49): flux-dev (dummy, bf16) at 256-512 px, 12 DiffusionDB-shaped requests
 #      at 1 request/s: dvllm, dvllm with first_block (0.08) for every request, the request-level policy
-#   1. video (issue 29): wan2.1-t2v-1.3b at 832x480 and 480x480, dvllm vs serial vs static (video_workload); its
-#      engine builds the CUDA kernels (Hopper only, TORCH_CUDA_ARCH_LIST=9.0) for the steps after it
-#   1b. the same with dvllm's max_running_pixels at one CFG 832x480 clip of 33 frames: requests run in turn
+#   1. video (issue 29): wan2.1-t2v-1.3b, the generated video trace (832x480, 480x832, 480x480, CFG or not) with
+#      frames and steps clamped to 33 and 12, six clips at once: dvllm vs the pipeline serial and in static batches
+#      (`dvllm bench run --generate video`); its engine builds the CUDA kernels (Hopper only,
+#      TORCH_CUDA_ARCH_LIST=9.0) for the steps after it
+#   1b. one long clip (33 frames, 12 steps) and three short ones (17 frames, 4 steps) sent just behind it: dvllm
+#      (oldest first, the default), dvllm taking the shapes in turn (shape_order=turns), and serial
 #   2. where the kernels' argument errors crashed the process on 2026-12-04 (tests/gpu/kernel_errors.sh: each
 #      raise alone, then the suite's real history in one process: CUDA kernel tests, dvllm's raises, libtorch's)
 #   3. CUDA graph replay against eager and the syncs in one step, per family (tests/test_host_syncs.py -k cuda)
@@ -61,6 +64,18 @@ step() {
   echo "== $name: exit $rc after $((SECONDS - start)) s$([ $rc = 124 ] && echo ' (out of time)')"
 }
 
+# behind_long FILE SIZE FRAMES STEPS SHORT_FRAMES SHORT_STEPS: a trace of one long clip, then three short ones
+# 0.5 s apart just behind it (a pipeline runs them after the long clip's whole call)
+behind_long() {
+  local i
+  {
+    echo "{\"prompt\": \"a long clip\", \"size\": \"$2\", \"frames\": $3, \"steps\": $4, \"guidance\": 5.0, \"seed\": 0, \"arrival\": 0}"
+    for i in 1 2 3; do
+      echo "{\"prompt\": \"short clip $i\", \"size\": \"$2\", \"frames\": $5, \"steps\": $6, \"guidance\": 5.0, \"seed\": $i, \"arrival\": $((i * 5 / 10)).$((i * 5 % 10))}"
+    done
+  } >"$1"
+}
+
 $python - <<'PY'
 import torch, diffusers, transformers
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), diffusers {diffusers.__version__}, "
@@ -79,11 +94,13 @@ if [ $dry = 1 ]; then
     --dtype float32 --generate images --num 3 --rate 2 --size-divisor 4 --trace-seed 1 --max-image-pixels 65536 \
     --contenders dvllm,cached,request --engine-variant cached:default_cache=first_block:threshold=0.08 \
     --output-json "$out/cache.json"
-  step video 120 $python -m dvllm.benchmarks.video_workload --model wan-cpu --sizes 64x64,96x64 --frames 5,9 \
-    --steps 2,3 --num-requests 4 --shorts 2 --output-json "$out/video_workload.json"
-  step video_turns 120 $python -m dvllm.benchmarks.video_workload --model wan-cpu --sizes 64x64,96x64 --frames 5,9 \
-    --steps 2,3 --num-requests 4 --shorts 2 --max-running-pixels $((2 * 96 * 64 * 9)) \
-    --output-json "$out/video_turns.json"
+  step video 120 $python -m dvllm.entrypoints.cli bench run --model wan-cpu --load-format dummy --device cpu \
+    --dtype float32 --generate video --num 3 --rate inf --size-divisor 26 --clamp-frames 9 --clamp-steps 3 \
+    --contenders dvllm,serial,static --output-json "$out/video.json"
+  behind_long "$out/behind_long.jsonl" 32x16 9 3 5 2
+  step video_turns 120 $python -m dvllm.entrypoints.cli bench run --model wan-cpu --load-format dummy --device cpu \
+    --dtype float32 --trace "$out/behind_long.jsonl" --contenders dvllm,turns,serial \
+    --engine-variant turns:shape_order=turns --output-json "$out/video_turns.json"
   step group 60 $python -m dvllm.benchmarks.group_on_device --preset flux-cpu --size 128 --text-tokens 16 \
     --device cpu --dtype float32 --rounds 1 --out "$out/group_on_device.json"
   step sd 120 $python -m dvllm.benchmarks.throughput --model tiny-sd --device cpu --dtype float32 --size 16x16 \
@@ -103,13 +120,13 @@ step loras 200 $python -m dvllm.entrypoints.cli bench run --model sdxl --load-fo
 step cache 200 $python -m dvllm.entrypoints.cli bench run --model flux-dev --load-format dummy --device cuda \
   --dtype bfloat16 --generate images --num 12 --rate 1 --size-divisor 2 --contenders dvllm,cached,request \
   --engine-variant cached:default_cache=first_block:threshold=0.08 --output-json "$out/cache.json"
-step video 280 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3b --device cuda --dtype bfloat16 \
-  --sizes 832x480,480x480 --frames 17,33 --steps 8,12 --guidance 1.0,5.0 --num-requests 6 --shorts 2 \
-  --output-json "$out/video_workload.json"
-# the same trace with dvllm running in turn, one CFG 832x480 clip of 33 frames at a time (max_running_pixels)
-step video_turns 280 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3b --device cuda \
-  --dtype bfloat16 --sizes 832x480,480x480 --frames 17,33 --steps 8,12 --guidance 1.0,5.0 --num-requests 6 \
-  --shorts 2 --max-running-pixels $((2 * 832 * 480 * 33)) --output-json "$out/video_turns.json"
+step video 280 $python -m dvllm.entrypoints.cli bench run --model wan2.1-t2v-1.3b --load-format dummy --device cuda \
+  --dtype bfloat16 --generate video --num 6 --rate inf --clamp-frames 33 --clamp-steps 12 \
+  --contenders dvllm,serial,static --output-json "$out/video.json"
+behind_long "$out/behind_long.jsonl" 832x480 33 12 17 4
+step video_turns 280 $python -m dvllm.entrypoints.cli bench run --model wan2.1-t2v-1.3b --load-format dummy \
+  --device cuda --dtype bfloat16 --trace "$out/behind_long.jsonl" --contenders dvllm,turns,serial \
+  --engine-variant turns:shape_order=turns --output-json "$out/video_turns.json"
 step kernel_errors 240 env PYTHON=$python tests/gpu/kernel_errors.sh
 step graphs 110 $python -m pytest -v --tb=short --maxfail=4 -p no:cacheprovider tests/test_host_syncs.py -k cuda
 step kernels 120 env PYTHON=$python tests/gpu/run.sh

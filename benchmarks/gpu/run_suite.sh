@@ -8,7 +8,8 @@
 # of new prompts while a batch runs; a thread, then an encode process) and async scheduling off vs on
 # (dvllm.benchmarks.loop_stall, encode_stall, async_scheduling, sd15 at 512x512),
 # then each family's preset loaded as served, bf16/fp16 and quantized (dvllm.benchmarks.preset_load),
-# then video: Wan 2.1 1.3B at 480p, mixed frame counts and steps, dvllm vs serial vs static (video_workload),
+# then video: Wan 2.1 1.3B, the generated video trace (frames and steps clamped), dvllm vs serial vs static
+# (dvllm bench run --generate video),
 # then a worker group's costs on this one GPU: flux-dev's forward and its Ulysses exchanges, with the N-GPU
 # arithmetic next to the peers' published scaling (group_on_device; issue 28's item 8).
 #
@@ -53,8 +54,9 @@ if [ $dry = 1 ]; then
   $python -m dvllm.benchmarks.async_scheduling --model tiny-sd --size 32 --requests 6 --steps 2 --max-batch-size 4 \
     --rounds 1 --output "$out/async_scheduling_dry.json"
   $python -m dvllm.benchmarks.preset_load --dry-run --only tiny-sd --repeats 1 --output-json "$out/preset_load_dry.json"
-  $python -m dvllm.benchmarks.video_workload --model wan-cpu --sizes 64x64,96x64 --frames 5,9 --steps 2,3 \
-    --num-requests 4 --shorts 2 --output-json "$out/video_workload_dry.json"
+  $python -m dvllm.entrypoints.cli bench run --model wan-cpu --load-format dummy --device cpu --dtype float32 \
+    --generate video --num 3 --rate inf --size-divisor 26 --clamp-frames 9 --clamp-steps 3 \
+    --contenders dvllm,serial,static --output-json "$out/video_dry.json"
   $python -m dvllm.benchmarks.group_on_device --preset flux-cpu --size 128 --text-tokens 16 --device cpu \
     --dtype float32 --rounds 1 --out "$out/group_on_device_dry.json"
 else
@@ -102,11 +104,12 @@ else
   echo "== each family's preset as served (family dtype; flux-dev int8 and fp8 with T5 on the CPU): weights, pool, step"
   timeout 420 $python -m dvllm.benchmarks.preset_load --output-json "$out/preset_load.json" 2>&1 \
     | tee "$out/preset_load.txt" || echo "preset_load stopped early (its JSON keeps what was measured)"
-  echo "== video: wan2.1-t2v-1.3b (bf16, dummy weights) at 832x480 and 480x480, 17-49 frames, 8-16 steps, CFG or not:"
-  echo "   dvllm vs the pipeline serially vs static batches of equal shapes, and short clips behind a long one"
-  timeout 540 $python -m dvllm.benchmarks.video_workload --model wan2.1-t2v-1.3b --device cuda --dtype bfloat16 \
-    --sizes 832x480,480x480 --frames 17,33,49 --steps 8,12,16 --guidance 1.0,5.0 --num-requests 8 --shorts 3 \
-    --output-json "$out/video_workload.json" 2>&1 | tee "$out/video_workload.txt" || echo "video_workload stopped early"
+  echo "== video: wan2.1-t2v-1.3b (bf16, dummy weights), the generated video trace with 17-49 frames and at most 16"
+  echo "   steps, eight clips at once: dvllm vs the pipeline serially vs static batches of equal shapes"
+  timeout 540 $python -m dvllm.entrypoints.cli bench run --model wan2.1-t2v-1.3b --load-format dummy --device cuda \
+    --dtype bfloat16 --generate video --num 8 --rate inf --clamp-frames 49 --clamp-steps 16 \
+    --contenders dvllm,serial,static --output-json "$out/video.json" 2>&1 | tee "$out/video.txt" \
+    || echo "the video trace stopped early"
   echo "== worker groups on one GPU: flux-dev (bf16, 1024x1024) forward, its exchanges as NCCL collectives, N-GPU arithmetic"
   timeout 120 $python -m dvllm.benchmarks.group_on_device --preset flux-dev --size 1024 --text-tokens 512 \
     --device cuda --dtype bfloat16 --out "$out/group_on_device.json" 2>&1 | tee "$out/group_on_device.txt" \

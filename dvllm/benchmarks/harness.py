@@ -10,7 +10,7 @@ The contenders, all loaded from the same model with the same weights (presets: d
   diffusers' own on the transformer for its call.
 
 The workload is a trace (`--trace FILE`, JSONL as `dvllm bench trace` writes it) or one generated here
-(`--generate images|loras|cache`). Every contender replays the same requests at the same arrival offsets; with
+(`--generate images|loras|cache|video`). Every contender replays the same requests at the same arrival offsets; with
 several rounds the contenders' order rotates, so drift in a shared machine's load hits each alike. A generated
 trace at several rates (`--rate 0.5,1,2`) is the same requests at each, arriving faster: goodput against load.
 
@@ -39,7 +39,8 @@ from dvllm.benchmarks import traces
 from dvllm.benchmarks.report import RequestRecord, json_safe, percentile, summarize
 from dvllm.benchmarks.workloads import SERVER_DEFAULT, RequestSpec, trace_workload
 
-CONTENDERS = ("dvllm", "request", "serial")
+CONTENDERS = ("dvllm", "request", "serial", "static")
+PIPELINES = ("serial", "static")
 # The engine's request limits, which the serial pipeline's checks take too: both refuse the same requests
 LIMITS = ("max_image_pixels", "max_inference_steps", "max_images_per_prompt", "max_loras", "max_lora_rank")
 
@@ -49,14 +50,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     run = p.add_argument_group("workload")
     run.add_argument("--trace", help="A JSONL trace to replay (dvllm bench trace writes them).")
-    run.add_argument("--generate", choices=traces.KINDS, help="Or generate one: images, loras or cache.")
+    run.add_argument("--generate", choices=traces.KINDS, help="Or generate one: images, loras, cache or video.")
     run.add_argument("--num", type=int, default=40, help="Requests of a generated trace (default: 40).")
     run.add_argument("--rate", default="1", help="Its Poisson rate, requests/s; a comma list sweeps them, the same "
                      "requests at each (default: 1).")
     run.add_argument("--size-divisor", type=int, default=8, help="Its sides divided by this (default: 8).")
     run.add_argument("--trace-seed", type=int, default=0)
-    run.add_argument("--contenders", default=",".join(CONTENDERS),
-                     help=f"Comma list of {', '.join(CONTENDERS)} and --engine-variant labels (default: the three).")
+    traces.add_clamps(run)
+    run.add_argument("--contenders", default="dvllm,request,serial",
+                     help=f"Comma list of {', '.join(CONTENDERS)} and --engine-variant labels (default: the first "
+                          "three).")
+    run.add_argument("--static-batch-size", type=int, default=8, help="The static contender's batch (default: 8).")
+    run.add_argument("--static-window-s", type=float, default=0.05,
+                     help="How long the static contender gathers a batch (default: 0.05).")
     run.add_argument("--random-loras", type=int, default=0, metavar="RANK",
                      help="Random adapters of this rank for the LoRA names the trace uses (a generated loras "
                           "trace: lora00..lora31), written to a temporary folder and served as --lora-modules: "
@@ -90,6 +96,7 @@ def params_of(spec: RequestSpec) -> Any:
     width, height = (int(v) for v in spec.size.split("x"))
     return SamplingParams(num_inference_steps=spec.steps, guidance_scale=spec.guidance, height=height, width=width,
                           seed=spec.seed, sampler=spec.sampler, n=spec.n, negative_prompt=spec.negative_prompt,
+                          num_frames=spec.frames,
                           loras=spec.loras, cache=USE_DEFAULT if spec.cache == SERVER_DEFAULT else spec.cache,
                           priority=spec.priority or 0, deadline_s=spec.deadline, output_type="np")
 
@@ -121,14 +128,16 @@ class EngineContender:
         await self.engine.shutdown(5)
 
 
-class SerialContender:
-    """The diffusers pipeline, one request at a time (dvllm.benchmarks.baselines, without the HTTP server)."""
+class PipelineContender:
+    """The diffusers pipeline (dvllm.benchmarks.baselines, without the HTTP server): `serial`, one request at a
+    time; `static`, requests of one key (size, frames, steps, guidance, sampler, n, LoRA set, cache) that arrive
+    within a window called together, up to a batch size."""
 
-    def __init__(self, runner: Any, worker: Any) -> None:
+    def __init__(self, name: str, runner: Any, worker: Any, max_batch_size: int = 1, window_s: float = 0.0) -> None:
         from dvllm.benchmarks.baselines.runner import Batcher
 
-        self.name, self.runner = "serial", runner
-        self.batcher = Batcher(runner, worker, max_batch_size=1)
+        self.name, self.runner = name, runner
+        self.batcher = Batcher(runner, worker, max_batch_size=max_batch_size, window_s=window_s)
         self._started = False
 
     async def run(self, spec: RequestSpec, request_id: str) -> Outcome:
@@ -155,7 +164,7 @@ class SerialContender:
 
 def solo_key(spec: RequestSpec) -> tuple:
     """Requests of one kind take one solo latency: what sets a request's cost alone."""
-    return (spec.size, spec.steps, spec.guidance > 1.0, spec.n, json.dumps(spec.cache, sort_keys=True),
+    return (spec.size, spec.frames, spec.steps, spec.guidance > 1.0, spec.n, json.dumps(spec.cache, sort_keys=True),
             tuple(sorted((spec.loras or {}).items())))
 
 
@@ -228,12 +237,13 @@ def load_workloads(args: argparse.Namespace) -> list[tuple[float | None, list[Re
     if (args.trace is None) == (args.generate is None):
         raise ValueError("give --trace FILE or --generate KIND (one of them)")
     if args.trace is not None:
-        if args.rate != "1":
-            raise ValueError("--rate is for --generate: a trace file's requests arrive at its own offsets")
+        if args.rate != "1" or args.clamp_steps is not None or args.clamp_frames is not None:
+            raise ValueError("--rate and --clamp-* are for --generate: a trace file's requests are as it says")
         return [(None, trace_workload(args.trace, size="512x512", steps=20, guidance=7.5, sampler=None))]
     workloads = []
     for rate in rates_of(args.rate):
-        lines = traces.generate(args.generate, args.num, rate, seed=args.trace_seed, size_divisor=args.size_divisor)
+        lines = traces.generate(args.generate, args.num, rate, seed=args.trace_seed, size_divisor=args.size_divisor,
+                                max_steps=args.clamp_steps, max_frames=args.clamp_frames)
         with tempfile.TemporaryDirectory() as folder:  # read back as a trace file is, checked alike
             path = Path(folder) / "trace.jsonl"
             path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -287,7 +297,7 @@ def check_contenders(names: list[str], specs: list[RequestSpec], variants: dict[
     unknown = [n for n in names if n not in known]
     if unknown or not names or len(set(names)) != len(names):
         raise ValueError(f"--contenders: a comma list of {known} without repeats, got {names}")
-    if names == ["serial"]:
+    if all(name in PIPELINES for name in names):
         raise ValueError("--contenders must include an engine: solo latencies are measured on one")
 
 
@@ -315,7 +325,7 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     try:
         for name in names:
-            if name == "serial":
+            if name in PIPELINES:
                 from dvllm.benchmarks.baselines.runner import load_on_worker
 
                 runner, worker = load_on_worker(model=kwargs["model"], load_format=kwargs["load_format"],
@@ -323,14 +333,15 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
                                                 dummy_weight_seed=kwargs["dummy_weight_seed"],
                                                 lora_modules=kwargs.get("lora_modules"),
                                                 limits={k: kwargs[k] for k in LIMITS if k in kwargs})
-                contenders[name] = SerialContender(runner, worker)
+                contenders[name] = PipelineContender(name, runner, worker, *(
+                    (args.static_batch_size, args.static_window_s) if name == "static" else ()))
             else:
                 options = variants.get(name, {"batching": "step"} if name == "dvllm" else
                                        {"batching": "request", "request_batch_wait_s": args.request_wait_s})
                 engine = AsyncDiffusionEngine(**{**kwargs, "batching": "step", **options})
                 engine.start()
                 contenders[name] = EngineContender(name, engine)
-        reference = contenders.get("dvllm") or next(c for c in contenders.values() if c.name != "serial")
+        reference = contenders.get("dvllm") or next(c for c in contenders.values() if c.name not in PIPELINES)
         solos = await solo_latencies(reference, [s for _, specs in workloads for s in specs])
         for rate, specs in workloads:
             slos = [args.slo_factor * solos[solo_key(s)] for s in specs]

@@ -94,6 +94,8 @@ def build_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], list[Re
         if not args.trace:
             raise ValueError("--workload trace needs --trace FILE.jsonl")
         specs = trace_workload(args.trace, seed=args.seed, slo=args.slo, **fixed)
+        if any(s.frames is not None for s in specs):  # the Videos API is asynchronous: jobs, not answers
+            raise ValueError(f"{args.trace}: a video trace (frames): replay it in process with `dvllm bench run`")
         specs = specs[:args.num_requests] if args.num_requests else specs
         warm = [RequestSpec(**{**asdict(s), "prompt": "warmup: " + s.prompt}) for s in specs[:args.warmup]]
         desc = f"trace {args.trace} ({len(specs)} requests)"

@@ -11,6 +11,10 @@
   (lora00, lora01, ...).
 - `cache`: the images trace where a share of requests asks for step caching, first_block or TaylorSeer, each at
   its own setting (a Flux, SD3, Qwen-Image, Z-Image or Wan model: the families that serve it).
+- `video`: Wan clips behind each other: 832x480 (Wan 2.1's default), 480x832 and 480x480, 17 to 81 frames, 50
+  steps with CFG for most, the rest fewer, and a share at 4 steps without CFG (a distilled LoRA's settings).
+  Sides are divided by `size_divisor` and rounded down to a multiple of 16 (Wan's latent patches); frame counts
+  are kept.
 
 Arrivals are Poisson at `rate` requests/s (inf: all at once). `size_divisor` divides every side (8: 512 px
 becomes 64 px, a tiny CPU model's size) so the mix keeps its shape where the model is small.
@@ -28,11 +32,14 @@ from typing import Any
 from dvllm.benchmarks.captions import caption
 from dvllm.benchmarks.workloads import arrival_times
 
-KINDS = ("images", "loras", "cache")
+KINDS = ("images", "loras", "cache", "video")
 # (share, sides): the default size, then square, portrait and landscape sizes up to 1024 px
 _SIZES = [(0.55, (512, 512)), (0.12, (768, 768)), (0.08, (1024, 1024)), (0.08, (512, 768)), (0.07, (768, 512)),
           (0.05, (576, 1024)), (0.05, (1024, 576))]
 _STEPS = [(0.6, 50), (0.12, 20), (0.1, 30), (0.08, 25), (0.05, 8), (0.05, 4)]
+_VIDEO_SIZES = [(0.6, (832, 480)), (0.2, (480, 832)), (0.2, (480, 480))]
+_VIDEO_FRAMES = [(0.5, 81), (0.25, 49), (0.15, 33), (0.1, 17)]
+_VIDEO_SETTINGS = [(0.6, (50, 5.0)), (0.15, (30, 5.0)), (0.1, (20, 6.0)), (0.15, (4, 1.0))]  # (steps, guidance)
 _GUIDANCE = [(0.6, 7.0), (0.15, 7.5), (0.1, 5.0), (0.05, 9.0), (0.05, 12.0), (0.05, 15.0)]
 _LORA_COUNTS = [(0.4, 0), (0.35, 1), (0.17, 2), (0.08, 3)]
 ZIPF_EXPONENT = 1.1
@@ -52,21 +59,28 @@ def zipf_weights(count: int, exponent: float = ZIPF_EXPONENT) -> list[float]:
 
 
 def generate(kind: str, num: int, rate: float, *, seed: int = 0, size_divisor: int = 1, lora_pool: int = 32,
-             cache_share: float = 0.3) -> list[dict[str, Any]]:
-    """The trace's lines, in arrival order."""
+             cache_share: float = 0.3, max_steps: int | None = None, max_frames: int | None = None
+             ) -> list[dict[str, Any]]:
+    """The trace's lines, in arrival order; steps and frames at most `max_steps` and `max_frames` where given (a
+    short run of the same mix)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
     if num < 1:
         raise ValueError(f"num must be at least 1, got {num}")
-    if size_divisor < 1 or any(side % (size_divisor * 8) for _, sides in _SIZES for side in sides):
+    if size_divisor < 1 or (kind != "video" and any(side % (size_divisor * 8) for _, sides in _SIZES for side in sides)):
         raise ValueError(f"size_divisor must divide the sizes ({sorted({s for _, x in _SIZES for s in x})}) into "
                          f"multiples of 8; {size_divisor} does not")
     if lora_pool < 1 or not 0 <= cache_share <= 1:
         raise ValueError("lora_pool must be at least 1 and cache_share in [0, 1]")
+    if (max_steps is not None and max_steps < 1) or (max_frames is not None and (max_frames - 1) % 4):
+        raise ValueError("max_steps must be at least 1 and max_frames 4k + 1 (Wan's frames)")
     rng = random.Random(seed)
     popularity = zipf_weights(lora_pool)
     lines = []
     for index, arrival in enumerate(arrival_times(num, rate, seed=seed)):
+        if kind == "video":
+            lines.append(_video_line(rng, arrival, size_divisor))
+            continue
         width, height = (side // size_divisor for side in _pick(rng, _SIZES))
         line: dict[str, Any] = {"prompt": caption(rng), "size": f"{width}x{height}", "steps": _pick(rng, _STEPS),
                                 "guidance": _pick(rng, _GUIDANCE), "seed": rng.randrange(2**31),
@@ -82,23 +96,43 @@ def generate(kind: str, num: int, rate: float, *, seed: int = 0, size_divisor: i
         if kind == "cache" and rng.random() < cache_share:
             line["cache"] = dict(rng.choice(_CACHES))
         lines.append(line)
+    for line in lines:
+        if max_steps is not None:
+            line["steps"] = min(line["steps"], max_steps)
+        if max_frames is not None and "frames" in line:
+            line["frames"] = min(line["frames"], max_frames)
     return lines
 
 
+def _video_line(rng: random.Random, arrival: float, size_divisor: int) -> dict[str, Any]:
+    width, height = (max(16, side // size_divisor // 16 * 16) for side in _pick(rng, _VIDEO_SIZES))
+    steps, guidance = _pick(rng, _VIDEO_SETTINGS)
+    return {"prompt": caption(rng), "size": f"{width}x{height}", "frames": _pick(rng, _VIDEO_FRAMES),
+            "steps": steps, "guidance": guidance, "seed": rng.randrange(2**31), "arrival": round(arrival, 6)}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("kind", choices=KINDS, help="images, loras (0-3 adapters a request) or cache (a share cached).")
+    p.add_argument("kind", choices=KINDS, help="images, loras (0-3 adapters a request), cache (a share cached) or "
+                   "video (Wan clips).")
     p.add_argument("--num", type=int, default=200, help="Requests (default: 200).")
     p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals, requests/s; inf: all at once.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size-divisor", type=int, default=1, help="Divide every side by this (8 for tiny models).")
     p.add_argument("--lora-pool", type=int, default=32, help="Adapters named lora00.. (default: 32).")
     p.add_argument("--cache-share", type=float, default=0.3, help="Share of requests with a step cache (cache).")
+    add_clamps(p)
     p.add_argument("-o", "--output", required=True, help="The JSONL file to write.")
+
+
+def add_clamps(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clamp-steps", type=int, help="Steps at most this many (a short run of the same mix).")
+    p.add_argument("--clamp-frames", type=int, help="A video's frames at most this many (4k + 1).")
 
 
 def main(args: argparse.Namespace) -> int:
     lines = generate(args.kind, args.num, args.rate, seed=args.seed, size_divisor=args.size_divisor,
-                     lora_pool=args.lora_pool, cache_share=args.cache_share)
+                     lora_pool=args.lora_pool, cache_share=args.cache_share, max_steps=args.clamp_steps,
+                     max_frames=args.clamp_frames)
     Path(args.output).write_text("".join(json.dumps(line) + "\n" for line in lines))
     print(f"{len(lines)} requests written to {args.output} ({args.kind}, {args.rate:g}/s)")
     return 0

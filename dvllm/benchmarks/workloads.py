@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _SIZE = re.compile(r"^\d+x\d+$")
-_TRACE_KEYS = {"prompt", "size", "steps", "num_inference_steps", "guidance", "guidance_scale", "sampler", "seed",
-               "n", "negative_prompt", "slo", "arrival", "loras", "cache", "priority", "deadline"}
+_TRACE_KEYS = {"prompt", "size", "frames", "num_frames", "steps", "num_inference_steps", "guidance", "guidance_scale",
+               "sampler", "seed", "n", "negative_prompt", "slo", "arrival", "loras", "cache", "priority", "deadline"}
 SERVER_DEFAULT = "server-default"  # a request that sends no `cache` field: the server's default_cache applies
 
 
@@ -39,6 +39,7 @@ class RequestSpec:
     cache: dict[str, Any] | None | str = SERVER_DEFAULT  # a step cache ({"method": ...}), None: none
     priority: int | None = None   # lower runs first (the engine's priority)
     deadline: float | None = None  # seconds after arrival the request asks to be done by
+    frames: int | None = None     # a video's frames (Wan); None: an image, or the model's default
 
     @property
     def endpoint(self) -> str:
@@ -217,11 +218,13 @@ def _trace_spec(record: dict[str, Any], where: str, rng: random.Random, *, size:
             slo=_optional_float(get("slo", default=slo)), arrival=_optional_float(get("arrival", default=None)),
             loras=_loras(record.get("loras")), cache=_cache(record.get("cache", SERVER_DEFAULT)),
             priority=None if record.get("priority") is None else _int(record["priority"], "priority"),
-            deadline=_optional_float(record.get("deadline")))
+            deadline=_optional_float(record.get("deadline")),
+            frames=None if get("frames", "num_frames", default=None) is None
+            else _int(get("frames", "num_frames", default=None), "frames"))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
-    if spec.steps < 1 or spec.n < 1 or (spec.slo is not None and spec.slo <= 0):
-        raise ValueError(f"{where}: steps and n must be >= 1 and slo > 0")
+    if spec.steps < 1 or spec.n < 1 or (spec.slo is not None and spec.slo <= 0) or (spec.frames or 1) < 1:
+        raise ValueError(f"{where}: steps, n and frames must be >= 1 and slo > 0")
     if spec.deadline is not None and not spec.deadline > 0:
         raise ValueError(f"{where}: deadline is seconds after arrival, so > 0")
     return spec

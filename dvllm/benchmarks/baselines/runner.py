@@ -46,7 +46,7 @@ class Job:
     def key(self) -> tuple:
         """Requests with equal keys can share one pipeline call (one LoRA set and one cache a call)."""
         p = self.params
-        return (p.height, p.width, p.num_inference_steps, p.guidance_scale, p.sampler, p.n,
+        return (p.height, p.width, p.num_frames, p.num_inference_steps, p.guidance_scale, p.sampler, p.n,
                 p.negative_prompt is None, self.batch_tag, tuple(sorted((p.loras or {}).items())), repr(p.cache))
 
 
@@ -117,6 +117,12 @@ class PipelineRunner:
         negative = None if p.negative_prompt is None else [job.params.negative_prompt for job in jobs]
         if p.image is not None:
             return self._edit(jobs, negative, generator)
+        if self.info.video is not None:  # a video pipeline (Wan): each job's videos, [frames, H, W, 3] each
+            out = self.pipeline([job.prompt for job in jobs], negative_prompt=negative, height=p.height,
+                                width=p.width, num_frames=p.num_frames, num_inference_steps=p.num_inference_steps,
+                                guidance_scale=p.guidance_scale, num_videos_per_prompt=p.n, generator=generator,
+                                output_type="np")
+            return [list(out.frames[i * p.n:(i + 1) * p.n]) for i in range(len(jobs))]
         out = self.pipeline([job.prompt for job in jobs], negative_prompt=negative, height=p.height, width=p.width,
                             num_inference_steps=p.num_inference_steps, guidance_scale=p.guidance_scale,
                             num_images_per_prompt=p.n, generator=generator, output_type="pil")
