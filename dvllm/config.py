@@ -127,12 +127,13 @@ class EngineConfig:
         metadata={"help": "batching=request: how long a batch's first request waits for more of its kind, while the "
                           "batch has rows to spare (the window of request-level servers). 0: it starts at once."})
     shape_order: str = field(
-        default="oldest",
+        default="auto",
         metadata={"help": "Which shape group takes the next step (batching=step). oldest: the one holding the most "
                           "urgent (earliest) request, so shapes run one after another, later requests of the "
                           "running shape joining it. turns: the one whose request waited longest since its last "
                           "step, so shapes share the device: a short request is not held behind a long one, but "
-                          "every request finishes later (benchmarks/README.md measures both)."})
+                          "every request finishes later (benchmarks/README.md measures both). auto: oldest, but "
+                          "turns under group_policy=elastic, whose deadline pace assumes it."})
     max_inference_steps: int = field(
         default=1000,
         metadata={"help": "Largest num_inference_steps accepted; a sampler that cannot run that many is refused "

@@ -10,7 +10,7 @@ LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 BATCHING_POLICIES = ("step", "request")
-SHAPE_ORDERS = ("oldest", "turns")
+SHAPE_ORDERS = ("auto", "oldest", "turns")
 GROUP_POLICIES = ("static", "elastic")
 COMPILE_MODES = ("off", "dynamic", "bucketed")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -213,6 +213,9 @@ def check_config(config: EngineConfig) -> None:
     choice("scheduling_policy", config.scheduling_policy, SCHEDULING_POLICIES)
     choice("batching", config.batching, BATCHING_POLICIES)
     choice("shape_order", config.shape_order, SHAPE_ORDERS)
+    if config.shape_order == "oldest" and config.group_policy == "elastic":
+        raise ValueError("shape_order='oldest' with group_policy='elastic': the elastic policy's deadline pace counts "
+                         "a step of every shape per step (shapes in turn); leave shape_order at auto (turns there)")
     if not 0 <= config.request_batch_wait_s <= 60:
         raise ValueError(f"request_batch_wait_s must be within [0, 60] seconds, got {config.request_batch_wait_s}")
     if config.request_batch_wait_s and config.batching != "request":

@@ -102,6 +102,8 @@ def test_batching_is_checked():
         EngineConfig(batching="iteration")
     with pytest.raises(ValueError, match="shape_order must be one of"):
         EngineConfig(shape_order="newest")
+    with pytest.raises(ValueError, match="shape_order='oldest' with group_policy='elastic'"):
+        EngineConfig(shape_order="oldest", group_policy="elastic", sequence_parallel_size=2)
     with pytest.raises(ValueError, match="request-level policy's window: set batching='request'"):
         EngineConfig(request_batch_wait_s=0.1)
     with pytest.raises(ValueError, match=r"request_batch_wait_s must be within \[0, 60\]"):

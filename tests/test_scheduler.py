@@ -63,7 +63,7 @@ def test_shape_groups_take_turns_within_a_bound():
 
 
 def test_shapes_run_oldest_first_and_later_requests_of_the_running_shape_join_it():
-    s, c = make(), Clock()  # shape_order="oldest", the default
+    s, c = make(), Clock()  # shape_order="auto": oldest
     s.add_request(c.request("a16", steps=3, size=16))
     s.add_request(c.request("b32", steps=2, size=32))
     iterate(s)
@@ -74,6 +74,12 @@ def test_shapes_run_oldest_first_and_later_requests_of_the_running_shape_join_it
         forwards.append(sorted(out.scheduled_ids))
     # a16's group steps until a16 is done (c16 with it), then b32 (older than c16), then c16's last step
     assert forwards == [["a16", "c16"], ["a16", "c16"], ["b32"], ["b32"], ["c16"]]
+
+
+def test_auto_is_oldest_first_but_in_turn_under_the_elastic_group_policy():
+    assert make().oldest_first and make(shape_order="oldest").oldest_first
+    assert not make(shape_order="auto", group_policy="elastic", sequence_parallel_size=2).oldest_first
+    assert not make(shape_order="turns").oldest_first
 
 
 def test_the_oldest_shape_goes_first_by_urgency_under_the_priority_policy():

@@ -3,12 +3,13 @@
 There are no phases. A request is admitted when its shape group has rows free in a
 forward and the state pool has blocks for it; it takes one denoising step in each
 iteration its group is picked, and leaves as soon as its counter reaches its step
-count. One group (latent shape) steps at a time: with shape_order="oldest" (the
-default) the group holding the most urgent request (the earliest, under fcfs), so
-shapes run one after another as a request-level server's batches do, later requests
-of the running shape joining it; with "turns" the group holding the request that
-waited longest since its last step, so with G groups no running request waits more
-than G - 1 iterations for a step (shapes share the device: each finishes later).
+count. One group (latent shape) steps at a time: with shape_order="oldest" (what
+"auto" is but under the elastic group policy) the group holding the most urgent
+request (the earliest, under fcfs), so shapes run one after another as a
+request-level server's batches do, later requests of the running shape joining it;
+with "turns" the group holding the request that waited longest since its last step,
+so with G groups no running request waits more than G - 1 iterations for a step
+(shapes share the device: each finishes later).
 
 With scheduling_policy="priority", a request that cannot be admitted for lack of
 rows or blocks preempts less urgent running ones: their state is swapped to the
@@ -53,7 +54,9 @@ class Scheduler:
         self.input_images_per_step = config.max_input_images_per_step
         self.by_priority = config.scheduling_policy == "priority"
         self.request_level = config.batching == "request"
-        self.oldest_first = config.shape_order == "oldest"
+        # auto: oldest, but in turn where the elastic policy's deadline pace (deadlines.py) assumes it
+        self.oldest_first = config.shape_order == "oldest" or (config.shape_order == "auto"
+                                                               and config.group_policy != "elastic")
         self.batch_wait = config.request_batch_wait_s
         self.max_batch_size = config.max_batch_size
         self.hold_s = 0.0  # batching=request: how much longer the next batch gathers (the engine sleeps meanwhile)
