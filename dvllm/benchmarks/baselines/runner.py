@@ -1,9 +1,10 @@
 """The diffusers pipeline behind the baselines, and the batcher that feeds it.
 
 `serial` is the batcher with batches of one and no window: requests run one at a time, oldest first.
-`static` collects compatible requests (same size, steps, guidance, sampler, n) for up to a window
-after the oldest arrived, up to max_batch_size, and calls the pipeline once on their prompts with one
-seeded CPU generator per image, so every image equals the one the request gets alone (and dvllm's).
+`static` collects compatible requests (same size, frames, steps, guidance, sampler, n, LoRA set, cache) for up
+to a window after the oldest arrived, up to max_batch_size, and calls the pipeline once on their prompts with one
+seeded CPU generator per image, so every image equals the one the request gets alone (and dvllm's). A call sets
+its LoRA set and step cache first (pipeline_options.py); a video pipeline's call (Wan) returns frames.
 
 Edits (requests with input images) call the model's diffusers edit pipeline: `image=` one PIL image or a
 list, dvllm's guidance_scale as `true_cfg_scale` (CFG only with a negative prompt, as in diffusers).
