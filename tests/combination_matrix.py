@@ -139,8 +139,8 @@ def engine_options(row: dict[str, Any], family: Family, loras: dict[str, str]) -
         options.update(compile="dynamic", compile_backend="eager")  # dynamo's tracing, without inductor's build
     if row["priority"]:
         options["scheduling_policy"] = "priority"
-    if row["batching"] != "step":
-        options["batching"] = row["batching"]
+    if row["batching"] != "step":  # with the window request-level servers gather a batch in
+        options.update(batching=row["batching"], request_batch_wait_s=0.05)
     return options
 
 
