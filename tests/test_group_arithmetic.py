@@ -1,4 +1,4 @@
-"""The group arithmetic (dvllm.benchmarks.group_arithmetic): the presets' real shapes, the all-to-all volume a
+"""The group arithmetic (dvllm.sizing.group_arithmetic): the presets' real shapes, the all-to-all volume a
 rank sends, and the bound it gives, labelled as arithmetic."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dvllm.benchmarks.group_arithmetic import (
+from dvllm.sizing.group_arithmetic import (
     Shape,
     forward_flops,
     main,

@@ -13,9 +13,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from dvllm.benchmarks.fake_memory import PeakTracker, TrackedMemory, tensor_bytes
-from dvllm.benchmarks.memory_estimate import GIB, HUB_PRESETS, build_parser, estimate, main, render
-from dvllm.benchmarks.quant_bytes import parse_spec, quantized_bytes
+from dvllm.sizing.fake_memory import PeakTracker, TrackedMemory, tensor_bytes
+from dvllm.sizing.memory_estimate import GIB, HUB_PRESETS, build_parser, estimate, main, render
+from dvllm.sizing.quant_bytes import parse_spec, quantized_bytes
 from dvllm.config import EngineConfig
 from dvllm.models.load_config import LoadConfig
 from dvllm.models.loader import load_adapter, preset_names
@@ -112,7 +112,7 @@ def test_quantized_weights_are_the_bytes_torchao_stores(spec):
 
 
 def _meta_unet() -> torch.nn.Module:
-    from dvllm.benchmarks.memory_estimate import _build
+    from dvllm.sizing.memory_estimate import _build
 
     return _build("tiny-sd", "float32", "auto", False)[2]["unet"]
 
@@ -192,7 +192,7 @@ def test_the_readme_commands_are_dvllm_serve_commands_the_estimate_computes():
         estimator.parse_args(argv)  # and the estimate takes the same flags
         model = argv[1].lower()
         assert model in HUB_PRESETS or model in KNOWN_DEFAULTS or model in preset_names()
-    assert "python -m dvllm.benchmarks.memory_estimate" in _section()
+    assert "python -m dvllm.sizing.memory_estimate" in _section()
 
 
 def test_text_encoders_on_the_cpu_leave_the_gpu():

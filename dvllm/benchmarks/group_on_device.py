@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dvllm.benchmarks.group_arithmetic import PUBLISHED, transformer_shape, ulysses_bytes_per_rank
+from dvllm.sizing.group_arithmetic import PUBLISHED, transformer_shape, ulysses_bytes_per_rank
 from dvllm.benchmarks.report import emit_json
 from dvllm.benchmarks.throughput import _machine
 from dvllm.models.loader import load_preset

@@ -9,16 +9,16 @@ link bandwidth per GPU and direction (`--link-gbps`). The result is an upper bou
 smaller per-GPU shapes' lower efficiency, the collectives' latency, and the text encode and VAE decode (which a
 group shares only in tiles).
 
-    python -m dvllm.benchmarks.group_arithmetic --preset flux-dev --size 1024 --text-tokens 512
-    python -m dvllm.benchmarks.group_arithmetic --preset qwen-image --size 2048 --text-tokens 128
+    python -m dvllm.sizing.group_arithmetic --preset flux-dev --size 1024 --text-tokens 512
+    python -m dvllm.sizing.group_arithmetic --preset qwen-image --size 2048 --text-tokens 128
 """
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from typing import Any
 
-from dvllm.benchmarks.report import emit_json
 from dvllm.models.loader import load_preset
 
 # The peers' published scaling (from their announcements and docs; not measured here)
@@ -116,7 +116,11 @@ def main(argv: list[str] | None = None) -> None:
               f"at most {row['speedup_bound']:.2f}x")
     for p in PUBLISHED:
         print(f"  published, {p['who']}: {p['model']} {p['size']} on {p['gpus']}: {p['figure']}")
-    emit_json(result, args.out)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ figure is the peak of a fake run's live tensors, an estimate, not a measurement.
 the engine sizes it: gpu_memory_utilization of the card, less the weights, an assumed CUDA context and the
 worst step the engine's limits allow (max_batch_size rows at the largest size max_image_pixels allows).
 
-    python -m dvllm.benchmarks.memory_estimate --model black-forest-labs/FLUX.1-dev
-    python -m dvllm.benchmarks.memory_estimate --model flux-dev --quantization torchao:int8wo \\
+    python -m dvllm.sizing.memory_estimate --model black-forest-labs/FLUX.1-dev
+    python -m dvllm.sizing.memory_estimate --model flux-dev --quantization torchao:int8wo \\
         --encoder-device cpu --max-image-pixels 1048576 --output-json flux.json
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dvllm.benchmarks.fake_memory import (
+from dvllm.sizing.fake_memory import (
     PeakTracker,
     TrackedMemory,
     fake_session,
@@ -30,7 +30,7 @@ from dvllm.benchmarks.fake_memory import (
     tensor_bytes,
     to_fake,
 )
-from dvllm.benchmarks.quant_bytes import parse_spec, quantized_bytes
+from dvllm.sizing.quant_bytes import parse_spec, quantized_bytes
 from dvllm.config import EngineConfig
 from dvllm.engine.input_processor import InputProcessor
 from dvllm.models.base import ModelAdapter
@@ -310,7 +310,7 @@ def render(e: Estimate) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: the engine flags that change memory, as dvllm serve spells them, and the cards."""
-    parser = argparse.ArgumentParser(prog="python -m dvllm.benchmarks.memory_estimate",
+    parser = argparse.ArgumentParser(prog="python -m dvllm.sizing.memory_estimate",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help=f"a preset, diffusers folder or Hub id ({', '.join(HUB_PRESETS)}"
                                                        " need no download)")
