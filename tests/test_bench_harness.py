@@ -153,3 +153,86 @@ def test_a_video_trace_replays_against_the_engine_and_the_pipeline_serial_and_st
     result = json.loads(out.read_text())
     for name, (s,) in result["runs"][0]["contenders"].items():
         assert (s["completed"], s["failed"]) == (3, 0), (name, s["errors"])
+
+
+@pytest.mark.slow
+def test_a_static_batch_of_the_pipeline_gives_the_engines_images(sd_eps_path):
+    """The static contender's one pipeline call for three requests: each request's image as the engine makes it."""
+    import asyncio
+
+    import numpy as np
+
+    from dvllm import DiffusionEngine, SamplingParams
+    from dvllm.benchmarks.baselines.runner import Job, PipelineRunner
+
+    runner = PipelineRunner(sd_eps_path, device="cpu", dtype="float32")
+    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
+    loop = asyncio.new_event_loop()
+    try:
+        params = [SamplingParams(num_inference_steps=4, height=16, width=16, seed=10 + i, sampler="euler_a")
+                  for i in range(3)]
+        prompts = [f"a red circle {i}" for i in range(3)]
+        jobs = [Job(p, runner.resolve(sp), loop.create_future()) for p, sp in zip(prompts, params)]
+        assert len({job.key for job in jobs}) == 1  # one call's worth
+        images = runner.run(jobs)
+        wants = [out.images[0] for out in engine.generate(prompts, params, use_tqdm=False)]
+        for (image,), want in zip(images, wants):
+            diff = np.abs(np.asarray(image, dtype=np.int16) - np.asarray(want, dtype=np.int16))
+            assert diff.max() <= 1, diff.max()  # PIL images: the same up to a rounding
+    finally:
+        loop.close()
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_offline_throughput_against_serial_and_static_batches_of_several_sizes(sd_eps_path, tmp_path, capsys):
+    """All at once (rate inf), a warm-up round first: the throughput ratios against serial and the best static
+    batch, one static contender per size; the engine built with profile_steps says where its step time went."""
+    out = tmp_path / "run.json"
+    assert main(_args("--model", sd_eps_path, "--device", "cpu", "--dtype", "float32", "--generate", "uniform",
+                      "--num", "4", "--rate", "inf", "--size-divisor", "32", "--clamp-steps", "2",
+                      "--contenders", "serial,static,dvllm", "--static-batch-size", "2,4", "--warmup-rounds", "1",
+                      "--profile-steps", "--output-json", str(out))) == 0
+    result = json.loads(out.read_text())
+    (run,) = result["runs"]
+    assert list(run["contenders"]) == ["serial", "static2", "static4", "dvllm"]
+    for name, (s,) in run["contenders"].items():
+        assert (s["completed"], s["failed"]) == (4, 0) and s["images_per_s"] > 0, (name, s["errors"])
+    assert list(result["profiles"]) == ["dvllm"] and result["profiles"]["dvllm"]["ms_per_step"]["forward"] > 0
+    printed = capsys.readouterr().out
+    assert "images/s vs serial: static2 " in printed and "; vs static" in printed
+    assert "dvllm's step profile over" in printed
+
+
+@pytest.mark.slow
+def test_a_stall_trace_times_the_loops_of_variants_with_their_threads_and_deadlines(flux_path, tmp_path):
+    """The stall workload (runners, then a burst of new texts) against the engine with and without its decode
+    stage and against a sequence-parallel group of one-thread processes: each engine's forward gaps, and the
+    deadlines the requests carried (their SLOs), as the engine counted them."""
+    out = tmp_path / "run.json"
+    assert main(_args("--model", flux_path, "--device", "cpu", "--dtype", "float32", "--generate", "stall",
+                      "--num", "4", "--rate", "20", "--size-divisor", "16", "--clamp-steps", "3", "--forward-gaps",
+                      "--deadlines", "--engine-variant", "inloop:decode_stage=false",
+                      "--engine-variant", "sp2:sequence_parallel_size=2,threads=1",
+                      "--contenders", "dvllm,inloop,sp2", "--output-json", str(out))) == 0
+    result = json.loads(out.read_text())
+    (run,) = result["runs"]
+    for name, (s,) in run["contenders"].items():
+        assert (s["completed"], s["failed"]) == (4, 0), (name, s["errors"])
+        assert s["forwards"] >= 3 and 0 <= s["forward_gap_p50_s"] <= s["forward_gap_max_s"], name
+        assert s["deadlines_met"] + s["deadlines_missed"] == 4, name
+
+
+def test_static_sizes_and_threads_are_checked():
+    from dvllm.benchmarks.harness import expand_static, static_sizes
+
+    assert static_sizes("8") == [8] and static_sizes("1, 4,8") == [1, 4, 8]
+    for bad in ("0", "4,4", "x", ""):
+        with pytest.raises(ValueError, match="--static-batch-size: positive batch sizes"):
+            static_sizes(bad)
+    assert expand_static(["dvllm", "serial", "static"], [8]) == {"serial": 1, "static": 8}
+    assert expand_static(["static", "dvllm"], [2, 4]) == {"static2": 2, "static4": 4}
+    assert variants_of(["one:threads=1"]) == {"one": {"threads": 1}}
+    for bad in ("0", "1.5", "true", "two"):
+        with pytest.raises(ValueError, match="threads must be a positive integer"):
+            variants_of([f"one:threads={bad}"])

@@ -1,22 +1,17 @@
-"""The serving benchmark harness: the load generator against a real `dvllm serve`, the static baseline's
-images against dvllm's, and plot.py. Both servers serve the tiny saved pipeline."""
+"""`dvllm bench serve`: the load generator against a real `dvllm serve` of the tiny saved pipeline; and plot.py."""
 from __future__ import annotations
 
-import asyncio
-import base64
-import io
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from utils_server import RemoteServer, free_port
+from utils_server import RemoteServer
 
 from dvllm.benchmarks.workloads import arrival_times, mix_workload, trace_workload
 from dvllm.entrypoints.cli import main as dvllm_main
@@ -26,36 +21,10 @@ ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--log-level", "warning"
 FAST = ["--size", "16x16", "--steps", "4", "--guidance", "7.5"]
 
 
-class BaselineServer(RemoteServer):
-    """`python -m dvllm.benchmarks.baselines.server` on a free port; call wait_ready() before use."""
-
-    def __init__(self, model: str, args: list[str]) -> None:  # noqa: D107 - starts, does not wait
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = tempfile.NamedTemporaryFile(prefix="dvllm-baseline-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "dvllm.benchmarks.baselines.server", "--model", model, "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-
-    def wait_ready(self, timeout: float = 600.0) -> None:  # a bound for a hang only, as RemoteServer's
-        try:
-            self._wait_ready(timeout)
-        except BaseException:
-            self.stop()
-            raise
-
-
 @pytest.fixture(scope="module")
-def servers(sd_eps_path):
-    # Both load at once: the baseline starts first and is waited for after dvllm.
-    static = BaselineServer(sd_eps_path, ["--mode", "static", "--batch-window-ms", "300", "--device", "cpu",
-                                          "--dtype", "float32"])
-    try:
-        with RemoteServer(sd_eps_path, ENGINE_ARGS) as dvllm:
-            static.wait_ready()
-            yield dvllm, static
-    finally:
-        static.stop()
+def server(sd_eps_path):
+    with RemoteServer(sd_eps_path, ENGINE_ARGS) as dvllm:
+        yield dvllm
 
 
 def run_bench(url: str, out: str, *args: str) -> dict:
@@ -79,8 +48,8 @@ def assert_duration_brackets_the_requests(summary: dict, records: list[dict], wa
 
 
 @pytest.mark.slow
-def test_load_generator_against_dvllm(servers, tmp_path):
-    dvllm, _ = servers
+def test_load_generator_against_dvllm(server, tmp_path):
+    dvllm = server
     rows_before, start = denoiser_rows(dvllm.url), time.perf_counter()
     result = run_bench(dvllm.url, str(tmp_path / "fixed.json"), *FAST, "--num-requests", "6", "--request-rate",
                        "40", "--warmup", "1", "--label", "dvllm")
@@ -109,8 +78,8 @@ def test_load_generator_against_dvllm(servers, tmp_path):
     assert result["label"] == "dvllm" and result["request_rate"] == 40.0
 
 
-def test_trace_slo_and_failures(servers, tmp_path):
-    dvllm, _ = servers
+def test_trace_slo_and_failures(server, tmp_path):
+    dvllm = server
     trace = tmp_path / "trace.jsonl"
     lines = [{"prompt": "a", "size": "16x16", "steps": 3, "guidance": 1.0, "sampler": "euler", "slo": 60,
               "deadline": 120},  # a trace's own field reaches the server (priority would need
@@ -185,35 +154,6 @@ def test_trace_lines_carry_loras_cache_priority_and_deadline(tmp_path):
             trace_workload(str(trace), size="16x16", steps=4, guidance=1.0, sampler=None)
 
 
-def _pixels(b64: str) -> np.ndarray:
-    with Image.open(io.BytesIO(base64.b64decode(b64))) as image:
-        return np.asarray(image.convert("RGB")).astype(np.int16)
-
-
-async def _generate(url: str, bodies: list[dict]) -> list[dict]:
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        responses = await asyncio.gather(*(client.post("/v1/images/generations", json=b) for b in bodies))
-    for r in responses:
-        assert r.status_code == 200, r.text
-    return [r.json() for r in responses]
-
-
-def test_static_baseline_images_equal_dvllm(servers):
-    dvllm, static = servers
-    # Sent together, so the static baseline answers them from one batched pipeline call.
-    bodies = [{"prompt": f"a red circle {i}", "size": "16x16", "num_inference_steps": 4, "seed": 10 + i,
-               "sampler": "euler_a"} for i in range(3)]
-    ours, theirs = asyncio.run(_generate(dvllm.url, bodies)), asyncio.run(_generate(static.url, bodies))
-    for body, a, b in zip(bodies, ours, theirs):
-        assert a["data"][0]["seed"] == b["data"][0]["seed"] == body["seed"]
-        assert np.abs(_pixels(a["data"][0]["b64_json"]) - _pixels(b["data"][0]["b64_json"])).max() <= 1
-    metrics = httpx.get(static.url + "/metrics").text
-    assert "baseline_batch_requests_count" in metrics
-    batches = float(next(line.split()[1] for line in metrics.splitlines()
-                         if line.startswith("baseline_batch_requests_count")))
-    assert batches < 3  # they did share a call
-
-
 def test_plot_writes_pngs(tmp_path):
     pytest.importorskip("matplotlib")
     summary = {"num_requests": 3, "latencies": [0.5, 0.7, 2.0], "slo_shares": [0.4, 0.9, 1.6], "goodput_rps": 0.5,
@@ -234,12 +174,3 @@ def test_plot_writes_pngs(tmp_path):
     bad = subprocess.run([sys.executable, "benchmarks/plot.py", str(profile), "--output-dir", str(out)], cwd=REPO,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "not a `dvllm bench run` result" in bad.stderr
-
-
-@pytest.mark.slow
-def test_bench_throughput_subcommand(sd_eps_path, tmp_path):
-    out = tmp_path / "throughput.json"
-    assert dvllm_main(["bench", "throughput", "--model", sd_eps_path, "--device", "cpu", "--dtype", "float32",
-                       "--num-requests", "2", "--steps", "2", "--rounds", "1", "--static-batch-sizes", "2",
-                       "--output-json", str(out)]) == 0
-    assert set(json.loads(out.read_text())["images_per_s"]) == {"serial", "static(b=2)", "dvllm"}

@@ -71,25 +71,3 @@ def test_an_elastic_group_gives_the_one_worker_images_and_reports_deadlines(flux
     finally:
         engine.shutdown()
     assert not dist.is_initialized()
-
-
-@pytest.mark.slow
-def test_the_benchmark_compares_attainment(flux_path, tmp_path):
-    import json
-
-    from dvllm.benchmarks import deadlines
-
-    out = tmp_path / "deadlines.json"
-    deadlines.main(["--model", flux_path, "--load-format", "auto", "--small", "32", "--big", "64",
-                    "--small-steps", "2", "--big-steps", "3", "--requests", "4", "--big-share", "0.5",
-                    "--policies", "static 1,elastic group", "--out", str(out)])
-    result = json.loads(out.read_text())
-    assert set(result["median_attainment"]) == {"static 1", "elastic group"}
-    elastic = result["rounds"]["elastic group"][0]
-    assert {c: v["requests"] for c, v in elastic["classes"].items()} == {"small": 2, "big": 2}
-    assert 0 <= elastic["attainment"] <= 1 and sum(elastic["group_forwards"].values()) > 0
-    # both are reported rounded to the millisecond: 2 x a rounded solo is off by up to 1 ms, the deadline's by 0.5
-    assert result["deadline_s"]["big"] == pytest.approx(2.0 * result["solo_s"]["big"], abs=1.5e-3)
-    with pytest.raises(ValueError, match="'static 1' first"):
-        deadlines.main(["--policies", "elastic group"])
-    assert not dist.is_initialized()

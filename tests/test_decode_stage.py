@@ -180,16 +180,6 @@ def test_closing_the_stage_drains_it():
 
 
 @pytest.mark.slow
-def test_the_loop_stall_benchmark_runs_both_engines_on_the_same_requests(sd_eps_path, tmp_path):
-    from dvllm.benchmarks.loop_stall import main
-
-    result = main(["--model", sd_eps_path, "--size", "16", "--cohort", "3", "--runners", "1", "--steps", "2",
-                   "--rounds", "1", "--output", str(tmp_path / "stall.json")])
-    assert set(result["longest_gap_s"]) == {"on", "off"} and result["gap_ratio_on_off"] > 0
-    assert result["cohort_images_max_abs_diff"] < 1e-5
-
-
-@pytest.mark.slow
 def test_the_stage_metrics_count_each_stage_where_it_ran(sd_eps_path):
     """Requests encoded, rows denoised and images decoded (finals and previews), in the loop or on the
     stage's thread, through the engine's stats, Prometheus and the benchmark's reading of two scrapes."""

@@ -76,6 +76,23 @@ def test_written_traces_replay_line_for_line_at_a_tiny_models_size(tmp_path, cap
     assert {s.size for s in specs} <= {"64x64", "96x96", "128x128", "64x96", "96x64", "72x128", "128x72"}
 
 
+def test_the_throughput_and_stall_traces():
+    uniform = generate("uniform", 6, float("inf"), size_divisor=32)
+    assert {(line["size"], line["steps"], line["guidance"], line["arrival"]) for line in uniform} == \
+        {("16x16", 20, 7.5, 0.0)}
+    mixed = generate("mixed", 40, 1.0, size_divisor=32)
+    assert {line["size"] for line in mixed} == {"16x16", "32x32"} and {line["guidance"] for line in mixed} == {7.5, 1.0}
+    assert {line["steps"] for line in mixed} == {10, 20, 30} and mixed == generate("mixed", 40, 1.0, size_divisor=32)
+    stall = generate("stall", 8, 4.0, size_divisor=16)
+    runners, burst = stall[:2], stall[2:]  # a quarter run on; the rest arrive together 1/rate s later
+    assert all(line["arrival"] == 0.0 and line["steps"] == 50 for line in runners)
+    assert all(line["arrival"] == 0.25 and line["steps"] == 20 and line["negative_prompt"] for line in burst)
+    assert len({line["prompt"] for line in burst}) == len(burst)  # every text new: every one is encoded
+    assert all(line["arrival"] == 0.0 for line in generate("stall", 8, float("inf")))
+    with pytest.raises(ValueError, match="size_divisor must divide the sizes"):
+        generate("uniform", 2, 1.0, size_divisor=128)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"kind": "audio"}, "kind must be one of"),
     ({"num": 0}, "num must be at least 1"),

@@ -4,7 +4,6 @@ for each family diffusers has a plan for, batched with other sizes and step coun
 killed in the middle of a forward, or between requests, loses nothing; what a group does not serve is refused."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 
@@ -152,22 +151,6 @@ def test_what_a_group_does_not_serve_is_refused(flux_path, sd3_path):
             DiffusionEngine(model=flux_path, device="cpu", sequence_parallel_size=2)
     finally:
         engine.shutdown()
-
-
-@pytest.mark.slow
-def test_the_benchmark_compares_a_group_with_one_worker(flux_path, tmp_path):
-    from dvllm.benchmarks import sequence_parallel
-
-    out = tmp_path / "sp.json"
-    sequence_parallel.main(["--model", flux_path, "--load-format", "auto", "--height", "32", "--width", "32",
-                            "--steps", "2", "--rounds", "2", "--threads", "1", "--lora-rank", "4", "--out", str(out)])
-    result = json.loads(out.read_text())
-    assert result["lora_rank"] == 4  # the request took an adapter on both engines
-    assert set(result["latency_s"]) == set(result["forward_s"]) == {"one worker", "group of 2"}
-    assert all(len(runs) == 2 and min(runs) > 0 for runs in result["forward_s"].values())
-    assert result["latency_ratio"] > 0 and result["forward_ratio"] > 0
-    assert result["max_abs_image_diff"] <= TOL  # the same image from both, the adapter applied alike
-    assert not dist.is_initialized()
 
 
 def test_a_worker_that_fails_to_start_takes_its_group_down(flux_path, monkeypatch):

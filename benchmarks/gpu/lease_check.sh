@@ -22,7 +22,7 @@
 #   3. CUDA graph replay against eager and the syncs in one step, per family (tests/test_host_syncs.py -k cuda)
 #   4. the CUDA kernels' tests, tests/test_state_ops.py whole (passed 2026-12-04 but for the two argument-error
 #      tests, which now raise in a process of their own: a crash there fails one test, not the step)
-#   5. sd15 (fp16, 512x512, 25 steps, CFG): dvllm vs serial vs static batches (throughput; measured 2026-12-04)
+#   5. sd15 (fp16, the mixed workload at 256/512 px, all at once): dvllm vs serial vs static batches of 8 and 16
 #   6. worker groups (issue 28): flux-dev's forward and its exchanges on this one GPU (measured 2026-12-04)
 #
 #   benchmarks/gpu/lease_check.sh [--out DIR] [--budget SECONDS] [--only STEP,STEP] [--dry-run]
@@ -103,8 +103,9 @@ if [ $dry = 1 ]; then
     --engine-variant turns:shape_order=turns --output-json "$out/video_turns.json"
   step group 60 $python -m dvllm.benchmarks.group_on_device --preset flux-cpu --size 128 --text-tokens 16 \
     --device cpu --dtype float32 --rounds 1 --out "$out/group_on_device.json"
-  step sd 120 $python -m dvllm.benchmarks.throughput --model tiny-sd --device cpu --dtype float32 --size 16x16 \
-    --steps 3 --guidance 7.5 --num-requests 4 --rounds 1 --static-batch-sizes 2 --output-json "$out/sd15.json"
+  step sd 120 $python -m dvllm.entrypoints.cli bench run --model tiny-sd --load-format dummy --device cpu \
+    --dtype float32 --generate mixed --num 4 --rate inf --size-divisor 32 --clamp-steps 3 \
+    --contenders serial,static,dvllm --static-batch-size 2 --output-json "$out/sd15.json"
   step kernels 120 $python -m pytest -q -x tests/test_state_ops.py -k "cpu and dtype0" -p no:cacheprovider
   exit 0
 fi
@@ -130,9 +131,9 @@ step video_turns 280 $python -m dvllm.entrypoints.cli bench run --model wan2.1-t
 step kernel_errors 240 env PYTHON=$python tests/gpu/kernel_errors.sh
 step graphs 110 $python -m pytest -v --tb=short --maxfail=4 -p no:cacheprovider tests/test_host_syncs.py -k cuda
 step kernels 120 env PYTHON=$python tests/gpu/run.sh
-step sd 100 $python -m dvllm.benchmarks.throughput --model sd15 --load-format dummy --device cuda --dtype float16 \
-  --size 512x512 --steps 25 --guidance 7.5 --num-requests 16 --rounds 1 --static-batch-sizes 8,16 \
-  --workload mixed --output-json "$out/sd15.json"
+step sd 100 $python -m dvllm.entrypoints.cli bench run --model sd15 --load-format dummy --device cuda \
+  --dtype float16 --generate mixed --num 16 --rate inf --size-divisor 2 --clamp-steps 25 \
+  --contenders serial,static,dvllm --static-batch-size 8,16 --output-json "$out/sd15.json"
 step group 40 $python -m dvllm.benchmarks.group_on_device --preset flux-dev --size 1024 --text-tokens 512 \
   --device cuda --dtype bfloat16 --rounds 5  # its JSON is in its log: 8 files come back from a lease at most
 echo "== done in ${SECONDS} s"

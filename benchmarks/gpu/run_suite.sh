@@ -1,17 +1,14 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (< 12 minutes on one H200): build the CUDA extension and run the
-# CUDA kernel tests, then time sd15 and sd-turbo (dvllm bench throughput), then measure how far
-# batching moves an image in fp16/bf16 and stress the largest step (dvllm.benchmarks.batch_invariance),
-# then step caching on flux-dev (dvllm.benchmarks.cached, through throughput --cache), then multi-LoRA
-# on sdxl: 8 adapters mixed in one batch and the step cost they add (dvllm.benchmarks.lora, throughput --loras),
-# then the decode stage's loop stall (a thread, then decode processes on the CPU), the encode stage's (a burst
-# of new prompts while a batch runs; a thread, then an encode process) and async scheduling off vs on
-# (dvllm.benchmarks.loop_stall, encode_stall, async_scheduling, sd15 at 512x512),
-# then each family's preset loaded as served, bf16/fp16 and quantized (dvllm.benchmarks.preset_load),
-# then video: Wan 2.1 1.3B, the generated video trace (frames and steps clamped), dvllm vs serial vs static
-# (dvllm bench run --generate video),
-# then a worker group's costs on this one GPU: flux-dev's forward and its Ulysses exchanges, with the N-GPU
-# arithmetic next to the peers' published scaling (group_on_device; issue 28's item 8).
+# CUDA kernel tests, then offline throughput of sd15 and sd-turbo against the pipeline serial and in static
+# batches, then how far batching moves an image in fp16/bf16 and the largest step (dvllm.benchmarks.batch_invariance),
+# then step caching on flux-dev and multi-LoRA on sdxl (the cache and loras traces), then the step loop's stalls
+# (the stall trace with --forward-gaps: the decode stage off, on, and as CPU processes; the encode stage; async
+# scheduling; sd15 at 512x512), then each family's preset loaded as served (dvllm.benchmarks.preset_load), then
+# video: Wan 2.1 1.3B, the generated video trace (frames and steps clamped), dvllm vs serial vs static, then a
+# worker group's costs on this one GPU: flux-dev's forward and its Ulysses exchanges, with the N-GPU arithmetic
+# next to the peers' published scaling (group_on_device; issue 28's item 8). Every timed comparison is one
+# `dvllm bench run`.
 #
 #   benchmarks/gpu/run_suite.sh [--dry-run] [--out DIR]
 #
@@ -35,26 +32,23 @@ mkdir -p "$out"
 source benchmarks/gpu/machine_env.sh
 python=${PYTHON:-python3}
 
+bench="$python -m dvllm.entrypoints.cli bench run --load-format dummy"
 if [ $dry = 1 ]; then
   echo "== dry run: CPU kernels and tiny-sd"
   $python -m pytest -q -x tests/test_state_ops.py -k "cpu and dtype0" -p no:cacheprovider | tail -2
-  $python -m dvllm.benchmarks.throughput --model tiny-sd --device cpu --dtype float32 --size 16x16 --steps 3 \
-    --num-requests 4 --rounds 1 --static-batch-sizes 2,4 --output-json "$out/throughput_dry.json"
+  $bench --model tiny-sd --device cpu --dtype float32 --generate uniform --num 4 --rate inf --size-divisor 32 \
+    --clamp-steps 3 --contenders serial,static,dvllm --static-batch-size 2,4 --output-json "$out/throughput_dry.json"
   $python -m dvllm.benchmarks.batch_invariance --dry-run --output-json "$out/batch_invariance_dry.json"
-  $python -m dvllm.benchmarks.throughput --model flux-cpu --device cpu --dtype float32 --size 32x32 --steps 4 \
-    --num-requests 4 --workload mixed --cache taylorseer --rounds 1 --static-batch-sizes 2 --cost-rows 4 \
-    --cost-rounds 1 --output-json "$out/step_cache_dry.json"
-  $python -m dvllm.benchmarks.throughput --model tiny-sd --device cpu --dtype float32 --size 16x16 --steps 2 \
-    --num-requests 4 --loras 2 --rounds 1 --cost-rows 4 --cost-rounds 1 --output-json "$out/lora_dry.json"
-  $python -m dvllm.benchmarks.loop_stall --model tiny-sd --size 32 --cohort 4 --rounds 1 --output "$out/loop_stall_dry.json"
-  $python -m dvllm.benchmarks.loop_stall --model tiny-sd --size 32 --cohort 4 --rounds 1 --decode-workers 1 \
-    --output "$out/loop_stall_workers_dry.json"
-  $python -m dvllm.benchmarks.encode_stall --model tiny-sd --size 32 --burst 4 --rounds 1 --encode-workers 1 \
-    --output "$out/encode_stall_dry.json"
-  $python -m dvllm.benchmarks.async_scheduling --model tiny-sd --size 32 --requests 6 --steps 2 --max-batch-size 4 \
-    --rounds 1 --output "$out/async_scheduling_dry.json"
+  $bench --model flux-cpu --device cpu --dtype float32 --generate cache --num 4 --rate inf --size-divisor 16 \
+    --clamp-steps 4 --output-json "$out/step_cache_dry.json"
+  $bench --model tiny-sd --device cpu --dtype float32 --generate loras --num 4 --rate inf --size-divisor 16 \
+    --clamp-steps 2 --random-loras 4 --contenders dvllm,request,serial,static --output-json "$out/lora_dry.json"
+  $bench --model tiny-sd --device cpu --dtype float32 --generate stall --num 8 --rate 4 --size-divisor 16 \
+    --clamp-steps 8 --forward-gaps --engine-variant inloop:decode_stage=false \
+    --engine-variant workers:decode_workers=1,encode_workers=1 --engine-variant async:async_scheduling=true \
+    --contenders dvllm,inloop,workers,async --output-json "$out/stall_dry.json"
   $python -m dvllm.benchmarks.preset_load --dry-run --only tiny-sd --repeats 1 --output-json "$out/preset_load_dry.json"
-  $python -m dvllm.entrypoints.cli bench run --model wan-cpu --load-format dummy --device cpu --dtype float32 \
+  $bench --model wan-cpu --device cpu --dtype float32 \
     --generate video --num 3 --rate inf --size-divisor 26 --clamp-frames 9 --clamp-steps 3 \
     --contenders dvllm,serial,static --output-json "$out/video_dry.json"
   $python -m dvllm.benchmarks.group_on_device --preset flux-cpu --size 128 --text-tokens 16 --device cpu \
@@ -66,41 +60,31 @@ else
   $python -m pytest -q -rfEs -p no:cacheprovider tests/test_host_syncs.py -k "cuda" 2>&1 | tail -15
   echo "== text encoders on the CPU, denoiser on CUDA (--encoder-device): the images of encoders on the GPU"
   $python -m pytest -q -rfEs -p no:cacheprovider tests/test_encoder_device.py -k "gpu" 2>&1 | tail -5
-  echo "== timing"
+  echo "== offline throughput: all at once, the pipeline serial and in static batches of 4-32 against dvllm"
   for case in "sd15 25 7.5" "sd-turbo 1 0.0" "sd-turbo 4 0.0"; do
     set -- $case
-    $python -m dvllm.benchmarks.throughput --model "$1" --load-format dummy --device cuda --dtype float16 \
-      --size 512x512 --steps "$2" --guidance "$3" --num-requests 32 --rounds 1 --static-batch-sizes 4,8,16,32 \
+    $bench --model "$1" --device cuda --dtype float16 --generate uniform --num 32 --rate inf --clamp-steps "$2" \
+      --contenders serial,static,dvllm --static-batch-size 4,8,16,32 --warmup-rounds 1 --max-batch-size 64 \
       --output-json "$out/throughput_$1_$2.json" 2>&1 | tee "$out/throughput_$1_$2.txt"
   done
   echo "== batching in half precision (alone vs a mixed batch of 8), and 60 s at the largest size and batch"
   $python -m dvllm.benchmarks.batch_invariance --output-json "$out/batch_invariance.json" 2>&1 \
     | tee "$out/batch_invariance.txt"
-  echo "== step caching: flux-dev (bf16, 512x512, mixed steps), dvllm with/without first_block against the cached pipeline"
-  $python -m dvllm.benchmarks.throughput --model flux-dev --load-format dummy --device cuda --dtype bfloat16 \
-    --size 512x512 --steps 20 --guidance 3.5 --num-requests 8 --workload mixed \
-    --cache first_block:threshold=0.08 --rounds 1 --static-batch-sizes 4,8 \
-    --output-json "$out/step_cache.json" 2>&1 | tee "$out/step_cache.txt"
-  echo "== multi-LoRA: sdxl (fp16, 1024x1024, 4 steps), 8 rank-16 adapters in one batch against no LoRA, the pipeline"
-  echo "   switching adapters per request and batching per adapter; step cost of 16 rows with 8 adapters"
-  $python -m dvllm.benchmarks.throughput --model sdxl --load-format dummy --device cuda --dtype float16 \
-    --size 1024x1024 --steps 4 --guidance 5.0 --num-requests 8 --loras 8 --rounds 1 --cost-rows 16 \
-    --cost-rounds 3 --output-json "$out/lora.json" 2>&1 | tee "$out/lora.txt"
-  echo "== decode stage: the loop's longest gap when 16 requests finish together, on vs off (sd15, 512x512)"
-  timeout 240 $python -m dvllm.benchmarks.loop_stall --model sd15 --size 512 --cohort 16 --device cuda \
-    --output "$out/loop_stall.json" 2>&1 | tee "$out/loop_stall.txt" || echo "loop_stall stopped early"
-  echo "== decode workers: the same with 2 decode processes on the CPU (the GPU runs no VAE), 8 finishing together"
-  timeout 120 $python -m dvllm.benchmarks.loop_stall --model sd15 --size 512 --cohort 8 --rounds 1 --device cuda \
-    --decode-workers 2 --decode-device cpu --output "$out/loop_stall_workers.json" 2>&1 \
-    | tee "$out/loop_stall_workers.txt" || echo "loop_stall with decode workers stopped early"
-  echo "== encode stage: the loop's longest gap when 16 requests with new prompts (CFG) arrive while one runs, off vs"
-  echo "   on (a thread) vs on with an encode process on the CPU (the GPU holds no text encoder)"
-  timeout 180 $python -m dvllm.benchmarks.encode_stall --model sd15 --size 512 --burst 16 --rounds 2 --device cuda \
-    --encode-workers 1 --encode-device cpu --output "$out/encode_stall.json" 2>&1 | tee "$out/encode_stall.txt" || echo "encode_stall stopped early"
-  echo "== async scheduling: 32 small requests (8 steps, 8 rows a forward, progress outputs), off vs on (sd15, 512x512)"
-  timeout 180 $python -m dvllm.benchmarks.async_scheduling --model sd15 --size 512 --requests 32 --steps 8 \
-    --max-batch-size 8 --device cuda --output "$out/async_scheduling.json" 2>&1 | tee "$out/async_scheduling.txt" \
-    || echo "async_scheduling stopped early (or its images differ)"
+  echo "== step caching: flux-dev (bf16), the cache trace, dvllm against the request-level policy and the cached pipeline"
+  timeout 240 $bench --model flux-dev --device cuda --dtype bfloat16 --generate cache --num 16 --rate 1 \
+    --clamp-steps 20 --size-divisor 2 --output-json "$out/step_cache.json" 2>&1 | tee "$out/step_cache.txt" \
+    || echo "the cache trace stopped early"
+  echo "== multi-LoRA: sdxl (fp16), the loras trace with rank-16 adapters, against request-level, serial and static"
+  timeout 240 $bench --model sdxl --device cuda --dtype float16 --generate loras --num 16 --rate 1 --clamp-steps 8 \
+    --random-loras 16 --contenders dvllm,request,serial,static --output-json "$out/lora.json" 2>&1 \
+    | tee "$out/lora.txt" || echo "the loras trace stopped early"
+  echo "== the step loop (sd15, 512x512): runners, then a burst of 12 new prompts (CFG) finishing together; gaps"
+  echo "   between forwards with the decode stage off, on, as 2 CPU processes, the encode stage, async scheduling"
+  timeout 300 $bench --model sd15 --device cuda --dtype float16 --generate stall --num 16 --rate 2 \
+    --forward-gaps --engine-variant inloop:decode_stage=false \
+    --engine-variant workers:decode_workers=2,decode_device=cpu,encode_workers=1,encode_device=cpu \
+    --engine-variant async:async_scheduling=true --contenders dvllm,inloop,workers,async \
+    --output-json "$out/stall.json" 2>&1 | tee "$out/stall.txt" || echo "the stall trace stopped early"
   echo "== each family's preset as served (family dtype; flux-dev int8 and fp8 with T5 on the CPU): weights, pool, step"
   timeout 420 $python -m dvllm.benchmarks.preset_load --output-json "$out/preset_load.json" 2>&1 \
     | tee "$out/preset_load.txt" || echo "preset_load stopped early (its JSON keeps what was measured)"

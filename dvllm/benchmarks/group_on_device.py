@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from dvllm.sizing.group_arithmetic import PUBLISHED, transformer_shape, ulysses_bytes_per_rank
 from dvllm.benchmarks.report import emit_json
-from dvllm.benchmarks.throughput import _machine
+from dvllm.benchmarks.report import machine_label
 from dvllm.models.loader import load_preset
 
 DEGREES = (2, 4, 8)
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     output_bytes = shape.tokens * element_bytes * 64  # CFG-parallel gathers one row's output (Flux: 64 channels)
     return {
         "kind": "measured on one device; the N-GPU rows are arithmetic from those measurements and --link-gbps",
-        "machine": _machine(device, dtype), "preset": args.preset, "size": f"{args.size}x{args.size}",
+        "machine": machine_label(device, dtype), "preset": args.preset, "size": f"{args.size}x{args.size}",
         "dtype": args.dtype, "tokens": shape.tokens, "attention_layers": shape.layers, "width": shape.width,
         "parameters": shape.parameters, "built_s": built_s, "forward_1_row_s": forward_1,
         "forward_2_rows_s": forward_2, "link_gbps": args.link_gbps,

@@ -19,7 +19,23 @@ shape and parameters with nothing else running, measured once per distinct kind 
 contender: completed and failed, requests and images per second, latency p50/p95/p99, time to the first step
 (dvllm's engines: the first progress output; serial: when its pipeline call begins), SLO attainment and goodput,
 and where a request's time went: waiting to be admitted (queue) and admitted to done (service). `--plot-dir`
-draws the latency CDFs and goodput against load (dvllm/benchmarks/plot.py).
+draws the latency CDFs and goodput against load (dvllm/benchmarks/plot.py). With every request at once
+(`--rate inf`) it is offline throughput: the lines under each rate's table give each contender's images/s against
+serial's and the best static batch's (`--static-batch-size 1,4,8`: one static contender per size).
+
+Inside the engines: `--forward-gaps` times the step loop between denoiser forwards (probes.py; `--generate stall`
+keeps the loop busy while a burst's encodes and decodes land), and an engine built with profile_steps reports
+where its step time went. `--deadlines` sends each request its SLO as its deadline. A variant's `threads=N` runs it
+with N torch threads (its group members as many), so one worker of N threads and N workers of one get equal
+compute.
+
+    dvllm bench run --model tiny-sd --load-format dummy --device cpu --generate uniform --num 16 --rate inf \\
+        --size-divisor 32 --clamp-steps 20 --contenders serial,static,dvllm --static-batch-size 4,8,16 --warmup-rounds 1
+    dvllm bench run --model tiny-sd --load-format dummy --device cpu --generate stall --num 16 --rate 2 \\
+        --size-divisor 16 --forward-gaps --engine-variant inloop:decode_stage=false --contenders dvllm,inloop
+    dvllm bench run --model tiny-sd --load-format dummy --device cpu --generate uniform --num 16 --rate inf \\
+        --engine-variant one:threads=1 --engine-variant ray2:executor=ray,num_workers=2,worker_num_cpus=1 \\
+        --contenders one,ray2
 
     dvllm bench run --model tiny-sd --load-format dummy --device cpu --generate images --num 40 --rate 1,2,4 \\
         --size-divisor 16 --output-json run.json --plot-dir figs
@@ -31,12 +47,13 @@ import asyncio
 import json
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from dvllm.benchmarks import traces
-from dvllm.benchmarks.report import RequestRecord, json_safe, percentile, summarize
+from dvllm.benchmarks.probes import ForwardGaps, torch_threads
+from dvllm.benchmarks.report import Outcome, format_results, json_safe, run_summary
 from dvllm.benchmarks.workloads import SERVER_DEFAULT, RequestSpec, trace_workload
 
 CONTENDERS = ("dvllm", "request", "serial", "static")
@@ -60,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--contenders", default="dvllm,request,serial",
                      help=f"Comma list of {', '.join(CONTENDERS)} and --engine-variant labels (default: the first "
                           "three).")
-    run.add_argument("--static-batch-size", type=int, default=8, help="The static contender's batch (default: 8).")
+    run.add_argument("--static-batch-size", default="8", help="The static contender's batch (default: 8); a comma "
+                     "list runs one static contender per size, named staticB.")
     run.add_argument("--static-window-s", type=float, default=0.05,
                      help="How long the static contender gathers a batch (default: 0.05).")
     run.add_argument("--random-loras", type=int, default=0, metavar="RANK",
@@ -74,20 +92,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "where they parse, else strings), e.g. oldest:shape_order=oldest or "
                           "nostage:decode_stage=false. Repeatable; name its label in --contenders.")
     run.add_argument("--rounds", type=int, default=1, help="Replays per contender, the order rotating (default: 1).")
+    run.add_argument("--warmup-rounds", type=int, default=0,
+                     help="Untimed replays per contender first, at the first rate (allocators, kernels, compiles).")
+    run.add_argument("--forward-gaps", action="store_true",
+                     help="Time the engines' step loops between denoiser forwards (in-process workers).")
+    run.add_argument("--deadlines", action="store_true",
+                     help="Each request asks the engines to finish by its SLO (deadline_s; the pipelines ignore it).")
     run.add_argument("--slo-factor", type=float, default=3.0,
                      help="A request meets its SLO within this many times its solo latency (default: 3).")
     run.add_argument("--output-json", help="Also write the results here.")
     run.add_argument("--plot-dir", help="Draw latency_cdf.png and goodput_vs_load.png here (needs matplotlib).")
     add_engine_args(p)
-
-
-@dataclass
-class Outcome:
-    latency: float | None  # send to final output, seconds; None if it failed
-    first_step: float | None  # send to its first step (serial: to its pipeline call), seconds
-    error: str | None
-    queue: float | None = None  # the engine's arrival to its first scheduled step (serial: to its pipeline call)
-    service: float | None = None  # first scheduled step to finished
 
 
 def params_of(spec: RequestSpec) -> Any:
@@ -124,6 +139,11 @@ class EngineContender:
         except Exception as e:  # noqa: BLE001 - a refused request is a failed record, not a failed run
             return Outcome(None, first, f"{type(e).__name__}: {e}")
 
+    def deadlines(self) -> tuple[int, int]:
+        """The engine's deadlines met and missed so far."""
+        stats = self.engine.stats()
+        return stats.get("deadlines_met", 0), stats.get("deadlines_missed", 0)
+
     async def close(self) -> None:
         await self.engine.shutdown(5)
 
@@ -157,6 +177,9 @@ class PipelineContender:
         latency = time.perf_counter() - start
         first = job.started - job.arrival if job.started is not None else None
         return Outcome(latency, first, None, first, None if first is None else latency - first)
+
+    def deadlines(self) -> None:  # the pipeline takes none
+        return None
 
     async def close(self) -> None:
         await self.batcher.stop()
@@ -194,12 +217,6 @@ async def replay(contender: Any, specs: list[RequestSpec], round_index: int) -> 
 
     outcomes = await asyncio.gather(*(one(i, s) for i, s in enumerate(specs)))
     return list(outcomes), time.perf_counter() - start
-
-
-def record(i: int, spec: RequestSpec, outcome: Outcome, slo: float) -> RequestRecord:
-    return RequestRecord(index=i, arrival=spec.arrival or 0.0, sent=spec.arrival or 0.0, latency=outcome.latency,
-                         ok=outcome.error is None, status=None, error=outcome.error, steps=spec.steps, n=spec.n,
-                         size=spec.size, guidance=spec.guidance, sampler=spec.sampler, slo=slo)
 
 
 def random_loras(kwargs: dict[str, Any], names: list[str], rank: int, root: str) -> dict[str, str]:
@@ -251,26 +268,6 @@ def load_workloads(args: argparse.Namespace) -> list[tuple[float | None, list[Re
     return workloads
 
 
-def run_summary(specs: list[RequestSpec], outcomes: list[Outcome], slos: list[float], duration: float
-                ) -> dict[str, Any]:
-    records = [record(i, s, o, slo) for i, (s, o, slo) in enumerate(zip(specs, outcomes, slos))]
-    summary = summarize(records, duration, None)
-
-    def ps(values: list[float | None], *qs: int) -> list[float | None]:
-        kept = [v for v in values if v is not None]
-        return [percentile(kept, q) for q in qs]
-
-    first_p50, first_p99 = ps([o.first_step for o in outcomes], 50, 99)
-    queue_p50, queue_p99 = ps([o.queue for o in outcomes], 50, 99)
-    (service_p50,) = ps([o.service for o in outcomes], 50)
-    summary.update(first_step_p50_s=first_p50, first_step_p99_s=first_p99, queue_p50_s=queue_p50,
-                   queue_p99_s=queue_p99, service_p50_s=service_p50,
-                   latencies=sorted(round(o.latency, 4) for o in outcomes if o.latency is not None),
-                   slo_shares=sorted(round(o.latency / slo, 4) for o, slo in zip(outcomes, slos)
-                                     if o.latency is not None))  # <= 1: met
-    return summary
-
-
 def variants_of(texts: list[str]) -> dict[str, dict[str, Any]]:
     """--engine-variant LABEL:KEY=VALUE,... -> label -> engine options (checked with the engine's, when it is built)."""
     variants: dict[str, dict[str, Any]] = {}
@@ -287,6 +284,9 @@ def variants_of(texts: list[str]) -> dict[str, dict[str, Any]]:
                 options[key.strip()] = json.loads(value)
             except json.JSONDecodeError:
                 options[key.strip()] = value.strip()
+        threads = options.get("threads")
+        if "threads" in options and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ValueError(f"--engine-variant {label}: threads must be a positive integer, got {threads!r}")
         variants[label.strip()] = options
     return variants
 
@@ -301,6 +301,27 @@ def check_contenders(names: list[str], specs: list[RequestSpec], variants: dict[
         raise ValueError("--contenders must include an engine: solo latencies are measured on one")
 
 
+def static_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"--static-batch-size: positive batch sizes, a comma list without repeats; got {text!r}")
+    return sizes
+
+
+def expand_static(names: list[str], sizes: list[int]) -> dict[str, int]:
+    """contender name -> its static batch size (pipelines only: serial's is 1); several sizes name staticB each."""
+    batches: dict[str, int] = {}
+    for name in names:
+        if name == "static" and len(sizes) > 1:
+            batches.update({f"static{b}": b for b in sizes})
+        elif name in PIPELINES:
+            batches[name] = sizes[0] if name == "static" else 1
+    return batches
+
+
 async def run_async(args: argparse.Namespace) -> dict[str, Any]:
     from dvllm.engine.async_engine import AsyncDiffusionEngine
     from dvllm.entrypoints.cli_args import engine_kwargs
@@ -313,8 +334,11 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     variants = variants_of(args.engine_variant)
     check_contenders(names, workloads[0][1], variants)
-    if args.rounds < 1 or not args.slo_factor > 0:
-        raise ValueError("--rounds must be at least 1 and --slo-factor positive")
+    batches = expand_static(names, static_sizes(args.static_batch_size))
+    names = [n for name in names for n in ([b for b in batches if b.startswith("static")] if name == "static"
+                                           else [name])]
+    if args.rounds < 1 or args.warmup_rounds < 0 or not args.slo_factor > 0:
+        raise ValueError("--rounds must be at least 1, --warmup-rounds at least 0 and --slo-factor positive")
     kwargs = engine_kwargs(args)
     folder = tempfile.TemporaryDirectory(prefix="dvllm-bench-loras-")
     if args.random_loras:
@@ -322,10 +346,12 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["lora_modules"] = {**(kwargs.get("lora_modules") or {}),
                                   **random_loras(kwargs, used, args.random_loras, folder.name)}
     contenders: dict[str, Any] = {}
+    gaps: dict[str, ForwardGaps] = {}  # the engines' step-loop probes, where asked
+    threads: dict[str, int | None] = {}  # a variant's torch threads
     runs: list[dict[str, Any]] = []
     try:
         for name in names:
-            if name in PIPELINES:
+            if name in batches:
                 from dvllm.benchmarks.baselines.runner import load_on_worker
 
                 runner, worker = load_on_worker(model=kwargs["model"], load_format=kwargs["load_format"],
@@ -333,50 +359,54 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
                                                 dummy_weight_seed=kwargs["dummy_weight_seed"],
                                                 lora_modules=kwargs.get("lora_modules"),
                                                 limits={k: kwargs[k] for k in LIMITS if k in kwargs})
-                contenders[name] = PipelineContender(name, runner, worker, *(
-                    (args.static_batch_size, args.static_window_s) if name == "static" else ()))
-            else:
-                options = variants.get(name, {"batching": "step"} if name == "dvllm" else
-                                       {"batching": "request", "request_batch_wait_s": args.request_wait_s})
+                contenders[name] = PipelineContender(name, runner, worker, batches[name],
+                                                     args.static_window_s if batches[name] > 1 else 0.0)
+                continue
+            options = dict(variants.get(name, {"batching": "step"} if name == "dvllm" else
+                                        {"batching": "request", "request_batch_wait_s": args.request_wait_s}))
+            threads[name] = options.pop("threads", None)
+            with torch_threads(threads[name]):
                 engine = AsyncDiffusionEngine(**{**kwargs, "batching": "step", **options})
                 engine.start()
-                contenders[name] = EngineContender(name, engine)
-        reference = contenders.get("dvllm") or next(c for c in contenders.values() if c.name not in PIPELINES)
-        solos = await solo_latencies(reference, [s for _, specs in workloads for s in specs])
+            contenders[name] = EngineContender(name, engine)
+            if args.forward_gaps and (probe := ForwardGaps.attach(engine)) is not None:
+                gaps[name] = probe
+        reference = contenders.get("dvllm") or next(c for c in contenders.values() if c.name not in batches)
+        with torch_threads(threads.get(reference.name)):
+            solos = await solo_latencies(reference, [s for _, specs in workloads for s in specs])
+        for r in range(args.warmup_rounds):
+            for name in names:
+                with torch_threads(threads.get(name)):
+                    await replay(contenders[name], workloads[0][1], -1 - r)
         for rate, specs in workloads:
             slos = [args.slo_factor * solos[solo_key(s)] for s in specs]
+            if args.deadlines:
+                specs = [replace(s, deadline=slo) for s, slo in zip(specs, slos)]
             results: dict[str, Any] = {name: [] for name in names}
             for r in range(args.rounds):
                 for name in names[r % len(names):] + names[:r % len(names)]:
-                    outcomes, duration = await replay(contenders[name], specs, r)
-                    results[name].append(run_summary(specs, outcomes, slos, duration))
+                    if name in gaps:
+                        gaps[name].take()  # what ran before this replay is not its
+                    before = contenders[name].deadlines()
+                    with torch_threads(threads.get(name)):
+                        outcomes, duration = await replay(contenders[name], specs, r)
+                    summary = run_summary(specs, outcomes, slos, duration)
+                    if args.deadlines and before is not None:  # the engine's own count, met at its finish
+                        met, missed = (a - b for a, b in zip(contenders[name].deadlines(), before))
+                        summary.update(deadlines_met=met, deadlines_missed=missed)
+                    if name in gaps:
+                        summary.update(gaps[name].take())
+                    results[name].append(summary)
             runs.append({"rate": rate, "contenders": results})
+        profiles = {name: c.engine.engine.profile() for name, c in contenders.items()
+                    if name not in batches and getattr(getattr(c.engine, "engine", None), "config", None) is not None
+                    and c.engine.engine.config.profile_steps}
     finally:
         for contender in contenders.values():
             await contender.close()
         folder.cleanup()
     return {"model": args.model, "requests": len(workloads[0][1]), "slo_factor": args.slo_factor,
-            "rounds": args.rounds, "solo_kinds": len(solos), "runs": runs}
-
-
-def format_results(result: dict[str, Any]) -> str:
-    lines = [f"{result['requests']} requests on {result['model']}, SLO {result['slo_factor']:g}x solo latency "
-             f"({result['solo_kinds']} kinds measured alone), {result['rounds']} round(s):"]
-    lines.append(f"  {'rate':>5} {'contender':<10}{'ok/failed':>10}{'req/s':>8}{'p50 s':>8}{'p95 s':>8}{'p99 s':>8}"
-                 f"{'1st step':>9}{'queue':>7}{'service':>8}{'SLO met':>8}{'goodput':>8}")
-
-    def f(v: float | None, d: int = 2) -> str:
-        return "n/a" if v is None else f"{v:.{d}f}"
-
-    for run in result["runs"]:
-        rate = "trace" if run["rate"] is None else f"{run['rate']:g}"
-        for name, summaries in run["contenders"].items():
-            for s in summaries:
-                lines.append(f"  {rate:>5} {name:<10}{s['completed']:>5}/{s['failed']:<4}{f(s['requests_per_s']):>8}"
-                             f"{f(s['latency_p50_s']):>8}{f(s['latency_p95_s']):>8}{f(s['latency_p99_s']):>8}"
-                             f"{f(s['first_step_p50_s']):>9}{f(s['queue_p50_s']):>7}{f(s['service_p50_s']):>8}"
-                             f"{f(100 * (s['slo_attainment'] or 0), 0) + '%':>8}{f(s['goodput_rps']):>8}")
-    return "\n".join(lines)
+            "rounds": args.rounds, "solo_kinds": len(solos), "runs": runs, "profiles": profiles}
 
 
 def main(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ share of each request's SLO, at each rate) and, with several rates, goodput_vs_l
 within their SLO, and the share that did, against the offered rate). Profile JSONs: phase -> seconds (e.g.
 {"schedule": .., "gather": .., "forward": .., "update_scatter": .., "decode": .., "bookkeeping": ..}; non-numeric
 entries are skipped, "num_steps"/"steps" divides into per-step times), dvllm.profiler's breakdown, or a
-benchmark_throughput.py --profile --output-json file -> step_breakdown.png, one stacked bar per file.
+`dvllm bench run --profile-steps --output-json` file -> step_breakdown.png, one stacked bar per file.
 """
 from __future__ import annotations
 
@@ -97,12 +97,15 @@ def _mean(values: Any) -> float | None:
 
 def load_profile(path: str) -> dict[str, float]:
     """phase -> seconds, per step when the file gives a step count. Takes a plain {phase: seconds}
-    dict, dvllm.profiler.breakdown's {"steps", "seconds", "ms_per_step", ...}, or a throughput JSON
-    holding one under "profile"."""
+    dict, dvllm.profiler.breakdown's {"steps", "seconds", "ms_per_step", ...}, or a `dvllm bench run` JSON
+    holding one engine's under "profiles"."""
     with open(path) as f:
         data = json.load(f)
-    if isinstance(data, dict) and isinstance(data.get("profile"), dict):
-        data = data["profile"]
+    if isinstance(data, dict) and isinstance(data.get("profiles"), dict):
+        if len(data["profiles"]) != 1:
+            raise ValueError(f"{path}: one engine's profile, not {sorted(data['profiles']) or 'none'}: run one "
+                             "engine with --profile-steps")
+        (data,) = data["profiles"].values()
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a profile is a JSON object of phase -> seconds")
     count = next((data[k] for k in _COUNT_KEYS if _number(data.get(k)) and data[k] > 0), None)

@@ -15,6 +15,12 @@
   steps with CFG for most, the rest fewer, and a share at 4 steps without CFG (a distilled LoRA's settings).
   Sides are divided by `size_divisor` and rounded down to a multiple of 16 (Wan's latent patches); frame counts
   are kept.
+- `uniform` and `mixed`: offline throughput's workloads. uniform: every request alike (512x512, 20 steps, guidance
+  7.5); mixed: 512 or 1024 px squares, 10, 20 or 30 steps, guidance 7.5 or 1 (no CFG), drawn per request.
+- `stall`: what stalls a step loop. A quarter of the requests (at least one), the runners, start at once and take
+  50 steps; the rest arrive together 1/rate seconds later (rate inf: with them), each with a long prompt and
+  negative prompt of its own (CFG), and finish together 20 steps on: their encode and their decode both land while
+  the runners step (an encode stage and a decode stage take them off the loop; `--forward-gaps` times the loop).
 
 Arrivals are Poisson at `rate` requests/s (inf: all at once). `size_divisor` divides every side (8: 512 px
 becomes 64 px, a tiny CPU model's size) so the mix keeps its shape where the model is small.
@@ -32,7 +38,7 @@ from typing import Any
 from dvllm.benchmarks.captions import caption
 from dvllm.benchmarks.workloads import arrival_times
 
-KINDS = ("images", "loras", "cache", "video")
+KINDS = ("images", "loras", "cache", "video", "uniform", "mixed", "stall")
 # (share, sides): the default size, then square, portrait and landscape sizes up to 1024 px
 _SIZES = [(0.55, (512, 512)), (0.12, (768, 768)), (0.08, (1024, 1024)), (0.08, (512, 768)), (0.07, (768, 512)),
           (0.05, (576, 1024)), (0.05, (1024, 576))]
@@ -67,9 +73,9 @@ def generate(kind: str, num: int, rate: float, *, seed: int = 0, size_divisor: i
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
     if num < 1:
         raise ValueError(f"num must be at least 1, got {num}")
-    if size_divisor < 1 or (kind != "video" and any(side % (size_divisor * 8) for _, sides in _SIZES for side in sides)):
-        raise ValueError(f"size_divisor must divide the sizes ({sorted({s for _, x in _SIZES for s in x})}) into "
-                         f"multiples of 8; {size_divisor} does not")
+    sides = sorted({s for _, x in _SIZES for s in x} if kind in ("images", "loras", "cache") else {512, 1024})
+    if size_divisor < 1 or (kind != "video" and any(side % (size_divisor * 8) for side in sides)):
+        raise ValueError(f"size_divisor must divide the sizes ({sides}) into multiples of 8; {size_divisor} does not")
     if lora_pool < 1 or not 0 <= cache_share <= 1:
         raise ValueError("lora_pool must be at least 1 and cache_share in [0, 1]")
     if (max_steps is not None and max_steps < 1) or (max_frames is not None and (max_frames - 1) % 4):
@@ -80,6 +86,9 @@ def generate(kind: str, num: int, rate: float, *, seed: int = 0, size_divisor: i
     for index, arrival in enumerate(arrival_times(num, rate, seed=seed)):
         if kind == "video":
             lines.append(_video_line(rng, arrival, size_divisor))
+            continue
+        if kind in ("uniform", "mixed", "stall"):
+            lines.append(_throughput_line(kind, rng, index, num, rate, arrival, size_divisor))
             continue
         width, height = (side // size_divisor for side in _pick(rng, _SIZES))
         line: dict[str, Any] = {"prompt": caption(rng), "size": f"{width}x{height}", "steps": _pick(rng, _STEPS),
@@ -111,9 +120,26 @@ def _video_line(rng: random.Random, arrival: float, size_divisor: int) -> dict[s
             "steps": steps, "guidance": guidance, "seed": rng.randrange(2**31), "arrival": round(arrival, 6)}
 
 
+def _throughput_line(kind: str, rng: random.Random, index: int, num: int, rate: float, arrival: float,
+                     size_divisor: int) -> dict[str, Any]:
+    side, steps, guidance = 512, 20, 7.5
+    if kind == "mixed":
+        side, steps, guidance = rng.choice((512, 1024)), rng.choice((10, 20, 30)), rng.choice((7.5, 1.0))
+    line: dict[str, Any] = {"prompt": f"a photo of object number {index}", "size": f"{side // size_divisor}x"
+                            f"{side // size_divisor}", "steps": steps, "guidance": guidance, "seed": index,
+                            "arrival": round(arrival, 6)}
+    if kind == "stall":
+        runner = index < max(1, num // 4)
+        line.update(arrival=0.0 if runner or rate == float("inf") else round(1 / rate, 6), steps=50 if runner else 20)
+        if not runner:  # texts of their own, several captions long: every one is encoded
+            line.update(prompt=" ".join(caption(rng) for _ in range(4)),
+                        negative_prompt=" ".join(caption(rng) for _ in range(2)))
+    return line
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("kind", choices=KINDS, help="images, loras (0-3 adapters a request), cache (a share cached) or "
-                   "video (Wan clips).")
+    p.add_argument("kind", choices=KINDS, help="images, loras (0-3 adapters a request), cache (a share cached), "
+                   "video (Wan clips), uniform or mixed (offline throughput) or stall (a burst while others run).")
     p.add_argument("--num", type=int, default=200, help="Requests (default: 200).")
     p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals, requests/s; inf: all at once.")
     p.add_argument("--seed", type=int, default=0)

@@ -47,11 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate_args(gen)
     serve = _leaf(sub, "serve", help="Serve a model over the OpenAI Images API.")
     _add_serve_args(serve)
-    bench = sub.add_parser("bench", help="Benchmark a server (serve), the engine offline (throughput) or under "
-                                         "MLPerf LoadGen (loadgen).",
+    bench = sub.add_parser("bench", help="Benchmark the engine against the pipeline on a trace (run), a server "
+                                         "(serve), or under MLPerf LoadGen (loadgen).",
                            allow_abbrev=False)
     argv = sys.argv[1:] if argv is None else argv
     if "bench" in argv:  # its flags come from the benchmark modules, which import torch: only when asked for
+        # the libraries quiet before they import (torchao's optional kernels, torch's deprecations), as for serve;
+        # DVLLM_BENCH_LOG_LEVEL=debug keeps them talking
+        setup_logging(os.environ.get("DVLLM_BENCH_LOG_LEVEL", "warning"))
         _add_bench_args(bench)
     args, unknown = parser.parse_known_args(argv)
     command_parser = args.__dict__.pop("_parser", parser)
@@ -219,10 +222,9 @@ def _str_list(value: str) -> list[str]:
 
 
 # `dvllm bench` COMMAND -> its help line. Each command's module in dvllm.benchmarks (_bench_modules) defines its
-# flags and runs it (main(args)); throughput's main parses its own argv, so it is run here.
+# flags and runs it (main(args)).
 _BENCH_HELP = {
-    "serve": "Load-test a server speaking the Images API (dvllm serve or a baseline).",
-    "throughput": "Offline: serial pipeline vs best static batch vs dvllm, one run.",
+    "serve": "Load-test a server speaking the Images API (dvllm serve or another).",
     "loadgen": "MLPerf LoadGen (Offline, Server, SingleStream) driving the engine.",
     "trace": "Write a production-shaped request trace (JSONL) for `bench serve` and `bench run`.",
     "run": "Replay a trace against dvllm, its request-level policy and the pipeline.",
@@ -231,9 +233,9 @@ _BENCH_HELP = {
 
 def _bench_modules() -> dict[str, Any]:
     # imported when `bench` is asked for: they import torch and httpx
-    from dvllm.benchmarks import harness, loadgen, serving, throughput, traces
+    from dvllm.benchmarks import harness, loadgen, serving, traces
 
-    return {"serve": serving, "throughput": throughput, "loadgen": loadgen, "trace": traces, "run": harness}
+    return {"serve": serving, "loadgen": loadgen, "trace": traces, "run": harness}
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -246,14 +248,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    module = _bench_modules()[args.bench_command]
-    if args.bench_command != "throughput":
-        return module.main(args)
-    result = module.run_and_report(args)  # what throughput.main does after parsing
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return _bench_modules()[args.bench_command].main(args)
 
 
 # -- checks before anything loads -----------------------------------------------------------------

@@ -157,9 +157,9 @@ class Batcher:
     def __init__(self, runner: PipelineRunner, worker: ThreadPoolExecutor, max_batch_size: int = 1,
                  window_s: float = 0.0, on_batch: Callable[[int], None] | None = None) -> None:
         if max_batch_size < 1:
-            raise ValueError(f"--max-batch-size must be >= 1, got {max_batch_size}")
+            raise ValueError(f"a static batch must be >= 1, got {max_batch_size}")
         if window_s < 0:
-            raise ValueError(f"--batch-window-ms must be >= 0, got {window_s * 1000}")
+            raise ValueError(f"a batch window must be >= 0 s, got {window_s}")
         self.runner = runner
         self.max_batch_size = max_batch_size
         self.window_s = window_s
