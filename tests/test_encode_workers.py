@@ -75,6 +75,20 @@ def test_the_encoder_copy_encodes_as_the_adapter_does(family, request):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_an_sd3_without_t5_encodes_in_the_copy_as_in_the_adapter():
+    """The built-in tiny-shapes-dit is SD3 without a T5: its pipeline sizes the zero T5 embeddings by the
+    transformer's config, which the copy keeps without the transformer (it failed every request before)."""
+    adapter = load_adapter("tiny-shapes-dit", "auto", torch.device("cpu"), torch.float32)
+    assert adapter.pipeline.text_encoder_3 is None
+    copy = pickle.loads(pickle.dumps(EncoderCopy.of(adapter)))
+    built = copy.build(torch.device("cpu"))
+    assert not isinstance(built.pipeline.transformer, torch.nn.Module)  # no weights in the encode process
+    with torch.inference_mode():
+        want = encode_flat(adapter, TEXTS, None)
+        got = encode_flat(built, TEXTS, None)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_the_copy_leaves_the_denoiser_and_what_a_group_wraps(wan_path):
     """Wan keeps its experts (its transformers) on the adapter, and a worker group wraps the adapter's denoise and
     decode on the instance: neither goes to the process (the quantized experts could not be pickled, the wrapped

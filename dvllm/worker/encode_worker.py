@@ -91,19 +91,21 @@ class EncoderCopy:
     pipeline_cls: type
     encoders: dict[str, ModuleCopy]
     parts: dict[str, Any]
-    absent: list[str]  # the modules the process does without (denoiser, VAE, image encoders): passed as None
+    # the modules the process does without (denoiser, VAE, image encoders) -> their configs: each is passed as None,
+    # then stands in as its config alone (SD3 without T5 sizes its zero T5 embeddings by the transformer's config)
+    absent: dict[str, Any]
     attributes: dict[str, Any]
 
     @classmethod
     def of(cls, adapter: Any) -> EncoderCopy:
         adapter.info  # noqa: B018 - made here (it reads the denoiser's config), and copied with the attributes
-        encoders, parts, absent = {}, {}, []
+        encoders, parts, absent = {}, {}, {}
         for name, component in adapter.pipeline.components.items():
             if isinstance(component, torch.nn.Module):
                 if is_text_encoder(name):
                     encoders[name] = ModuleCopy.of(name, component)
                 else:
-                    absent.append(name)
+                    absent[name] = getattr(component, "config", None)
             else:
                 parts[name] = component
         attributes = {k: v for k, v in vars(adapter).items() if k not in _NOT_COPIED and _copied(v)}
@@ -121,8 +123,18 @@ class EncoderCopy:
         adapter = object.__new__(self.adapter_cls)  # the family's adapter, without its __init__ (which reads the
         vars(adapter).update(self.attributes)  # denoiser): its attributes as the worker's has them
         adapter.pipeline = self.pipeline_cls(**components)
+        for name, config in self.absent.items():
+            if config is not None:
+                setattr(adapter.pipeline, name, ConfigOnly(config))
         adapter.device = adapter.encoder_device = device
         return adapter
+
+
+@dataclass(frozen=True)
+class ConfigOnly:
+    """A module the encode process does without, as much of it as encoding reads: its config."""
+
+    config: Any
 
 
 def is_text_encoder(name: str) -> bool:
