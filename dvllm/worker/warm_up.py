@@ -2,7 +2,9 @@
 
 With CUDA graphs, a graph is captured for every batch bucket at the model's default size, on zeros (masks
 all ones, every text at its longest, as the memory profile's forward), and none is captured while serving.
-Without graphs, one and two rows compile the forward (dynamo takes the second batch size as dynamic).
+Without graphs, one and two rows compile the forward (dynamo takes the second batch size as dynamic). Then
+one row at half the default side: dynamo takes the image's size as dynamic too, so a request of another size
+runs the compiled forward without compiling again (with graphs: compiled, without a graph).
 Families whose forward shapes follow a request's input images (edits, inpainting) are not warmed up.
 """
 from __future__ import annotations
@@ -36,8 +38,18 @@ def warm_up(denoiser: Denoiser, adapter: ModelAdapter, pool: StatePool, lora: Lo
         forward = denoiser.plan(_layout(adapter, size, rows), shapes, lora)
         if denoiser.warm(forward, _zeros(adapter, pool, forward.layout)) or not graphs:
             warmed.append(rows)
-    logger.info("warm-up: %s for %s rows at %s", "graphs captured" if graphs else "compiled", warmed, size)
+    other = _other_size(adapter, size)
+    if other != size:  # (never captured: the LRU holds the default size's buckets)
+        denoiser.fn(*_zeros(adapter, pool, _layout(adapter, other, 1)).args(), _layout(adapter, other, 1))
+    logger.info("warm-up: %s for %s rows at %s, compiled for 1 at %s", "graphs captured" if graphs else "compiled",
+                warmed, size, other)
     return warmed
+
+
+def _other_size(adapter: ModelAdapter, size: tuple[int, ...]) -> tuple[int, ...]:
+    """Half the default's side, in multiples of the family's size factor (a video's frames kept)."""
+    factor = adapter.info.latents.size_factor
+    return tuple(max(factor, side // 2 // factor * factor) for side in size[:2]) + tuple(size[2:])
 
 
 def _layout(adapter: ModelAdapter, size: tuple[int, ...], rows: int) -> BatchLayout:
