@@ -182,3 +182,20 @@ def test_graphs_are_captured_at_start_and_never_while_serving(sd_eps_path):
     assert denoiser.graphs == captured  # nothing captured while serving
     assert sum(g.graph.replays for g in captured.values()) >= 3
     assert _max_diff(got, exact) <= 1e-5  # the emulator replays eager's ops: float32 rounding of their order
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture,frames", [("sdxl_path", None), ("sd3_path", None), ("qwen_image_path", None),
+                                            ("z_image_path", None), ("wan_path", 5)])
+def test_every_family_serves_in_fast_mode(fixture, frames, request):
+    """Each family's repeated blocks are found and traced (dynamo's eager backend: the plumbing, not inductor's
+    numerics), warmed up at start, and serve a CFG and a plain request with the exact mode's images."""
+    path = request.getfixturevalue(fixture)
+    video = {} if frames is None else {"num_frames": frames}
+    params = [SamplingParams(num_inference_steps=3, guidance_scale=g, seed=s, height=32, width=32, output_type="np",
+                             **video) for g, s in ((4.0, 1), (1.0, 2))]
+    prompts = ["a red cat", "b"]
+    exact = _images(DiffusionEngine(model=path, device="cpu", dtype="float32").generate(prompts, params, use_tqdm=False))
+    engine = DiffusionEngine(model=path, device="cpu", dtype="float32", fast=True, compile_backend="eager")
+    assert engine.executor.worker.config.compile == "regional"
+    assert _max_diff(_images(engine.generate(prompts, params, use_tqdm=False)), exact) <= BOUND

@@ -3,8 +3,9 @@
 With CUDA graphs, a graph is captured for every batch bucket at the model's default size, on zeros (masks
 all ones, every text at its longest, as the memory profile's forward), and none is captured while serving.
 Without graphs, one and two rows compile the forward (dynamo takes the second batch size as dynamic). Then
-one row at half the default side: dynamo takes the image's size as dynamic too, so a request of another size
-runs the compiled forward without compiling again (with graphs: compiled, without a graph).
+one and two rows at half the default side: dynamo takes the image's size as dynamic too (batch and size both,
+a batch of one apart: dynamo specializes sizes of 1), so a request of another size runs the compiled forward
+without compiling again (with graphs: compiled, without a graph).
 Families whose forward shapes follow a request's input images (edits, inpainting) are not warmed up.
 """
 from __future__ import annotations
@@ -39,10 +40,11 @@ def warm_up(denoiser: Denoiser, adapter: ModelAdapter, pool: StatePool, lora: Lo
         if denoiser.warm(forward, _zeros(adapter, pool, forward.layout)) or not graphs:
             warmed.append(rows)
     other = _other_size(adapter, size)
-    if other != size:  # (never captured: the LRU holds the default size's buckets)
-        denoiser.fn(*_zeros(adapter, pool, _layout(adapter, other, 1)).args(), _layout(adapter, other, 1))
-    logger.info("warm-up: %s for %s rows at %s, compiled for 1 at %s", "graphs captured" if graphs else "compiled",
-                warmed, size, other)
+    for rows in [r for r in denoiser.buckets if r <= 2] if other != size else []:  # never captured
+        layout = _layout(adapter, other, rows)
+        denoiser.fn(*_zeros(adapter, pool, layout).args(), layout)
+    logger.info("warm-up: %s for %s rows at %s; compiled for 1 and 2 at %s",
+                "graphs captured" if graphs else "compiled", warmed, size, other)
     return warmed
 
 
