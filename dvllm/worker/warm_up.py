@@ -6,7 +6,9 @@ Without graphs, one and two rows compile the forward (dynamo takes the second ba
 one and two rows at half the default side: dynamo takes the image's size as dynamic too (batch and size both,
 a batch of one apart: dynamo specializes sizes of 1), so a request of another size runs the compiled forward
 without compiling again (with graphs: compiled, without a graph).
-Families whose forward shapes follow a request's input images (edits, inpainting) are not warmed up.
+Families whose forward shapes follow a request's input images (edits, inpainting) are not warmed up. The
+sizes stay within the positions the model has (max_side). A warm-up forward that fails stops the warm-up,
+logged: it is an optimization, and serving goes on (compiling as it goes, without graphs).
 """
 from __future__ import annotations
 
@@ -32,26 +34,34 @@ def warm_up(denoiser: Denoiser, adapter: ModelAdapter, pool: StatePool, lora: Lo
         return []
     graphs = denoiser.graphs is not None
     sizes = denoiser.buckets[:denoiser.max_graphs] if graphs else [r for r in denoiser.buckets if r <= 2]
-    size = info.default_size
+    size = _within(adapter, info.default_size, 1)
     shapes = (tuple(info.latents.shape(*size)), 0)  # as input_shapes gives a text-to-image batch's
     warmed = []
-    for rows in sizes:
-        forward = denoiser.plan(_layout(adapter, size, rows), shapes, lora)
-        if denoiser.warm(forward, _zeros(adapter, pool, forward.layout)) or not graphs:
-            warmed.append(rows)
-    other = _other_size(adapter, size)
-    for rows in [r for r in denoiser.buckets if r <= 2] if other != size else []:  # never captured
-        layout = _layout(adapter, other, rows)
-        denoiser.fn(*_zeros(adapter, pool, layout).args(), layout)
+    other = _within(adapter, size, 2)
+    at = None
+    try:
+        for at in [(size, rows) for rows in sizes]:
+            forward = denoiser.plan(_layout(adapter, *at), shapes, lora)
+            if denoiser.warm(forward, _zeros(adapter, pool, forward.layout)) or not graphs:
+                warmed.append(at[1])
+        for at in [(other, r) for r in denoiser.buckets if r <= 2] if other != size else []:  # never captured
+            layout = _layout(adapter, *at)
+            denoiser.fn(*_zeros(adapter, pool, layout).args(), layout)
+    except Exception:  # noqa: BLE001 - an optimization: serving goes on (compiling, without graphs) where it stops
+        logger.warning("warm-up stopped at %s rows of %s: the rest compiles while serving, without graphs",
+                       at[1], at[0], exc_info=True)
+        return warmed
     logger.info("warm-up: %s for %s rows at %s; compiled for 1 and 2 at %s",
                 "graphs captured" if graphs else "compiled", warmed, size, other)
     return warmed
 
 
-def _other_size(adapter: ModelAdapter, size: tuple[int, ...]) -> tuple[int, ...]:
-    """Half the default's side, in multiples of the family's size factor (a video's frames kept)."""
-    factor = adapter.info.latents.size_factor
-    return tuple(max(factor, side // 2 // factor * factor) for side in size[:2]) + tuple(size[2:])
+def _within(adapter: ModelAdapter, size: tuple[int, ...], divisor: int) -> tuple[int, ...]:
+    """`size`'s side divided by `divisor`, within the longest side the model has positions for (max_side), in
+    multiples of the family's size factor; a video's frames kept."""
+    latents = adapter.info.latents
+    factor, longest = latents.size_factor, latents.max_side or max(size[:2])
+    return tuple(max(factor, min(side // divisor, longest) // factor * factor) for side in size[:2]) + tuple(size[2:])
 
 
 def _layout(adapter: ModelAdapter, size: tuple[int, ...], rows: int) -> BatchLayout:
