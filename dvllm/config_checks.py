@@ -195,7 +195,8 @@ def check_group(config: EngineConfig) -> None:
     for device in devices:
         if not (device == "cpu" or is_cuda_index(device)):
             raise ValueError(f"group_devices: {device!r} is not 'cpu' or 'cuda:N'")
-    unserved = [name for name, on in (("fast (its compile and CUDA graphs)", config.fast), ("compile", config.compile not in (None, "off")),
+    unserved = [name for name, on in (("fast (its compile and CUDA graphs)", config.fast),
+                                      ("compile", config.compile not in (None, "off")),
                                       ("cuda_graph", config.cuda_graph)) if on]
     if unserved:
         raise ValueError(f"a worker group (sequence_parallel_size or cfg_parallel_size > 1) does not serve "

@@ -195,7 +195,8 @@ def test_every_family_serves_in_fast_mode(fixture, frames, request):
     params = [SamplingParams(num_inference_steps=3, guidance_scale=g, seed=s, height=32, width=32, output_type="np",
                              **video) for g, s in ((4.0, 1), (1.0, 2))]
     prompts = ["a red cat", "b"]
-    exact = _images(DiffusionEngine(model=path, device="cpu", dtype="float32").generate(prompts, params, use_tqdm=False))
+    exact = _images(DiffusionEngine(model=path, device="cpu", dtype="float32")
+                    .generate(prompts, params, use_tqdm=False))
     engine = DiffusionEngine(model=path, device="cpu", dtype="float32", fast=True, compile_backend="eager")
     assert engine.executor.worker.config.compile == "regional"
     assert _max_diff(_images(engine.generate(prompts, params, use_tqdm=False)), exact) <= BOUND

@@ -12,7 +12,7 @@ a forward of another key then runs compiled without a graph.
 
 A forward runs in two moves: `plan` says, from the host's layout alone, how many rows it runs and which
 captured graph (if any) replays it; the gather then writes the inputs straight into that graph's static
-buffers (`Forward.buffers`), and `__call__` replays it. A forward with LoRA rows is captured too: which
+buffers (`Forward.buffers`), and `__call__` replays it. A forward with LoRA rows is captured too (lazily): which
 layers run and how is fixed by the rows' adapter structure (the graph's key), while the slots and weights
 are data in the plan's tables, copied into the captured plan's before a replay.
 """
