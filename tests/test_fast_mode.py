@@ -35,7 +35,7 @@ def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 def test_fast_resolves_on_the_cpu(sd_eps_path, caplog):
     """No CUDA: no graphs, native attention; regional compile, warmed up at start; a UNet in channels-last."""
-    with caplog.at_level(logging.INFO, logger="dvllm.worker.fast_mode"):
+    with caplog.at_level(logging.INFO, logger="dvllm.startup"):
         engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", fast=True, compile_backend="eager")
     worker = engine.executor.worker
     settled = worker.config

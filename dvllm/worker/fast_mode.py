@@ -19,11 +19,12 @@ import logging
 import torch
 
 from dvllm.config import EngineConfig
+from dvllm.entrypoints.logging_setup import STARTUP_LOGGER
 from dvllm.models.base import ModelAdapter, denoiser_component, denoiser_of
 from dvllm.models.attention_backend import installed_backends, set_attention_backend
 from dvllm.worker.regional_compile import repeated_block_names
 
-logger = logging.getLogger(__name__)
+startup = logging.getLogger(STARTUP_LOGGER)  # shown by the CLI at its default levels, as the model's loading
 
 # Denoisers whose attention dvllm's adapters call without a mask (Qwen-Image and Z-Image mask their texts)
 MASKLESS_DENOISERS = ("FluxTransformer2DModel", "SD3Transformer2DModel", "WanTransformer3DModel")
@@ -86,6 +87,6 @@ def _resolve(config: EngineConfig, adapter: ModelAdapter) -> dict:
         off.append("FP8 (not asked: --quantization torchao:float8dq, CUDA 8.9+)")
     given = [name for name in ("compile", "cuda_graph", "warm_up", "attention_backend", "channels_last")
              if name not in values]
-    logger.info("fast mode: on: %s; off: %s%s", ", ".join(on) or "nothing", ", ".join(off) or "nothing",
+    startup.info("fast mode: on: %s; off: %s%s", ", ".join(on) or "nothing", ", ".join(off) or "nothing",
                 f"; as given: {', '.join(given)}" if given else "")
     return values
