@@ -80,7 +80,9 @@ class EngineConfig:
         default=None,
         metadata={"help": "diffusers' attention backend for the denoiser: native, flash, _flash_3, sage, xformers, "
                           "_native_cudnn, ... (refused at start when not installed; UNets take native or "
-                          "xformers; default: the model's own, torch SDPA)."})
+                          "xformers; default: the model's own, torch SDPA; under fast, the fastest installed: "
+                          "_flash_3 on Hopper, else flash, for a DiT that attends without masks in half "
+                          "precision, native otherwise)."})
     vae_tiling: bool = field(
         default=False,
         metadata={"help": "Decode (and encode) images in overlapping tiles, as diffusers' enable_vae_tiling: large "
@@ -389,10 +391,21 @@ class EngineConfig:
     enable_prompt_cache: bool = field(
         default=True, metadata={"help": "Share and keep identical prompt embeddings in the state pool."}
     )
-    compile: str = field(
-        default="off",
-        metadata={"help": "torch.compile the denoiser: off | dynamic (one graph for any batch) | bucketed "
-                          "(batches padded up to 1, 2, 4, 8, then multiples of 8 rows, one graph each)."},
+    fast: bool = field(
+        default=False,
+        metadata={"help": "Fast mode: the settings below left unset are chosen for speed, once at start, and logged "
+                          "in one line: compile regional; on CUDA, cuda_graph on with the graphs captured at start "
+                          "(warm_up); the fastest attention backend installed for the device and denoiser; "
+                          "channels_last for a UNet. FP8 only where asked (--quantization torchao:float8dq). LoRA "
+                          "and step-cached rows are served, by the uncompiled blocks. Images move within float "
+                          "rounding of the exact mode's (docs/options.md). Not with a worker group."})
+    compile: str | None = field(
+        default=None,
+        metadata={"help": "torch.compile the denoiser: off | regional (each repeated block, diffusers' "
+                          "_repeated_blocks, compiled once per block class: a short compile; a forward with LoRA "
+                          "or step-cached rows runs the blocks uncompiled) | dynamic (the whole forward, one graph "
+                          "for any batch) | bucketed (batches padded up to 1, 2, 4, 8, then multiples of 8 rows, "
+                          "one graph each). Unset: off, or regional under fast."},
     )
     compile_backend: str | None = field(
         default=None,
@@ -400,10 +413,25 @@ class EngineConfig:
                           "aot_eager | eager (no code generation: dynamo's tracing alone, to tell a compile "
                           "problem from a tracing one, and fast to start)."},
     )
-    cuda_graph: bool = field(
-        default=False,
+    cuda_graph: bool | None = field(
+        default=None,
         metadata={"help": "Capture the denoiser forward as a CUDA graph per bucketed batch size and replay it "
-                          "(CUDA only; rows are padded to the bucket and discarded)."},
+                          "(CUDA only; rows are padded to the bucket and discarded). Unset: off, or on under fast "
+                          "where the device is CUDA."},
+    )
+    warm_up: bool | None = field(
+        default=None,
+        metadata={"help": "Run the denoiser at start on the model's default size: with cuda_graph, capture a graph "
+                          "for every batch bucket then, and none while serving (a forward of another shape, or "
+                          "with LoRA rows, runs without a graph); else compile it for one and two rows. Unset: on "
+                          "under fast; off otherwise (graphs captured on a shape's first forward, compiles on "
+                          "the first forwards)."},
+    )
+    channels_last: bool | None = field(
+        default=None,
+        metadata={"help": "A UNet denoiser's weights in channels-last memory format (the convolutions' fast "
+                          "layout on GPUs); transformers have no convolutions to speak of and are left as they "
+                          "are. Unset: on under fast."},
     )
     profile_steps: bool = field(
         default=False,

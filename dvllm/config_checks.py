@@ -12,7 +12,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 BATCHING_POLICIES = ("step", "request")
 SHAPE_ORDERS = ("auto", "oldest", "turns")
 GROUP_POLICIES = ("static", "elastic")
-COMPILE_MODES = ("off", "dynamic", "bucketed")
+COMPILE_MODES = ("off", "regional", "dynamic", "bucketed")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 EXECUTORS = ("uniproc", "ray")
 
@@ -195,10 +195,30 @@ def check_group(config: EngineConfig) -> None:
     for device in devices:
         if not (device == "cpu" or is_cuda_index(device)):
             raise ValueError(f"group_devices: {device!r} is not 'cpu' or 'cuda:N'")
-    unserved = [name for name, on in (("compile", config.compile != "off"), ("cuda_graph", config.cuda_graph)) if on]
+    unserved = [name for name, on in (("fast (its compile and CUDA graphs)", config.fast),
+                                      ("compile", config.compile not in (None, "off")),
+                                      ("cuda_graph", config.cuda_graph)) if on]
     if unserved:
         raise ValueError(f"a worker group (sequence_parallel_size or cfg_parallel_size > 1) does not serve "
                          f"{', '.join(unserved)} yet: every member's denoiser would have to run them alike")
+
+
+def check_compile(config: EngineConfig) -> None:
+    """compile, its backend, CUDA graphs and the warm-up, as set (None: unset, fast mode's to choose)."""
+    if config.compile is not None:
+        choice("compile", config.compile, COMPILE_MODES)
+    compiled = config.compile not in (None, "off") or (config.compile is None and config.fast)
+    if config.compile_backend is not None:
+        choice("compile_backend", config.compile_backend, COMPILE_BACKENDS)
+        if not compiled:
+            raise ValueError("compile_backend is set but compile is 'off': it picks the backend of a compiled "
+                             "denoiser")
+    if config.cuda_graph and config.device == "cpu":
+        raise ValueError("cuda_graph needs a CUDA device, but device is 'cpu'")
+    for name in ("fast", "cuda_graph", "warm_up", "channels_last"):
+        value = getattr(config, name)
+        if not (isinstance(value, bool) or (value is None and name != "fast")):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 def check_config(config: EngineConfig) -> None:
@@ -220,15 +240,8 @@ def check_config(config: EngineConfig) -> None:
         raise ValueError(f"request_batch_wait_s must be within [0, 60] seconds, got {config.request_batch_wait_s}")
     if config.request_batch_wait_s and config.batching != "request":
         raise ValueError("request_batch_wait_s is the request-level policy's window: set batching='request' with it")
-    choice("compile", config.compile, COMPILE_MODES)
-    if config.compile_backend is not None:
-        choice("compile_backend", config.compile_backend, COMPILE_BACKENDS)
-        if config.compile == "off":
-            raise ValueError("compile_backend is set but compile is 'off': it picks the backend of a compiled "
-                             "denoiser")
+    check_compile(config)
     choice("executor", config.executor, EXECUTORS)
-    if config.cuda_graph and config.device == "cpu":
-        raise ValueError("cuda_graph needs a CUDA device, but device is 'cpu'")
     if not (config.device in ("auto", "cpu", "cuda") or is_cuda_index(config.device)):
         raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {config.device!r}")
     for name in ("max_batch_size", "max_num_waiting", "max_inference_steps", "max_images_per_prompt",

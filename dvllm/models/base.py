@@ -59,6 +59,12 @@ def denoiser_of(pipeline: Any) -> torch.nn.Module:
     return getattr(pipeline, denoiser_component(pipeline))
 
 
+def denoisers_of(pipeline: Any) -> list[torch.nn.Module]:
+    """Every denoiser a pipeline runs: its transformer or UNet, and a two-expert model's second transformer."""
+    second = getattr(pipeline, "transformer_2", None)
+    return [denoiser_of(pipeline)] + ([second] if isinstance(second, torch.nn.Module) else [])
+
+
 class ModelAdapter(ABC):
     """Wraps one diffusers pipeline; its modules stay black boxes."""
 

@@ -5,9 +5,14 @@ Bucketing pads a batch up to the next bucket (1, 2, 4, 8, then multiples of 8) b
 depends on its own inputs only, so padding changes no result. Not powers of two all the way: a diffusion
 forward is compute-bound, and 17 rows padded to 32 would waste 47% of it (to 24: 29%).
 
+The forward is compiled whole (compile dynamic or bucketed), or by its repeated blocks (regional, switched on
+around the forwards without LoRA rows; regional_compile.py). Graphs are captured on a key's first forward, or,
+with warm_up, at start for every bucket at the model's default size (warm_up.py) and never while serving:
+a forward of another key then runs compiled without a graph.
+
 A forward runs in two moves: `plan` says, from the host's layout alone, how many rows it runs and which
 captured graph (if any) replays it; the gather then writes the inputs straight into that graph's static
-buffers (`Forward.buffers`), and `__call__` replays it. A forward with LoRA rows is captured too: which
+buffers (`Forward.buffers`), and `__call__` replays it. A forward with LoRA rows is captured too (lazily): which
 layers run and how is fixed by the rows' adapter structure (the graph's key), while the slots and weights
 are data in the plan's tables, copied into the captured plan's before a replay.
 """
@@ -22,9 +27,10 @@ from typing import Any, Callable, Protocol
 import torch
 
 from dvllm.config import EngineConfig
-from dvllm.models.base import Conditions, ModelAdapter
+from dvllm.models.base import Conditions, ModelAdapter, denoisers_of
 from dvllm.models.layout import BatchLayout
 from dvllm.worker.lora_layers import LoraLayers, LoraPlan
+from dvllm.worker.regional_compile import RegionalCompile
 
 logger = logging.getLogger(__name__)
 
@@ -112,12 +118,15 @@ class Denoiser:
         self.adapter = adapter
         self.buckets = batch_buckets(2 * config.max_batch_size)
         self.compiled = None
-        if config.compile != "off":
-            self.compiled = torch.compile(adapter.denoise, dynamic=config.compile == "dynamic",
-                                          backend=config.compile_backend or "inductor")
+        backend = config.compile_backend or "inductor"
+        if config.compile == "regional":
+            self.compiled = RegionalCompile(denoisers_of(adapter.pipeline), backend).wrap(lambda: self.adapter.denoise)
+        elif config.compile not in (None, "off"):
+            self.compiled = torch.compile(adapter.denoise, dynamic=config.compile == "dynamic", backend=backend)
         if config.cuda_graph and adapter.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a CUDA device, but the model is on {adapter.device}")
         self.capture = capture or (cuda_capture if config.cuda_graph else None)
+        self.capture_lazily = not config.warm_up  # warmed up: every graph was captured at start
         self.pad = config.compile == "bucketed" or self.capture is not None
         # Captured graphs, least recently used first; all share one memory pool, so together they hold about
         # one forward's activations (memory_profile.py holds that back), and at most max_cuda_graphs are kept.
@@ -154,9 +163,9 @@ class Denoiser:
             with _lora_running(forward):
                 return fn(*inputs.args(), forward.layout)[:forward.rows]
         graph = forward.graph
-        if graph is None and forward.key not in self.graphs:
+        if graph is None and forward.key not in self.graphs and self.capture_lazily:
             graph = self._capture(forward, inputs, fn)
-        if graph is None:  # its capture failed once: eager from now on
+        if graph is None:  # its capture failed once, or none is captured while serving: no graph
             with _lora_running(forward):
                 return fn(*inputs.args(), forward.layout)[:forward.rows]
         if inputs is not graph.inputs:  # (only the forward that captured it: the gather wrote its own tensors)
@@ -165,6 +174,16 @@ class Denoiser:
             graph.lora.take_values(forward.lora)
         graph.graph.replay()
         return graph.output[:forward.rows]
+
+    def warm(self, forward: Forward, inputs: ForwardInputs) -> bool:
+        """Runs a forward without LoRA rows ahead of serving on `inputs` (which become its graph's buffers):
+        compiles it, and captures its graph where graphs are on. Whether a graph holds it now."""
+        if forward.key is None:
+            self.fn(*inputs.args(), forward.layout)
+            return False
+        if forward.graph is None and forward.key not in self.graphs:
+            return self._capture(forward, inputs, self.fn) is not None
+        return self.graphs.get(forward.key) is not None
 
     def _capture(self, forward: Forward, inputs: ForwardInputs, fn: Any) -> _Graph | None:
         """Captures the forward on `inputs`, which become the graph's static buffers (the gather made them

@@ -21,10 +21,12 @@ from dvllm.worker.decode_worker import start_decode_workers
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage
 from dvllm.worker.encode_worker import start_encode_workers
+from dvllm.worker.fast_mode import settle
 from dvllm.worker.model_runner import ModelRunner, to_output_type
 from dvllm.worker.stage_process import CallBounds, StageProcess
 from dvllm.worker.start_latents import make_start
 from dvllm.worker.state_pool import create_state_pool
+from dvllm.worker.warm_up import warm_up
 
 
 def resolve_device(name: str) -> torch.device:
@@ -63,6 +65,8 @@ class Worker:
                                seed=config.dummy_weight_seed, default_params=config.default_params,
                                load=config.load_config)
         self.dtype = adapter.dtype  # "auto" resolved for the model's family
+        # fast mode's choices (and the other speed settings' defaults) made concrete for this device and denoiser
+        self.config = config = settle(config, adapter)
         self.quantization = config.load_config.quantization
         # Before the memory profile: the worker's own text encoders are freed, and their work is not its device's
         encode_devices = config.encode_devices or ["cpu"]
@@ -89,6 +93,9 @@ class Worker:
         self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, config.max_decode_batch,
                                   config.max_loras, config.max_lora_rank)
         self.runner.group = self.group
+        if config.warm_up:  # before the stages' threads start: a capture has the device to itself
+            with torch.inference_mode():
+                warm_up(self.runner.denoiser, adapter, self.pool, self.runner.lora)
         if self.group is not None:
             self.group.runs_alone = self.runner.caching_now
         if self.group is not None and config.enable_lora:
