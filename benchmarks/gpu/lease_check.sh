@@ -6,11 +6,14 @@
 #      guidance 8.0), Offline then Server, short runs: their summaries' samples/s, queries/s and p99 beside MLPerf
 #      v5.0's published 2.37 samples/s and 2.29 queries/s a GPU (8x H200, TensorRT). Needs mlcommons-loadgen in
 #      .whl/ (cp312 manylinux wheel, as the others)
+#   0a. the same in fast mode (issue 49, --fast: regional compile, graphs captured at start, the fastest attention)
 #   0b. the LoRA trace (issue 49): sdxl (dummy weights, fp16) at 256-512 px, 16 requests of 0-3 random rank-16
 #      adapters each (Zipf popularity over the trace's pool) at 1 and 4 requests/s: dvllm vs its request-level
 #      policy vs the pipeline serially (set_adapters per request): goodput at 3x solo latency, p50/p99
 #   0c. step caching under load (issue 49): flux-dev (dummy, bf16) at 256-512 px, 12 DiffusionDB-shaped requests
 #      at 1 request/s: dvllm, dvllm with first_block (0.08) for every request, the request-level policy
+#   0d. fast mode against exact (issue 49): flux-dev (bf16) on the images trace at 1/s and all at once; then the
+#      image bound, exact then fast, at the default size (scripts/fast_mode_bound.py: the graphs' size)
 #   1. video (issue 29): wan2.1-t2v-1.3b, the generated video trace (832x480, 480x832, 480x480, CFG or not) with
 #      frames and steps clamped to 33 and 12, six clips at once: dvllm vs the pipeline serial and in static batches
 #      (`dvllm bench run --generate video`); its engine builds the CUDA kernels (Hopper only,
@@ -27,8 +30,8 @@
 #
 #   benchmarks/gpu/lease_check.sh [--out DIR] [--budget SECONDS] [--only STEP,STEP] [--dry-run]
 #
-# --only runs just the named steps (loadgen, loras, cache, video, video_turns, kernel_errors, graphs, kernels, sd,
-# group), in the order above.
+# --only runs just the named steps (loadgen, loadgen_fast, loras, cache, fast_flux, fast_bound, video, video_turns,
+# kernel_errors, graphs, kernels, sd, group), in the order above.
 #
 # Wheels the machine lacks (diffusers and its small needs) travel in .whl/ as run_suite.sh says.
 # --dry-run runs the same steps on the CPU at tiny sizes (the presets' CPU cousins).
@@ -62,7 +65,9 @@ step() {
   local rc=$?
   tail -n 25 "$out/$name.log"
   echo "== $name: exit $rc after $((SECONDS - start)) s$([ $rc = 124 ] && echo ' (out of time)')"
+  [ $rc = 0 ] || failed="$failed $name"
 }
+failed=
 
 # behind_long FILE SIZE FRAMES STEPS SHORT_FRAMES SHORT_STEPS: a trace of one long clip, then three short ones
 # 0.5 s apart just behind it (a pipeline runs them after the long clip's whole call)
@@ -86,7 +91,10 @@ PY
 if [ $dry = 1 ]; then
   step loadgen 90 $python -m dvllm.entrypoints.cli bench loadgen --model tiny-sd --load-format dummy --device cpu \
     --dtype float32 --size 32x32 --steps 4 --num-samples 64 --scenario Offline --min-duration-s 5 \
-    --offline-expected-qps 4 --output-dir "$out/loadgen" --output-json "$out/loadgen.json"
+    --offline-expected-qps 40 --output-dir "$out/loadgen" --output-json "$out/loadgen.json"
+  step loadgen_fast 120 $python -m dvllm.entrypoints.cli bench loadgen --model tiny-sd --load-format dummy \
+    --device cpu --dtype float32 --size 32x32 --steps 4 --num-samples 64 --scenario Offline --min-duration-s 5 \
+    --offline-expected-qps 40 --fast --output-dir "$out/loadgen_fast" --output-json "$out/loadgen_fast.json"
   step loras 120 $python -m dvllm.entrypoints.cli bench run --model tiny-sd --load-format dummy --device cpu \
     --dtype float32 --generate loras --num 3 --rate 2 --size-divisor 8 --random-loras 4 --trace-seed 1 \
     --max-image-pixels 16384 --output-json "$out/loras.json"
@@ -94,6 +102,11 @@ if [ $dry = 1 ]; then
     --dtype float32 --generate images --num 3 --rate 2 --size-divisor 4 --trace-seed 1 --max-image-pixels 65536 \
     --contenders dvllm,cached,request --engine-variant cached:default_cache=first_block:threshold=0.08 \
     --output-json "$out/cache.json"
+  step fast_flux 150 $python -m dvllm.entrypoints.cli bench run --model flux-cpu --load-format dummy --device cpu \
+    --dtype float32 --generate images --num 3 --rate 2 --size-divisor 4 --trace-seed 1 --max-image-pixels 65536 \
+    --contenders dvllm,fast --engine-variant fast:fast=true --output-json "$out/fast_flux.json"
+  step fast_bound 150 $python scripts/fast_mode_bound.py --model flux-cpu --load-format dummy --device cpu --num 2 \
+    --steps 2 --output-json "$out/fast_bound.json"
   step video 120 $python -m dvllm.entrypoints.cli bench run --model wan-cpu --load-format dummy --device cpu \
     --dtype float32 --generate video --num 3 --rate inf --size-divisor 26 --clamp-frames 9 --clamp-steps 3 \
     --contenders dvllm,serial,static --output-json "$out/video.json"
@@ -107,6 +120,9 @@ if [ $dry = 1 ]; then
     --dtype float32 --generate mixed --num 4 --rate inf --size-divisor 32 --clamp-steps 3 \
     --contenders serial,static,dvllm --static-batch-size 2 --output-json "$out/sd15.json"
   step kernels 120 $python -m pytest -q -x tests/test_state_ops.py -k "cpu and dtype0" -p no:cacheprovider
+  # CI runs the dry run (.ci/run): every step must pass there
+  [ -z "$failed" ] || { echo "== dry run: failed:$failed"; exit 1; }
+  echo "== dry run: every step passed in ${SECONDS} s"
   exit 0
 fi
 # One engine, Offline then Server, 45 s each: Offline at an expected 2 samples/s; Server Poisson at 1.5 queries/s,
@@ -115,12 +131,21 @@ fi
 step loadgen 200 $python -m dvllm.entrypoints.cli bench loadgen --model sdxl --load-format dummy --device cuda \
   --dtype bfloat16 --num-samples 500 --scenario Offline,Server --min-duration-s 45 --offline-expected-qps 2 \
   --server-target-qps 1.5 --output-dir "$out/loadgen" --output-json "$out/loadgen.json"
+step loadgen_fast 200 $python -m dvllm.entrypoints.cli bench loadgen --model sdxl --load-format dummy --device cuda \
+  --dtype bfloat16 --num-samples 500 --scenario Offline,Server --min-duration-s 45 --offline-expected-qps 2 \
+  --server-target-qps 1.5 --fast --output-dir "$out/loadgen_fast" --output-json "$out/loadgen_fast.json"
 step loras 200 $python -m dvllm.entrypoints.cli bench run --model sdxl --load-format dummy --device cuda \
   --dtype float16 --generate loras --num 16 --rate 1,4 --size-divisor 2 --random-loras 16 --max-loras 8 \
   --output-json "$out/loras.json"
 step cache 200 $python -m dvllm.entrypoints.cli bench run --model flux-dev --load-format dummy --device cuda \
   --dtype bfloat16 --generate images --num 12 --rate 1 --size-divisor 2 --contenders dvllm,cached,request \
   --engine-variant cached:default_cache=first_block:threshold=0.08 --output-json "$out/cache.json"
+step fast_flux 240 $python -m dvllm.entrypoints.cli bench run --model flux-dev --load-format dummy --device cuda \
+  --dtype bfloat16 --generate images --num 12 --rate 1,inf --size-divisor 2 --max-batch-size 8 --max-decode-batch 2 \
+  --contenders dvllm,fast --engine-variant fast:fast=true --output-json "$out/fast_flux.json"
+step fast_bound 200 $python scripts/fast_mode_bound.py --model flux-dev --load-format dummy --device cuda \
+  --dtype bfloat16 --num 4 --steps 8 --option max_batch_size=8 --option max_decode_batch=2 \
+  --output-json "$out/fast_bound.json"
 step video 280 $python -m dvllm.entrypoints.cli bench run --model wan2.1-t2v-1.3b --load-format dummy --device cuda \
   --dtype bfloat16 --generate video --num 6 --rate inf --clamp-frames 33 --clamp-steps 12 \
   --contenders dvllm,serial,static --output-json "$out/video.json"
