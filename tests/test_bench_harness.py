@@ -236,3 +236,16 @@ def test_static_sizes_and_threads_are_checked():
     for bad in ("0", "1.5", "true", "two"):
         with pytest.raises(ValueError, match="threads must be a positive integer"):
             variants_of([f"one:threads={bad}"])
+
+
+def test_each_replay_after_the_first_sends_new_texts(tmp_path):
+    """No engine finds a later round's texts in its prompt cache (a pipeline has none): rounds and warm-ups differ."""
+    from dvllm.benchmarks.harness import fresh
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"prompt": "a", "negative_prompt": "b"}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
+    first, second = trace_workload(str(trace), size="16x16", steps=2, guidance=5.0, sampler=None)
+    assert fresh(first, 0) is first
+    texts = {(fresh(first, r).prompt, fresh(first, r).negative_prompt) for r in (0, 1, 2, -1)}
+    assert len(texts) == 4 and all(p.startswith("a") and n.startswith("b") for p, n in texts)
+    assert fresh(second, 1).negative_prompt is None and fresh(second, 1).seed == second.seed

@@ -10,9 +10,11 @@ The contenders, all loaded from the same model with the same weights (presets: d
   diffusers' own on the transformer for its call.
 
 The workload is a trace (`--trace FILE`, JSONL as `dvllm bench trace` writes it) or one generated here
-(`--generate images|loras|cache|video`). Every contender replays the same requests at the same arrival offsets; with
-several rounds the contenders' order rotates, so drift in a shared machine's load hits each alike. A generated
-trace at several rates (`--rate 0.5,1,2`) is the same requests at each, arriving faster: goodput against load.
+(`--generate images|loras|cache|video|uniform|mixed|stall`). Every contender replays the same requests at the same arrival offsets; with
+several rounds the contenders' order rotates, so drift in a shared machine's load hits each alike, and each round
+after the first (and each warm-up) sends its texts made new, so no engine's prompt cache holds them from an earlier
+replay. A generated trace at several rates (`--rate 0.5,1,2`) is the same requests at each, arriving faster:
+goodput against load.
 
 Each request's SLO is `--slo-factor` times its solo latency: what the dvllm engine takes for that request's
 shape and parameters with nothing else running, measured once per distinct kind before the replay. Reported per
@@ -207,8 +209,19 @@ async def solo_latencies(contender: EngineContender, specs: list[RequestSpec]) -
     return solos
 
 
+def fresh(spec: RequestSpec, round_index: int) -> RequestSpec:
+    """The request as round 0 sends it; another round's (a warm-up's: negative) with its texts made new, so that no
+    engine finds them encoded by an earlier replay (its prompt cache), as no pipeline does: new traffic."""
+    if round_index == 0:
+        return spec
+    tag = f" (replay {round_index})"
+    return replace(spec, prompt=spec.prompt + tag,
+                   negative_prompt=None if spec.negative_prompt is None else spec.negative_prompt + tag)
+
+
 async def replay(contender: Any, specs: list[RequestSpec], round_index: int) -> tuple[list[Outcome], float]:
     """Sends every request at its arrival offset; the outcomes in the trace's order and the run's duration."""
+    specs = [fresh(spec, round_index) for spec in specs]
     start = time.perf_counter()
 
     async def one(i: int, spec: RequestSpec) -> Outcome:
