@@ -134,8 +134,33 @@ def test_a_cache_trace_replays_on_the_serial_pipeline_too(flux_path, tmp_path):
     out = tmp_path / "run.json"
     assert main(_args("--model", flux_path, "--device", "cpu", "--dtype", "float32", "--trace", str(trace),
                       "--contenders", "dvllm,serial", "--slo-factor", "1000", "--output-json", str(out))) == 0
-    for name, (s,) in json.loads(out.read_text())["runs"][0]["contenders"].items():
+    run = json.loads(out.read_text())["runs"][0]["contenders"]
+    for name, (s,) in run.items():
         assert (s["completed"], s["failed"]) == (3, 0), (name, s["errors"])
+    counts = run["dvllm"][0]["engine_counts"]
+    # the two cached requests' rows: TaylorSeer predicts some steps, first_block decides per step
+    assert counts["cache_skipped_rows"] > 0 and counts["cache_computed_rows"] > 0
+
+
+@pytest.mark.slow
+def test_sd3s_pipeline_runs_taylorseer_and_refuses_first_block_by_name(sd3_path, tmp_path):
+    """SD3 has no enable_cache: the serial contender applies diffusers' TaylorSeer hook itself and cannot run its
+    first block cache (its last joint block returns no text stream): that request fails there, saying why."""
+    trace = tmp_path / "t.jsonl"
+    lines = [{"prompt": "p0", "size": "16x16", "steps": 4, "guidance": 3.0, "seed": 0,
+              "cache": {"method": "taylorseer", "cache_interval": 2, "disable_cache_before_step": 1}},
+             {"prompt": "p1", "size": "16x16", "steps": 4, "guidance": 3.0, "seed": 1,
+              "cache": {"method": "first_block", "threshold": 0.2}}]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "run.json"
+    assert main(_args("--model", sd3_path, "--device", "cpu", "--dtype", "float32", "--trace", str(trace),
+                      "--contenders", "dvllm,serial", "--slo-factor", "1000", "--output-json", str(out))) == 0
+    run = json.loads(out.read_text())["runs"][0]["contenders"]
+    (engine,), (serial,) = run["dvllm"], run["serial"]
+    assert (engine["completed"], engine["failed"]) == (2, 0), engine["errors"]
+    assert engine["engine_counts"]["cache_skipped_rows"] > 0
+    assert (serial["completed"], serial["failed"]) == (1, 1)
+    assert "first_block cache does not run on SD3Transformer2DModel" in serial["errors"][0]
 
 
 @pytest.mark.slow
@@ -220,7 +245,8 @@ def test_a_stall_trace_times_the_loops_of_variants_with_their_threads_and_deadli
     for name, (s,) in run["contenders"].items():
         assert (s["completed"], s["failed"]) == (4, 0), (name, s["errors"])
         assert s["forwards"] >= 3 and 0 <= s["forward_gap_p50_s"] <= s["forward_gap_max_s"], name
-        assert s["deadlines_met"] + s["deadlines_missed"] == 4, name
+        counts = s["engine_counts"]
+        assert counts["deadlines_met"] + counts["deadlines_missed"] == 4, name
 
 
 def test_static_sizes_and_threads_are_checked():

@@ -1,5 +1,5 @@
-"""The edit workload of `dvllm bench serve`: deterministic multipart requests, and a tiny end-to-end run
-against `dvllm serve` and the serial baseline of a tiny Qwen-Image-Edit Plus (one or two input images)."""
+"""The edit workload of `dvllm bench serve`: deterministic multipart requests, and a tiny end-to-end run against
+`dvllm serve` of a tiny Qwen-Image-Edit Plus (one or two input images)."""
 from __future__ import annotations
 
 import io
@@ -7,7 +7,7 @@ import json
 
 import pytest
 from PIL import Image
-from test_benchmarks import ENGINE_ARGS, BaselineServer
+from test_benchmarks import ENGINE_ARGS
 from utils_server import RemoteServer
 
 from dvllm.benchmarks.workloads import edit_image_png, edit_workload
@@ -46,17 +46,12 @@ def _bench(url: str, out, label: str) -> dict:
 
 @pytest.mark.slow
 def test_edit_bench_end_to_end(qwen_image_edit_plus_path, tmp_path):
-    serial = BaselineServer(qwen_image_edit_plus_path, ["--mode", "serial", "--device", "cpu", "--dtype", "float32"])
-    try:
-        with RemoteServer(qwen_image_edit_plus_path, ENGINE_ARGS) as dvllm:
-            serial.wait_ready()
-            ours = _bench(dvllm.url, tmp_path / "dvllm.json", "dvllm")
-            theirs = _bench(serial.url, tmp_path / "serial.json", "serial")
-    finally:
-        serial.stop()
-    for result in (ours, theirs):
+    """Two runs of the edit workload against one server send the same requests at the same offsets."""
+    with RemoteServer(qwen_image_edit_plus_path, ENGINE_ARGS) as dvllm:
+        first = _bench(dvllm.url, tmp_path / "first.json", "first")
+        second = _bench(dvllm.url, tmp_path / "second.json", "second")
+    for result in (first, second):
         s = result["summary"]
         assert (s["num_requests"], s["completed"], s["failed"]) == (4, 4, 0), s["errors"]
-    # the same requests at the same offsets, with the seeds each asked for
-    assert [r["arrival"] for r in ours["requests"]] == [r["arrival"] for r in theirs["requests"]]
-    assert [r["seeds"] for r in ours["requests"]] == [r["seeds"] for r in theirs["requests"]]
+    assert [r["arrival"] for r in first["requests"]] == [r["arrival"] for r in second["requests"]]
+    assert [r["seeds"] for r in first["requests"]] == [r["seeds"] for r in second["requests"]]

@@ -240,19 +240,22 @@ def test_health_and_metrics_say_degraded(alive, status):
     assert f'dvllm_worker_alive{{worker="1"}} {1.0 if alive == 2 else 0.0}' in metrics
 
 
-def test_bench_throughput_with_ray_workers(sd_eps_path, tmp_path):
+def test_the_harness_runs_ray_workers_beside_one_thread_in_process(sd_eps_path, tmp_path):
+    """`dvllm bench run` with the data-parallel variants (what `bench throughput --executor ray` measured): one
+    in-process worker of one thread against two Ray workers of one CPU each, on the same requests."""
     from dvllm.entrypoints.cli import main as dvllm_main
 
     out = tmp_path / "ray.json"
-    assert dvllm_main(["bench", "throughput", "--model", sd_eps_path, "--executor", "ray", "--num-workers", "2",
-                       "--num-requests", "4", "--steps", "2", "--rounds", "1", "--output-json", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert set(result["images_per_s"]) == {"in-process", "ray x1", "ray x2"}
-    # the same work in-process and on Ray: the rows denoised are fixed by the jobs (4 requests, 2 steps, CFG);
-    # the step count is not, as when each request's encoding lands decides the step it joins ([4] vs [3] seen)
-    assert result["rows"] == {name: [4 * 2 * 2] for name in result["images_per_s"]}
-    assert all(2 <= s <= 4 * 2 for name in result["steps"] for s in result["steps"][name])
-    assert result["scaling"] > 0 and result["overhead_ms_per_step"]["ray x1"] > 0 and not ray.is_initialized()
+    assert dvllm_main(["bench", "run", "--model", sd_eps_path, "--device", "cpu", "--dtype", "float32",
+                       "--generate", "uniform", "--num", "4", "--rate", "inf", "--size-divisor", "32",
+                       "--clamp-steps", "2", "--engine-variant", "one:threads=1",
+                       "--engine-variant", "ray2:executor=ray,num_workers=2,worker_num_cpus=1",
+                       "--contenders", "one,ray2", "--output-json", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"][0]["contenders"]
+    assert list(run) == ["one", "ray2"]
+    for name, (s,) in run.items():
+        assert (s["completed"], s["failed"]) == (4, 0) and s["images_per_s"] > 0, (name, s["errors"])
+    assert not ray.is_initialized()
 
 
 # The tests above start and stop a Ray of their own (what they check); those below share one local Ray runtime,

@@ -105,38 +105,3 @@ def test_generate_cache_flag_and_jsonl_cache(flux_path, tmp_path):
 def test_generate_bad_cache_flag_is_a_usage_error(flux_path, capsys, flag, expected):
     err = expect_usage_error(capsys, "generate", "x", "--model", flux_path, *CLI, "--cache", flag)
     assert expected in err
-
-
-@pytest.mark.slow
-def test_bench_throughput_with_cache_reports_every_contender(flux_path, tmp_path):
-    out = tmp_path / "cache.json"
-    assert main(["bench", "throughput", "--model", flux_path, "--device", "cpu", "--dtype", "float32", "--size",
-                 "32x32", "--steps", "6", "--num-requests", "4", "--workload", "mixed", "--cache",
-                 "taylorseer:disable_cache_before_step=1,cache_interval=2", "--rounds", "1", "--static-batch-sizes",
-                 "2", "--cost-rows", "4", "--cost-rounds", "1", "--output-json", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert set(result["images_per_s"]) == {"pipeline+cache serial", "pipeline+cache static(b=2)", "dvllm",
-                                           "dvllm+cache"}
-    assert 0 < result["skipped_row_fraction"] < 1  # taylorseer predicts some steps and computes others
-    assert result["cache"]["method"] == "taylorseer" and result["cache"]["cache_interval"] == 2
-    cost = result["step_cost"]
-    assert cost["4/4 rows compute"] == 1.0 and set(cost) >= {"0/4 rows compute", "2/4 rows compute"}
-
-
-@pytest.mark.parametrize("cache, baseline", [
-    ("taylorseer:disable_cache_before_step=1,cache_interval=2", "pipeline+cache"),
-    ("first_block:threshold=0.2", "pipeline"),
-])
-@pytest.mark.slow
-def test_bench_throughput_with_cache_on_sd3(sd3_path, tmp_path, cache, baseline):
-    """SD3 has no enable_cache: diffusers' TaylorSeer hook runs on it directly; its first block cache does not,
-    so that baseline is the plain pipeline, and the result says why."""
-    out = tmp_path / "cache.json"
-    assert main(["bench", "throughput", "--model", sd3_path, "--device", "cpu", "--dtype", "float32", "--size",
-                 "16x16", "--steps", "4", "--num-requests", "2", "--prompts", "shapes", "--cache", cache,
-                 "--rounds", "1", "--static-batch-sizes", "2", "--cost-rows", "2", "--cost-rounds", "1",
-                 "--output-json", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert result["baseline"] == baseline
-    assert set(result["images_per_s"]) == {f"{baseline} serial", f"{baseline} static(b=2)", "dvllm", "dvllm+cache"}
-    assert (result["baseline_note"] is None) == (baseline == "pipeline+cache")

@@ -60,6 +60,8 @@ from dvllm.benchmarks.workloads import SERVER_DEFAULT, RequestSpec, trace_worklo
 
 CONTENDERS = ("dvllm", "request", "serial", "static")
 PIPELINES = ("serial", "static")
+# The engine's counters each replay reports (their change): deadlines met at the finish, step-cache rows
+ENGINE_COUNTS = ("deadlines_met", "deadlines_missed", "cache_skipped_rows", "cache_computed_rows")
 # The engine's request limits, which the serial pipeline's checks take too: both refuse the same requests
 LIMITS = ("max_image_pixels", "max_inference_steps", "max_images_per_prompt", "max_loras", "max_lora_rank")
 
@@ -99,7 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--forward-gaps", action="store_true",
                      help="Time the engines' step loops between denoiser forwards (in-process workers).")
     run.add_argument("--deadlines", action="store_true",
-                     help="Each request asks the engines to finish by its SLO (deadline_s; the pipelines ignore it).")
+                     help="Each request asks the engines to finish by its SLO (deadline_s; the pipelines ignore it); "
+                          "each engine's replay reports the deadlines it met and missed (engine_counts).")
     run.add_argument("--slo-factor", type=float, default=3.0,
                      help="A request meets its SLO within this many times its solo latency (default: 3).")
     run.add_argument("--output-json", help="Also write the results here.")
@@ -141,10 +144,10 @@ class EngineContender:
         except Exception as e:  # noqa: BLE001 - a refused request is a failed record, not a failed run
             return Outcome(None, first, f"{type(e).__name__}: {e}")
 
-    def deadlines(self) -> tuple[int, int]:
-        """The engine's deadlines met and missed so far."""
+    def counts(self) -> dict[str, int]:
+        """The engine's own counters of what a replay may exercise, so far."""
         stats = self.engine.stats()
-        return stats.get("deadlines_met", 0), stats.get("deadlines_missed", 0)
+        return {name: stats.get(name, 0) for name in ENGINE_COUNTS}
 
     async def close(self) -> None:
         await self.engine.shutdown(5)
@@ -180,7 +183,7 @@ class PipelineContender:
         first = job.started - job.arrival if job.started is not None else None
         return Outcome(latency, first, None, first, None if first is None else latency - first)
 
-    def deadlines(self) -> None:  # the pipeline takes none
+    def counts(self) -> None:  # the pipeline keeps none
         return None
 
     async def close(self) -> None:
@@ -400,13 +403,12 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     if name in gaps:
                         gaps[name].take()  # what ran before this replay is not its
-                    before = contenders[name].deadlines()
+                    before = contenders[name].counts()
                     with torch_threads(threads.get(name)):
                         outcomes, duration = await replay(contenders[name], specs, r)
                     summary = run_summary(specs, outcomes, slos, duration)
-                    if args.deadlines and before is not None:  # the engine's own count, met at its finish
-                        met, missed = (a - b for a, b in zip(contenders[name].deadlines(), before))
-                        summary.update(deadlines_met=met, deadlines_missed=missed)
+                    if before is not None:  # what the engine counted in this replay
+                        summary["engine_counts"] = {k: v - before[k] for k, v in contenders[name].counts().items()}
                     if name in gaps:
                         summary.update(gaps[name].take())
                     results[name].append(summary)
