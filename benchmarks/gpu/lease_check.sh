@@ -58,7 +58,7 @@ step() {
   local name=$1 share=$2 left=$((budget - SECONDS)); shift 2
   if [ -n "$only" ] && [[ "$only" != *",$name,"* ]]; then return; fi
   local cap=$((share < left ? share : left))
-  if [ "$cap" -lt 10 ]; then echo "== $name: skipped, the budget is spent"; return; fi
+  if [ "$cap" -lt 10 ]; then echo "== $name: skipped, the budget is spent"; failed="$failed $name(skipped)"; return; fi
   echo "== $name (at most ${cap} s; ${SECONDS} s used)"
   local start=$SECONDS
   timeout --kill-after=5 "$cap" "$@" >"$out/$name.log" 2>&1
@@ -102,10 +102,10 @@ if [ $dry = 1 ]; then
     --dtype float32 --generate images --num 3 --rate 2 --size-divisor 4 --trace-seed 1 --max-image-pixels 65536 \
     --contenders dvllm,cached,request --engine-variant cached:default_cache=first_block:threshold=0.08 \
     --output-json "$out/cache.json"
-  step fast_flux 150 $python -m dvllm.entrypoints.cli bench run --model flux-cpu --load-format dummy --device cpu \
+  step fast_flux 300 $python -m dvllm.entrypoints.cli bench run --model flux-cpu --load-format dummy --device cpu \
     --dtype float32 --generate images --num 3 --rate 2 --size-divisor 4 --trace-seed 1 --max-image-pixels 65536 \
     --contenders dvllm,fast --engine-variant fast:fast=true --output-json "$out/fast_flux.json"
-  step fast_bound 150 $python scripts/fast_mode_bound.py --model flux-cpu --load-format dummy --device cpu --num 2 \
+  step fast_bound 300 $python scripts/fast_mode_bound.py --model flux-cpu --load-format dummy --device cpu --num 2 \
     --steps 2 --output-json "$out/fast_bound.json"
   step video 120 $python -m dvllm.entrypoints.cli bench run --model wan-cpu --load-format dummy --device cpu \
     --dtype float32 --generate video --num 3 --rate inf --size-divisor 26 --clamp-frames 9 --clamp-steps 3 \
