@@ -11,9 +11,9 @@ The contenders, all loaded from the same model with the same weights (presets: d
 
 The workload is a trace (`--trace FILE`, JSONL as `dvllm bench trace` writes it) or one generated here
 (`--generate images|loras|cache|video|uniform|mixed|stall`). Every contender replays the same requests at the same arrival offsets; with
-several rounds the contenders' order rotates, so drift in a shared machine's load hits each alike, and each round
-after the first (and each warm-up) sends its texts made new, so no engine's prompt cache holds them from an earlier
-replay. A generated trace at several rates (`--rate 0.5,1,2`) is the same requests at each, arriving faster:
+several rounds the contenders' order rotates, so drift in a shared machine's load hits each alike, and each replay
+after the first (each round, each rate, each warm-up) sends its texts made new, so no engine's prompt cache holds
+them from an earlier replay. A generated trace at several rates (`--rate 0.5,1,2`) is the same requests at each, arriving faster:
 goodput against load.
 
 Each request's SLO is `--slo-factor` times its solo latency: what the dvllm engine takes for that request's
@@ -394,7 +394,7 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
             for name in names:
                 with torch_threads(threads.get(name)):
                     await replay(contenders[name], workloads[0][1], -1 - r)
-        for rate, specs in workloads:
+        for k, (rate, specs) in enumerate(workloads):
             slos = [args.slo_factor * solos[solo_key(s)] for s in specs]
             if args.deadlines:
                 specs = [replace(s, deadline=slo) for s, slo in zip(specs, slos)]
@@ -405,7 +405,8 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
                         gaps[name].take()  # what ran before this replay is not its
                     before = contenders[name].counts()
                     with torch_threads(threads.get(name)):
-                        outcomes, duration = await replay(contenders[name], specs, r)
+                        # each replay its own index (its texts new but in the very first), over rates too
+                        outcomes, duration = await replay(contenders[name], specs, k * args.rounds + r)
                     summary = run_summary(specs, outcomes, slos, duration)
                     if before is not None:  # what the engine counted in this replay
                         summary["engine_counts"] = {k: v - before[k] for k, v in contenders[name].counts().items()}
