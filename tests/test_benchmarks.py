@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from utils_server import RemoteServer
+from utils_cli import restore_logging  # noqa: F401 (autouse: main() sets the process's logging; put back)
 
 from dvllm.benchmarks.workloads import arrival_times, mix_workload, trace_workload
 from dvllm.entrypoints.cli import main as dvllm_main

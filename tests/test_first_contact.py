@@ -133,9 +133,10 @@ def test_quiet_libraries_keeps_what_the_user_set_and_restores_the_rest():
     import diffusers.utils.logging as diffusers_logging
 
     chosen, default = logging.getLogger("transformers"), logging.getLogger("diffusers")
-    saved = chosen.level, default.level
+    saved = chosen.level, default.level, diffusers_logging.is_progress_bar_enabled()
     chosen.setLevel(logging.INFO)  # the user asked for it: kept
     default.setLevel(logging.WARNING)
+    diffusers_logging.enable_progress_bar()  # a user's default (whatever an earlier test in this process left)
     try:
         entered, left = threading.Event(), threading.Event()
 
@@ -158,6 +159,7 @@ def test_quiet_libraries_keeps_what_the_user_set_and_restores_the_rest():
     finally:
         chosen.setLevel(saved[0])
         default.setLevel(saved[1])
+        (diffusers_logging.enable_progress_bar if saved[2] else diffusers_logging.disable_progress_bar)()
 
 
 # -- item 10: flags and model names, answered before torch is imported ---------------------------------------

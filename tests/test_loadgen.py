@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from utils_cli import restore_logging  # noqa: F401 (autouse: main() sets the process's logging; put back)
 
 from dvllm.benchmarks.captions import MIN_WORDS, captions
 from dvllm.benchmarks.loadgen import EngineSUT, Request, Settings, run_scenario

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from utils_cli import restore_logging  # noqa: F401 (autouse: main() sets the process's logging; put back)
 
 from dvllm import DiffusionEngine, SamplingParams
 

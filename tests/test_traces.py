@@ -6,6 +6,7 @@ import json
 from collections import Counter
 
 import pytest
+from utils_cli import restore_logging  # noqa: F401 (autouse: main() sets the process's logging; put back)
 
 from dvllm.benchmarks.traces import generate, zipf_weights
 from dvllm.benchmarks.workloads import trace_workload
