@@ -39,7 +39,9 @@ class ForwardGaps:
                 self.forwards.append((start, time.perf_counter()))
             return out
 
-        adapter.denoise = timed  # the denoiser looks adapter.denoise up per call
+        # the denoiser looks adapter.denoise up per call (eager, regional compile); a whole-forward compile
+        # (compile dynamic or bucketed) bound it at start, and its forwards go untimed: no gaps are reported
+        adapter.denoise = timed
 
     @classmethod
     def attach(cls, async_engine: Any) -> ForwardGaps | None:
