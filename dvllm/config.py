@@ -19,18 +19,16 @@ from dvllm.config_checks import (  # noqa: F401 - the choices are read from here
     device_list,
     parse_lora_modules,
 )
+from dvllm.param_defaults import DEFAULT_PIXELS_FACTOR
 
 if TYPE_CHECKING:
     from dvllm.lora.files import LoraFilePolicy
-    from dvllm.models.load_config import LoadConfig
-    from dvllm.models.model_info import ModelInfo
 
 CPU_STATE_POOL_MB = 1024
 # A stage process's call bounds (stage_process.CallBounds): vLLM's execute-model timeout for a batch; a process's
 # start (imports, its model copy, its first batch's warm-up) twice that
 STAGE_CALL_TIMEOUT_S = 300.0
 STAGE_START_TIMEOUT_S = 600.0
-DEFAULT_PIXELS_FACTOR = 4  # default max_image_pixels: this many times the model's native area
 
 
 @dataclass
@@ -488,7 +486,7 @@ class EngineConfig:
             self.default_cache = parse_cache_flag(self.default_cache)
         self.default_cache = parse_cache(self.default_cache)
         if self.default_params is not None:  # a flag's JSON text or a dict: kept as a checked dict
-            from dvllm.models.model_defaults import parse_defaults
+            from dvllm.param_defaults import parse_defaults
 
             self.default_params = parse_defaults(self.default_params, "default_params")
         self.lora_modules = parse_lora_modules(self.lora_modules)
@@ -496,10 +494,6 @@ class EngineConfig:
             self.enable_lora = True
         if self.encode_stage is None:
             self.encode_stage = bool(self.encode_workers)
-        if self.quantization is not None:  # a flag's text, JSON or a dict: kept as a checked QuantizationSpec
-            from dvllm.models.quantization import parse_quantization
-
-            self.quantization = parse_quantization(self.quantization)
         self.validate()
 
     def validate(self) -> None:
@@ -519,15 +513,6 @@ class EngineConfig:
     def encode_devices(self) -> list[str]:
         """Where the encode workers go, in turn (none given: see encode_device)."""
         return device_list(self.encode_device)
-
-    @property
-    def load_config(self) -> "LoadConfig":
-        from dvllm.models.load_config import LoadConfig
-
-        return LoadConfig(revision=self.revision, variant=self.variant, download_dir=self.download_dir,
-                          local_files_only=self.local_files_only, attention_backend=self.attention_backend,
-                          vae_tiling=self.vae_tiling, vae_tile_size=self.vae_tile_size, base_model=self.base_model, vae=self.vae,
-                          encoder_device=self.encoder_device, vae_dtype=self.vae_dtype, quantization=self.quantization)
 
     @property
     def cpu_lora_cache_size(self) -> int:
@@ -553,12 +538,6 @@ class EngineConfig:
     @property
     def prompt_chars_per_step(self) -> int:
         return self.max_prompt_chars_per_step or 2 * self.max_prompt_chars
-
-    def pixel_limit(self, info: "ModelInfo") -> int:
-        """max_image_pixels, or its default for the model: a few times an image model's native area; a video
-        model's native area (each frame of a video costs what an image does)."""
-        factor = 1 if info.video is not None else DEFAULT_PIXELS_FACTOR
-        return self.max_image_pixels or factor * info.defaults.height * info.defaults.width
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

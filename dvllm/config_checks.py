@@ -1,10 +1,12 @@
-"""The value checks EngineConfig.validate runs on its fields: each raises ValueError naming the field."""
+"""The value checks EngineConfig.validate runs on its fields: each raises ValueError naming the field.
+
+The checks take the config as `Config` (an EngineConfig): this module names no type of config.py, which imports
+it, so that the two make no import circle."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from dvllm.config import EngineConfig
+Config = Any  # an EngineConfig
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -65,7 +67,7 @@ def is_cuda_index(device: str) -> bool:
     return prefix == "cuda" and index.isdigit()
 
 
-def check_encoder_device(config: EngineConfig) -> None:
+def check_encoder_device(config: Config) -> None:
     """encoder_device: a device name, and no combination that cannot work."""
     device = config.encoder_device
     if device is None:
@@ -80,7 +82,7 @@ def check_encoder_device(config: EngineConfig) -> None:
                          "text encoders on one GPU: use 'cpu', or one worker per engine")
 
 
-def check_limits(config: EngineConfig) -> None:
+def check_limits(config: Config) -> None:
     """The numeric limits that are not plain positive integers."""
     if not (is_number(config.max_lora_file_mb) and 0 < config.max_lora_file_mb < float("inf")):
         raise ValueError(f"max_lora_file_mb must be a finite number > 0, got {config.max_lora_file_mb!r}")
@@ -96,7 +98,7 @@ def check_limits(config: EngineConfig) -> None:
         raise ValueError(f"state_pool_mb must be a number > 0, got {config.state_pool_mb!r}")
 
 
-def check_workers(config: EngineConfig) -> None:
+def check_workers(config: Config) -> None:
     """The executor's workers: counts, Ray's settings, timeouts and restarts."""
     if config.num_workers > 1 and config.executor != "ray":
         raise ValueError(f"num_workers={config.num_workers} needs executor='ray' (the uniproc executor has one)")
@@ -114,7 +116,7 @@ def check_workers(config: EngineConfig) -> None:
         raise ValueError(f"max_worker_restarts must be an integer >= 0, got {config.max_worker_restarts!r}")
 
 
-def check_liveness(config: EngineConfig) -> None:
+def check_liveness(config: Config) -> None:
     """The heartbeat and call bounds: finite numbers > 0 (a bound that never passes hides a frozen process)."""
     for name in ("stage_call_timeout_s", "stage_start_timeout_s", "core_heartbeat_timeout_s"):
         value = getattr(config, name)
@@ -127,7 +129,7 @@ def device_list(devices: str | None) -> list[str]:
     return [] if devices is None else [device.strip() for device in devices.split(",")]
 
 
-def _check_stage_workers(config: EngineConfig, kind: str) -> None:
+def _check_stage_workers(config: Config, kind: str) -> None:
     """<kind>_workers and <kind>_device: a count in range and device names."""
     count, devices = getattr(config, f"{kind}_workers"), getattr(config, f"{kind}_device")
     if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_STAGE_WORKERS:
@@ -141,7 +143,7 @@ def _check_stage_workers(config: EngineConfig, kind: str) -> None:
                                  f"got {devices!r}")
 
 
-def check_encode_workers(config: EngineConfig) -> None:
+def check_encode_workers(config: Config) -> None:
     """encode_workers and encode_device, and what cannot be combined with encoders that live in processes."""
     _check_stage_workers(config, "encode")
     if not config.encode_workers:
@@ -160,7 +162,7 @@ def check_encode_workers(config: EngineConfig) -> None:
                          f"input images), got {config.max_encode_ahead}")
 
 
-def check_decode_workers(config: EngineConfig) -> None:
+def check_decode_workers(config: Config) -> None:
     """decode_workers and decode_device: counts, devices, and the stage they decode for."""
     _check_stage_workers(config, "decode")
     if config.decode_workers and config.decode_stage is False:
@@ -168,7 +170,7 @@ def check_decode_workers(config: EngineConfig) -> None:
                          "decode_stage=False")
 
 
-def check_group(config: EngineConfig) -> None:
+def check_group(config: Config) -> None:
     """A worker group's size, split, devices and timeout, and what it does not serve yet."""
     size, ring = config.sequence_parallel_size, config.ring_degree
     for name in ("sequence_parallel_size", "cfg_parallel_size", "ring_degree"):
@@ -203,7 +205,7 @@ def check_group(config: EngineConfig) -> None:
                          f"{', '.join(unserved)} yet: every member's denoiser would have to run them alike")
 
 
-def check_compile(config: EngineConfig) -> None:
+def check_compile(config: Config) -> None:
     """compile, its backend, CUDA graphs and the warm-up, as set (None: unset, fast mode's to choose)."""
     if config.compile is not None:
         choice("compile", config.compile, COMPILE_MODES)
@@ -221,7 +223,7 @@ def check_compile(config: EngineConfig) -> None:
             raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
-def check_config(config: EngineConfig) -> None:
+def check_config(config: Config) -> None:
     """Every knob in range, and the combinations that cannot work refused."""
     choice("load_format", config.load_format, LOAD_FORMATS)
     choice("dtype", config.dtype, DTYPES)
@@ -262,10 +264,3 @@ def check_config(config: EngineConfig) -> None:
     check_decode_workers(config)
     check_encode_workers(config)
     check_group(config)
-    if config.quantization is not None or str(config.model).lower().endswith(".gguf"):
-        from dvllm.models.quantization import check_use
-
-        check_use(config.quantization, config.model, config.load_format, config.enable_lora)
-    from dvllm.models.model_files import check_model_files  # (os and json only: no model code)
-
-    check_model_files(config)  # model, vae and base_model paths, a GGUF's header, the defaults' size

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dvllm.lora.files import check_lora_name
+from dvllm.param_defaults import FPS_RANGE, MAX_FPS, MIN_FPS
+from dvllm.request_sizes import image_sizes, size_of
 from dvllm.step_cache import USE_DEFAULT, parse_cache, show_value
 
 if TYPE_CHECKING:
@@ -31,11 +33,6 @@ MAX_LORA_WEIGHT = 100.0  # as ComfyUI's LoRA strength; far past it the images ar
 # Adapters one request may name: far more than any engine's max_loras (resident slots, checked in resolve),
 # so that a body naming thousands is refused before each name is looked at.
 MAX_REQUEST_LORAS = 256
-# A video's frame rate. Its MP4 carries the rate as a fraction of denominator <= 1001 (video/mp4.py): below
-# 1/1000 fps that fraction is far off, or 0, which the muxer replaces with 24 fps without a word.
-MIN_FPS = 0.001
-MAX_FPS = 240.0
-FPS_RANGE = f"[{MIN_FPS:g}, {MAX_FPS:g}]"
 
 
 @dataclass
@@ -161,7 +158,7 @@ class SamplingParams:
     def resolve(self, info: "ModelInfo", config: "EngineConfig") -> "SamplingParams":
         """A copy with every default filled from the model, checked against the engine's limits."""
         self.validate()
-        max_pixels = config.pixel_limit(info)
+        max_pixels = info.pixel_limit(config.max_image_pixels)
         if self.negative_prompt is not None and len(self.negative_prompt) > config.max_prompt_chars:
             raise ValueError(f"negative_prompt must be at most {config.max_prompt_chars} characters, "
                              f"got {len(self.negative_prompt)}")
@@ -246,12 +243,6 @@ class SamplingParams:
         if resolved.n > config.max_images_per_prompt:
             raise ValueError(f"n must be in [1, {config.max_images_per_prompt}], got {resolved.n}")
         return resolved
-
-
-def size_of(height: int, width: int, num_frames: int | None) -> tuple[int, ...]:
-    """What fixes a request's latents' shape, and what its decode takes: (height, width), and a video's frames
-    after them. Requests share a forward only if theirs are equal."""
-    return (height, width) if num_frames is None else (height, width, num_frames)
 
 
 AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE = 6.0, 2.5  # the SDXL img2img and inpainting pipelines' defaults
@@ -354,16 +345,6 @@ def _optional_int(name: str, value: object, low: int) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
-def as_images(image: Any) -> tuple[Any, ...]:
-    """A resolved request's images as a tuple (it holds one PIL image, or a tuple for several; None: none)."""
-    return () if image is None else image if isinstance(image, tuple) else (image,)
-
-
-def image_sizes(image: Any) -> tuple[tuple[int, int], ...]:
-    """(width, height) of each of a resolved request's images."""
-    return tuple((i.width, i.height) for i in as_images(image))
 
 
 def default_size(info: "ModelInfo", image: Any, inpaint: bool) -> tuple[int, int]:

@@ -16,6 +16,7 @@ from test_decode_workers import _wait_until
 from test_encode_stage import LATER, _assert_same_images, _run
 
 from dvllm import DiffusionEngine, EngineConfig
+from dvllm.models.load_config import LoadConfig
 from dvllm.models.loader import load_adapter
 from dvllm.worker.encode_stage import EncodeStage
 from dvllm.worker.encode_worker import EncoderCopy, ModuleCopy, start_encode_workers
@@ -95,7 +96,7 @@ def test_the_copy_leaves_the_denoiser_and_what_a_group_wraps(wan_path):
     methods not at all: every Wan request failed with encode workers and a group or quantization)."""
     pytest.importorskip("torchao")  # `.[test]` (the quantization backends), not the fast tier's `.[dev]`
     adapter = load_adapter(wan_path, "auto", torch.device("cpu"), torch.float32,
-                           load=EngineConfig(quantization="torchao:int8wo").load_config)
+                           load=LoadConfig.of(EngineConfig(quantization="torchao:int8wo")))
     adapter.denoise = lambda *args: adapter.denoise(*args)  # as WorkerGroup.guard does
     copy = pickle.loads(pickle.dumps(EncoderCopy.of(adapter)))
     assert not {"experts", "denoise", "decode"} & set(copy.attributes) and "info" in copy.attributes

@@ -14,8 +14,9 @@ from utils_cli import expect_usage_error, no_model_load  # noqa: F401 (fixture)
 
 from dvllm import EngineConfig
 from dvllm.models.single_file import header_shapes, load_vae
+from dvllm.models.start_checks import check_at_start
 
-MAX_DEFAULT_PIXELS = 16384 * 16384  # model_defaults.MAX_DEFAULT_PIXELS: with no max_image_pixels, the bound
+MAX_DEFAULT_PIXELS = 16384 * 16384  # param_defaults.MAX_DEFAULT_PIXELS: with no max_image_pixels, the bound
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +112,12 @@ def test_default_size_is_checked_against_max_image_pixels_before_the_model_loads
 
 
 def test_default_size_within_the_limits_is_taken():
-    EngineConfig(default_params={"height": 64, "width": 64}, max_image_pixels=64 * 64)
-    EngineConfig(default_params={"height": 16384, "width": 16384})  # MAX_DEFAULT_PIXELS, no more
-    EngineConfig(default_params=HUGE, max_image_pixels=10**18)  # the operator's limit, over dvllm's bound
+    check_at_start(EngineConfig(default_params={"height": 64, "width": 64}, max_image_pixels=64 * 64))
+    check_at_start(EngineConfig(default_params={"height": 16384, "width": 16384}))  # MAX_DEFAULT_PIXELS, no more
+    # the operator's limit, over dvllm's bound
+    check_at_start(EngineConfig(default_params=HUGE, max_image_pixels=10**18))
     with pytest.raises(ValueError, match="over max_image_pixels=4095"):
-        EngineConfig(default_params={"height": 64, "width": 64}, max_image_pixels=4095)
+        check_at_start(EngineConfig(default_params={"height": 64, "width": 64}, max_image_pixels=4095))
 
 
 @pytest.fixture

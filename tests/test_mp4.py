@@ -83,7 +83,7 @@ def test_the_slowest_rate_an_mp4_carries_is_written_and_a_slower_one_refused_eve
     <= 1001) rounds it to 0, which it replaces with 24. MIN_FPS is written as asked; a slower rate is refused by the
     writer, by SamplingParams (the Python API, the CLI's JSONL lines, the HTTP APIs) and by the defaults."""
     from dvllm import EngineConfig, SamplingParams
-    from dvllm.sampling_params import MIN_FPS
+    from dvllm.param_defaults import MIN_FPS
 
     _, fps = decode_mp4(encode_mp4(_moving_circle(frames=2), fps=MIN_FPS))
     assert fps == pytest.approx(MIN_FPS, rel=1e-6)

@@ -20,7 +20,7 @@ def test_z_image_sizes_stop_at_its_rope_tables(z_image_path):
     assert SamplingParams(height=128, width=64).resolve(info, config).height == 128
     with pytest.raises(ValueError, match="at most 128 for this model"):
         SamplingParams(height=64, width=136).resolve(info, config)
-    assert largest_size(info, config.pixel_limit(info)) == (128, 128)
+    assert largest_size(info, info.pixel_limit(config.max_image_pixels)) == (128, 128)
 
 
 def test_wan_frames_and_sizes_stop_at_its_rope_table():
@@ -40,7 +40,7 @@ def test_wan_frames_and_sizes_stop_at_its_rope_table():
     out = engine.generate("a red circle moving to the right",
                           SamplingParams(num_frames=125, num_inference_steps=1, output_type="np"), use_tqdm=False)[0]
     assert out.error is None and out.images[0].shape == (125, 32, 32, 3)  # the longest it has positions for
-    assert largest_size(info, config.pixel_limit(info), 1000)[2] == 125
+    assert largest_size(info, info.pixel_limit(config.max_image_pixels), 1000)[2] == 125
     from dvllm.entrypoints.model_facts import _video_facts
 
     assert _video_facts(info, config.max_num_frames)["video"]["max_num_frames"] == 125  # /v1/models: the lower

@@ -13,10 +13,12 @@ import pytest
 import torch
 from lora_utils import make_lora
 
-from dvllm import DiffusionEngine, EngineConfig, SamplingParams
+from dvllm import AsyncDiffusionEngine, DiffusionEngine, EngineConfig, SamplingParams
 from dvllm.models import quantization
+from dvllm.models.load_config import LoadConfig
 from dvllm.models.quantization import QuantizationSpec, parse_quantization
 from dvllm.models.single_file import load_component_file
+from dvllm.models.start_checks import check_at_start
 
 pytest.importorskip("torchao")
 PROMPTS = ["a red circle", "a blue square"]
@@ -79,7 +81,7 @@ def test_short_and_json_forms():
     as_dict = {"backend": "torchao", "options": {"quant_type": "float8wo"}, "components": "unet"}
     assert parse_quantization(as_dict).components == ("unet",)
     config = EngineConfig(quantization="torchao:int8wo")
-    assert config.load_config.quantization == config.quantization == parse_quantization("torchao:int8wo")
+    assert LoadConfig.of(config).quantization == parse_quantization("torchao:int8wo")
 
 
 def test_the_flag_takes_both_forms():
@@ -91,7 +93,8 @@ def test_the_flag_takes_both_forms():
     add_engine_args(parser)
     for text in ("torchao:float8wo", '{"backend": "torchao", "options": {"quant_type": "int8dq"}}'):
         config = EngineConfig(**engine_kwargs(parser.parse_args(["--quantization", text])))
-        assert config.quantization == parse_quantization(text) and str(config.quantization)
+        spec = LoadConfig.of(config).quantization
+        assert spec == parse_quantization(text) and str(spec)
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -112,7 +115,17 @@ def test_the_flag_takes_both_forms():
 ])
 def test_bad_specs_are_refused_naming_why(spec, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(quantization=spec)
+        check_at_start(EngineConfig(quantization=spec))
+
+
+@pytest.mark.parametrize("engine_class", [DiffusionEngine, AsyncDiffusionEngine])
+def test_an_engine_refuses_a_bad_spec_before_it_loads_anything(engine_class, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model started loading before the quantization spec was checked")
+    monkeypatch.setattr("dvllm.engine.engine.create_executor", refuse)
+    monkeypatch.setattr("dvllm.engine.async_engine.DiffusionEngine", refuse)
+    with pytest.raises(ValueError, match="unknown backend 'awq'"):
+        engine_class("tiny-sd", quantization="awq:int4")
 
 
 def test_a_missing_backend_package_is_named(monkeypatch):
@@ -138,7 +151,7 @@ def test_other_backends_options_are_checked_by_diffusers_configs(monkeypatch):
         parse_quantization('{"backend": "quanto", "options": {"weights_dtype": "int3"}}')
     # these quantize inside from_pretrained only: random-weight loads are refused before loading
     with pytest.raises(ValueError, match="quanto quantizes only while loading"):
-        EngineConfig(model="sd15", quantization="quanto:int8")
+        check_at_start(EngineConfig(model="sd15", quantization="quanto:int8"))
 
 
 def test_fp8_dynamic_needs_a_hopper_class_gpu(flux_path):
@@ -222,7 +235,7 @@ def test_lora_on_packed_weights_is_refused_at_start(tmp_path):
     with pytest.raises(ValueError, match="LoRA serving cannot run on bitsandbytes-quantized layers: .*weight dtype"):
         quantization.check_use(spec, None, "auto", enable_lora=True)
     with pytest.raises(ValueError, match="LoRA serving cannot run on the GGUF-quantized layers"):
-        EngineConfig(model=str(tmp_path / "flux-Q8_0.gguf"), enable_lora=True)
+        check_at_start(EngineConfig(model=str(tmp_path / "flux-Q8_0.gguf"), enable_lora=True))
 
 
 # -- GGUF: a prequantized file ---------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dvllm import DiffusionEngine, SamplingParams
-from dvllm.models.loader import DEFAULTS_FILE, builtin_folder
+from dvllm.models.loader import builtin_folder
+from dvllm.param_defaults import DEFAULTS_FILE
 
 TOL = 1e-3
 NAME = "tiny-shapes-dit"

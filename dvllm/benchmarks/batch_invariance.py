@@ -46,7 +46,7 @@ def stress(model: str, device: str, dtype: str, seconds: float, max_batch_size: 
     engine = DiffusionEngine(model=model, load_format="dummy", device=device, dtype=dtype,
                              max_batch_size=max_batch_size)
     info = engine.model_info
-    side = largest_size(info, engine.config.pixel_limit(info))[0]
+    side = largest_size(info, info.pixel_limit(engine.config.max_image_pixels))[0]
     params = SamplingParams(num_inference_steps=4, guidance_scale=5.0, height=side, width=side, output_type="latent")
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()

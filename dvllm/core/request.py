@@ -12,7 +12,8 @@ from typing import Any
 from dvllm.core.block_manager import CachedEntry
 from dvllm.core.scheduler_output import BlockTables, NewRequestData, StartJob
 from dvllm.outputs import RequestMetrics, RequestOutput
-from dvllm.sampling_params import SamplingParams, as_images
+from dvllm.request_sizes import as_images
+from dvllm.sampling_params import SamplingParams
 
 
 def prompt_cache_key(role: str, text: str | None, max_sequence_length: int | None = None,

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dvllm.core.stage_stats import StageStats
-from dvllm.sampling_params import size_of
+from dvllm.request_sizes import size_of
 
 
 @dataclass

@@ -25,6 +25,7 @@ from dvllm.engine.engine import DiffusionEngine, StepStats
 from dvllm.engine.heartbeat import CoreHeartbeat
 from dvllm.engine.input_processor import InputProcessor
 from dvllm.lora.registry import registry_for, require_registry
+from dvllm.models.start_checks import check_at_start
 from dvllm.outputs import RequestOutput
 from dvllm.sampling_params import SamplingParams
 
@@ -56,6 +57,7 @@ class AsyncDiffusionEngine:
         self._stats: dict = {}
         self.dead: BaseException | None = None
         config = EngineConfig.from_kwargs(model=model, **engine_args)  # bad arguments fail before anything starts
+        check_at_start(config)
         self.heartbeat = CoreHeartbeat(lambda: self._send("ping"), config.core_heartbeat_timeout_s)
         self.core_process = None
         if config.engine_core_process:
@@ -80,7 +82,6 @@ class AsyncDiffusionEngine:
     def _start_process(self, config: EngineConfig, engine_args: dict[str, Any]) -> None:
         from dvllm.engine.core_process import CoreProcess
 
-        config.check_lora_modules()  # a typo'd adapter fails now, not after the model loads
         # The adapters are read here, where requests are checked: requests carry their weights to the core.
         lora_modules, engine_args["lora_modules"] = config.lora_modules, None
         if lora_modules:

@@ -16,6 +16,7 @@ from dvllm.engine.result_cache import CachedResult, ResultCache
 from dvllm.entrypoints.logging_setup import quiet_libraries
 from dvllm.executor import create_executor
 from dvllm.lora.registry import LoraRegistry, registry_for, require_registry
+from dvllm.models.start_checks import check_at_start
 from dvllm.outputs import RequestMetrics, RequestOutput
 from dvllm.profiler import PhaseTimer, breakdown
 from dvllm.sampling_params import SamplingParams
@@ -38,7 +39,7 @@ class DiffusionEngine:
         if self.config.engine_core_process:
             raise ValueError("engine_core_process: DiffusionEngine steps in the caller's process; "
                              "AsyncDiffusionEngine (and dvllm serve) can run the core in a process of its own")
-        self.config.check_lora_modules()  # a typo'd adapter fails now, not after the model loads
+        check_at_start(self.config)  # a typo'd adapter or file fails now, not after the model loads
         with quiet_libraries():  # the libraries' loading chatter and bars, not the caller's own logging
             self.executor = create_executor(self.config)
             try:  # a refusal at start (a pair of options, a pool too small) leaves no process or group behind

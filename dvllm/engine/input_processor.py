@@ -26,7 +26,8 @@ from dvllm.models.base import ModelInfo
 from dvllm.sampler_names import did_you_mean, scheduler_class
 from dvllm.samplers import SHORT_NAMES, PlanRefused, SamplerPlan, build_plan
 from dvllm.samplers.probe import probe_plan
-from dvllm.sampling_params import SamplingParams, as_images, check_text
+from dvllm.request_sizes import as_images
+from dvllm.sampling_params import SamplingParams, check_text
 
 
 class InputProcessor:

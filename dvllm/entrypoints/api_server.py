@@ -214,7 +214,7 @@ def _served_model_facts(engine: AsyncDiffusionEngine) -> dict[str, Any] | None:
     if config is None:
         return None
     info = engine.model_info
-    return model_facts(info, config.pixel_limit(info),
+    return model_facts(info, info.pixel_limit(config.max_image_pixels),
                        engine.valid_samplers(), engine.loaded_model, max_num_frames=config.max_num_frames)
 
 

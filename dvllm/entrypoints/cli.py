@@ -25,6 +25,7 @@ from dvllm.entrypoints.generate_progress import StepProgress, run_requests, stop
 from dvllm.entrypoints.logging_setup import LOG_LEVELS, STARTUP_LOGGER, set_third_party_verbosity, setup_logging
 from dvllm.entrypoints.server_socket import bind_socket
 from dvllm.models.model_names import check_model_name, hub_offline
+from dvllm.models.start_checks import check_at_start
 from dvllm.outputs import RequestOutput
 from dvllm.sampler_names import SHORT_NAMES
 
@@ -263,7 +264,7 @@ def check_engine_args(args: argparse.Namespace) -> EngineConfig:
         from dvllm.models.attention_backend import check_backend_name
 
         check_backend_name(config.attention_backend)
-    config.check_lora_modules()
+    check_at_start(config)
     return config
 
 

@@ -14,7 +14,8 @@ from PIL import Image, UnidentifiedImageError
 
 from dvllm.entrypoints.mask_upload import mask_from_upload
 from dvllm.sampler_names import SHORT_NAMES, did_you_mean, scheduler_class
-from dvllm.sampling_params import FPS_RANGE, MAX_FPS, MIN_FPS, PARAM_ALIASES, SEED_LIMIT, SamplingParams, lora_weight
+from dvllm.param_defaults import FPS_RANGE, MAX_FPS, MIN_FPS
+from dvllm.sampling_params import PARAM_ALIASES, SEED_LIMIT, SamplingParams, lora_weight
 from dvllm.step_cache import parse_cache_flag
 from dvllm.video.save import VIDEO_SUFFIX
 

@@ -56,7 +56,7 @@ async def create_edit(request: Request, ctx: ServerContext) -> Response:
         _check_files(images, masks, info)
         fields = {k: v for k, v in form.multi_items() if k not in _FILE_FIELDS}
         req = ImageEditRequest.parse(typed_form(fields, ImageEditRequest))
-        max_pixels = ctx.engine.config.pixel_limit(info)
+        max_pixels = info.pixel_limit(ctx.engine.config.max_image_pixels)
         opened = [open_image(await image.read(), max_pixels) for image in images]
         req.image = opened[0] if len(opened) == 1 else opened
         if masks:

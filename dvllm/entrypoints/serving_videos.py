@@ -131,7 +131,7 @@ async def _admit(request: Request, ctx: ServerContext) -> VideoJob:
     if video is None:
         raise APIError(400, f"The model '{ctx.model_name}' makes images, not videos: use POST "
                             "/v1/images/generations.", code="unsupported_value")
-    req = await read_video_request(request, ctx.body_limits, ctx.engine.config.pixel_limit(ctx.engine.model_info))
+    req = await read_video_request(request, ctx.body_limits, ctx.engine.model_info.pixel_limit(ctx.engine.config.max_image_pixels))
     loop = asyncio.get_running_loop()
     deadline = None if ctx.request_timeout is None else loop.time() + ctx.request_timeout
     job_id = new_video_id()

@@ -17,6 +17,7 @@ from typing import Any
 
 from dvllm.lora.files import LoraFile, LoraFilePolicy, check_lora_name, locate_lora
 from dvllm.lora.weights import LoraWeights, read_lora
+from dvllm.models.load_config import LoadConfig
 
 
 @dataclass(frozen=True)
@@ -129,4 +130,4 @@ def registry_for(config: Any, served_name: str) -> LoraRegistry | None:
     if not config.enable_lora:
         return None
     return LoraRegistry(config.model, served_name, config.max_lora_rank, config.cpu_lora_cache_size,
-                        config.lora_file_policy, config.load_config)
+                        config.lora_file_policy, LoadConfig.of(config))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dvllm.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,18 @@ class LoadConfig:
     encoder_device: str | None = None  # where the text encoders run (None: with the denoiser)
     vae_dtype: str = "auto"            # the VAE's dtype ("auto": the model's, or float32 where its config asks)
     quantization: Any = None  # a QuantizationSpec (models/quantization.py): what is quantized, and how
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> LoadConfig:
+        """The engine's loading settings, its quantization spec parsed (and so checked: ValueError naming it)."""
+        from dvllm.models.quantization import parse_quantization  # (torch: only where a spec is given)
+
+        quantization = None if config.quantization is None else parse_quantization(config.quantization)
+        return cls(revision=config.revision, variant=config.variant, download_dir=config.download_dir,
+                   local_files_only=config.local_files_only, attention_backend=config.attention_backend,
+                   vae_tiling=config.vae_tiling, vae_tile_size=config.vae_tile_size, base_model=config.base_model,
+                   vae=config.vae, encoder_device=config.encoder_device, vae_dtype=config.vae_dtype,
+                   quantization=quantization)
 
     def hub_kwargs(self) -> dict[str, Any]:
         """What huggingface_hub's snapshot_download and diffusers' from_pretrained both take."""

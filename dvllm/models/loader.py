@@ -32,14 +32,7 @@ from dvllm.models.byte_tokenizer import (
     byte_t5_tokenizer,
 )
 from dvllm.models.load_config import LoadConfig
-from dvllm.models.model_defaults import (  # noqa: F401 - DEFAULTS_FILE is read from here too
-    DEFAULTS_FIELDS,
-    DEFAULTS_FILE,
-    VIDEO_FIELDS,
-    known_defaults,
-    parse_defaults,
-    read_defaults_file,
-)
+from dvllm.models.model_defaults import known_defaults
 from dvllm.models.model_files import check_path_kind
 from dvllm.models.model_names import (
     DEFAULT_MODEL,
@@ -60,6 +53,7 @@ from dvllm.models.single_file import (
     load_single_file,
     load_vae,
 )
+from dvllm.param_defaults import DEFAULTS_FIELDS, DEFAULTS_FILE, VIDEO_FIELDS, parse_defaults, read_defaults_file
 
 logger = logging.getLogger(__name__)
 startup = logging.getLogger(STARTUP_LOGGER)  # shown by the CLI at its default levels

@@ -8,8 +8,8 @@ import os
 import stat
 from typing import TYPE_CHECKING, Any
 
-from dvllm.models.model_defaults import DEFAULTS_FILE, check_default_size, read_defaults_file
 from dvllm.models.model_names import is_packaged
+from dvllm.param_defaults import DEFAULTS_FILE, check_default_size, read_defaults_file
 
 if TYPE_CHECKING:
     from dvllm.config import EngineConfig

@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dvllm.sampling_params import image_sizes, size_of
+from dvllm.param_defaults import DEFAULT_PIXELS_FACTOR
+from dvllm.request_sizes import image_sizes, size_of
 from dvllm.step_cache import CacheLayout
 
 # (input images' (width, height)s) -> ...; module-level functions or partials of them, so that they pickle
@@ -192,6 +193,12 @@ class ModelInfo:
     def expert(self, timestep: float) -> int:
         """The expert that runs a step at `timestep`: 0, or 1 below a two-expert model's boundary."""
         return int(self.expert_boundary is not None and timestep < self.expert_boundary)
+
+    def pixel_limit(self, max_image_pixels: int | None) -> int:
+        """The engine's max_image_pixels, or its default for this model: a few times an image model's native area;
+        a video model's native area (each frame of a video costs what an image does)."""
+        factor = 1 if self.video is not None else DEFAULT_PIXELS_FACTOR
+        return max_image_pixels or factor * self.defaults.height * self.defaults.width
 
     @property
     def default_size(self) -> tuple[int, ...]:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dvllm.lora.weights import LoraWeights
 from dvllm.models.base import denoiser_component
+from dvllm.models.load_config import LoadConfig
 from dvllm.parallel.call_broadcast import receive
 from dvllm.parallel.group_decode import DecodeCalls
 from dvllm.parallel.row_split import call_rows, chunk, cut, send_rows
@@ -95,7 +96,7 @@ def load_denoiser(config: Any, device: torch.device) -> Member:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # The text encoders load on the CPU (no member runs them) and go with the rest of the pipeline
-    load = dataclasses.replace(config.load_config, encoder_device="cpu")
+    load = dataclasses.replace(LoadConfig.of(config), encoder_device="cpu")
     adapter = load_adapter(config.model, config.load_format, device, config.dtype, seed=config.dummy_weight_seed,
                            default_params=config.default_params, load=load)
     from dvllm.parallel.group_decode import decodes_in_group

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dvllm.sampling_params import MIN_FPS
+from dvllm.param_defaults import MIN_FPS
 
 DEFAULT_CRF = 18  # x264's constant rate factor: 18 is visually lossless for most content; 0 is lossless
 MAX_CRF = 51

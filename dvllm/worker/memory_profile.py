@@ -73,7 +73,7 @@ def largest_size(info: ModelInfo, max_pixels: int, max_frames: int | None = None
 
 def worst_size(info: ModelInfo, config: EngineConfig) -> tuple[int, ...]:
     """The largest request the engine's limits allow."""
-    return largest_size(info, config.pixel_limit(info), config.max_num_frames)
+    return largest_size(info, info.pixel_limit(config.max_image_pixels), config.max_num_frames)
 
 
 def worst_forward(adapter: ModelAdapter, config: EngineConfig) -> tuple[int, tuple[int, ...]]:

@@ -11,7 +11,7 @@ import torch
 
 from dvllm.core.scheduler_output import NewRequestData
 from dvllm.models.base import ModelAdapter
-from dvllm.sampling_params import as_images
+from dvllm.request_sizes import as_images
 from dvllm.worker.conditions import flatten, unflatten
 from dvllm.worker.encode_stage import EncodeStage
 from dvllm.worker.lora_layers import LoraLayers

@@ -11,7 +11,7 @@ import torch
 
 from dvllm.core.scheduler_output import StartJob
 from dvllm.models.base import ModelAdapter
-from dvllm.sampling_params import as_images
+from dvllm.request_sizes import as_images
 
 
 @dataclass

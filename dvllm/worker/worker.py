@@ -11,7 +11,7 @@ from dvllm._extension import custom_ops_available, custom_ops_status
 from dvllm.config import EngineConfig
 from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
 from dvllm.models.base import ModelAdapter, ModelInfo, denoiser_component, denoiser_of
-from dvllm.models.load_config import LoadedModel
+from dvllm.models.load_config import LoadConfig, LoadedModel
 from dvllm.models.loader import load_adapter
 from dvllm.parallel.group import WorkerGroup
 from dvllm.parallel.group_decode import SharedDecode, decodes_in_group
@@ -61,13 +61,13 @@ def _bound(processes: list[StageProcess] | None, config: EngineConfig) -> None:
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
+        load = LoadConfig.of(config)
         adapter = load_adapter(config.model, config.load_format, self.device, config.dtype,
-                               seed=config.dummy_weight_seed, default_params=config.default_params,
-                               load=config.load_config)
+                               seed=config.dummy_weight_seed, default_params=config.default_params, load=load)
         self.dtype = adapter.dtype  # "auto" resolved for the model's family
         # fast mode's choices (and the other speed settings' defaults) made concrete for this device and denoiser
         self.config = config = settle(config, adapter)
-        self.quantization = config.load_config.quantization
+        self.quantization = load.quantization
         # Before the memory profile: the worker's own text encoders are freed, and their work is not its device's
         encode_devices = config.encode_devices or ["cpu"]
         encoders = start_encode_workers(adapter, config.encode_workers, encode_devices,
