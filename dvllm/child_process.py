@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from dvllm.entrypoints.logging_setup import LIBRARY_LOGS_ENV, quiet_child_libraries
+from dvllm.logging_setup import LIBRARY_LOGS_ENV, quiet_child_libraries
 
 PARENT_PID_ENV = "DVLLM_PARENT_PID"
 DEATH_SIGNAL_ENV = "DVLLM_PARENT_DEATH_SIGNAL"

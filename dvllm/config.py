@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dvllm.config_checks import (  # noqa: F401 - the choices are read from here too
     COMPILE_MODES,
@@ -20,9 +20,6 @@ from dvllm.config_checks import (  # noqa: F401 - the choices are read from here
     parse_lora_modules,
 )
 from dvllm.param_defaults import DEFAULT_PIXELS_FACTOR
-
-if TYPE_CHECKING:
-    from dvllm.lora.files import LoraFilePolicy
 
 CPU_STATE_POOL_MB = 1024
 # A stage process's call bounds (stage_process.CallBounds): vLLM's execute-model timeout for a batch; a process's
@@ -517,23 +514,6 @@ class EngineConfig:
     @property
     def cpu_lora_cache_size(self) -> int:
         return self.max_cpu_loras or 2 * self.max_loras
-
-    def check_lora_modules(self) -> None:
-        """Each --lora-modules name and path, as a load would check them: before the model loads, not after."""
-        from dvllm.lora.files import check_lora_name, locate_lora
-
-        for name, path in self.lora_modules.items():
-            try:
-                check_lora_name(name)
-                locate_lora(path, self.lora_file_policy)
-            except ValueError as e:
-                raise ValueError(f"lora_modules: {name}={path}: {e}") from None
-
-    @property
-    def lora_file_policy(self) -> "LoraFilePolicy":
-        from dvllm.lora.files import LoraFilePolicy
-
-        return LoraFilePolicy(self.max_lora_file_mb, self.allow_lora_bin, self.allow_lora_hub_ids)
 
     @property
     def prompt_chars_per_step(self) -> int:

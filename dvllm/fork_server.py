@@ -46,8 +46,8 @@ from dvllm.child_process import (
     set_parent_death_signal,
     set_process_name,
 )
-from dvllm.entrypoints.logging_setup import quiet_child_libraries
 from dvllm.forked_child import STATUS, ForkedChild
+from dvllm.logging_setup import quiet_child_libraries
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from typing import Any
 MIN_FPS = 0.001
 MAX_FPS = 240.0
 FPS_RANGE = f"[{MIN_FPS:g}, {MAX_FPS:g}]"
+AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE = 6.0, 2.5  # the SDXL img2img and inpainting pipelines' defaults
 DEFAULT_PIXELS_FACTOR = 4  # the engine's default max_image_pixels: this many times an image model's native area
 DEFAULTS_FILE = "dvllm_defaults.json"  # a model folder's own defaults (steps, guidance, size) for dvllm
 MAX_DEFAULTS_FILE_BYTES = 1 << 20  # a few keys: a larger file is no defaults file, and is not read whole

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dvllm.lora.files import check_lora_name
-from dvllm.param_defaults import FPS_RANGE, MAX_FPS, MIN_FPS
+from dvllm.param_defaults import AESTHETIC_SCORE, FPS_RANGE, MAX_FPS, MIN_FPS, NEGATIVE_AESTHETIC_SCORE
 from dvllm.request_sizes import image_sizes, size_of
 from dvllm.step_cache import USE_DEFAULT, parse_cache, show_value
 
@@ -243,9 +243,6 @@ class SamplingParams:
         if resolved.n > config.max_images_per_prompt:
             raise ValueError(f"n must be in [1, {config.max_images_per_prompt}], got {resolved.n}")
         return resolved
-
-
-AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE = 6.0, 2.5  # the SDXL img2img and inpainting pipelines' defaults
 
 
 def _frames(frames: int | None, info: "ModelInfo", config: "EngineConfig") -> int | None:

@@ -13,7 +13,7 @@ import pytest
 
 from dvllm import DiffusionEngine, SamplingParams
 from dvllm.config import EngineConfig
-from dvllm.entrypoints.cli_args import add_engine_args, engine_kwargs
+from dvllm.config_flags import add_engine_args, engine_kwargs
 
 WORKER = "dvllm-worker"
 WAIT = 30  # how long a test waits on an event before it fails (never reached when things work)

@@ -20,7 +20,7 @@ from PIL import Image
 from process_tree import dvllm_processes
 from utils_cli import assert_quiet, cli
 
-from dvllm.entrypoints.logging_setup import quiet_libraries
+from dvllm.logging_setup import quiet_libraries
 from dvllm.models.model_names import check_model_name
 
 DVLLM = str(Path(sys.executable).parent / "dvllm")  # the console script a user types

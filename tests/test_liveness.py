@@ -23,9 +23,9 @@ from fastapi.testclient import TestClient
 from utils_server import FAST, WAIT, png_pixels, wait_until
 
 from dvllm import AsyncDiffusionEngine, EngineConfig
+from dvllm.config_flags import add_engine_args, engine_kwargs
 from dvllm.engine.async_engine import EngineUnresponsiveError
 from dvllm.entrypoints.api_server import build_app
-from dvllm.entrypoints.cli_args import add_engine_args, engine_kwargs
 from dvllm.worker.encode_worker import EncodeWorker
 from dvllm.worker.stage_process import CallBounds, WorkerProcessLost
 

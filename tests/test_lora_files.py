@@ -20,7 +20,7 @@ from utils_server import assert_error
 from dvllm import DiffusionEngine, SamplingParams
 from dvllm.engine.async_engine import AsyncDiffusionEngine
 from dvllm.entrypoints.api_server import build_app
-from dvllm.entrypoints.logging_setup import setup_logging
+from dvllm.logging_setup import setup_logging
 from dvllm.lora.files import LoraFilePolicy, LoraPathError, locate_lora
 
 POLICY = LoraFilePolicy(max_mb=64.0)

@@ -13,8 +13,8 @@ import torch
 from utils_cli import expect_usage_error, no_model_load  # noqa: F401 (fixture)
 
 from dvllm import EngineConfig
+from dvllm.engine.start_checks import check_at_start
 from dvllm.models.single_file import header_shapes, load_vae
-from dvllm.models.start_checks import check_at_start
 
 MAX_DEFAULT_PIXELS = 16384 * 16384  # param_defaults.MAX_DEFAULT_PIXELS: with no max_image_pixels, the bound
 

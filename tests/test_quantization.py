@@ -14,11 +14,11 @@ import torch
 from lora_utils import make_lora
 
 from dvllm import AsyncDiffusionEngine, DiffusionEngine, EngineConfig, SamplingParams
+from dvllm.engine.start_checks import check_at_start
 from dvllm.models import quantization
 from dvllm.models.load_config import LoadConfig
 from dvllm.models.quantization import QuantizationSpec, parse_quantization
 from dvllm.models.single_file import load_component_file
-from dvllm.models.start_checks import check_at_start
 
 pytest.importorskip("torchao")
 PROMPTS = ["a red circle", "a blue square"]
@@ -87,7 +87,7 @@ def test_short_and_json_forms():
 def test_the_flag_takes_both_forms():
     import argparse
 
-    from dvllm.entrypoints.cli_args import add_engine_args, engine_kwargs
+    from dvllm.config_flags import add_engine_args, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

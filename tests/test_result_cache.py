@@ -12,8 +12,8 @@ from PIL import Image
 
 from dvllm import DiffusionEngine, SamplingParams
 from dvllm.config import EngineConfig
+from dvllm.config_flags import add_engine_args, engine_kwargs
 from dvllm.engine.result_cache import ResultCache, image_nbytes, result_key
-from dvllm.entrypoints.cli_args import add_engine_args, engine_kwargs
 
 IMAGE_BYTES = 16 * 16 * 3 * 4  # one 16x16 float32 RGB array
 

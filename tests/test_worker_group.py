@@ -156,7 +156,7 @@ def test_what_a_group_does_not_serve_is_refused(flux_path, sd3_path):
 def test_a_worker_that_fails_to_start_takes_its_group_down(flux_path, monkeypatch):
     """The members and the process group started before the failure go with the worker."""
     import dvllm.parallel.group as group_module
-    import dvllm.worker.worker as worker_module
+    import dvllm.executor.worker as worker_module
 
     groups = []
     real = group_module.WorkerGroup.__init__

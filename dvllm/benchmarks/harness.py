@@ -67,7 +67,7 @@ LIMITS = ("max_image_pixels", "max_inference_steps", "max_images_per_prompt", "m
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dvllm.entrypoints.cli_args import add_engine_args
+    from dvllm.config_flags import add_engine_args
 
     run = p.add_argument_group("workload")
     run.add_argument("--trace", help="A JSONL trace to replay (dvllm bench trace writes them).")
@@ -242,7 +242,7 @@ def random_loras(kwargs: dict[str, Any], names: list[str], rank: int, root: str)
 
     from dvllm.benchmarks.lora_adapters import make_adapter
     from dvllm.models.loader import load_adapter
-    from dvllm.worker.worker import resolve_device
+    from dvllm.executor.worker import resolve_device
 
     if not names:
         raise ValueError("--random-loras: the trace names no LoRA (generate a loras trace, or give --lora-modules)")
@@ -340,7 +340,7 @@ def expand_static(names: list[str], sizes: list[int]) -> dict[str, int]:
 
 async def run_async(args: argparse.Namespace) -> dict[str, Any]:
     from dvllm.engine.async_engine import AsyncDiffusionEngine
-    from dvllm.entrypoints.cli_args import engine_kwargs
+    from dvllm.config_flags import engine_kwargs
 
     if args.plot_dir:
         from dvllm.benchmarks.plot import pyplot

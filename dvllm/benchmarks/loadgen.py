@@ -39,7 +39,7 @@ UNOFFICIAL = ("unofficial: generated captions with COCO's lengths, no accuracy c
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dvllm.entrypoints.cli_args import add_engine_args
+    from dvllm.config_flags import add_engine_args
 
     run = p.add_argument_group("loadgen")
     run.add_argument("--scenario", default="Offline",
@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--steps and --num-samples must be at least 1")
     settings = scenario_settings(args)
     from dvllm.engine.async_engine import AsyncDiffusionEngine
-    from dvllm.entrypoints.cli_args import engine_kwargs
+    from dvllm.config_flags import engine_kwargs
 
     request = Request(args.size, args.steps, args.guidance, args.sampler, captions(args.num_samples, args.caption_seed))
     engine = AsyncDiffusionEngine(**engine_kwargs(args))

@@ -24,8 +24,8 @@ from dvllm.engine.core_loop import CoreLoop
 from dvllm.engine.engine import DiffusionEngine, StepStats
 from dvllm.engine.heartbeat import CoreHeartbeat
 from dvllm.engine.input_processor import InputProcessor
+from dvllm.engine.start_checks import check_at_start
 from dvllm.lora.registry import registry_for, require_registry
-from dvllm.models.start_checks import check_at_start
 from dvllm.outputs import RequestOutput
 from dvllm.sampling_params import SamplingParams
 

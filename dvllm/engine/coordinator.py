@@ -127,29 +127,38 @@ class Coordinator:
             raise QueueFullError(f"{self.num_waiting} requests are waiting (max_num_waiting); retry later")
         if not self.live():
             self._check_recoverable()
-        if self._place(request) is not None:  # some worker is alive or coming back, so it is placed
-            raise NoWorkerError("no worker can take the request")
+        if not self._place(request):
+            raise NoWorkerError(f"no worker can take the request: {self._why_unplaced(request)}")
 
-    def _place(self, request: Request, age: int = 0) -> RequestOutput | None:
-        """Queues `request` on the least loaded live worker it has not died on; else it waits for a
-        restart, or fails when no worker it could run on will come back."""
-        untried = [core for core in self.live() if core.index not in request.failed_workers]
+    def _untried(self, request: Request) -> list[EngineCore]:
+        """The live workers `request` has not died on."""
+        return [core for core in self.live() if core.index not in request.failed_workers]
+
+    def _place(self, request: Request) -> bool:
+        """Queues `request` on the least loaded live worker it has not died on and whose pool holds it, or keeps it
+        for a worker coming back; False when neither can be (_why_unplaced says why)."""
+        untried = self._untried(request)
         # a restarted worker may have profiled a smaller pool: only those it fits are candidates
         candidates = [core for core in untried if request.max_blocks <= core.scheduler.blocks.num_blocks]
-        if untried and not candidates:
-            return _fail(request, f"it needs {request.max_blocks} state-pool blocks and no live worker's pool "
-                                  "holds that many")
         if candidates:
             core = min(candidates, key=lambda c: (c.scheduler.num_rows_queued, -c.scheduler.blocks.num_free, c.index))
-            core.scheduler.add_request(request, age=age)
+            core.scheduler.add_request(request)
             self.home[request.request_id] = core
-            return None
-        if any(core.restarting and core.index not in request.failed_workers for core in self.cores):
+            return True
+        if not untried and any(core.restarting and core.index not in request.failed_workers for core in self.cores):
             self.orphans.append(request)
-            return None
-        workers = sorted(request.failed_workers)
-        return _fail(request, f"the request's worker died on every try (workers {workers}); no worker is left "
-                              "that it has not failed on")
+            return True
+        return False
+
+    def _why_unplaced(self, request: Request) -> str:
+        if self._untried(request):
+            return f"it needs {request.max_blocks} state-pool blocks and no live worker's pool holds that many"
+        return (f"the request's worker died on every try (workers {sorted(request.failed_workers)}); no worker is "
+                "left that it has not failed on")
+
+    def _place_or_fail(self, request: Request) -> list[RequestOutput]:
+        """[] when placed (or kept for a restart), else the request's failed output."""
+        return [] if self._place(request) else [_fail(request, self._why_unplaced(request))]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """The aborted request's final output; None when it is unknown."""
@@ -183,7 +192,7 @@ class Coordinator:
                 if not core.scheduler.can_admit(request, rows[request.shape_key], blocks, pixels):
                     return
                 age = donor.scheduler.take_waiting(request)
-                core.scheduler.add_request(request, age=age)
+                core.scheduler.add_request(request)
                 self.home[request.request_id] = core
                 rows[request.shape_key] += request.rows
                 blocks += request.max_blocks
@@ -200,9 +209,7 @@ class Coordinator:
         for request in requests:
             self.home.pop(request.request_id, None)
             request.failed_workers.add(core.index)
-            failed = self._place(request)
-            if failed is not None:
-                outputs.append(failed)
+            outputs += self._place_or_fail(request)
         return outputs
 
     def _restart(self, core: EngineCore) -> None:
@@ -235,7 +242,7 @@ class Coordinator:
         outputs: list[RequestOutput] = []
         if self.orphans and self.live():
             orphans, self.orphans = self.orphans, []
-            outputs += [out for r in orphans if (out := self._place(r)) is not None]
+            outputs += [out for r in orphans for out in self._place_or_fail(r)]
         if not self.orphans or self.live():
             self._no_worker_since = None
             return outputs

@@ -28,8 +28,8 @@ from typing import Any
 
 from dvllm.config import EngineConfig
 from dvllm.engine.lora_mirror import LoraMirror
-from dvllm.entrypoints.logging_setup import STARTUP_LOGGER
 from dvllm.fork_server import start_child
+from dvllm.logging_setup import STARTUP_LOGGER
 from dvllm.models.base import ModelInfo
 from dvllm.models.load_config import LoadedModel
 
@@ -166,7 +166,7 @@ def run_core(commands: Connection, reports: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from dvllm.engine.core_loop import CoreLoop, portable
     from dvllm.engine.engine import DiffusionEngine
-    from dvllm.entrypoints.logging_setup import child_library_logs, set_third_party_verbosity, setup_logging
+    from dvllm.logging_setup import child_library_logs, set_third_party_verbosity, setup_logging
 
     engine_args, log_level = pickle.loads(commands.recv_bytes())
     if log_level is not None:  # the server's dvllm logging, on the stderr the core shares with it

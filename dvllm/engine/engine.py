@@ -13,10 +13,10 @@ from dvllm.core.scheduler import Scheduler
 from dvllm.engine.coordinator import Coordinator
 from dvllm.engine.input_processor import InputProcessor
 from dvllm.engine.result_cache import CachedResult, ResultCache
-from dvllm.entrypoints.logging_setup import quiet_libraries
+from dvllm.engine.start_checks import check_at_start
 from dvllm.executor import create_executor
+from dvllm.logging_setup import quiet_libraries
 from dvllm.lora.registry import LoraRegistry, registry_for, require_registry
-from dvllm.models.start_checks import check_at_start
 from dvllm.outputs import RequestMetrics, RequestOutput
 from dvllm.profiler import PhaseTimer, breakdown
 from dvllm.sampling_params import SamplingParams

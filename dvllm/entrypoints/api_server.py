@@ -366,7 +366,7 @@ def run_server(args: argparse.Namespace, sock: socket.socket | None = None) -> N
     """Binds host:port unless given the socket bound (a taken port fails at once, not after the model
     loads), loads the model, serves (https with ssl_keyfile/ssl_certfile) until SIGTERM/SIGINT, drains,
     returns (so the process exits 0)."""
-    from dvllm.entrypoints.cli_args import engine_kwargs
+    from dvllm.config_flags import engine_kwargs
     from dvllm.entrypoints.server_socket import bind_socket
 
     log_level = getattr(args, "log_level", "info")
@@ -393,7 +393,7 @@ def run_server(args: argparse.Namespace, sock: socket.socket | None = None) -> N
 def _log_to_stderr(level: str) -> None:
     """uvicorn configures only its own loggers; dvllm's (drain, aborts, faults) need a handler too.
     Third-party start-up chatter (advice, loading bars) stays off unless the level is debug."""
-    from dvllm.entrypoints.logging_setup import setup_logging
+    from dvllm.logging_setup import setup_logging
 
     setup_logging(level)
 

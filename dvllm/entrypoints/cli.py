@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 import dvllm
 from dvllm.child_process import Terminated, terminate_on_sigterm
 from dvllm.config import EngineConfig
-from dvllm.entrypoints.cli_args import add_engine_args, engine_kwargs
+from dvllm.config_flags import add_engine_args, engine_kwargs
+from dvllm.engine.start_checks import check_at_start
 from dvllm.entrypoints.generate_jobs import Job, check_lora_names, process, read_jobs
 from dvllm.entrypoints.generate_output import MANIFEST, ImageWriter, OutputThread, image_paths
 from dvllm.entrypoints.generate_progress import StepProgress, run_requests, stop_on_sigint
-from dvllm.entrypoints.logging_setup import LOG_LEVELS, STARTUP_LOGGER, set_third_party_verbosity, setup_logging
 from dvllm.entrypoints.server_socket import bind_socket
+from dvllm.logging_setup import LOG_LEVELS, STARTUP_LOGGER, set_third_party_verbosity, setup_logging
 from dvllm.models.model_names import check_model_name, hub_offline
-from dvllm.models.start_checks import check_at_start
 from dvllm.outputs import RequestOutput
 from dvllm.sampler_names import SHORT_NAMES
 

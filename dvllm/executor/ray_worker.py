@@ -28,7 +28,7 @@ class RayWorkerWrapper:
         """Loads the model and the state pool; returns the pool's (blocks, elements per block)."""
         import torch
 
-        from dvllm.worker.worker import Worker, resolve_device
+        from dvllm.executor.worker import Worker, resolve_device
 
         if resolve_device(self.config.device).type == "cpu":  # as many torch threads as CPUs reserved
             torch.set_num_threads(max(1, int(self.config.worker_num_cpus)))

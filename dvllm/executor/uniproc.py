@@ -8,8 +8,8 @@ from typing import Any
 from dvllm.config import EngineConfig
 from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
 from dvllm.executor.base import Executor, WorkerDied
+from dvllm.executor.worker import Worker
 from dvllm.executor.worker_thread import WorkerThread
-from dvllm.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):

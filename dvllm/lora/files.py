@@ -19,6 +19,7 @@ import stat
 import struct
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 SAFETENSORS, PICKLE = ".safetensors", ".bin"
 DIFFUSERS_WEIGHT_NAMES = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights.bin")
@@ -58,6 +59,11 @@ class LoraFilePolicy:
     max_mb: float
     allow_bin: bool = False
     allow_hub_ids: bool = False
+
+    @classmethod
+    def of(cls, config: Any) -> LoraFilePolicy:
+        """The policy an EngineConfig sets."""
+        return cls(config.max_lora_file_mb, config.allow_lora_bin, config.allow_lora_hub_ids)
 
     @property
     def max_bytes(self) -> int:
@@ -245,3 +251,15 @@ def _download(repo_id: str, policy: LoraFilePolicy) -> str:
         raise
     except Exception as e:  # offline, no such repo, gated...
         raise LoraPathError(repo_id, f"cannot be fetched from the Hub ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def check_lora_modules(config: Any) -> None:
+    """Each of an EngineConfig's --lora-modules names and paths, as a load would check them: before the model
+    loads, not after."""
+    policy = LoraFilePolicy.of(config)
+    for name, path in config.lora_modules.items():
+        try:
+            check_lora_name(name)
+            locate_lora(path, policy)
+        except ValueError as e:
+            raise ValueError(f"lora_modules: {name}={path}: {e}") from None

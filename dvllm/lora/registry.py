@@ -130,4 +130,4 @@ def registry_for(config: Any, served_name: str) -> LoraRegistry | None:
     if not config.enable_lora:
         return None
     return LoraRegistry(config.model, served_name, config.max_lora_rank, config.cpu_lora_cache_size,
-                        config.lora_file_policy, LoadConfig.of(config))
+                        LoraFilePolicy.of(config), LoadConfig.of(config))

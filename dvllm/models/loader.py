@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from dvllm.entrypoints.logging_setup import STARTUP_LOGGER
+from dvllm.logging_setup import STARTUP_LOGGER
 from dvllm.models.attention_backend import set_attention_backend
 from dvllm.models.base import ModelAdapter
 from dvllm.models.byte_tokenizer import (

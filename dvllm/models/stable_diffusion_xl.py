@@ -10,7 +10,7 @@ from dvllm.models.base import Conditions
 from dvllm.models.layout import BatchLayout
 from dvllm.models.model_info import ModelInfo
 from dvllm.models.stable_diffusion import StableDiffusionAdapter
-from dvllm.sampling_params import AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE
+from dvllm.param_defaults import AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE
 
 
 class StableDiffusionXLAdapter(StableDiffusionAdapter):

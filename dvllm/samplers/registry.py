@@ -5,7 +5,7 @@ from typing import Any
 
 from diffusers import SchedulerMixin
 
-from dvllm.entrypoints.logging_setup import quiet_libraries
+from dvllm.logging_setup import quiet_libraries
 from dvllm.sampler_names import SHORT_NAMES, scheduler_class
 
 __all__ = ["SHORT_NAMES", "make_scheduler", "scheduler_class"]

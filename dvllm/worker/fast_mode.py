@@ -19,9 +19,9 @@ import logging
 import torch
 
 from dvllm.config import EngineConfig
-from dvllm.entrypoints.logging_setup import STARTUP_LOGGER
-from dvllm.models.base import ModelAdapter, denoiser_component, denoiser_of
+from dvllm.logging_setup import STARTUP_LOGGER
 from dvllm.models.attention_backend import installed_backends, set_attention_backend
+from dvllm.models.base import ModelAdapter, denoiser_component, denoiser_of
 from dvllm.worker.regional_compile import repeated_block_names
 
 startup = logging.getLogger(STARTUP_LOGGER)  # shown by the CLI at its default levels, as the model's loading

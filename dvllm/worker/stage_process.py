@@ -29,8 +29,8 @@ from typing import Any, Callable
 import torch
 
 from dvllm.config import STAGE_CALL_TIMEOUT_S, STAGE_START_TIMEOUT_S
-from dvllm.entrypoints.logging_setup import child_library_logs, set_third_party_verbosity
 from dvllm.fork_server import Child, start_child
+from dvllm.logging_setup import child_library_logs, set_third_party_verbosity
 
 logger = logging.getLogger(__name__)
 

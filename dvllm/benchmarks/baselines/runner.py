@@ -28,10 +28,10 @@ import torch
 
 from dvllm.benchmarks.baselines.pipeline_options import diffusers_cache, diffusers_cache_unsupported, use_loras
 from dvllm.config import EngineConfig
+from dvllm.executor.worker import resolve_device
 from dvllm.models.loader import load_adapter
 from dvllm.samplers import build_plan, make_scheduler
 from dvllm.sampling_params import SamplingParams
-from dvllm.worker.worker import resolve_device
 
 
 @dataclass
