@@ -251,10 +251,10 @@ def test_a_request_sharing_an_entry_whose_refill_failed_fails_instead_of_reading
     engine.add_request("B", "a shared prompt", P(seed=6, guidance_scale=1.0, num_inference_steps=3, priority=5))
     real_swap_in = runner._swap_in
 
-    def swap_in(group):
+    def swap_in(work, group):
         if group[0].request_id == "A":
             raise RuntimeError("host copy lost")
-        return real_swap_in(group)
+        return real_swap_in(work, group)
 
     monkeypatch.setattr(runner, "_swap_in", swap_in)
     outs = {}

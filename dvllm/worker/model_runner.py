@@ -1,8 +1,9 @@
-"""One engine iteration on the worker, named after the steps of a diffusers pipeline:
-encode prompts, prepare latents, denoise, decode. All request state lives in the pool.
+"""One engine iteration on the worker, as the numbered stages of a diffusers pipeline it runs (_stage_list):
+encode prompts, prepare latents, denoise, decode, each a function of the step's diff (step_work.StepWork). All
+request state lives in the pool.
 
-A failure is pinned on the request that caused it: a batched call that raises is
-retried request by request, and only the requests that still fail are dropped.
+A failure is pinned on the request that caused it: a stage's batched call that raises is retried request by
+request, and only the requests that still fail are dropped (step_work.run_stages, for every stage alike).
 """
 from __future__ import annotations
 
@@ -18,11 +19,10 @@ from dvllm.core.stage_stats import StageStats
 from dvllm.models.base import ModelAdapter
 from dvllm.profiler import PhaseTimer
 from dvllm.worker.decode_stage import DecodeJob, DecodeStage
-from dvllm.worker.denoise_batch import StepParts, StepResult, denoise_step
+from dvllm.worker.denoise_batch import StepParts, denoise_step
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage, start_key
 from dvllm.worker.lora_layers import LoraLayers
-from dvllm.worker.per_request import per_request
 from dvllm.worker.prompt_writer import PromptWriter
 from dvllm.worker.request_state import RequestState, row_bounds
 from dvllm.worker.row_scope import RowScope
@@ -30,6 +30,7 @@ from dvllm.worker.start_latents import Start, make_start
 from dvllm.worker.state_pool import StatePool
 from dvllm.worker.step_cache_hooks import CacheHooks
 from dvllm.worker.step_cache_state import CacheState
+from dvllm.worker.step_work import Stage, StepWork, run_stages
 from dvllm.worker.vae_calls import decode_by_request
 
 logger = logging.getLogger(__name__)
@@ -76,87 +77,119 @@ class ModelRunner:
         return self._cache_hooks is not None and self._cache_hooks.current is not None
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        errors: dict[str, str] = {}
-        stages = StageStats()
-        if self.encode_stage is not None:  # first: what admission below takes may have been sent long ago
-            self.encode_stage.drop(out.encode_drops)
-            self.encode_stage.submit(out.encode_jobs, out.encode_images, out.encode_starts)
-        for request_id in out.freed_ids:
+        work = StepWork(out)
+        run_stages(self._stage_list(), work, self.timer)  # (made per step: a test may replace a stage's method)
+        return work.output(self.stage_processes())
+
+    def _stage_list(self) -> tuple[Stage, ...]:
+        """The iteration's stages, in the order a diffusers pipeline runs them, each a function of the step's diff
+        (StepWork). A stage with `items` runs on those requests, retried one by one when the group fails."""
+        return (
+            # 0. the encode stage's jobs first: what admission below takes may have been sent long ago
+            Stage("encode submission", self._submit_encodes),
+            # 1. what the scheduler freed; adapters into the slots it chose
+            Stage("freeing", self._free),
+            Stage("LoRA loading", self._load_loras),
+            # 2. preempted state leaves the pool before anyone writes into the blocks it frees
+            Stage("swap-out", self._swap_out, items=self._preempted, alone=True),
+            # 3. encode prompts (one text-encoder call for all cache misses), prepare latents, swap in
+            Stage("prompt encoding", self._encode_prompts, phase="encode", timed="encode"),
+            Stage("latent preparation", self._prepare_latents, items=lambda work: work.ready, phase="encode",
+                  timed="encode"),
+            Stage("swap-in", self._swap_in, items=lambda work: work.out.resumed_requests, alone=True,
+                  phase="encode", timed="encode"),
+            Stage("admission", self._admitted, phase="encode", timed="encode"),
+            # 4. denoise: one forward over the batch, each row's sampler update fused into the pool write
+            Stage("batching", self._batch),
+            Stage("denoise", self._denoise, items=lambda work: work.batch, checkpoint=_rng_checkpoint,
+                  timed="denoise"),
+            # 5. decode the requests that took their last step (the decode stage takes what it has room for)
+            Stage("hand-over", self._hand_over, phase="decode", timed="decode"),
+            Stage("decode", self._decode, items=lambda work: [s for s in work.finished if s.request_id not in
+                                                                work.decoding], phase="decode", timed="decode"),
+            Stage("preview decoding", self._decode_previews, phase="decode", timed="decode"),
+            Stage("finishing", self._finish),
+            # 6. what the stages finished meanwhile
+            Stage("collection", self._collect),
+        )
+
+    def _submit_encodes(self, work: StepWork) -> None:
+        if self.encode_stage is not None:
+            self.encode_stage.drop(work.out.encode_drops)
+            self.encode_stage.submit(work.out.encode_jobs, work.out.encode_images, work.out.encode_starts)
+
+    def _free(self, work: StepWork) -> None:
+        for request_id in work.out.freed_ids:
             self.states.pop(request_id, None)
-        if self.decode_stage is not None and out.freed_ids:
-            self.decode_stage.drop(set(out.freed_ids))
-        failed_loras = self._load_loras(out.lora_loads)
-        # Preempted state leaves the pool before anyone writes into the blocks it frees.
-        for request_id in out.preempted_ids:
-            if request_id in self.states:
-                per_request([self.states[request_id]], lambda group: self._swap_out(group[0]), errors, "swap-out")
-        loaded = {weights.uid for _, weights in out.lora_loads}
+        if self.decode_stage is not None and work.out.freed_ids:
+            self.decode_stage.drop(set(work.out.freed_ids))
+
+    def _load_loras(self, work: StepWork) -> None:
+        """Copies adapters into their slots. A load that fails fails the new and resumed requests that use it,
+        and, with async scheduling, those the driver admitted before it heard of the failure (the last step's)."""
+        loaded = {weights.uid for _, weights in work.out.lora_loads}
         carried = {uid: v for uid, v in self._last_failed_loras.items() if uid not in loaded}
-        self._last_failed_loras = failed_loras
-        with self.timer.phase("encode"), stages.timing("encode"):
-            unwritten = _fail_lora_users(out, self.states, {**carried, **failed_loras}, errors)
-            unwritten.update(self._add_requests([d for d in out.new_requests if d.request_id not in errors], errors))
-            for resumed in out.resumed_requests:
-                if resumed.request_id in errors:
-                    continue
-                per_request([resumed], self._swap_in, errors, "swap-in")
-                if resumed.request_id in errors:  # it was to refill shared entries: they hold nothing
-                    unwritten.update(dict.fromkeys(_written_conditions(resumed.blocks), errors[resumed.request_id]))
-            admitted = [*out.new_requests, *out.resumed_requests]
-            written = {b for d in admitted for b in _written_conditions(d.blocks)}
-            stale = {b: why for b, why in self._last_unwritten.items() if b not in written}
-            _fail_readers(admitted, {**stale, **unwritten}, errors)
-            self._last_unwritten = unwritten
-        stages.add("encode", 0.0, len(out.new_requests))
-        batch = []
-        for request_id, step in zip(out.scheduled_ids, out.step_indices):  # the scheduler counts the steps
-            if request_id in self.states and request_id not in errors:
+        for slot, weights in work.out.lora_loads:
+            try:
+                self.lora.load(slot, weights)
+                if self.group is not None:  # the group's members hold the same slots
+                    self.group.load_lora(slot, weights)
+            except Exception as e:
+                logger.exception("LoRA adapter %r could not be loaded into slot %d", weights.name, slot)
+                self.lora.evict(slot)
+                if self.group is not None:
+                    self.group.lora_slots.pop(slot, None)
+                work.failed_loras[weights.uid] = (slot, f"LoRA adapter {weights.name!r} could not be loaded on the "
+                                                        f"worker: {type(e).__name__}: {e}")
+        self._last_failed_loras = work.failed_loras
+        work.unwritten = _fail_lora_users(work.out, self.states, {**carried, **work.failed_loras}, work.errors)
+
+    def _preempted(self, work: StepWork) -> list[RequestState]:
+        return [self.states[request_id] for request_id in work.out.preempted_ids if request_id in self.states]
+
+    def _batch(self, work: StepWork) -> None:
+        """The requests this step denoises, each at the step the scheduler counted for it."""
+        for request_id, step in zip(work.out.scheduled_ids, work.out.step_indices):
+            if request_id in self.states and request_id not in work.errors:
                 self.states[request_id].step = step
-                batch.append(self.states[request_id])
-        step = StepResult()
-        if batch:
+                work.batch.append(self.states[request_id])
+        if work.batch:
+            work.stats.add("denoise", 0.0, work.out.num_rows)
             if self.group is not None:
-                self.group.choose_split(out.num_rows)
-            parts = StepParts(self.adapter, self.denoiser, self.pool, self.timer, self.lora,
-                              self.cache_hooks if any(s.cache is not None for s in batch) else None)
-            with stages.timing("denoise"):
-                per_request(batch, lambda group: step.merge(denoise_step(parts, group)), errors, "denoise",
-                             checkpoint=_rng_checkpoint)
-            stages.add("denoise", 0.0, out.num_rows)
-            errors.update(step.errors)
-        x0, cached = step.previews, step.cached
-        finishing = set(out.finishing_ids)
-        finished = [s for s in batch if s.request_id in finishing and s.request_id not in errors]
-        with self.timer.phase("decode"), stages.timing("decode"):
-            x0 = {k: v for k, v in x0.items() if k not in errors}
-            decoding = self._hand_over(finished, x0)
-            images = self._decode([s for s in finished if s.request_id not in decoding], errors)
-            previews = self._decode_previews(x0)  # those the stage had no room for
-        stages.add("decode", 0.0, sum(map(len, images.values())) + sum(map(len, previews.values())))
-        preview_steps = {request_id: self.states[request_id].step + 1 for request_id in previews}
-        for request_id in [*images, *errors, *decoding]:
+                self.group.choose_split(work.out.num_rows)
+
+    def _denoise(self, work: StepWork, group: list[RequestState]) -> None:
+        parts = StepParts(self.adapter, self.denoiser, self.pool, self.timer, self.lora,
+                          self.cache_hooks if any(s.cache is not None for s in group) else None)
+        result = denoise_step(parts, group)
+        work.errors.update(result.errors)
+        work.x0.update(result.previews)
+        work.cached.update(result.cached)
+
+    def _finish(self, work: StepWork) -> None:
+        """The step's decode counted; the states of requests that are done (or failed) forgotten."""
+        images, previews = work.images, work.previews
+        work.stats.add("decode", 0.0, sum(map(len, images.values())) + sum(map(len, previews.values())))
+        work.preview_steps = {request_id: self.states[request_id].step + 1 for request_id in previews}
+        for request_id in [*images, *work.errors, *work.decoding]:
             self.states.pop(request_id, None)
-        if self.decode_stage is not None:  # what the stage finished meanwhile (waiting when there is nothing else)
+
+    def _collect(self, work: StepWork) -> None:
+        """What the stages finished meanwhile (waiting a little when requests wait for it and there is nothing
+        else to do)."""
+        out = work.out
+        if self.decode_stage is not None:
             with self.timer.phase("decode"):
                 done = self.decode_stage.collect(timeout=_AWAIT_STAGE_S if out.await_decodes else 0.0)
-            images.update(done.images)
-            errors.update(done.errors)
-            previews.update(done.previews)
-            preview_steps.update(done.preview_steps)
-            stages.add("decode_stage", done.seconds, done.num_images)
-        cached = {k: v for k, v in cached.items() if k not in errors}
-        encoded = None
-        if self.encode_stage is not None:  # (waiting when requests wait for it and there is nothing else)
-            encoded = self.encode_stage.collect(timeout=_AWAIT_STAGE_S if out.await_encodes else 0.0)
-            stages.add("encode_stage", encoded.seconds, encoded.num_texts)
-        self._report_restarts(stages)
-        return RunnerOutput(images=images, errors=errors, previews=previews, preview_steps=preview_steps,
-                            encoded=encoded.ready if encoded else [], encode_errors=encoded.errors if encoded else {},
-                            decoding_ids=sorted(decoding),
-                            failed_lora_slots=[slot for slot, _ in failed_loras.values()],
-                            cached_ids=[k for k, (step_cached, _, _) in cached.items() if step_cached],
-                            cache_rows=(sum(v[1] for v in cached.values()), sum(v[2] for v in cached.values())),
-                            stages=stages, stage_processes=self.stage_processes())
+            work.images.update(done.images)
+            work.errors.update(done.errors)
+            work.previews.update(done.previews)
+            work.preview_steps.update(done.preview_steps)
+            work.stats.add("decode_stage", done.seconds, done.num_images)
+        if self.encode_stage is not None:
+            work.encoded = self.encode_stage.collect(timeout=_AWAIT_STAGE_S if out.await_encodes else 0.0)
+            work.stats.add("encode_stage", work.encoded.seconds, work.encoded.num_texts)
+        self._report_restarts(work.stats)
 
     def _report_restarts(self, stages: StageStats) -> None:
         """The stages' threads and processes, and the group's members, restarted since the last step's report (and
@@ -189,60 +222,59 @@ class ModelRunner:
                 into[part] = count - last
                 self._reported[prefix + part] = count
 
-    def _load_loras(self, loads: list[tuple[int, Any]]) -> dict[int, tuple[int, str]]:
-        """Copies adapters into their slots; returns the load ids that failed -> (their slot, left empty; why)."""
-        failed: dict[int, tuple[int, str]] = {}
-        for slot, weights in loads:
-            try:
-                self.lora.load(slot, weights)
-                if self.group is not None:  # the group's members hold the same slots
-                    self.group.load_lora(slot, weights)
-            except Exception as e:
-                logger.exception("LoRA adapter %r could not be loaded into slot %d", weights.name, slot)
-                self.lora.evict(slot)
-                if self.group is not None:
-                    self.group.lora_slots.pop(slot, None)
-                failed[weights.uid] = (slot, f"LoRA adapter {weights.name!r} could not be loaded on the worker: "
-                                             f"{type(e).__name__}: {e}")
-        return failed
-
-    # 1-2. encode prompts (one text-encoder call for all cache misses), prepare latents
-    def _add_requests(self, new: list[NewRequestData], errors: dict[str, str]) -> dict[tuple[int, ...], str]:
-        """Encodes and seeds the new requests; returns the condition blocks left unwritten (-> why)."""
-        if not new:
-            return {}
-        failed = self.prompts.write(new)
-        ready = []
-        for d in new:
-            # a request fails with the embedding it reads, whoever was to write it
+    # 3. encode prompts (one text-encoder call for all cache misses), prepare latents
+    def _encode_prompts(self, work: StepWork) -> None:
+        """Writes the new requests' prompt embeddings; a request fails with the embedding it reads, whoever was
+        to write it."""
+        work.admitting = work.live(work.out.new_requests, lambda d: d.request_id)
+        work.stats.add("encode", 0.0, len(work.out.new_requests))
+        if not work.admitting:
+            return
+        failed = self.prompts.write(work.admitting)
+        for d in work.admitting:
             needed = {tuple(d.blocks.cond)} | ({tuple(d.blocks.uncond)} if d.cfg else set())
             bad = needed & failed.keys()
             if bad:
-                errors[d.request_id] = failed[next(iter(bad))]
+                work.errors[d.request_id] = failed[next(iter(bad))]
             else:
-                ready.append(d)
+                work.ready.append(d)
+        work.unwritten.update(failed)
 
-        def prepare(group: list[NewRequestData]) -> None:
-            for d in group:  # new requests may differ in size: one write each
-                start = self._started_ahead(d) or make_start(self.adapter, d.start_job())
-                x, generator = start.latents, start.generator
-                if start.inputs is not None:
-                    self.pool.write(d.blocks.inputs, start.inputs.reshape(d.n, -1))
-                self.pool.write(d.blocks.latents, x.reshape(d.n, -1))
-                if d.blocks.history:  # multistep history starts at zero (its first step reads it with weight 0)
-                    self.pool.write(d.blocks.history, self.pool.data.new_zeros(d.n, x[0].numel()))
-                self.states[d.request_id] = RequestState(
-                    data=d, generator=generator, blocks=d.blocks,
-                    fallback=None if d.plan.vectorized else d.plan.new_fallback_scheduler(),
-                    cache=None if d.cache is None else CacheState.sized(d.cache, self.adapter.info.cache_layout, d),
-                )
+    def _prepare_latents(self, work: StepWork, group: list[NewRequestData]) -> None:
+        """Seeds each new request's latents as its pipeline does (new requests may differ in size: one write
+        each), and makes its state."""
+        for d in group:
+            start = self._started_ahead(d) or make_start(self.adapter, d.start_job())
+            x, generator = start.latents, start.generator
+            if start.inputs is not None:
+                self.pool.write(d.blocks.inputs, start.inputs.reshape(d.n, -1))
+            self.pool.write(d.blocks.latents, x.reshape(d.n, -1))
+            if d.blocks.history:  # multistep history starts at zero (its first step reads it with weight 0)
+                self.pool.write(d.blocks.history, self.pool.data.new_zeros(d.n, x[0].numel()))
+            self.states[d.request_id] = RequestState(
+                data=d, generator=generator, blocks=d.blocks,
+                fallback=None if d.plan.vectorized else d.plan.new_fallback_scheduler(),
+                cache=None if d.cache is None else CacheState.sized(d.cache, self.adapter.info.cache_layout, d),
+            )
 
-        if ready:
-            per_request(ready, prepare, errors, "latent preparation", key=lambda d: d.request_id)
-            self.prompts.read_text_lengths([self.states[d.request_id] for d in ready if d.request_id in self.states])
-        if self.encode_stage is not None:  # starts made ahead for requests that failed before theirs was taken
-            self.encode_stage.drop([start_key(d.request_id) for d in new])
-        return failed
+    def _admitted(self, work: StepWork) -> None:
+        """After admission: the prepared requests' text lengths read; the starts made ahead for requests that
+        failed before theirs was taken dropped; and requests that read a prompt-cache entry another one was to
+        fill and did not (this step's or, with async scheduling, the last step's) failed too."""
+        out, errors = work.out, work.errors
+        prepared = [self.states[d.request_id] for d in work.ready if d.request_id in self.states]
+        if prepared:
+            self.prompts.read_text_lengths(prepared)
+        if self.encode_stage is not None and work.admitting:
+            self.encode_stage.drop([start_key(d.request_id) for d in work.admitting])
+        for resumed in out.resumed_requests:  # a failed swap-in was to refill shared entries: they hold nothing
+            if resumed.request_id in errors:
+                work.unwritten.update(dict.fromkeys(_written_conditions(resumed.blocks), errors[resumed.request_id]))
+        admitted = [*out.new_requests, *out.resumed_requests]
+        written = {b for d in admitted for b in _written_conditions(d.blocks)}
+        stale = {b: why for b, why in self._last_unwritten.items() if b not in written}
+        _fail_readers(admitted, {**stale, **work.unwritten}, errors)
+        self._last_unwritten = work.unwritten
 
     def _started_ahead(self, d: NewRequestData) -> Start | None:
         """The start the encode stage made for the request (one with input images), if it holds one."""
@@ -251,7 +283,8 @@ class ModelRunner:
         return self.encode_stage.take(start_key(d.request_id))
 
     # preemption: the request's pool contents go to host memory and come back unchanged
-    def _swap_out(self, state: RequestState) -> None:
+    def _swap_out(self, work: StepWork, group: list[RequestState]) -> None:
+        (state,) = group
         blocks, pool = state.blocks, self.pool
         numel = self.adapter.info.latents.numel(*state.data.size)
         host = {"latents": pool.read(blocks.latents, numel)}
@@ -267,7 +300,7 @@ class ModelRunner:
         state.host = {k: v.to("cpu") for k, v in host.items()}
         state.blocks = None
 
-    def _swap_in(self, group: list[ResumedRequestData]) -> None:
+    def _swap_in(self, work: StepWork, group: list[ResumedRequestData]) -> None:
         (resumed,) = group
         state, blocks = self.states[resumed.request_id], resumed.blocks
         host = {k: v.to(self.pool.device) for k, v in state.host.items()}
@@ -284,7 +317,16 @@ class ModelRunner:
             self.pool.write([blocks.uncond], host["uncond"])
         state.blocks, state.host = blocks, None
 
-    def _hand_over(self, finished: list[RequestState], x0: dict[str, torch.Tensor]) -> set[str]:
+    # 5. decode
+    def _hand_over(self, work: StepWork) -> None:
+        """The requests that took their last step, and the x0 estimates of those due for a preview; the decode
+        stage gets what it has room for (the finished ones `work.decoding`)."""
+        finishing = set(work.out.finishing_ids)
+        work.finished = [s for s in work.batch if s.request_id in finishing and s.request_id not in work.errors]
+        work.x0 = {k: v for k, v in work.x0.items() if k not in work.errors}
+        work.decoding = self._give_stage(work.finished, work.x0)
+
+    def _give_stage(self, finished: list[RequestState], x0: dict[str, torch.Tensor]) -> set[str]:
         """Gives the decode stage what it has room for: the previews' x0 estimates (taken out of `x0`) and the
         finished requests' latents (read out of the pool in one gather, so their blocks can be reused at once).
         Returns the finished requests it took; the others (and latent outputs, which need no decode) the loop
@@ -324,9 +366,12 @@ class ModelRunner:
             return decode_by_request(lambda part: self.adapter.decode(part, size), latents, counts,
                                      self.max_decode_batch)
 
-    def _decode_previews(self, x0: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
-        """Partial images: x0 estimates through the VAE, each request's apart. A failed preview is skipped, not
-        fatal."""
+    def _decode_previews(self, work: StepWork) -> None:
+        """Partial images: x0 estimates through the VAE (those the decode stage had no room for), each request's
+        apart. A failed preview is skipped, not fatal."""
+        work.previews = self._preview_images(work.x0)
+
+    def _preview_images(self, x0: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
         if not x0:
             return {}
         try:
@@ -343,31 +388,22 @@ class ModelRunner:
             lo += len(latents)
         return previews
 
-    # 4. decode the requests that took their last step (each in VAE calls of its own), convert to the output type
-    def _decode(self, finished: list[RequestState], errors: dict[str, str]) -> dict[str, list[Any]]:
-        images: dict[str, list[Any]] = {}
-        if not finished:
-            return images
-        info = self.adapter.info
-        shape = info.latents.shape(*finished[0].data.size)
-
-        def decode(group: list[RequestState]) -> None:
-            latents = self.pool.read([r for s in group for r in s.blocks.latents], math.prod(shape))
-            latents = latents.view(-1, *shape)
-            bounds = row_bounds(group)
-            pixels = [latents[lo:hi] for s, (lo, hi) in zip(group, bounds) if s.data.output_type != "latent"]
-            size = group[0].data.size
-            decoded = self.decode_requests(torch.cat(pixels), [len(p) for p in pixels], size) if pixels else None
-            lo_img = 0
-            for s, (lo, hi) in zip(group, bounds):
-                if s.data.output_type == "latent":
-                    images[s.request_id] = [x.cpu() for x in latents[lo:hi]]
-                else:
-                    images[s.request_id] = to_output_type(decoded[lo_img:lo_img + s.n], s.data.output_type)
-                    lo_img += s.n
-
-        per_request(finished, decode, errors, "decode")
-        return images
+    def _decode(self, work: StepWork, group: list[RequestState]) -> None:
+        """The finished requests' images, each request's in VAE calls of its own, in its output type."""
+        shape = self.adapter.info.latents.shape(*group[0].data.size)  # one forward's finishers: one size
+        latents = self.pool.read([r for s in group for r in s.blocks.latents], math.prod(shape))
+        latents = latents.view(-1, *shape)
+        bounds = row_bounds(group)
+        pixels = [latents[lo:hi] for s, (lo, hi) in zip(group, bounds) if s.data.output_type != "latent"]
+        size = group[0].data.size
+        decoded = self.decode_requests(torch.cat(pixels), [len(p) for p in pixels], size) if pixels else None
+        lo_img = 0
+        for s, (lo, hi) in zip(group, bounds):
+            if s.data.output_type == "latent":
+                work.images[s.request_id] = [x.cpu() for x in latents[lo:hi]]
+            else:
+                work.images[s.request_id] = to_output_type(decoded[lo_img:lo_img + s.n], s.data.output_type)
+                lo_img += s.n
 
 
 def _fail_lora_users(out: SchedulerOutput, states: dict[str, RequestState], failed: dict[int, tuple[int, str]],
