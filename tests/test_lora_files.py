@@ -68,7 +68,7 @@ def sparse_file(path, size: int, head: bytes = b"") -> str:
 def test_a_large_file_that_is_no_lora_is_refused_from_its_header(tmp_path, engine, monkeypatch):
     """A 1-3 GB sparse file went through diffusers' fallback, which reads a file as text (+2x its size in RSS).
     Now its first 8 bytes refuse it, or its size does, and diffusers never sees it."""
-    monkeypatch.setattr("dvllm.lora.registry.read_lora", lambda *a: pytest.fail("diffusers read the file"))
+    monkeypatch.setattr("dvllm.lora.reader.read_lora", lambda *a: pytest.fail("diffusers read the file"))
     junk = sparse_file(tmp_path / "junk.safetensors", 1 << 30, b"\xff" * 8)
     with pytest.raises(LoraPathError, match="not a safetensors file: its header length"):
         engine.load_lora("junk", junk)
@@ -182,9 +182,9 @@ def test_a_reread_checks_the_file_is_the_one_loaded(tmp_path, engine, adapters):
 # -- reads do not wait on each other ---------------------------------------------------------------------
 
 def test_a_slow_read_does_not_hold_up_another_load(engine, adapters, monkeypatch):
-    import dvllm.lora.registry as registry
+    import dvllm.lora.reader as reader
 
-    real_read, reading, release = registry.read_lora, threading.Event(), threading.Event()
+    real_read, reading, release = reader.read_lora, threading.Event(), threading.Event()
 
     def read(skeleton, name, *args):
         if name == "slow":
@@ -192,7 +192,7 @@ def test_a_slow_read_does_not_hold_up_another_load(engine, adapters, monkeypatch
             assert release.wait(120), "the test never released the slow read"
         return real_read(skeleton, name, *args)
 
-    monkeypatch.setattr(registry, "read_lora", read)
+    monkeypatch.setattr(reader, "read_lora", read)
     with ThreadPoolExecutor(1) as pool:
         slow = pool.submit(engine.load_lora, "slow", adapters["a"])
         try:
