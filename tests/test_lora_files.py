@@ -162,13 +162,13 @@ def test_hub_ids_when_allowed_are_fetched_once_then_local(tmp_path, adapters, mo
 
 @pytest.mark.slow
 def test_a_reread_checks_the_file_is_the_one_loaded(tmp_path, engine, adapters):
-    """max_cpu_loras=1: loading b evicts a, so a request for a reads a's file again. A file modified or deleted
-    since it was loaded fails the requests that need it, naming why (it is never looked up on the Hub)."""
+    """Admission checks that an adapter's file is the one loaded: a file modified or deleted since the load fails
+    the requests that name it, naming why (it is never looked up on the Hub)."""
     copy = shutil.copytree(adapters["a"], tmp_path / "a")
     engine.load_lora("a", str(copy))
-    engine.load_lora("b", adapters["b"])  # evicts a from the host cache
+    engine.load_lora("b", adapters["b"])
     assert engine.generate("x", SamplingParams(**REQUEST, loras={"a": 1.0}), use_tqdm=False)[0].error is None
-    engine.load_lora("b2", adapters["b"])  # evicts a again
+    engine.load_lora("b2", adapters["b"])
     tensors = tensors_of(str(copy))
     save_file({k: v * 2 for k, v in tensors.items()}, str(copy / WEIGHTS))
     with pytest.raises(ValueError, match="loras: LoRA adapter 'a': its file changed since it was loaded"):
