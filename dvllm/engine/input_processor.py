@@ -79,7 +79,8 @@ class InputProcessor:
         # Only a seed the user chose can repeat: a drawn one would never hit, so it is not stored either.
         if self.config.result_cache_mb and params is not None and params.seed is not None:
             request.result_key = result_key(
-                self.model_key, prompt, resolved, request.lora_load_ids, request.image_key or image_digest(resolved.image),
+                self.model_key, prompt, resolved, request.lora_load_ids,
+                request.image_key or image_digest(resolved.image),
                 None if resolved.mask_image is None else image_digest(resolved.mask_image))
         return request
 
