@@ -186,37 +186,6 @@ def test_dvllm_serve_runs_its_core_apart_and_answers_503_when_it_dies(sd_eps_pat
         assert server.proc.poll() is None  # the server stays up to say so
 
 
-def test_adapters_cross_the_pipe_once_while_the_core_holds_them():
-    """Both ends' tables follow the same sends; a reference always names weights the core holds."""
-    import pickle
-    from types import SimpleNamespace
-
-    from dvllm.engine.lora_mirror import LoraMirror, LoraRef
-    from dvllm.lora.weights import LoraWeights
-
-    a, b, c = (LoraWeights(name, uid, f"/{name}", 4, {"unet": {}}) for uid, name in enumerate("abc", 1))
-    server, core = LoraMirror(2), LoraMirror(2)
-
-    def send(*adapters):
-        request = SimpleNamespace(loras=tuple((w, 0.5) for w in adapters))
-        sent = server.outgoing(request)
-        assert [w for w, _ in request.loras] == list(adapters)  # the server's request is left as it was
-        wire = [type(w).__name__ for w, _ in sent.loras]
-        got = core.incoming(pickle.loads(pickle.dumps(sent)))
-        assert [(w.uid, x) for w, x in got.loras] == [(w.uid, 0.5) for w in adapters]
-        return wire
-
-    assert send(a) == ["LoraWeights"]
-    assert send(a) == ["LoraRef"]
-    assert send(b, a) == ["LoraWeights", "LoraRef"]
-    assert send(c) == ["LoraWeights"]         # a was used more recently than b: b leaves both tables
-    assert send(b, a) == ["LoraWeights", "LoraWeights"]  # b in pushed a out: both ends sent and took it again
-    assert send(a, b) == ["LoraRef", "LoraRef"]
-    assert send(c) == ["LoraWeights"]
-    assert len(server) == len(core) == 2
-    assert LoraRef(1) == LoraRef(1)
-
-
 @pytest.mark.slow
 def test_a_server_killed_outright_takes_its_core_with_it(sd_eps_path):
     """No orphaned core holding a GPU: its end of the pipe closes with the server, and it leaves."""

@@ -68,7 +68,7 @@ def sparse_file(path, size: int, head: bytes = b"") -> str:
 def test_a_large_file_that_is_no_lora_is_refused_from_its_header(tmp_path, engine, monkeypatch):
     """A 1-3 GB sparse file went through diffusers' fallback, which reads a file as text (+2x its size in RSS).
     Now its first 8 bytes refuse it, or its size does, and diffusers never sees it."""
-    monkeypatch.setattr("dvllm.lora.registry.read_lora", lambda *a: pytest.fail("diffusers read the file"))
+    monkeypatch.setattr("dvllm.lora.reader.read_lora", lambda *a: pytest.fail("diffusers read the file"))
     junk = sparse_file(tmp_path / "junk.safetensors", 1 << 30, b"\xff" * 8)
     with pytest.raises(LoraPathError, match="not a safetensors file: its header length"):
         engine.load_lora("junk", junk)
@@ -162,13 +162,13 @@ def test_hub_ids_when_allowed_are_fetched_once_then_local(tmp_path, adapters, mo
 
 @pytest.mark.slow
 def test_a_reread_checks_the_file_is_the_one_loaded(tmp_path, engine, adapters):
-    """max_cpu_loras=1: loading b evicts a, so a request for a reads a's file again. A file modified or deleted
-    since it was loaded fails the requests that need it, naming why (it is never looked up on the Hub)."""
+    """Admission checks that an adapter's file is the one loaded: a file modified or deleted since the load fails
+    the requests that name it, naming why (it is never looked up on the Hub)."""
     copy = shutil.copytree(adapters["a"], tmp_path / "a")
     engine.load_lora("a", str(copy))
-    engine.load_lora("b", adapters["b"])  # evicts a from the host cache
+    engine.load_lora("b", adapters["b"])
     assert engine.generate("x", SamplingParams(**REQUEST, loras={"a": 1.0}), use_tqdm=False)[0].error is None
-    engine.load_lora("b2", adapters["b"])  # evicts a again
+    engine.load_lora("b2", adapters["b"])
     tensors = tensors_of(str(copy))
     save_file({k: v * 2 for k, v in tensors.items()}, str(copy / WEIGHTS))
     with pytest.raises(ValueError, match="loras: LoRA adapter 'a': its file changed since it was loaded"):
@@ -182,9 +182,9 @@ def test_a_reread_checks_the_file_is_the_one_loaded(tmp_path, engine, adapters):
 # -- reads do not wait on each other ---------------------------------------------------------------------
 
 def test_a_slow_read_does_not_hold_up_another_load(engine, adapters, monkeypatch):
-    import dvllm.lora.registry as registry
+    import dvllm.lora.reader as reader
 
-    real_read, reading, release = registry.read_lora, threading.Event(), threading.Event()
+    real_read, reading, release = reader.read_lora, threading.Event(), threading.Event()
 
     def read(skeleton, name, *args):
         if name == "slow":
@@ -192,7 +192,7 @@ def test_a_slow_read_does_not_hold_up_another_load(engine, adapters, monkeypatch
             assert release.wait(120), "the test never released the slow read"
         return real_read(skeleton, name, *args)
 
-    monkeypatch.setattr(registry, "read_lora", read)
+    monkeypatch.setattr(reader, "read_lora", read)
     with ThreadPoolExecutor(1) as pool:
         slow = pool.submit(engine.load_lora, "slow", adapters["a"])
         try:

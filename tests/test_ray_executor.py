@@ -286,8 +286,8 @@ def test_a_request_that_dies_on_every_worker_fails_instead_of_hanging(sd_eps_pat
 
 
 def test_lora_adapters_travel_to_ray_workers(sd_eps_path, tmp_path, shared_ray):
-    """Adapters are read on the driver and shipped to each worker when a slot loads them: two Ray workers
-    give the in-process engine's images for a mix of adapters."""
+    """Adapters are checked on the driver and cross as ids, each worker reading the file when a slot loads it: two
+    Ray workers give the in-process engine's images for a mix of adapters."""
     from conftest import tiny_sd_pipeline
     from lora_utils import make_lora
 

@@ -11,15 +11,16 @@ from typing import Any
 
 from dvllm.core.block_manager import CachedEntry
 from dvllm.core.scheduler_output import BlockTables, NewRequestData, StartJob
+from dvllm.lora.ref import LoraRef
 from dvllm.outputs import RequestMetrics, RequestOutput
 from dvllm.request_sizes import as_images
 from dvllm.sampling_params import SamplingParams
 
 
 def prompt_cache_key(role: str, text: str | None, max_sequence_length: int | None = None,
-                     text_loras: tuple[tuple[int, float], ...] = (), image_key: str | None = None) -> bytes:
+                     text_loras: tuple[tuple[str, float], ...] = (), image_key: str | None = None) -> bytes:
     """What identifies one text's conditions: its role, text and the request fields that change its
-    encoding (the text length; the text-encoder LoRA adapters, by load id, with their weights; the digest
+    encoding (the text length; the text-encoder LoRA adapters, by file digest, with their weights; the digest
     of the images an edit model reads the prompt with)."""
     fields = [role, text, max_sequence_length] + ([[list(a) for a in text_loras]] if text_loras else [])
     fields += [image_key] if image_key else []
@@ -55,8 +56,8 @@ class Request:
     image_key: str | None = None  # an edit's images' digest: its prompt's conditions depend on them
     result_key: bytes | None = None  # its result-cache key (engine/result_cache.py); None: not cacheable
     cached_steps: int = 0     # steps whose remaining blocks it skipped or predicted
-    # its LoRA adapters (dvllm.lora.weights.LoraWeights, held until it finishes) and their weights
-    loras: tuple[tuple[Any, float], ...] = ()
+    # its LoRA adapters, by id (their weights are read where they are applied), and their weights
+    loras: tuple[tuple[LoraRef, float], ...] = ()
     status: RequestStatus = RequestStatus.WAITING
     num_steps_done: int = 0
     steps_in_flight: int = 0  # scheduled and not yet updated (async scheduling: up to two)
@@ -118,18 +119,23 @@ class Request:
         return len(as_images(self.params.image))
 
     @property
-    def lora_adapters(self) -> list[Any]:
-        return [weights for weights, _ in self.loras]
+    def lora_adapters(self) -> list[LoraRef]:
+        return [ref for ref, _ in self.loras]
 
     @property
-    def row_loras(self) -> tuple[tuple[int, float], ...]:
-        """(adapter load id, weight) of each adapter: what the worker applies to its rows."""
-        return tuple((weights.uid, weight) for weights, weight in self.loras)
+    def row_loras(self) -> tuple[tuple[str, float], ...]:
+        """(adapter digest, weight) of each adapter: what the worker applies to its rows."""
+        return tuple((ref.digest, weight) for ref, weight in self.loras)
 
     @property
-    def text_loras(self) -> tuple[tuple[int, float], ...]:
+    def text_loras(self) -> tuple[tuple[str, float], ...]:
         """Those of its adapters that change the text encoders: they change its prompt embeddings."""
-        return tuple((weights.uid, weight) for weights, weight in self.loras if weights.has_text_encoder)
+        return tuple((ref.digest, weight) for ref, weight in self.loras if ref.has_text_encoder)
+
+    @property
+    def lora_load_ids(self) -> tuple[tuple[int, float], ...]:
+        """(adapter load id, weight) of each adapter: an adapter loaded again is another one to the result cache."""
+        return tuple((ref.uid, weight) for ref, weight in self.loras)
 
     @property
     def preview_steps(self) -> frozenset[int]:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dvllm.core.stage_stats import StageStats
+from dvllm.lora.ref import LoraRef
 from dvllm.request_sizes import size_of
 
 
@@ -69,8 +70,8 @@ class NewRequestData:
     image_key: str | None = None  # their digest
     max_sequence_length: int | None = None  # the text encoder's length (None: the pipeline takes none)
     cache: Any = None  # its step cache (dvllm.step_cache.CacheConfig), or None
-    loras: tuple[tuple[int, float], ...] = ()       # (adapter load id, weight): applied to all its rows
-    text_loras: tuple[tuple[int, float], ...] = ()  # those that change the text encoders too
+    loras: tuple[tuple[str, float], ...] = ()       # (adapter digest, weight): applied to all its rows
+    text_loras: tuple[tuple[str, float], ...] = ()  # those that change the text encoders too
     aesthetic_scores: tuple[float, float] | None = None  # (prompt's, negative's), for models that take them
     num_frames: int | None = None  # a video's frames (None: an image)
     guidance_scale_2: float | None = None  # a two-expert model's scale while its second expert runs
@@ -95,9 +96,9 @@ class ResumedRequestData:
 @dataclass
 class SchedulerOutput:
     iteration: int
-    # In this order on the worker: load LoRA adapters into slots (slot, LoraWeights), swap out the
-    # preempted, then fill the new and the resumed.
-    lora_loads: list[tuple[int, Any]] = field(default_factory=list)
+    # In this order on the worker: load LoRA adapters into slots (slot, adapter id: the worker reads the file
+    # itself), swap out the preempted, then fill the new and the resumed.
+    lora_loads: list[tuple[int, LoraRef]] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     resumed_requests: list[ResumedRequestData] = field(default_factory=list)

@@ -200,7 +200,7 @@ class AsyncDiffusionEngine:
         return self.processor.valid_samplers()
 
     def list_loras(self) -> list[dict]:
-        """The loaded adapters ({"name", "path", "in_host_cache"}); quick, safe on the event loop."""
+        """The loaded adapters ({"name", "path", "file", "digest"}); quick, safe on the event loop."""
         return [] if self.loras is None else self.loras.list()
 
     def stats(self) -> dict:

@@ -192,7 +192,7 @@ class Coordinator:
                 if not core.scheduler.can_admit(request, rows[request.shape_key], blocks, pixels):
                     return
                 age = donor.scheduler.take_waiting(request)
-                core.scheduler.add_request(request)
+                core.scheduler.add_request(request, age=age)
                 self.home[request.request_id] = core
                 rows[request.shape_key] += request.rows
                 blocks += request.max_blocks

@@ -4,7 +4,8 @@ The child builds the DiffusionEngine and runs the CoreLoop on its main thread; a
 takes commands off one pipe and a writer thread sends the loop's reports down the other, so the
 loop never waits on a pipe and pickling stays off it. The server keeps admission (the input
 processor, LoRA files) and everything HTTP: what crosses is a checked Request one way and
-RequestOutputs the other, pickled (protocol 5).
+RequestOutputs the other, pickled (protocol 5). A request's LoRA adapters cross as ids (dvllm.lora.ref): the
+core's worker reads their files itself.
 
 The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group, and the server
 drains before it stops its core) and leaves when told to or when the server's end of the pipe
@@ -27,7 +28,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dvllm.config import EngineConfig
-from dvllm.engine.lora_mirror import LoraMirror
 from dvllm.fork_server import start_child
 from dvllm.logging_setup import STARTUP_LOGGER
 from dvllm.models.base import ModelInfo
@@ -80,7 +80,6 @@ class CoreProcess:
                 self._process.kill()
             self._wait(5)
             raise
-        self._loras = LoraMirror(self.info.config.cpu_lora_cache_size)
         on_report(("stats", self.info.stats))  # the counters are there before any request or probe
         self._reader = threading.Thread(target=self._read, name="dvllm-core-reader", daemon=True)
         self._writer = threading.Thread(target=self._write, name="dvllm-core-writer", daemon=True)
@@ -138,8 +137,6 @@ class CoreProcess:
             command = self._send_queue.get()
             if command is None:
                 return
-            if command[0] == "add":  # here, in send order, so that the core's table follows ours
-                command = ("add", self._loras.outgoing(command[1]))
             try:
                 self._commands.send_bytes(pickle.dumps(command, protocol=_PROTOCOL))
             except (OSError, ValueError):  # the core is gone: the reader reports it
@@ -187,8 +184,7 @@ def run_core(commands: Connection, reports: Connection) -> None:
     out.put(("ready", CoreInfo(engine.config, engine.model_info, engine.loaded_model, engine.block_numel,
                                engine.processor.pool_blocks, engine.processor.model_key,
                                engine.valid_samplers(), loop.stats())))
-    loras = LoraMirror(engine.config.cpu_lora_cache_size)
-    threading.Thread(target=_take_commands, args=(commands, loop, loras), name="dvllm-core-commands",
+    threading.Thread(target=_take_commands, args=(commands, loop), name="dvllm-core-commands",
                      daemon=True).start()
     try:
         loop.run()
@@ -201,15 +197,13 @@ def run_core(commands: Connection, reports: Connection) -> None:
         writer.join(10)
 
 
-def _take_commands(commands: Connection, loop: Any, loras: LoraMirror) -> None:
+def _take_commands(commands: Connection, loop: Any) -> None:
     """Unpickles commands into the loop's queue; the server's end closing stops the loop."""
     try:
         while True:
             command = pickle.loads(commands.recv_bytes())
             if command[0] == "stop":
                 break
-            if command[0] == "add":
-                command = ("add", loras.incoming(command[1]))
             loop.put(*command)
     except (EOFError, OSError):
         logger.warning("the server's end of the engine core's pipe closed: stopping")

@@ -138,7 +138,8 @@ class DiffusionEngine:
     def load_lora(self, name: str, path: str) -> None:
         """Reads a LoRA adapter (diffusers' format: a folder or .safetensors file) and makes it available to
         requests as SamplingParams(loras={name: weight}); ValueError if it cannot serve it. Thread-safe: the
-        reading happens in the caller's thread, and workers load it into a slot when a request needs it."""
+        checking read happens in the caller's thread; workers read it again, by path, into a slot when a request
+        needs it."""
         self._lora_registry().load(name, path)
 
     def unload_lora(self, name: str) -> None:
@@ -150,7 +151,7 @@ class DiffusionEngine:
         return self.processor.valid_samplers()
 
     def list_loras(self) -> list[dict]:
-        """The loaded adapters: name, path, and whether their weights are read in host memory."""
+        """The loaded adapters: name, path as given, the weights file it names, and that file's digest."""
         return [] if self.loras is None else self.loras.list()
 
     def _lora_registry(self) -> LoraRegistry:

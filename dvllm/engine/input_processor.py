@@ -21,6 +21,7 @@ import numpy as np
 from dvllm.config import EngineConfig
 from dvllm.core.request import Request, check_fits
 from dvllm.engine.result_cache import result_key
+from dvllm.lora.ref import LoraRef
 from dvllm.lora.registry import LoraRegistry
 from dvllm.models.base import ModelInfo
 from dvllm.sampler_names import did_you_mean, scheduler_class
@@ -79,18 +80,19 @@ class InputProcessor:
         # Only a seed the user chose can repeat: a drawn one would never hit, so it is not stored either.
         if self.config.result_cache_mb and params is not None and params.seed is not None:
             request.result_key = result_key(
-                self.model_key, prompt, resolved, request.row_loras, request.image_key or image_digest(resolved.image),
+                self.model_key, prompt, resolved, request.lora_load_ids,
+                request.image_key or image_digest(resolved.image),
                 None if resolved.mask_image is None else image_digest(resolved.mask_image))
         return request
 
-    def _loras(self, loras: dict[str, float] | None) -> tuple:
-        """Each named adapter's weights (read again here, off the step loop, if out of the host cache)."""
+    def _loras(self, loras: dict[str, float] | None) -> tuple[tuple[LoraRef, float], ...]:
+        """Each named adapter's id, with its weight (its file checked unchanged since it was loaded: a stat)."""
         if not loras:
             return ()
         if self.loras is None:
             raise ValueError("loras: this engine serves no LoRA adapters (start it with enable_lora or lora_modules)")
         try:
-            return tuple((self.loras.get(name), weight) for name, weight in loras.items())
+            return tuple((self.loras.ref(name), weight) for name, weight in loras.items())
         except ValueError as e:
             raise ValueError(f"loras: {e}") from None
 

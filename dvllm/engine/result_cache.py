@@ -99,7 +99,7 @@ def copy_image(image: Any) -> Any:
     return image.clone() if isinstance(image, torch.Tensor) else image.copy()  # numpy and PIL copy()
 
 
-def result_key(model: str, prompt: str, params: SamplingParams, row_loras: tuple[tuple[int, float], ...],
+def result_key(model: str, prompt: str, params: SamplingParams, lora_load_ids: tuple[tuple[int, float], ...],
                image_key: str, mask_key: str | None) -> bytes:
     """The digest of what decides a request's final images: the model's identity, the prompt, the resolved
     parameters that change pixels (not priority, output_kind or num_previews), adapters by load id with their
@@ -114,7 +114,7 @@ def result_key(model: str, prompt: str, params: SamplingParams, row_loras: tuple
         "max_sequence_length": params.max_sequence_length,
         "cache": None if cache is None else [type(cache).__name__, dataclasses.asdict(cache)],
         "aesthetic": [_number(params.aesthetic_score), _number(params.negative_aesthetic_score)],
-        "image": image_key, "mask": mask_key, "loras": [[uid, float(w)] for uid, w in row_loras],
+        "image": image_key, "mask": mask_key, "loras": [[uid, float(w)] for uid, w in lora_load_ids],
     }
     payload = json.dumps(fields, ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass")
     return hashlib.blake2b(payload, digest_size=16).digest()

@@ -10,7 +10,8 @@ import torch
 from dvllm._extension import custom_ops_available, custom_ops_status
 from dvllm.config import EngineConfig
 from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
-from dvllm.models.base import ModelAdapter, ModelInfo, denoiser_component, denoiser_of
+from dvllm.lora.cache import lora_cache_for
+from dvllm.models.base import ModelAdapter, ModelInfo, denoiser_of
 from dvllm.models.load_config import LoadConfig, LoadedModel
 from dvllm.models.loader import load_adapter
 from dvllm.parallel.group import WorkerGroup
@@ -91,7 +92,7 @@ class Worker:
         custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step
         self.timer = PhaseTimer(config.profile_steps, self.device)
         self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, config.max_decode_batch,
-                                  config.max_loras, config.max_lora_rank)
+                                  config.max_loras, config.max_lora_rank, lora_cache=lora_cache_for(config))
         self.runner.group = self.group
         if config.warm_up:  # before the stages' threads start: a capture has the device to itself
             with torch.inference_mode():
@@ -99,7 +100,7 @@ class Worker:
         if self.group is not None:
             self.group.runs_alone = self.runner.caching_now
         if self.group is not None and config.enable_lora:
-            self.group.share_loras(self.runner.lora, denoiser_component(adapter.pipeline))
+            self.group.share_loras(self.runner.lora)
         if self.group is not None and decodes_in_group(config, adapter.pipeline.vae):  # a batch's calls shared out
             shared = SharedDecode(self.group, adapter.pipeline.vae)
             self.runner.decode_requests = shared.wrap(self.runner.decode_requests)

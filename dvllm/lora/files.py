@@ -6,8 +6,8 @@ a local `.safetensors` file (or `.bin`, only if the operator allows pickles), or
 (or diffusers' `pytorch_lora_weights.safetensors`); bounded in size, its header read and checked; a Hub id only
 if the operator allows them; the bare name of an adapter shipped in the package (dvllm/models/builtin/loras,
 e.g. tiny-shapes-blue) is that adapter's folder. diffusers is then handed that one absolute file path, and only
-the safetensors reader. The file's identity (device, inode, size, mtime) is kept, so that a re-read after the
-host cache evicted the adapter reads the file that was loaded, or fails naming why.
+the safetensors reader. The file's identity (device, inode, size, mtime) is kept, so that admission (a stat)
+and every later read of the adapter serve the file that was loaded, or fail naming why.
 """
 from __future__ import annotations
 

@@ -1,46 +1,45 @@
-"""The driver's adapters: names -> paths, and the parsed weights of recently used ones (max_cpu_loras).
+"""The driver's adapters: names -> the ids requests carry (ref.py).
 
-Reading an adapter (disk, diffusers' conversion) happens here, when it is loaded and when a request
-names one that fell out of the host cache: in the caller's thread, which for the async engine is the
-admission thread pool, never the step loop. A path is checked before anything reads it (files.py), and
-reads hold no lock that another read waits on: each takes a skeleton of its own from a pool. A request
-holds its adapters' weights until it finishes, so unloading or evicting an adapter loses nothing that was
-accepted. Thread-safe.
+Loading an adapter locates its file (files.py), reads it whole and checks it for this model (reader.py): in the
+caller's thread, which for the async engine is the admission thread pool, never the step loop. What a bad
+adapter fails, it fails there, with a ValueError naming why. The registry then keeps only the adapter's id (its
+file's path and digest, what the scheduler needs of it): the weights are read again by whoever applies them
+(cache.py). Admission takes the id after checking that the file is still the one loaded. A request holds its
+adapters' ids until it finishes, so unloading an adapter loses nothing that was accepted. Thread-safe.
 """
 from __future__ import annotations
 
 import itertools
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from dvllm.lora.files import LoraFile, LoraFilePolicy, check_lora_name, locate_lora
-from dvllm.lora.weights import LoraWeights, read_lora
+from dvllm.lora.reader import LoraReader, file_changed
+from dvllm.lora.ref import LoraRef, file_digest
+from dvllm.lora.weights import LoraWeights
 from dvllm.models.load_config import LoadConfig
 
 
 @dataclass(frozen=True)
 class _Entry:
-    uid: int
+    ref: LoraRef
     path: str       # as the operator named it
     file: LoraFile  # the weights file it resolved to, as it was when loaded
 
 
 class LoraRegistry:
-    def __init__(self, model: str | None, served_name: str, max_rank: int, max_cpu_loras: int,
-                 policy: LoraFilePolicy, load: Any = None) -> None:
+    def __init__(self, model: str | None, served_name: str, max_rank: int, policy: LoraFilePolicy,
+                 load: Any = None) -> None:
         """`load`: the model's LoadConfig (its configs are found as the worker found them)."""
-        self.model, self.served_name, self.load_config = model, served_name, load
-        self.max_rank, self.max_cpu_loras, self.policy = max_rank, max_cpu_loras, policy
+        self.served_name, self.policy = served_name, policy
+        self.reader = LoraReader(model, load, max_rank)
         self._entries: dict[str, _Entry] = {}
-        self._cache: OrderedDict[int, LoraWeights] = OrderedDict()  # uid -> weights, least recently used first
         self._uids = itertools.count(1)
-        self._lock = threading.Lock()  # names, the cache and the idle skeletons; never held while reading
-        self._idle_skeletons: list[Any] = []  # a read takes one (or builds one): reads never wait on each other
+        self._lock = threading.Lock()  # the names; never held while reading
 
-    def load(self, name: str, path: str) -> LoraWeights:
-        """Reads and registers an adapter; ValueError (bad name, name taken, not a LoRA for this model)."""
+    def load(self, name: str, path: str) -> LoraRef:
+        """Reads, checks and registers an adapter; ValueError (bad name, name taken, not a LoRA for this model)."""
         check_lora_name(name)
         if name == self.served_name:
             raise ValueError(f"LoRA name {name!r} is the base model's name; choose another")
@@ -49,72 +48,46 @@ class LoraRegistry:
                 raise ValueError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
             uid = next(self._uids)
         file = locate_lora(path, self.policy)
-        weights = self._read(name, uid, file)
+        digest = file_digest(file.path)
+        weights = self.reader.read(name, file, digest)  # (a file changed after the digest is refused here)
+        ref = LoraRef(name, uid, file.path, digest, weights.rank, weights.has_text_encoder)
         with self._lock:
             if name in self._entries:  # another load of this name finished first
                 raise ValueError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
-            self._entries[name] = _Entry(uid, path, file)
-            self._remember(weights)
-        return weights
+            self._entries[name] = _Entry(ref, path, file)
+        return ref
 
     def unload(self, name: str) -> None:
         """Forgets an adapter; requests already accepted with it finish with it."""
         with self._lock:
-            entry = self._entries.pop(name, None)
-            if entry is None:
+            if self._entries.pop(name, None) is None:
                 raise ValueError(f"no LoRA adapter named {name!r} is loaded (loaded: {sorted(self._entries)})")
-            self._cache.pop(entry.uid, None)
+
+    def ref(self, name: str) -> LoraRef:
+        """The id of a loaded adapter whose file is still the one loaded (a stat, no read): what a request carries."""
+        entry = self._entry(name)
+        why = entry.file.changed()
+        if why is not None:
+            raise file_changed(name, why)
+        return entry.ref
 
     def get(self, name: str) -> LoraWeights:
-        """The weights of a loaded adapter, read again if they fell out of the host cache."""
+        """The weights of a loaded adapter, read again from its file (to inspect them: serving reads its own)."""
+        entry = self._entry(name)
+        return self.reader.read(name, entry.file, entry.ref.digest)
+
+    def list(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [{"name": name, "path": e.path, "file": e.file.path, "digest": e.ref.digest}
+                    for name, e in self._entries.items()]
+
+    def _entry(self, name: str) -> _Entry:
         with self._lock:
             entry = self._entries.get(name)
             if entry is None:
                 known = sorted(self._entries)
                 raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {known if known else 'none'}")
-            weights = self._cache.get(entry.uid)
-            if weights is not None:
-                self._cache.move_to_end(entry.uid)
-                return weights
-        weights = self._read(name, entry.uid, entry.file)
-        with self._lock:
-            if self._entries.get(name) == entry:
-                self._remember(weights)
-        return weights
-
-    def list(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return [{"name": name, "path": e.path, "file": e.file.path, "in_host_cache": e.uid in self._cache}
-                    for name, e in self._entries.items()]
-
-    def _remember(self, weights: LoraWeights) -> None:
-        self._cache[weights.uid] = weights
-        while len(self._cache) > self.max_cpu_loras:
-            self._cache.popitem(last=False)
-
-    def _read(self, name: str, uid: int, file: LoraFile) -> LoraWeights:
-        """Reads the file that was checked: a file changed since (or while being read) is refused, naming why."""
-        why = file.changed()
-        if why is None:
-            skeleton = self._take_skeleton()
-            try:
-                weights = read_lora(skeleton, name, uid, file, self.max_rank)
-            finally:
-                with self._lock:
-                    self._idle_skeletons.append(skeleton)
-            why = file.changed()
-        if why is not None:
-            raise ValueError(f"LoRA adapter {name!r}: its file changed since it was loaded or while it was read "
-                             f"({why}); unload it and load it again to serve the new file")
-        return weights
-
-    def _take_skeleton(self) -> Any:
-        with self._lock:
-            if self._idle_skeletons:
-                return self._idle_skeletons.pop()
-        from dvllm.lora.skeleton import skeleton_pipeline
-
-        return skeleton_pipeline(self.model, self.load_config)
+            return entry
 
 
 def require_registry(registry: LoraRegistry | None) -> LoraRegistry:
@@ -129,5 +102,5 @@ def registry_for(config: Any, served_name: str) -> LoraRegistry | None:
     without LoRA."""
     if not config.enable_lora:
         return None
-    return LoraRegistry(config.model, served_name, config.max_lora_rank, config.cpu_lora_cache_size,
-                        LoraFilePolicy.of(config), LoadConfig.of(config))
+    return LoraRegistry(config.model, served_name, config.max_lora_rank, LoraFilePolicy.of(config),
+                        LoadConfig.of(config))

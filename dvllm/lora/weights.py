@@ -33,7 +33,7 @@ class _Refused(ValueError):
 @dataclass(eq=False)
 class LoraWeights:
     name: str
-    uid: int    # unique per load: a name unloaded and loaded again is another adapter
+    digest: str  # of the file's bytes (lora/ref.py): the slot tables know the adapter by it
     path: str
     rank: int   # the largest rank of its layers
     # component ("unet", "transformer", "text_encoder"...) -> module name -> (A, B * alpha / r), on the CPU
@@ -44,9 +44,10 @@ class LoraWeights:
         return any(c.startswith(TEXT_ENCODER_PREFIX) for c in self.layers)
 
 
-def read_lora(skeleton: Any, name: str, uid: int, file: LoraFile, max_rank: int) -> LoraWeights:
-    """The adapter in `file` for the skeleton's pipeline; ValueError saying why it cannot be served."""
-    key, path = f"dvllm_{uid}", file.path
+def read_lora(skeleton: Any, name: str, file: LoraFile, max_rank: int, digest: str) -> LoraWeights:
+    """The adapter in `file` (whose bytes have `digest`) for the skeleton's pipeline; ValueError saying why it
+    cannot be served."""
+    key, path = f"dvllm_{digest[:16]}", file.path
     for _, model in _components(skeleton):
         setattr(model, EXPECTED_LAYERS, None)  # set again by this load, where the model's loader runs
     try:
@@ -69,7 +70,7 @@ def read_lora(skeleton: Any, name: str, uid: int, file: LoraFile, max_rank: int)
     if rank > max_rank:
         raise ValueError(f"LoRA adapter {name!r} has rank {rank}, more than max_lora_rank={max_rank}: "
                          "raise max_lora_rank")
-    return LoraWeights(name=name, uid=uid, path=path, rank=rank, layers=layers)
+    return LoraWeights(name=name, digest=digest, path=path, rank=rank, layers=layers)
 
 
 def _take_layers(skeleton: Any, key: str, path: str) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:

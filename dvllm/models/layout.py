@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-RowAdapters = tuple[tuple[int, float], ...]  # one row's LoRA adapters: (adapter uid, weight)
+RowAdapters = tuple[tuple[str, float], ...]  # one row's LoRA adapters: (adapter digest, weight)
 Grids = tuple[int, ...]  # an edit row's input images' token grids, flat: (rows, columns) per image
 
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from dvllm.config import EngineConfig
 from dvllm.config_checks import device_list
-from dvllm.lora.weights import LoraWeights
+from dvllm.lora.ref import LoraRef
 from dvllm.parallel.call_broadcast import pack, send_tensors
 from dvllm.parallel.context_parallel import (
     check_context_parallel,
@@ -50,7 +50,7 @@ from dvllm.parallel.context_parallel import (
     rows_split_pays,
 )
 from dvllm.parallel.group_decode import DecodeCalls, assign
-from dvllm.parallel.group_member import JoinOrder, LoraSlot, SharedCall, backend, denoiser_lora
+from dvllm.parallel.group_member import JoinOrder, LoraSlot, SharedCall, backend
 from dvllm.parallel.row_split import call_rows, chunk, cut, gather_rows
 from dvllm.parallel.uneven_split import TooFewTokens
 from dvllm.worker.lora_layers import LoraLayers
@@ -132,8 +132,7 @@ class WorkerGroup:
         self.lock = threading.Lock()
         self.units_decoded = [0] * self.size  # decoder calls each of the group ran for shared decodes, by rank
         self.lora: LoraLayers | None = None  # the worker's adapter slots (share_loras)
-        self._lora_component = "transformer"  # the denoiser's name in the pipeline, which adapters' layers use
-        self.lora_slots: dict[int, LoraWeights] = {}  # what the members' slots hold (denoiser layers), to resend
+        self.lora_slots: dict[int, LoraRef] = {}  # what the members' slots hold, to resend
         self._call_scope = contextlib.ExitStack()  # CFG-parallel with LoRA: the worker's rows narrowed for a call
         self._dir = tempfile.mkdtemp(prefix="dvllm-group-")
         self._generation = 0
@@ -150,17 +149,17 @@ class WorkerGroup:
         self._hooks = [denoiser.register_forward_pre_hook(self._share_call, with_kwargs=True),
                        denoiser.register_forward_hook(self._call_done)]
 
-    def share_loras(self, lora: LoraLayers, component: str) -> None:
-        """Calls name the rows' adapters of `lora` (the worker's slots); loads go to the members' `component`."""
-        self.lora, self._lora_component = lora, component
+    def share_loras(self, lora: LoraLayers) -> None:
+        """Calls name the rows' adapters of `lora` (the worker's slots)."""
+        self.lora = lora
 
-    def load_lora(self, slot: int, weights: LoraWeights | None) -> None:
-        """The members' slot made the worker's (after the worker loaded it; None: emptied). A group that fails
-        under it is formed anew, which loads every slot again."""
-        if weights is None:
+    def load_lora(self, slot: int, ref: LoraRef | None) -> None:
+        """The members' slot made the worker's (after the worker loaded it; None: emptied): each member reads the
+        adapter itself. A group that fails under it is formed anew, which loads every slot again."""
+        if ref is None:
             self.lora_slots.pop(slot, None)
         else:
-            self.lora_slots[slot] = denoiser_lora(weights, self._lora_component)
+            self.lora_slots[slot] = ref
         with self.lock:
             try:
                 self._send_lora(slot)

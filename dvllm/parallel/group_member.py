@@ -6,7 +6,8 @@ with the leader. Sequence parallel: the whole call, split inside the forward by 
 sends to the leader. It also decodes its share of the leader's VAE decodes (parallel/group_decode.py).
 
 LoRA: a member holds the same adapter slots as the leader (their denoiser layers only: the leader encodes), each
-load sent to it as the leader loads (`LoraSlot`), and each call names its rows' adapters by slot."""
+load sent to it as the leader loads (`LoraSlot`, the adapter's id: the member reads the file itself), and each call
+names its rows' adapters by slot."""
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dvllm.lora.cache import LoraCache, lora_cache_for
+from dvllm.lora.ref import LoraRef
 from dvllm.lora.weights import LoraWeights
 from dvllm.models.base import denoiser_component
 from dvllm.models.load_config import LoadConfig
@@ -57,10 +60,10 @@ class SharedCall:
 
 @dataclasses.dataclass(frozen=True)
 class LoraSlot:
-    """An adapter's denoiser layers put into a slot of the member's (None: the slot emptied)."""
+    """An adapter, by id, whose denoiser layers the member reads into a slot of its own (None: the slot emptied)."""
 
     slot: int
-    weights: LoraWeights | None
+    ref: LoraRef | None
 
 
 def denoiser_lora(weights: LoraWeights, component: str) -> LoraWeights:
@@ -75,12 +78,24 @@ def backend(device: torch.device) -> str:
 @dataclasses.dataclass
 class Member:
     """What a member holds: the denoiser, the engine's config, the VAE decoder when the group shares its decodes
-    (parallel/group_decode.py), and the LoRA slots over its denoiser when LoRA is on."""
+    (parallel/group_decode.py), and the LoRA slots over its denoiser (named `component` in the pipeline) with the
+    adapters it read, when LoRA is on."""
 
     denoiser: torch.nn.Module
     config: Any  # EngineConfig
     decoder: torch.nn.Module | None = None
     lora: LoraLayers | None = None
+    lora_cache: LoraCache | None = None
+    component: str = "transformer"
+
+    def load_lora(self, slot: int, ref: LoraRef | None) -> None:
+        """The adapter's denoiser layers, read from its file (or the member's cache), into the slot; None: emptied."""
+        if self.lora is None or self.lora_cache is None:
+            raise RuntimeError("this member holds no LoRA slots (enable_lora is off)")
+        if ref is None:
+            self.lora.evict(slot)
+        else:
+            self.lora.load(slot, denoiser_lora(self.lora_cache.weights(ref), self.component))
 
     def lora_plan(self, rows: tuple | None) -> LoraPlan | None:
         """The call's rows' adapters as a plan over the member's slots (None: no row has an adapter here)."""
@@ -112,7 +127,7 @@ def load_denoiser(config: Any, device: torch.device) -> Member:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return Member(denoiser, config, decoder, lora)
+    return Member(denoiser, config, decoder, lora, lora_cache_for(config), component)
 
 
 def join(member: Member, order: JoinOrder, device: torch.device) -> None:
@@ -136,12 +151,7 @@ def run(member: Member, message: Any, device: torch.device) -> list[torch.Tensor
             raise RuntimeError("this member holds no VAE decoder (the group does not share its decodes)")
         return [member.decoder(latents.to(device)).cpu() for latents in message.inputs]
     if isinstance(message, LoraSlot):
-        if member.lora is None:
-            raise RuntimeError("this member holds no LoRA slots (enable_lora is off)")
-        if message.weights is None:
-            member.lora.evict(message.slot)
-        else:
-            member.lora.load(message.slot, message.weights)
+        member.load_lora(message.slot, message.ref)
         return None
     from dvllm.parallel.uneven_split import TooFewTokens
 

@@ -63,7 +63,7 @@ def _fits(module: Any, a: torch.Tensor, b: torch.Tensor) -> bool:
 class LoraLayers:
     def __init__(self, pipeline: Any, num_slots: int, max_rank: int, scope: RowScope) -> None:
         self.pipeline, self.num_slots, self.max_rank, self.scope = pipeline, num_slots, max_rank, scope
-        self.slot_uid: list[int | None] = [None] * num_slots
+        self.slot_digest: list[str | None] = [None] * num_slots  # each slot's adapter, by file digest
         self.slot_rank = [0] * num_slots
         self.tables: dict[tuple[str, str], _Table] = {}
         # The forward running now, per thread: the encode stage's text encoders run beside the loop's forward
@@ -91,7 +91,7 @@ class LoraLayers:
             table.a[slot, :r].copy_(a)
             table.bt[slot, :r].copy_(b.T)
             table.filled.add(slot)
-        self.slot_uid[slot], self.slot_rank[slot] = weights.uid, weights.rank
+        self.slot_digest[slot], self.slot_rank[slot] = weights.digest, weights.rank
 
     def evict(self, slot: int) -> None:
         for table in self.tables.values():
@@ -99,7 +99,7 @@ class LoraLayers:
                 table.a[slot].zero_()
                 table.bt[slot].zero_()
                 table.filled.discard(slot)
-        self.slot_uid[slot], self.slot_rank[slot] = None, 0
+        self.slot_digest[slot], self.slot_rank[slot] = None, 0
 
     @property
     def current(self) -> "LoraPlan | None":
@@ -109,17 +109,17 @@ class LoraLayers:
     def current(self, plan: "LoraPlan | None") -> None:
         self._running.plan = plan
 
-    def slot_of(self, uid: int) -> int:
+    def slot_of(self, digest: str) -> int:
         try:
-            return self.slot_uid.index(uid)
+            return self.slot_digest.index(digest)
         except ValueError:
-            raise RuntimeError(f"LoRA adapter #{uid} is not resident on this worker") from None
+            raise RuntimeError(f"LoRA adapter {digest} is not resident on this worker") from None
 
     def plan(self, rows: tuple[RowAdapters, ...] | list[RowAdapters]) -> "LoraPlan | None":
         """A forward whose i-th row (of its first dimension) takes rows[i]'s adapters (None: no row has any)."""
         if not any(rows):
             return None
-        return LoraPlan([tuple((self.slot_of(uid), w) for uid, w in row) for row in rows], self)
+        return LoraPlan([tuple((self.slot_of(digest), w) for digest, w in row) for row in rows], self)
 
     @contextmanager
     def running(self, rows: tuple[RowAdapters, ...] | list[RowAdapters]) -> Iterator[None]:

@@ -16,6 +16,7 @@ import torch
 
 from dvllm.core.scheduler_output import NewRequestData, ResumedRequestData, RunnerOutput, SchedulerOutput
 from dvllm.core.stage_stats import StageStats
+from dvllm.lora.cache import LoraCache
 from dvllm.models.base import ModelAdapter
 from dvllm.profiler import PhaseTimer
 from dvllm.worker.decode_stage import DecodeJob, DecodeStage
@@ -42,7 +43,7 @@ _AWAIT_STAGE_S = 0.02
 class ModelRunner:
     def __init__(self, adapter: ModelAdapter, pool: StatePool, denoiser: Denoiser, timer: PhaseTimer,
                  max_decode_batch: int = 4, max_loras: int = 4, max_lora_rank: int = 64,
-                 decode_stage: DecodeStage | None = None) -> None:
+                 decode_stage: DecodeStage | None = None, lora_cache: LoraCache | None = None) -> None:
         self.adapter = adapter
         self.max_decode_batch = max_decode_batch
         self.decode_stage = decode_stage  # None: the loop decodes
@@ -54,11 +55,12 @@ class ModelRunner:
         self.rows = RowScope()  # which rows step caching runs a module on: LoRA layers follow it
         adapter.narrow_rows = self.rows.narrow  # so do the adapter's per-group calls (edits of other input shapes)
         self.lora = LoraLayers(adapter.pipeline, max_loras, max_lora_rank, self.rows)
+        self.lora_cache = lora_cache  # the adapters' weights, read from the ids the loads name (None: no LoRA)
         self.prompts = PromptWriter(adapter, pool, self.lora)
         # The last step's prompt-cache blocks left unwritten and adapter loads that failed: with async scheduling
         # the driver admitted this step's requests before it heard of them, so they are checked against both
         self._last_unwritten: dict[tuple[int, ...], str] = {}
-        self._last_failed_loras: dict[int, tuple[int, str]] = {}
+        self._last_failed_loras: dict[str, tuple[int, str]] = {}
         self._reported: dict[str, int] = {}  # running counts (restarts, group forwards) as last reported
         self.group = None  # the worker's group (parallel/group.py), whose reforms are reported as restarts
 
@@ -127,20 +129,22 @@ class ModelRunner:
     def _load_loras(self, work: StepWork) -> None:
         """Copies adapters into their slots. A load that fails fails the new and resumed requests that use it,
         and, with async scheduling, those the driver admitted before it heard of the failure (the last step's)."""
-        loaded = {weights.uid for _, weights in work.out.lora_loads}
-        carried = {uid: v for uid, v in self._last_failed_loras.items() if uid not in loaded}
-        for slot, weights in work.out.lora_loads:
+        loaded = {ref.digest for _, ref in work.out.lora_loads}
+        carried = {digest: v for digest, v in self._last_failed_loras.items() if digest not in loaded}
+        for slot, ref in work.out.lora_loads:  # each read from the host cache, else its file
             try:
-                self.lora.load(slot, weights)
+                if self.lora_cache is None:
+                    raise RuntimeError("this worker serves no LoRA adapters (enable_lora is off)")
+                self.lora.load(slot, self.lora_cache.weights(ref))
                 if self.group is not None:  # the group's members hold the same slots
-                    self.group.load_lora(slot, weights)
+                    self.group.load_lora(slot, ref)
             except Exception as e:
-                logger.exception("LoRA adapter %r could not be loaded into slot %d", weights.name, slot)
+                logger.exception("LoRA adapter %r could not be loaded into slot %d", ref.name, slot)
                 self.lora.evict(slot)
                 if self.group is not None:
                     self.group.lora_slots.pop(slot, None)
-                work.failed_loras[weights.uid] = (slot, f"LoRA adapter {weights.name!r} could not be loaded on the "
-                                                        f"worker: {type(e).__name__}: {e}")
+                work.failed_loras[ref.digest] = (slot, f"LoRA adapter {ref.name!r} could not be loaded on the "
+                                                       f"worker: {type(e).__name__}: {e}")
         self._last_failed_loras = work.failed_loras
         work.unwritten = _fail_lora_users(work.out, self.states, {**carried, **work.failed_loras}, work.errors)
 
@@ -406,7 +410,7 @@ class ModelRunner:
                 lo_img += s.n
 
 
-def _fail_lora_users(out: SchedulerOutput, states: dict[str, RequestState], failed: dict[int, tuple[int, str]],
+def _fail_lora_users(out: SchedulerOutput, states: dict[str, RequestState], failed: dict[str, tuple[int, str]],
                      errors: dict[str, str]) -> dict[tuple[int, ...], str]:
     """New and resumed requests whose adapter could not be loaded fail (running ones with it cannot exist:
     it was loaded for them). Returns the prompt-cache blocks they were to fill, now unwritten."""
@@ -415,7 +419,7 @@ def _fail_lora_users(out: SchedulerOutput, states: dict[str, RequestState], fail
         return unwritten
     for data in [*out.new_requests, *out.resumed_requests]:
         loras = data.loras if isinstance(data, NewRequestData) else states[data.request_id].data.loras
-        bad = next((uid for uid, _ in loras if uid in failed), None)
+        bad = next((digest for digest, _ in loras if digest in failed), None)
         if bad is not None:
             errors[data.request_id] = failed[bad][1]
             unwritten.update(dict.fromkeys(_written_conditions(data.blocks), errors[data.request_id]))

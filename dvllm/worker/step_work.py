@@ -25,7 +25,7 @@ class StepWork:
     out: SchedulerOutput
     errors: dict[str, str] = field(default_factory=dict)       # request -> why it failed (it goes no further)
     stats: StageStats = field(default_factory=StageStats)
-    failed_loras: dict[int, tuple[int, str]] = field(default_factory=dict)  # load id -> (its slot, why)
+    failed_loras: dict[str, tuple[int, str]] = field(default_factory=dict)  # adapter digest -> (its slot, why)
     unwritten: dict[tuple[int, ...], str] = field(default_factory=dict)   # prompt-cache blocks left empty -> why
     admitting: list[Any] = field(default_factory=list)         # new requests that reached prompt encoding
     ready: list[Any] = field(default_factory=list)             # of those, the ones whose prompts were written
