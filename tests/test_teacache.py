@@ -4,9 +4,10 @@ the diffusers Flux pipeline), alone and inside a mixed batch; bad requests are V
 the field; and the registry is the only place in dvllm/ that names the methods.
 
 The reference is its own code: the Flux transformer's forward, rewritten with the TeaCache decision around its
-blocks (diffusers has no TeaCache hook). Thresholds: with FLUX's coefficients every step adds at least the
-polynomial's constant term (about 0.26), so thresholds of 0.6 and 1.1 skip one or two steps between computing
-ones; each test asserts that skips happen and that no accumulated value sat on its threshold's edge.
+blocks (diffusers has no TeaCache hook). Thresholds: the tiny random-weight transformer's modulated input moves little
+from step to step, so each step adds about 0.18 (FLUX's polynomial near 0): thresholds of 0.6 and 0.9 skip
+three or four steps between computing ones; each test asserts that skips happen (and computing steps past
+the first), and that no accumulated value sat on its threshold's edge.
 """
 from __future__ import annotations
 
@@ -83,14 +84,13 @@ class ReferenceTeaCache:
 
 
 def reference(path: str, prompt: str, p: SamplingParams, output_type: str) -> tuple[np.ndarray, ReferenceTeaCache]:
-    """The Flux pipeline's images (or packed latents) for one request, TeaCache around its transformer."""
+    """The Flux pipeline's images (or latents) for one request, TeaCache around its transformer."""
     from diffusers import FluxPipeline
 
     pipe = FluxPipeline.from_pretrained(path)
     pipe.set_progress_bar_config(disable=True)
-    cache = p.cache or {}
-    tea = ReferenceTeaCache(pipe.transformer, cache.get("coefficients", COEFFICIENTS["flux"]),
-                            cache.get("rel_l1_thresh", 0.25), p.num_inference_steps)
+    tea = ReferenceTeaCache(pipe.transformer, p.cache.get("coefficients", COEFFICIENTS["flux"]),
+                            p.cache.get("rel_l1_thresh", 0.25), p.num_inference_steps)
     pipe.transformer.forward = tea.forward
     out = pipe(prompt, num_inference_steps=p.num_inference_steps, height=p.height, width=p.width,
                num_images_per_prompt=p.n, guidance_scale=p.guidance_scale, output_type=output_type,
@@ -107,7 +107,7 @@ def mixed_batch() -> list[tuple[str, SamplingParams]]:
     base = dict(height=32, width=32, output_type="np")
     return [
         ("a red circle", P(num_inference_steps=10, guidance_scale=3.5, seed=11, n=2, cache=tea(0.6), **base)),
-        ("a blue square", P(num_inference_steps=7, guidance_scale=2.0, seed=2, cache=tea(1.1), **base)),
+        ("a blue square", P(num_inference_steps=7, guidance_scale=2.0, seed=2, cache=tea(0.9), **base)),
         ("a green star", P(num_inference_steps=12, guidance_scale=4.0, seed=3, **base,
                            cache={"method": "first_block", "threshold": THRESHOLDS["flux"]})),
         ("no cache at all", P(num_inference_steps=6, guidance_scale=3.0, seed=4, **base)),
@@ -125,7 +125,7 @@ def test_teacache_requests_equal_the_reference_alone_and_in_a_mixed_batch(deep_f
     stats = engine.stats()
     assert stats["cache_skipped_rows"] > 0 and stats["cache_computed_rows"] > 0
     for (prompt, p), out in zip(requests, outs):
-        if p.cache is None or p.cache["method"] != "teacache":
+        if not isinstance(p.cache, dict) or p.cache["method"] != "teacache":
             continue
         want, ref = reference(deep_flux_path, prompt, p, "np")
         edges = [s for s in ref.sums if abs(s - p.cache["rel_l1_thresh"]) < EDGE]
@@ -144,15 +144,12 @@ def test_teacache_requests_equal_the_reference_alone_and_in_a_mixed_batch(deep_f
 
 @pytest.mark.slow
 def test_teacache_latents_equal_the_reference(deep_flux_path):
-    """The latents before the VAE too (the pipeline's packed ones, unpacked as the pipeline unpacks them)."""
-    from diffusers import FluxPipeline
-
+    """The latents before the VAE too (packed in patches, as the pipeline returns them)."""
     prompt, p = mixed_batch()[1]
     p = dataclasses.replace(p, output_type="latent")
     engine = DiffusionEngine(model=deep_flux_path, device="cpu", dtype="float32")
     out = engine.generate(prompt, p, use_tqdm=False)[0]
-    packed, ref = reference(deep_flux_path, prompt, p, "latent")
-    want = FluxPipeline._unpack_latents(torch.from_numpy(packed), p.height, p.width, 8).numpy()
+    want, ref = reference(deep_flux_path, prompt, p, "latent")
     got = np.stack([np.asarray(image) for image in out.images])
     assert got.shape == want.shape, (got.shape, want.shape)
     assert float(np.abs(got - want).max()) <= LATENT_TOL
