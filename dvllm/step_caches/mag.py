@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from dvllm.step_caches.blocks_residual import BlocksResidualRows
 from dvllm.step_caches.method import (
     MAX_CACHE_STEP,
     CacheMethod,
@@ -75,8 +76,8 @@ class Mag(CacheMethod):
         return MagRows(forward, groups)
 
 
-class MagRows(MethodRows):
-    skips_head = True
+class MagRows(BlocksResidualRows):
+    """diffusers' mag hooks keep the last block's hidden output minus the head block's input (slot 0)."""
 
     def __init__(self, forward: Any, groups: list) -> None:
         super().__init__(forward, groups)
@@ -84,25 +85,6 @@ class MagRows(MethodRows):
             g.computes, g.next = _decision(g.state)
             if g.computes:
                 g.new = g.data
-
-    def keep(self, hidden: Any, position: dict[int, int]) -> None:
-        """diffusers keeps the last block's hidden output minus the head block's input."""
-        from dvllm.host_copy import device_index
-        from dvllm.worker.step_cache_state import write_state
-
-        f = self.forward
-        for g in self.groups:
-            if g.computes:
-                local = device_index([position[r] for r in g.rows], hidden.device)
-                write_state(g, f.residual_view(g, g.new, 0), hidden[local] - f.head_in[g.index])
-
-    def fill(self, hidden: Any) -> None:
-        from dvllm.worker.step_cache_state import fit_tokens
-
-        f = self.forward
-        for g in self.groups:
-            if not g.computes:
-                hidden[g.index] = f.head_in[g.index] + fit_tokens(f.residual_view(g, g.data, 0), hidden.shape[1])
 
     def commit(self, state: Any, groups: list) -> None:
         """MagCacheBlockHook._advance_step: the next step, and a fresh start after num_inference_steps."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from dvllm.step_caches.blocks_residual import BlocksResidualRows
 from dvllm.step_caches.method import CacheMethod, MethodRows, check_threshold, finite, hidden_residuals
 
 # The rescaling polynomials the TeaCache authors fitted, highest degree first (np.poly1d's order), by family.
@@ -64,8 +65,8 @@ class TeaCache(CacheMethod):
         return TeaCacheRows(forward, groups)
 
 
-class TeaCacheRows(MethodRows):
-    skips_head = True
+class TeaCacheRows(BlocksResidualRows):
+    residual_slot = 1  # after the last step's modulated input
 
     def before_head(self, call: Any) -> None:
         """Each group's decision from its own modulated input; every group keeps its new one."""
@@ -97,25 +98,6 @@ class TeaCacheRows(MethodRows):
         for g in self.groups:
             if g.computes:
                 g.next = 0.0
-
-    def keep(self, hidden: Any, position: dict[int, int]) -> None:
-        """The blocks' residual: the last block's hidden output minus the first block's input."""
-        from dvllm.host_copy import device_index
-        from dvllm.worker.step_cache_state import write_state
-
-        f = self.forward
-        for g in self.groups:
-            if g.computes:
-                local = device_index([position[r] for r in g.rows], hidden.device)
-                write_state(g, f.residual_view(g, g.new, 1), hidden[local] - f.head_in[g.index])
-
-    def fill(self, hidden: Any) -> None:
-        from dvllm.worker.step_cache_state import fit_tokens
-
-        f = self.forward
-        for g in self.groups:
-            if not g.computes:
-                hidden[g.index] = f.head_in[g.index] + fit_tokens(f.residual_view(g, g.data, 1), hidden.shape[1])
 
     def commit(self, state: Any, groups: list) -> None:
         state.host.accumulated = groups[0].next
