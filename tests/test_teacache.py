@@ -217,3 +217,12 @@ def test_the_registry_is_the_only_place_that_names_the_methods():
             if isinstance(node, ast.Constant) and node.value in METHODS:
                 found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
     assert not found, found
+
+
+def test_the_benchmark_baseline_says_diffusers_has_no_teacache():
+    """The cached benchmark's diffusers baseline skips TeaCache with a reason, instead of failing on it."""
+    from dvllm.benchmarks.baselines.pipeline_options import diffusers_cache_unsupported
+    from dvllm.step_cache import parse_cache
+
+    why = diffusers_cache_unsupported(torch.nn.Linear(1, 1), parse_cache(tea(0.4)))
+    assert why is not None and "diffusers has no teacache cache" in why

@@ -27,6 +27,7 @@ class CacheMethod:
     # Fields dvllm takes only at these values (a request may send them so), and why
     default_only: ClassVar[dict[str, Any]] = {}
     default_only_why: ClassVar[str] = ""
+    in_diffusers: ClassVar[bool] = True  # diffusers has it (diffusers_config), the reference pipelines' baseline
     # diffusers' hook for it runs on a transformer without enable_cache (SD3), applied inside a cache context
     diffusers_hook_applies_directly: ClassVar[bool] = False
 

@@ -32,6 +32,7 @@ class TeaCache(CacheMethod):
     name = "teacache"
     # rel_l1_thresh: the reference's (0.25: about 1.5x on FLUX.1-dev); coefficients: None, the model's
     fields = {"rel_l1_thresh": 0.25, "coefficients": None}
+    in_diffusers = False
 
     def check(self, config: Any, given: set[str]) -> Any:
         config = check_threshold(config, "rel_l1_thresh", given)
