@@ -42,7 +42,8 @@ class ReferenceTeaCache:
     """TeaCache around a Flux transformer's blocks, for one request (one pipeline call) at a time."""
 
     def __init__(self, transformer, coefficients, threshold: float, num_steps: int) -> None:
-        self.t, self.rescale, self.threshold, self.num_steps = transformer, np.poly1d(coefficients), threshold, num_steps
+        self.t, self.rescale = transformer, np.poly1d(coefficients)
+        self.threshold, self.num_steps = threshold, num_steps
         self.step, self.accumulated, self.previous, self.residual = 0, 0.0, None, None
         self.skipped, self.sums = 0, []
 

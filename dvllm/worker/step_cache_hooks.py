@@ -236,7 +236,7 @@ class CacheHooks:
 
     def in_forward(self) -> bool:
         """Whether a caching forward runs now (a worker group runs it alone)."""
-        return any(hook.context is not None for hook in self._hooks[:1])
+        return bool(self._hooks) and self._hooks[0].context is not None  # (every hook has the same one)
 
 
 def _put(full: torch.Tensor, part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
