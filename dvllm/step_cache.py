@@ -9,20 +9,18 @@ sizes with it.
 from __future__ import annotations
 
 import json
-import reprlib
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Mapping
 
-from dvllm.step_caches.method import MAX_CACHE_STEP, CacheMethod
+from dvllm.step_caches.method import MAX_CACHE_STEP, CacheMethod, show_value
 from dvllm.step_caches.registry import METHODS as _REGISTRY
 from dvllm.step_caches.registry import method_of
 
 METHODS = tuple(_REGISTRY)
 _FIELDS = {name: tuple(method.fields) for name, method in _REGISTRY.items()}
 _DEFAULT_ONLY = {name: method.default_only for name, method in _REGISTRY.items() if method.default_only}
-__all__ = ["MAX_CACHE_STEP", "METHODS", "CacheConfig", "CacheLayout", "parse_cache", "parse_cache_flag"]
-MAX_SHOWN_CHARS = 120  # of a value quoted in an error message
+__all__ = ["MAX_CACHE_STEP", "METHODS", "CacheConfig", "CacheLayout", "parse_cache", "parse_cache_flag", "show_value"]
 # The request field that means "the engine's default_cache" (absent in the HTTP body); None opts out.
 USE_DEFAULT = "default"
 
@@ -109,17 +107,6 @@ def check_served(config: CacheConfig | None, info: Any, what: str = "cache") -> 
     if why is not None:
         raise ValueError(why if what == "cache" else f"{what}: {why}")
     return config.spec.for_model(config, info)
-
-
-def show_value(value: Any) -> str:
-    """A client's value as an error message quotes it: at most MAX_SHOWN_CHARS, and encodable as UTF-8 (repr
-    escapes a lone surrogate, which would make the JSON error response itself fail)."""
-    shown = reprlib.Repr()
-    shown.maxstring = shown.maxother = shown.maxlong = 60
-    try:
-        return shown.repr(value)[:MAX_SHOWN_CHARS]
-    except (ValueError, RecursionError):  # an integer past Python's digit limit, a value nested too deep
-        return f"a {type(value).__name__}"
 
 
 def _field(name: str) -> str:

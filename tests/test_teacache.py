@@ -177,6 +177,7 @@ def test_teacache_is_a_flux_method_in_the_capability_table(flux_path, sd3_path):
     ({"method": "teacache", "coefficients": []}, "cache.coefficients must be a list of 1 to 10"),
     ({"method": "teacache", "coefficients": [1, "x"]}, "cache.coefficients must be a list of 1 to 10"),
     ({"method": "teacache", "coefficients": 3}, "cache.coefficients must be a list of 1 to 10"),
+    ({"method": "teacache", "coefficients": [1.0] * 11}, "cache.coefficients must be a list of 1 to 10"),
 ])
 def test_bad_teacache_configs_are_value_errors_naming_the_field(cache, message):
     with pytest.raises(ValueError, match=message):

@@ -18,6 +18,7 @@ from dvllm.step_caches.method import (
     check_threshold,
     finite,
     hidden_residuals,
+    show_value,
 )
 
 MAX_MAG_RATIOS = 1000
@@ -50,8 +51,6 @@ class Mag(CacheMethod):
         check_integer(config, "num_inference_steps", 1, MAX_MAG_RATIOS)
         r = finite(config.retention_ratio)
         if r is None or not 0 <= r <= 1:
-            from dvllm.step_cache import show_value
-
             raise ValueError(f"cache.retention_ratio must be a number in [0, 1], "
                              f"got {show_value(config.retention_ratio)}")
         return config
@@ -119,8 +118,6 @@ def _mag_ratios(value: Any) -> tuple[float, ...]:
         return tuple(float(v) for v in FLUX_MAG_RATIOS)
     ratios = tuple(map(finite, value)) if isinstance(value, (list, tuple)) and len(value) <= MAX_MAG_RATIOS else ()
     if not ratios or any(r is None or r <= 0 for r in ratios):
-        from dvllm.step_cache import show_value
-
         raise ValueError(f"cache.mag_ratios must be a list of 1 to {MAX_MAG_RATIOS} positive finite numbers (the "
                          f"model's, from a diffusers calibration run) or \"flux\", got {show_value(value)}")
     return ratios

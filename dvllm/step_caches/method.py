@@ -3,11 +3,13 @@
 A method is one class: its driver part (name, fields with defaults, their checks, the families that serve it,
 the state a request's row keeps in the pool) runs without torch; its worker part (`rows`: decide which rows
 skip at a step, run the hooked modules for computing and skipping rows, commit the per-row state after the
-forward) runs inside the batched forward that worker/step_cache_hooks.py drives.
+forward) runs inside the batched forward that worker/step_cache_hooks.py drives. The worker parts import torch
+and the worker's helpers inside their methods, so that the driver imports every method module without torch.
 """
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 if TYPE_CHECKING:
@@ -17,6 +19,7 @@ if TYPE_CHECKING:
 # Step numbers and step counts: far past any schedule served (max_inference_steps is 1000 by default), where
 # every larger value means the same; it keeps them small integers for the worker and torch.
 MAX_CACHE_STEP = 100_000
+MAX_SHOWN_CHARS = 120  # of a value quoted in an error message
 
 
 class CacheMethod:
@@ -107,6 +110,17 @@ class MethodRows:
         """A request's host state after a successful forward (`groups`: its groups in it)."""
 
 
+def show_value(value: Any) -> str:
+    """A client's value as an error message quotes it: at most MAX_SHOWN_CHARS, and encodable as UTF-8 (repr
+    escapes a lone surrogate, which would make the JSON error response itself fail)."""
+    shown = reprlib.Repr()
+    shown.maxstring = shown.maxother = shown.maxlong = 60
+    try:
+        return shown.repr(value)[:MAX_SHOWN_CHARS]
+    except (ValueError, RecursionError):  # an integer past Python's digit limit, a value nested too deep
+        return f"a {type(value).__name__}"
+
+
 def finite(value: Any) -> float | None:
     """A number as a finite float; None for anything else (a bool, text, NaN, an integer past a float's range)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -121,8 +135,6 @@ def finite(value: Any) -> float | None:
 def check_integer(config: "CacheConfig", name: str, low: int, high: int) -> None:
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        from dvllm.step_cache import show_value
-
         raise ValueError(f"cache.{name} must be an integer in [{low}, {high}], got {show_value(value)}")
 
 
@@ -132,8 +144,6 @@ def check_threshold(config: "CacheConfig", name: str, given: set[str]) -> "Cache
         return config
     value = finite(getattr(config, name))
     if value is None or value < 0:
-        from dvllm.step_cache import show_value
-
         raise ValueError(f"cache.{name} must be a finite number >= 0, got {show_value(getattr(config, name))}")
     return config.replace(**{name: value})
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from dvllm.step_caches.method import MAX_CACHE_STEP, CacheMethod, MethodRows, check_integer
+from dvllm.step_caches.method import MAX_CACHE_STEP, CacheMethod, MethodRows, check_integer, show_value
 
 FACTOR_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}  # name -> bytes per element
 MAX_CACHE_INTERVAL = 1000
@@ -33,8 +33,6 @@ class TaylorSeer(CacheMethod):
     diffusers_hook_applies_directly = True
 
     def check(self, config: Any, given: set[str]) -> Any:
-        from dvllm.step_cache import show_value
-
         check_integer(config, "cache_interval", 1, MAX_CACHE_INTERVAL)
         check_integer(config, "disable_cache_before_step", 0, MAX_CACHE_STEP)
         check_integer(config, "max_order", 0, MAX_TAYLOR_ORDER)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from dvllm.step_caches.blocks_residual import BlocksResidualRows
-from dvllm.step_caches.method import CacheMethod, MethodRows, check_threshold, finite, hidden_residuals
+from dvllm.step_caches.method import CacheMethod, MethodRows, check_threshold, finite, hidden_residuals, show_value
 
 # The rescaling polynomials the TeaCache authors fitted, highest degree first (np.poly1d's order), by family.
 # Published for FLUX.1; Wan 2.1's are fitted on the timestep embedding instead of a modulated input, which
@@ -39,10 +39,9 @@ class TeaCache(CacheMethod):
         value = config.coefficients
         if value is None:
             return config
-        numbers = tuple(map(finite, value)) if isinstance(value, (list, tuple)) else ()
+        listed = isinstance(value, (list, tuple)) and len(value) <= MAX_COEFFICIENTS
+        numbers = tuple(map(finite, value)) if listed else ()
         if not 0 < len(numbers) <= MAX_COEFFICIENTS or None in numbers:
-            from dvllm.step_cache import show_value
-
             raise ValueError(f"cache.coefficients must be a list of 1 to {MAX_COEFFICIENTS} finite numbers (a "
                              f"polynomial, highest degree first) or null for the model's, got {show_value(value)}")
         return config.replace(coefficients=numbers)
