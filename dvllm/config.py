@@ -168,8 +168,8 @@ class EngineConfig:
     default_cache: Any = field(
         default=None,
         metadata={"help": "Step cache for requests that name none, e.g. first_block:threshold=0.08, "
-                          "taylorseer:cache_interval=4 or mag:mag_ratios=flux (fields of diffusers' "
-                          "FirstBlockCacheConfig / TaylorSeerCacheConfig / MagCacheConfig); none by default."},
+                          "taylorseer:cache_interval=4, mag:mag_ratios=flux or teacache:rel_l1_thresh=0.4 (the "
+                          "methods' fields: docs/step_cache.md); none by default."},
     )
     default_params: Any = field(
         default=None,

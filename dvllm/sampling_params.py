@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from dvllm.lora.files import check_lora_name
 from dvllm.param_defaults import AESTHETIC_SCORE, FPS_RANGE, MAX_FPS, MIN_FPS, NEGATIVE_AESTHETIC_SCORE
 from dvllm.request_sizes import image_sizes, size_of
-from dvllm.step_cache import USE_DEFAULT, parse_cache, show_value
+from dvllm.step_cache import USE_DEFAULT, check_served, parse_cache, show_value
 
 if TYPE_CHECKING:
     from dvllm.config import EngineConfig
@@ -63,7 +63,7 @@ class SamplingParams:
     # The text encoder's token limit, where the pipeline takes one (Qwen-Image, Z-Image; Flux and SD3 at
     # their default only). None: the pipeline's __call__ default.
     max_sequence_length: int | None = None
-    # Step caching: {"method": "first_block" | "taylorseer" | "mag", **that diffusers config's fields}
+    # Step caching: {"method": <a method of dvllm/step_caches/registry.py>, **that method's fields}
     # (step_cache.py); "default": the engine's default_cache; None: none. Resolved to a CacheConfig or None.
     cache: Any = USE_DEFAULT
     # LoRA adapters loaded into the engine, by name, with their weights: {"style": 0.8, "product": 1.0}
@@ -178,10 +178,7 @@ class SamplingParams:
             if given:
                 raise ValueError(f"{given}: this model ({info.pipeline_class}) makes images, not videos")
         _check_sequence_length(self.max_sequence_length, info)
-        cache = parse_cache(config.default_cache if _is_default(self.cache) else self.cache)
-        if cache is not None and info.cache_layout is None:
-            raise ValueError(f"cache: the {info.family} family serves no step caching (it is served for the "
-                             f"transformer families: flux, qwen-image, stable-diffusion-3, z-image)")
+        cache = check_served(parse_cache(config.default_cache if _is_default(self.cache) else self.cache), info)
         if self.strength is not None and not info.images.sets_start:
             raise ValueError(f"strength: {info.pipeline_class} conditions on its images; it takes no strength")
         image = _load_images(self.image, info, max_pixels)

@@ -22,7 +22,7 @@ from dvllm.step_cache import _DEFAULT_ONLY, _FIELDS, MAX_CACHE_STEP, METHODS
 FORM = {"prompt": "x", "num_inference_steps": "2", "size": "16x16"}  # img2img at strength 0.8 runs 1 step
 BODY = {"prompt": "x", "num_inference_steps": 2, "size": "16x16"}
 BIG = "9" * 400  # too large for a float: float() raises OverflowError
-VALID_BASE = {"first_block": {}, "taylorseer": {}, "mag": {"mag_ratios": [1.0, 0.9]}}
+VALID_BASE = {"first_block": {}, "taylorseer": {}, "mag": {"mag_ratios": [1.0, 0.9]}, "teacache": {}}
 
 
 def _png() -> bytes:

@@ -1,7 +1,7 @@
 """No step waits on the device: one engine step of every family, with and without LoRA and with each step
 cache method, reads nothing back from the device and copies nothing to it with a blocking copy
-(host_syncs.py says how that is seen on the CPU). first_block caching alone needs its decision on the host:
-one read per step, for all its requests together. And every family's batched denoiser call traces whole
+(host_syncs.py says how that is seen on the CPU). first_block and teacache caching alone need their decision
+on the host: one read per step, for all their requests together. And every family's batched denoiser call traces whole
 under torch.compile(fullgraph=True): a graph break is where a CUDA graph capture would fail.
 """
 from __future__ import annotations
@@ -44,6 +44,10 @@ DIFFUSERS_SITES = {("as_tensor(..., device=...) (a blocking copy)", "transformer
 
 CASES = [(f, False, None) for f in SYNC_FAMILIES] + [(f, True, None) for f in SYNC_FAMILIES]
 CASES += [(f, True, method) for f in CACHING for method in CACHES]
+FLUX_CACHES = {"teacache": {"method": "teacache", "rel_l1_thresh": 0.6}}  # methods served for Flux only
+CASES += [("flux", True, method) for method in FLUX_CACHES]
+# The methods that decide from the data read their decisions back: one read per step, all their requests together
+READS_BACK = {"first_block": "dvllm/step_caches/first_block.py:", "teacache": "dvllm/step_caches/teacache.py:"}
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +149,7 @@ def _engine_at_a_middle_step(family: str, lora: bool, method: str | None, device
     if lora:
         engine.load_lora("l", _lora(path, lora_folders, tmp_path_factory))
     video = family in VIDEO
-    requests = _requests(edit, unet, lora, CACHES.get(method), video=video,
+    requests = _requests(edit, unet, lora, {**CACHES, **FLUX_CACHES}.get(method), video=video,
                          sampler=sampler or (VIDEO_SAMPLER if video else None))
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(str(i), prompt, params)
@@ -163,11 +167,11 @@ def test_a_step_reads_nothing_back_from_the_device(family, lora, method, request
     assert not [o.error for o in outputs if o.error], outputs
     assert engine.has_unfinished_requests()  # a middle step: no request finished (a decode reads back)
     own = _own_sites(syncs)
-    allowed = 1 if method == "first_block" else 0
+    allowed = 1 if method in READS_BACK else 0
     report = "\n".join(f"  {n} x {what} at {where}" for (what, where), n in own.items())
     assert sum(own.values()) <= allowed, f"{family}: host syncs in one step:\n{report}"
-    # first_block's one read is its decision, nothing else
-    assert all(where.startswith("dvllm/worker/step_cache_hooks.py:") for _, where in own), report
+    # that one read is the method's decision, nothing else
+    assert all(where.startswith(READS_BACK[method]) for _, where in own), report
 
 
 def test_a_per_request_sampler_syncs_only_inside_diffusers(request, lora_folders, tmp_path_factory):
@@ -203,8 +207,8 @@ def test_a_cuda_step_syncs_within_the_allowance(family, lora, method, request, l
     # torch's own notice that the mode is a prototype is no sync (the GPU run of 2026-12-04 counted it as one)
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)
              and "prototype feature" not in str(w.message)]
-    # first_block's decision; diffusers' own copy in Qwen-Image's transformer (DIFFUSERS_SITES)
-    allowed = (method == "first_block") + family.startswith("qwen-image")
+    # a decision read back (READS_BACK); diffusers' own copy in Qwen-Image's transformer (DIFFUSERS_SITES)
+    allowed = (method in READS_BACK) + family.startswith("qwen-image")
     assert len(syncs) <= allowed, syncs
 
 

@@ -290,7 +290,7 @@ def test_cache_state_is_counted_in_admission(deep_flux_path):
 
 
 @pytest.mark.parametrize("cache, message", [
-    ({"method": "teacache"}, "cache.method must be one of"),
+    ({"method": "fastercache"}, "cache.method must be one of"),
     ({"method": "first_block", "treshold": 0.1}, "cache.treshold is not a field of first_block"),
     ({"method": "first_block", "threshold": "high"}, "cache.threshold must be a finite number"),
     ({"method": "taylorseer", "taylor_factors_dtype": "int8"}, "cache.taylor_factors_dtype must be one of"),

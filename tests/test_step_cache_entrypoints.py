@@ -39,7 +39,7 @@ def test_served_cache_field_default_and_errors(flux_path):
         taylor = httpx.post(url, json={**body, "cache": {"method": "taylorseer", "cache_interval": 2}}, timeout=120)
         taylor_cache = {"method": "taylorseer", "cache_interval": 2}
         streamed = httpx.post(url, json={**body, "stream": True, "cache": taylor_cache}, timeout=120)
-        bad_method = httpx.post(url, json={**body, "cache": {"method": "teacache"}}, timeout=30)
+        bad_method = httpx.post(url, json={**body, "cache": {"method": "fastercache"}}, timeout=30)
         bad_field = httpx.post(url, json={**body, "cache": {"method": "first_block", "treshold": 1}}, timeout=30)
         not_object = httpx.post(url, json={**body, "cache": "first_block"}, timeout=30)
         counters = metrics(server.url)
@@ -100,7 +100,7 @@ def test_generate_cache_flag_and_jsonl_cache(flux_path, tmp_path):
         assert np.abs(np.asarray(image.convert("RGB")) - offline(flux_path, None)).max() <= 1
 
 
-@pytest.mark.parametrize("flag, expected", [("teacache", "--cache: cache.method"),
+@pytest.mark.parametrize("flag, expected", [("fastercache", "--cache: cache.method"),
                                             ("first_block:threshold", "--cache: cache: expected name=value")])
 def test_generate_bad_cache_flag_is_a_usage_error(flux_path, capsys, flag, expected):
     err = expect_usage_error(capsys, "generate", "x", "--model", flux_path, *CLI, "--cache", flag)

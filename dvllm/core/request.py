@@ -226,7 +226,7 @@ def check_fits(request: Request, max_batch_size: int, num_blocks: int) -> None:
             raise ValueError(
                 f"cache: {method}'s state for n={request.params.n} at {request.params.width}x{request.params.height} "
                 f"needs {request.rows * request.cache_blocks} state-pool blocks, more than the pool's {num_blocks} "
-                "leave for it: use a lighter method (first_block or mag), lower n or the size, or raise state_pool_mb"
+                "leave for it: use a method that keeps less state, lower n or the size, or raise state_pool_mb"
             )
         raise ValueError(
             f"n={request.params.n} at {request.params.width}x{request.params.height} needs "

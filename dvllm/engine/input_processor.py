@@ -29,6 +29,7 @@ from dvllm.samplers import SHORT_NAMES, PlanRefused, SamplerPlan, build_plan
 from dvllm.samplers.probe import probe_plan
 from dvllm.request_sizes import as_images
 from dvllm.sampling_params import SamplingParams, check_text
+from dvllm.step_cache import check_served
 
 
 class InputProcessor:
@@ -41,6 +42,7 @@ class InputProcessor:
         if config.default_cache is not None and info.cache_layout is None:
             raise ValueError(f"default_cache: the {info.family} family serves no step caching, so every request "
                              "would be refused; leave default_cache unset for this model")
+        check_served(config.default_cache, info, "default_cache")
         self.block_numel = block_numel
         self.pool_blocks = pool_blocks  # the smallest worker's pool: every request must fit it alone
         self._lock = threading.Lock()

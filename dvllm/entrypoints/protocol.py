@@ -95,7 +95,7 @@ class ImageGenerationRequest(BaseModel):
     deadline: float | None = Field(None, gt=0, allow_inf_nan=False)  # seconds after arrival (deadline_s)
     eta: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)  # DDIM/TCD's, where the pipeline takes one
     max_sequence_length: int | None = Field(None, ge=1)  # the text encoder's, where the pipeline takes one
-    # step caching: {"method": "first_block" | "taylorseer" | "mag", ...}; absent: the server's default; null: none
+    # step caching: {"method": <a step_caches method>, ...}; absent: the server's default; null: none
     cache: dict[str, Any] | None = None
     # LoRA adapters loaded on the server, by name, with their weights: {"style": 0.8}. The weights are checked
     # by the engine, so its messages are the same whatever the entrypoint.

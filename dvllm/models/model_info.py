@@ -190,6 +190,13 @@ class ModelInfo:
     # second below it, each with its own guidance scale (SamplingParams.guidance_scale_2). None: one denoiser.
     expert_boundary: float | None = None
 
+    @property
+    def cache_methods(self) -> tuple[str, ...]:
+        """The step-cache methods this family serves (SamplingParams.cache's method), as each method says."""
+        from dvllm.step_caches.registry import served_methods
+
+        return served_methods(self)
+
     def expert(self, timestep: float) -> int:
         """The expert that runs a step at `timestep`: 0, or 1 below a two-expert model's boundary."""
         return int(self.expert_boundary is not None and timestep < self.expert_boundary)

@@ -22,6 +22,7 @@ from dvllm.profiler import PhaseTimer
 from dvllm.samplers import StepRow
 from dvllm.worker.conditions import unflatten
 from dvllm.worker.denoiser import Denoiser, Forward, ForwardInputs
+from dvllm.worker.forward_context import ForwardContext
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.request_state import RequestState
 from dvllm.worker.state_pool import StatePool
@@ -104,7 +105,8 @@ def denoise_step(parts: StepParts, states: list[RequestState]) -> StepResult:
             if forward.key is not None and not all(batch.fused):
                 out = out.clone()  # a replay's output buffer, and a diffusers scheduler may keep what it steps on
         else:
-            with hooks.running(caching), (forward.lora.running() if forward.lora is not None else nullcontext()):
+            lora = forward.lora.running() if forward.lora is not None else nullcontext()
+            with hooks.running(ForwardContext(cache=caching)), lora:
                 out = adapter.denoise(*inputs.args(), forward.layout)
     # 3. guidance, 4. the sampler update written back into the pool, 5. step caching's state
     with timer.phase("update_scatter"):

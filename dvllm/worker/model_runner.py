@@ -76,7 +76,7 @@ class ModelRunner:
 
     def caching_now(self) -> bool:
         """Whether the forward running now runs under step caching (a worker group runs it alone)."""
-        return self._cache_hooks is not None and self._cache_hooks.current is not None
+        return self._cache_hooks is not None and self._cache_hooks.in_forward()
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         work = StepWork(out)

@@ -1,27 +1,20 @@
 """Step caching per request inside one batched forward.
 
 diffusers' cache hooks keep one state per transformer and take one decision per call. Here each
-request keeps its own state in the state pool and takes its own decision with diffusers' rule, on
+request keeps its own state in the state pool and takes its own decision with its method's rule, on
 exactly the rows the pipeline would decide over (a "group": the request's images, with its CFG rows
 where the pipeline batches them, or each CFG branch apart where it calls them apart). Rows that skip
 leave the forward, so the skipped blocks run on the other rows only.
 
-- first_block (diffusers' FirstBlockCacheConfig): every row runs the first block. A group whose head
-  residual moved, relative to the one its last *computing* step kept, by no more than the threshold
-  (mean absolute difference over mean absolute value, over the group's rows) skips: its hidden states
-  become the head output plus the tail residual kept from that step. The other rows run the remaining
-  blocks as one smaller batch, and the tail block puts the batch back together.
-- mag (MagCacheConfig): the decision comes from the model's calibrated ratios before the forward; rows
-  that skip run no block at all: their hidden states become their input plus the blocks' residual kept
-  from their last computing step.
-- taylorseer (TaylorSeerCacheConfig): on the steps its schedule computes, a row's attention modules
-  run and refresh their Taylor factors; on the others their outputs are predicted from the factors,
-  and those rows leave the attention modules' batch (taylorseer_rows.py).
+ForwardCache runs the parts every method shares (which rows run the first block, the blocks after it
+and each attention module; the batch put back together after the last block); each method's module
+(dvllm/step_caches/, by the registry) decides for its groups, keeps their state and fills their skipped
+rows (its MethodRows).
 
 The hooks are installed once on the adapter's transformer (`CacheHooks`, in diffusers' hook registry, as
-diffusers' own cache hooks are) and pass every call through
-unless a forward runs under `CacheHooks.running(forward)`: the runner's eager path, since a decision
-that depends on the data cannot be replayed from a CUDA graph.
+diffusers' own cache hooks are) and pass every call through unless the forward's context is given to
+them (`CacheHooks.running(context)`): the runner's eager path, since a decision that depends on the data
+cannot be replayed from a CUDA graph.
 """
 from __future__ import annotations
 
@@ -36,19 +29,13 @@ from diffusers.hooks import HookRegistry, ModelHook
 from dvllm.host_copy import device_index
 from dvllm.models.base import CacheSpec
 from dvllm.models.layout import BatchLayout
+from dvllm.step_caches.method import MethodRows
+from dvllm.step_caches.registry import method_of
+from dvllm.worker.forward_context import ForwardContext
 from dvllm.worker.hooked_call import Call
 from dvllm.worker.row_scope import RowScope
 from dvllm.worker.state_pool import StatePool
-from dvllm.worker.step_cache_state import (
-    CacheState,
-    Group,
-    factor_values,
-    fit_tokens,
-    pool_values,
-    stream_tokens,
-    write_state,
-)
-from dvllm.worker.taylorseer_rows import TaylorSeerRows
+from dvllm.worker.step_cache_state import CacheState, Group, pool_values, stream_tokens
 
 HOOK_NAME = "dvllm_step_cache"
 logger = logging.getLogger(__name__)
@@ -61,35 +48,33 @@ class ForwardCache:
                  row_tokens: list[int] | None = None) -> None:
         self.spec, self.groups, self.num_rows, self.image_tokens = spec, groups, num_rows, image_tokens
         self.row_tokens = row_tokens  # each row's real tokens in the masked stream (spec.mask_arg), from the host
-        self.fbc = [g for g in groups if g.state.config.method == "first_block"]
-        self.taylor = [g for g in groups if g.state.config.method == "taylorseer"]
-        self.mag = [g for g in groups if g.state.config.method == "mag"]
-        # A computing group's new state is written over its state (`data`: a view of the pool, see forward_cache):
-        # every part of it is read before it is overwritten, and a skipping group never writes. A forward that
-        # fails after a write leaves that state half new: it is marked so, and its next step starts it afresh.
-        for g in self.mag:  # mag decides before the forward: its measure is the model's calibrated ratios
-            g.computes, g.mag_next = g.state.mag_decision()
-            if g.computes:
-                g.new = g.data
-        for g in self.taylor:  # (factors lost to a failed forward: this step refreshes them)
-            g.computes = g.state.config.computes(g.step) or not g.state.num_orders
-            if g.computes:  # in the factors' own dtype (a view of the same numbers)
-                g.new = factor_values(g.data, g.state.config.taylor_factors_dtype)
-        self.taylorseer = TaylorSeerRows(spec, self.taylor, image_tokens)
         self.active: torch.Tensor | None = None  # forward rows flowing through the blocks now (None: all)
         self.active_rows: list[int] = list(range(num_rows))  # the same rows, on the host
         self.head_in: torch.Tensor | None = None  # the head block's hidden input, every row
         self.encoder_in: torch.Tensor | None = None
         self.head_out: Any = None  # the head block's output, on the rows that ran it (head_pos: row -> index)
         self.head_pos: dict[int, int] = {}
+        # A computing group's new state is written over its state (`data`: a view of the pool, see forward_cache):
+        # every part of it is read before it is overwritten. A forward that fails after a write leaves that state
+        # half new: it is marked so, and its next step starts it afresh. Decisions taken before the forward
+        # are taken here, as each method's part is made.
+        by_method: dict[str, list[Group]] = {}
+        for g in groups:
+            by_method.setdefault(g.state.config.method, []).append(g)
+        self.parts: dict[str, MethodRows] = {name: method_of(name).rows(self, of_method)
+                                             for name, of_method in by_method.items()}
+        self.attending = [p for p in self.parts.values() if p.handles_attention]
 
-    # first_block and mag: the blocks
+    # the blocks
     def head(self, call: Call) -> Any:
         arguments = call.arguments
         hidden_in = arguments[self.spec.hidden_arg]
         self.head_in, self.encoder_in = hidden_in, arguments.get("encoder_hidden_states")
         device = hidden_in.device
-        skipping = {r for g in self.mag if not g.computes for r in g.rows}  # these skip every block, the head too
+        for part in self.parts.values():
+            part.before_head(call)
+        # these skip every block, the head too
+        skipping = {r for p in self.parts.values() if p.skips_head for g in p.groups if not g.computes for r in g.rows}
         rows = [r for r in range(self.num_rows) if r not in skipping]
         if skipping:
             self.active, self.active_rows = device_index(rows, device), rows
@@ -99,8 +84,8 @@ class ForwardCache:
         else:
             out = call.run()
         self.head_out, self.head_pos = out, {row: i for i, row in enumerate(rows)}
-        if self.fbc:
-            skipping |= self._decide_first_block(arguments, hidden_in, rows)
+        for part in self.parts.values():
+            skipping |= part.after_head(arguments, hidden_in, rows)
         if not skipping:
             return out
         compute = [r for r in rows if r not in skipping]
@@ -113,33 +98,6 @@ class ForwardCache:
         if self.spec.hidden_index is None:
             return out[local]
         return tuple(o if o is None else o[local] for o in out)
-
-    def _decide_first_block(self, arguments: dict, hidden_in: torch.Tensor, rows: list[int]) -> set[int]:
-        """diffusers' first-block decision for each group, on the head's output; returns the rows that skip.
-        Every group's measure is computed on the device, and all are read back at once: the step's one wait."""
-        device = hidden_in.device
-        residual = self._hidden(self.head_out) - (hidden_in if len(rows) == self.num_rows else hidden_in[self.active])
-        lengths = None
-        if self.spec.mask_arg:  # rows of their own lengths (no mask: every token of every row is real)
-            masked = arguments.get(self.spec.mask_arg) is not None
-            lengths = [self.row_tokens[r] if masked else residual.shape[1] for r in rows]
-        measured = []
-        for g in self.fbc:
-            local = [self.head_pos[r] for r in g.rows]
-            g.local = device_index(local, device)
-            if g.state.primed:
-                measured.append((g, _measure(residual, local, g.local, self._residual_view(g, g.data, 0), lengths)))
-        ratios = torch.stack([m for _, m in measured]).tolist() if measured else []
-        for g, ratio in zip((g for g, _ in measured), ratios):
-            g.computes = ratio > g.state.config.threshold
-        skipping: set[int] = set()
-        for g in self.fbc:
-            if g.computes:  # (a group not yet primed computes)
-                g.new = g.data  # its old head residual was read by the measure above
-                write_state(g, self._residual_view(g, g.new, 0), residual[g.local])
-            else:
-                skipping.update(g.rows)
-        return skipping
 
     def block(self, call: Call, is_tail: bool) -> Any:
         if self.active is None:  # every row computes
@@ -162,34 +120,22 @@ class ForwardCache:
         return self._assemble(out)
 
     def _keep_tail(self, out: Any, rows: list[int]) -> None:
-        """The residuals diffusers keeps at the tail: first_block's, the last block's hidden output minus the
-        head block's; mag's, minus the head block's input."""
+        """What each method keeps of the last block's output, on the rows that ran it."""
         position = {row: i for i, row in enumerate(rows)}
-        hidden = self._hidden(out)
-        for g in self.fbc + self.mag:
-            if g.computes:
-                local = device_index([position[r] for r in g.rows], hidden.device)
-                if g in self.fbc:
-                    kept, start = self._residual_view(g, g.new, 1), self._hidden(self.head_out)[g.local]
-                else:
-                    kept, start = self._residual_view(g, g.new, 0), self.head_in[g.index]
-                write_state(g, kept, hidden[local] - start)
+        hidden = self.hidden(out)
+        for part in self.parts.values():
+            part.keep(hidden, position)
 
     def _assemble(self, computed: Any) -> Any:
-        """The batch after the tail: first_block's skipping rows are the head's output plus their kept tail
-        residual, mag's the head's input plus their kept residual, the rest what the blocks computed. Of
-        the text stream only computed rows are kept: every family served discards it after the last block."""
-        h, base = self.spec.hidden_index, self.head_in
-        hidden = base.clone()
-        for g in self.fbc:
-            if not g.computes:
-                head = self._hidden(self.head_out)[g.local]
-                hidden[g.index] = fit_tokens(self._residual_view(g, g.data, 1), hidden.shape[1]) + head
-        for g in self.mag:
-            if not g.computes:
-                hidden[g.index] = base[g.index] + fit_tokens(self._residual_view(g, g.data, 0), hidden.shape[1])
+        """The batch after the tail: skipping rows as their methods fill them, the rest what the blocks
+        computed. Of the text stream only computed rows are kept: every family served discards it after the
+        last block."""
+        h = self.spec.hidden_index
+        hidden = self.head_in.clone()
+        for part in self.parts.values():
+            part.fill(hidden)
         if computed is not None:
-            hidden[self.active] = self._hidden(computed)
+            hidden[self.active] = self.hidden(computed)
         if h is None:
             return hidden
         result = [None, None]
@@ -199,75 +145,72 @@ class ForwardCache:
             result[1 - h] = self.encoder_in if computed is None else _put(self.encoder_in, encoder, self.active)
         return tuple(result)
 
-    # taylorseer
+    # the attention modules
     def attention(self, module: int, call: Call) -> Any:
-        return self.taylorseer.attention(module, call, self.active_rows)
+        if not self.attending:
+            return call.run()
+        return self.attending[0].attention(module, call, self.active_rows)
 
-    def _residual_view(self, g: Group, data: torch.Tensor, which: int) -> torch.Tensor:
-        """A residual in a group's state, as [rows, tokens, dim]: first_block's 0 is the head's, 1 the
-        tail's; mag's 0 is the blocks'."""
-        tokens = self._tokens(self.spec.layout.hidden_kind, g)
+    # what the methods' parts share
+    def residual_view(self, g: Group, data: torch.Tensor, which: int) -> torch.Tensor:
+        """The `which`th hidden-stream tensor in a group's state, as [rows, tokens, dim] (each method says
+        what its tensors are)."""
+        tokens = stream_tokens(self.spec, self.spec.layout.hidden_kind, self.image_tokens, g.text_tokens)
         size = tokens * self.spec.layout.inner_dim
         return data[:, which * size:(which + 1) * size].view(len(data), tokens, -1)
 
-    def _tokens(self, kind: str, g: Group) -> int:
-        """Tokens a row's state keeps for one stream (text: the group's own length; unified: padded parts)."""
-        return stream_tokens(self.spec, kind, self.image_tokens, g.text_tokens)
-
-    def _hidden(self, out: Any) -> torch.Tensor:
+    def hidden(self, out: Any) -> torch.Tensor:
+        """A block's hidden-stream output."""
         return out if self.spec.hidden_index is None else out[self.spec.hidden_index]
 
     # after the forward and the update succeeded
     def commit(self, write: Callable[[list[list[int]], torch.Tensor], None]) -> list[tuple[CacheState, int, int]]:
-        """Writes the computing groups' new state; returns each request's (state, rows skipped, rows computed).
+        """Writes the groups' new state; returns each request's (state, rows skipped, rows computed).
         A step counts as cached for a request when every group of it skipped."""
         by_request: dict[int, list[Group]] = {}
         for g in self.groups:
             by_request.setdefault(id(g.state), []).append(g)
             g.state.written = False  # the forward and the update succeeded: the new state is whole
-            if g.computes and not g.in_place:
+            if g.new is not None and not g.in_place:
                 write(g.blocks, pool_values(g.new, g.data.dtype))
         outcome = []
         for groups in by_request.values():
-            state, computing = groups[0].state, [g for g in groups if g.computes]
+            state = groups[0].state
             skipped = sum(len(g.rows) for g in groups if not g.computes)
-            outcome.append((state, skipped, sum(len(g.rows) for g in computing)))
-            if state.config.method == "mag":
-                state.advance_mag(bool(computing), groups[0].mag_next)
-            elif state.config.method == "first_block":
-                state.primed = state.primed or bool(computing)
-            elif computing:
-                state.num_orders, state.last_update_step = computing[0].new_orders, computing[0].step
+            outcome.append((state, skipped, sum(len(g.rows) for g in groups if g.computes)))
+            self.parts[state.config.method].commit(state, groups)
         return outcome
 
 
 class _CacheHook(ModelHook):
-    """On one block or attention module (through diffusers' hook registry): the call as the running forward's
-    cache decides it, or as it is when no caching forward runs."""
+    """On one block or attention module (through diffusers' hook registry): the call as the forward's context
+    decides it, given to the hook for the forward's span; as it is when no caching forward runs."""
 
-    def __init__(self, hooks: "CacheHooks", decide: Callable) -> None:
+    def __init__(self, rows: RowScope, decide: Callable) -> None:
         super().__init__()
-        self.hooks, self.decide = hooks, decide
+        self.rows, self.decide = rows, decide
         self.signature: inspect.Signature | None = None
+        self.context: ForwardContext | None = None  # the running forward's, while one runs
 
     def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
         self.signature = inspect.signature(module.forward)  # read once: Call binds every call's arguments to it
         return module
 
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        forward, original = self.hooks.current, self.fn_ref.original_forward
-        if forward is None:
+        context, original = self.context, self.fn_ref.original_forward
+        if context is None or context.cache is None:
             return original(*args, **kwargs)
-        return self.decide(forward, Call(original, self.signature, args, kwargs, self.hooks.rows))
+        return self.decide(context.cache, Call(original, self.signature, args, kwargs, self.rows))
 
 
 class CacheHooks:
-    """Wraps the spec's blocks and attention modules once; each call consults the running forward."""
+    """Wraps the spec's blocks and attention modules once; each forward's context is given to them for its
+    span (`running`)."""
 
     def __init__(self, spec: CacheSpec, rows: RowScope | None = None) -> None:
         self.spec = spec
         self.rows = rows or RowScope()  # shared with whatever else must know which rows a module runs on
-        self.current: ForwardCache | None = None
+        self._hooks: list[_CacheHook] = []
         last = len(spec.blocks) - 1
         for i, block in enumerate(spec.blocks):
             self._wrap(block, lambda f, call, i=i: f.head(call) if i == 0 else f.block(call, i == last))
@@ -275,28 +218,25 @@ class CacheHooks:
             self._wrap(module, lambda f, call, j=j: f.attention(j, call))
 
     def _wrap(self, module: torch.nn.Module, decide: Callable) -> None:
-        HookRegistry.check_if_exists_or_initialize(module).register_hook(_CacheHook(self, decide), HOOK_NAME)
+        hook = _CacheHook(self.rows, decide)
+        HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, HOOK_NAME)
+        self._hooks.append(hook)
 
     @contextmanager
-    def running(self, forward: ForwardCache) -> Iterator[None]:
-        self.current = forward
+    def running(self, context: ForwardContext) -> Iterator[None]:
+        """Gives the forward's context to every hook for the span (as diffusers' registry gives its hooks a
+        cache context), and takes it back after."""
+        for hook in self._hooks:
+            hook.context = context
         try:
             yield
         finally:
-            self.current = None
+            for hook in self._hooks:
+                hook.context = None
 
-
-def _measure(residual: torch.Tensor, rows: list[int], index: torch.Tensor, previous: torch.Tensor,
-             lengths: list[int] | None) -> torch.Tensor:
-    """The measure of diffusers' FBCHeadBlockHook._should_compute_remaining_blocks on one group's rows (`rows`,
-    on the device `index`; with `lengths`, each row's own real tokens only), left on the device."""
-    if lengths is None:
-        current = residual[index]
-    else:  # each row's own tokens, so the measure cannot depend on the batch's padding
-        current = torch.cat([residual[r, :lengths[r]] for r in rows])
-        previous = torch.cat([previous[i, :lengths[r]] for i, r in enumerate(rows)])
-    absmean = (current - previous).abs().mean()
-    return absmean / previous.abs().mean()
+    def in_forward(self) -> bool:
+        """Whether a caching forward runs now (a worker group runs it alone)."""
+        return bool(self._hooks) and self._hooks[0].context is not None  # (every hook has the same one)
 
 
 def _put(full: torch.Tensor, part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -337,8 +277,9 @@ def forward_cache(spec: CacheSpec, pool: StatePool, states: list[Any], layout: B
             in_place = data is not None
             if not in_place:
                 data = pool.read(row_blocks, s.cache.numel)
-            groups.append(Group(state=s.cache, rows=rows, blocks=row_blocks, step=s.step, text_tokens=text_tokens,
-                                data=data, index=device_index(rows, data.device), in_place=in_place))
+            groups.append(Group(state=s.cache, rows=rows, blocks=row_blocks, step=s.step,
+                                num_steps=s.plan.num_steps, text_tokens=text_tokens, data=data,
+                                index=device_index(rows, data.device), in_place=in_place))
     image_tokens = spec.layout.image_tokens(*layout.image_size)
     row_tokens = None
     if spec.mask_arg and text_lengths is not None:

@@ -1,12 +1,11 @@
 """What step caching keeps per request on the worker between steps (`CacheState`), what one decision
 covers in a forward (`Group`), and how Taylor factors sit in the state pool. The forward itself is in
-step_cache_hooks.py (TaylorSeer's attention part in taylorseer_rows.py)."""
+step_cache_hooks.py, each method's part in its module (dvllm/step_caches/)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from dvllm.step_cache import CacheConfig, CacheLayout
@@ -19,14 +18,9 @@ class CacheState:
     config: CacheConfig
     text_tokens: int = 0                 # text tokens its state keeps per text (or unified) stream
     numel: int = 0                       # pool elements one of its rows takes
-    primed: bool = False                 # first_block and mag: a residual is kept (step one always computes)
-    last_update_step: int | None = None  # taylorseer: the last step that refreshed the factors
-    num_orders: int = 0                  # taylorseer: factors valid
-    # mag: MagCacheState's counters, and the calibrated ratios as diffusers interpolates them
-    step_index: int = 0
-    accumulated: tuple = (1.0, 0, 0.0)   # ratio, steps, error
-    mag_ratios: np.ndarray | None = None  # as numpy scalars: the same float32 arithmetic, on the host
+    primed: bool = False                 # a computing step kept its state (step one always computes)
     written: bool = False                # a forward began writing its state in place and has not committed
+    host: Any = None                     # what its method keeps on the host (CacheMethod.host_state)
 
     @classmethod
     def sized(cls, config: CacheConfig, layout: CacheLayout, data: Any) -> "CacheState":
@@ -36,35 +30,13 @@ class CacheState:
         return cls(config, text_tokens=text_tokens, numel=numel)
 
     def __post_init__(self) -> None:
-        if self.config.method == "mag":
-            self.mag_ratios = self.config.diffusers_config().mag_ratios.numpy()
+        self.host = self.config.spec.host_state(self.config)
 
     def restart(self) -> None:
         """Forget the kept state (a failed forward left it half written): the next step computes in full and
         keeps a new one, as the request's first step did."""
-        self.primed, self.last_update_step, self.num_orders, self.written = False, None, 0, False
-
-    def mag_decision(self) -> tuple[bool, tuple]:
-        """diffusers' MagCacheHeadHook decision (same arithmetic, float32 ratios included): whether this step
-        computes, and the accumulated ratio, steps and error it leaves."""
-        config, step = self.config, self.step_index
-        scale = self.mag_ratios[step] if step < len(self.mag_ratios) else 1.0
-        ratio, steps, error = self.accumulated
-        if step < int(config.retention_ratio * config.num_inference_steps + 0.5):
-            return True, self.accumulated
-        ratio = ratio * scale
-        steps += 1
-        error = error + abs(1.0 - ratio)
-        if self.primed and error <= config.threshold and steps <= config.max_skip_steps:
-            return False, (ratio, steps, error)
-        return True, (1.0, 0, 0.0)
-
-    def advance_mag(self, computed: bool, accumulated: tuple) -> None:
-        """MagCacheBlockHook._advance_step: the next step, and a fresh start after num_inference_steps."""
-        self.accumulated, self.primed = accumulated, self.primed or computed
-        self.step_index += 1
-        if self.step_index >= self.config.num_inference_steps:
-            self.step_index, self.accumulated, self.primed = 0, (1.0, 0, 0.0), False
+        self.primed, self.written = False, False
+        self.host = self.config.spec.restarted(self.config, self.host)
 
 
 @dataclass(eq=False)
@@ -76,18 +48,18 @@ class Group:
     index: torch.Tensor       # the same, on the device
     blocks: list[list[int]]   # each row's cache blocks in the pool
     step: int
+    num_steps: int            # steps of the request's schedule
     text_tokens: int          # text tokens its state keeps per text (or unified) stream
     data: torch.Tensor        # [rows, numel]: its state, a view of the pool (in_place) or a copy read from it
     in_place: bool = True
     computes: bool = True
-    new: torch.Tensor | None = None  # what this forward writes back (computing groups)
-    new_orders: int = 0              # taylorseer: factors the refresh produced
-    mag_next: tuple = ()             # mag: the accumulated ratio, steps and error after this step
+    new: torch.Tensor | None = None  # what this forward writes back (None: nothing)
+    next: Any = None                 # what its method keeps on the host after this step (committed with it)
     local: torch.Tensor | None = None  # first_block: its rows among those that ran the head block, on the device
 
 
 def factor_values(data: torch.Tensor, dtype_name: str) -> torch.Tensor:
-    """Pool elements -> factor values (see step_cache.pool_elements_per_factor): a float32 pool holds 2-byte
+    """Pool elements -> factor values (see step_caches/taylorseer.pool_elements_per_factor): a float32 pool holds 2-byte
     factors by value (exactly: no conversion needed to compute with them), other pools hold raw bits."""
     dtype = getattr(torch, dtype_name)
     if data.dtype in (dtype, torch.float32):

@@ -3,7 +3,7 @@
 On the steps a request's schedule computes, its rows run each attention module and refresh their Taylor
 factors (diffusers' TaylorSeerState.update); on the others their outputs are predicted from the factors
 (TaylorSeerState.predict) and those rows leave the module's batch. The factors are views of each request's
-state in the pool (step_cache_hooks.forward_cache gives them); the decision itself is taken in ForwardCache.
+state in the pool (step_cache_hooks.forward_cache gives them). The method's driver part is step_caches/taylorseer.py.
 """
 from __future__ import annotations
 
@@ -13,22 +13,34 @@ from typing import Any
 import torch
 
 from dvllm.host_copy import device_index
-from dvllm.models.base import CacheSpec
+from dvllm.step_caches.method import MethodRows
 from dvllm.worker.hooked_call import Call
 from dvllm.worker.step_cache_state import Group, factor_values, fit_tokens, stream_tokens, write_state
 
 Factors = list[list[list[torch.Tensor]]]  # [module][output][order] -> [rows, tokens, dim]
 
 
-class TaylorSeerRows:
+class TaylorSeerRows(MethodRows):
     """The TaylorSeer groups of one forward: their kept factors, and the ones this forward computes."""
 
-    def __init__(self, spec: CacheSpec, groups: list[Group], image_tokens: int) -> None:
-        self.spec, self.groups, self.image_tokens = spec, groups, image_tokens
+    handles_attention = True
+
+    def __init__(self, forward: Any, groups: list[Group]) -> None:
+        super().__init__(forward, groups)
+        self.spec, self.image_tokens = forward.spec, forward.image_tokens
+        for g in groups:  # (factors lost to a failed forward: this step refreshes them)
+            g.computes = g.state.config.computes(g.step) or not g.state.host.num_orders
+            if g.computes:  # in the factors' own dtype (a view of the same numbers)
+                g.new = factor_values(g.data, g.state.config.taylor_factors_dtype)
         self._factors = {id(g): self._views(g, factor_values(g.data, g.state.config.taylor_factors_dtype))
-                         for g in groups if g.state.num_orders}
+                         for g in groups if g.state.host.num_orders}
         self._new_factors = {id(g): self._views(g, g.new) for g in groups if g.computes}
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def commit(self, state: Any, groups: list[Group]) -> None:
+        computing = [g for g in groups if g.computes]
+        if computing:
+            state.host.num_orders, state.host.last_update_step = computing[0].next, computing[0].step
 
     def attention(self, module: int, call: Call, rows: list[int]) -> Any:
         """One attention module's call on the forward rows `rows` that flow through the blocks now."""
@@ -72,21 +84,21 @@ class TaylorSeerRows:
                 if local is None:
                     local = self._index([position[r] for r in g.rows], features.device)
                 factors = [fit_tokens(features[local], new[module][o][0].shape[1])]
-                if g.state.last_update_step is not None:
-                    delta = g.step - g.state.last_update_step
-                    for j in range(min(g.state.config.max_order, g.state.num_orders)):
+                if g.state.host.last_update_step is not None:
+                    delta = g.step - g.state.host.last_update_step
+                    for j in range(min(g.state.config.max_order, g.state.host.num_orders)):
                         factors.append((factors[j] - old[module][o][j].to(features.dtype)) / delta)
                 for k, factor in enumerate(factors):  # kept in the factors' dtype, as diffusers keeps them
                     write_state(g, new[module][o][k], factor.to(factor_dtype))
-                g.new_orders = len(factors)
+                g.next = len(factors)  # the factors the refresh produced
 
     def _predict(self, module: int, g: Group, dtype: torch.dtype) -> list[torch.Tensor]:
         """diffusers' TaylorSeerState.predict: the series at this step's offset from the last refresh."""
-        offset = g.step - g.state.last_update_step
+        offset = g.step - g.state.host.last_update_step
         outputs = []
         for factors in self._factors[id(g)][module]:
             result = factors[0].to(dtype)  # diffusers starts from zeros and adds the order-0 factor times 1.0
-            for order in range(1, g.state.num_orders):
+            for order in range(1, g.state.host.num_orders):
                 result = result + factors[order].to(dtype) * ((offset ** order) / math.factorial(order))
             outputs.append(result)
         return outputs

@@ -27,9 +27,11 @@ def use_loras(pipeline: Any, loaded: list[str], loras: dict[str, float] | None) 
 
 def diffusers_cache_unsupported(transformer: torch.nn.Module, config: CacheConfig) -> str | None:
     """Why diffusers cannot run this cache on this transformer; None when it can."""
+    if not config.spec.in_diffusers:
+        return f"diffusers has no {config.method} cache (dvllm's is tested against its own reference)"
     if hasattr(transformer, "enable_cache"):
         return None
-    if type(transformer).__name__ == "SD3Transformer2DModel" and config.method == "taylorseer":
+    if type(transformer).__name__ == "SD3Transformer2DModel" and config.spec.diffusers_hook_applies_directly:
         return None
     return (f"diffusers' {config.method} cache does not run on {type(transformer).__name__} (it has no "
             f"enable_cache, and this benchmark knows no direct use of diffusers' hooks that runs on it)")
