@@ -14,6 +14,7 @@ from dvllm import DiffusionEngine, SamplingParams
 from dvllm.step_caches import registry
 from dvllm.step_caches.blocks_residual import BlocksResidualRows
 from dvllm.step_caches.method import CacheMethod, MethodRows, check_integer, hidden_residuals
+from dvllm.step_caches.registry import served_methods
 
 
 def test_the_registry_is_the_only_place_that_names_the_methods():
@@ -62,7 +63,7 @@ class EveryOtherRows(BlocksResidualRows):
 def test_a_method_the_registry_names_is_served_with_nothing_else_changed(flux_path, monkeypatch):
     monkeypatch.setitem(registry.METHODS, EveryOther.name, EveryOther())
     engine = DiffusionEngine(model=flux_path, device="cpu", dtype="float32")
-    assert "every_other" in engine.processor.info.cache_methods
+    assert "every_other" in served_methods(engine.processor.info)
     base = dict(height=16, width=16, output_type="np")
     toy = SamplingParams(num_inference_steps=7, seed=1, cache={"method": "every_other", "period": 3}, **base)
     others = [SamplingParams(num_inference_steps=5, seed=2, **base),

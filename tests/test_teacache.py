@@ -19,6 +19,7 @@ import torch
 from test_step_cache import THRESHOLDS, assert_images_close
 
 from dvllm import DiffusionEngine, SamplingParams
+from dvllm.step_caches.registry import served_methods
 from dvllm.step_caches.teacache import COEFFICIENTS
 
 P = SamplingParams
@@ -156,13 +157,13 @@ def test_teacache_latents_equal_the_reference(deep_flux_path):
 
 def test_teacache_is_a_flux_method_in_the_capability_table(flux_path, sd3_path):
     flux = DiffusionEngine(model=flux_path, device="cpu", dtype="float32")
-    assert "teacache" in flux.processor.info.cache_methods
+    assert "teacache" in served_methods(flux.processor.info)
     resolved = flux.processor.process("a", "x", P(height=32, width=32, cache=tea(0.4))).params.cache
     assert resolved.coefficients == COEFFICIENTS["flux"]  # the model's, as the request left them out
     own = flux.processor.process("b", "x", P(height=32, width=32, cache={**tea(0.4), "coefficients": [1, 0]}))
     assert own.params.cache.coefficients == (1.0, 0.0)
     sd3 = DiffusionEngine(model=sd3_path, device="cpu", dtype="float32")
-    assert "teacache" not in sd3.processor.info.cache_methods and "first_block" in sd3.processor.info.cache_methods
+    assert "teacache" not in served_methods(sd3.processor.info) and "first_block" in served_methods(sd3.processor.info)
     with pytest.raises(ValueError, match="cache.method: teacache is not served for the stable-diffusion-3 family"):
         sd3.add_request("r", "x", P(cache=tea(0.4)))
     with pytest.raises(ValueError, match="default_cache: cache.method: teacache is not served"):

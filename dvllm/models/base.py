@@ -12,7 +12,7 @@ import torch
 from dvllm.host_copy import device_index
 from dvllm.models.layout import BatchLayout
 from dvllm.models.model_info import ModelInfo
-from dvllm.step_cache import CacheLayout
+from dvllm.step_caches.layout import CacheLayout
 
 # One text's conditioning, e.g. {"prompt_embeds": [1, L, D]}; the runner stacks them per key.
 Conditions = dict[str, torch.Tensor]

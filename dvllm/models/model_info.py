@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from dvllm.param_defaults import DEFAULT_PIXELS_FACTOR
 from dvllm.request_sizes import image_sizes, size_of
-from dvllm.step_cache import CacheLayout
+from dvllm.step_caches.layout import CacheLayout
 
 # (input images' (width, height)s) -> ...; module-level functions or partials of them, so that they pickle
 ImageSizes = tuple[tuple[int, int], ...]
@@ -189,13 +189,6 @@ class ModelInfo:
     # Two experts (Wan 2.2 A14B): the timestep at and above which the first (high-noise) denoiser runs a row, the
     # second below it, each with its own guidance scale (SamplingParams.guidance_scale_2). None: one denoiser.
     expert_boundary: float | None = None
-
-    @property
-    def cache_methods(self) -> tuple[str, ...]:
-        """The step-cache methods this family serves (SamplingParams.cache's method), as each method says."""
-        from dvllm.step_caches.registry import served_methods
-
-        return served_methods(self)
 
     def expert(self, timestep: float) -> int:
         """The expert that runs a step at `timestep`: 0, or 1 below a two-expert model's boundary."""

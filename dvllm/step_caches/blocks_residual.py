@@ -14,7 +14,7 @@ class BlocksResidualRows(MethodRows):
 
     def keep(self, hidden: Any, position: dict[int, int]) -> None:
         from dvllm.host_copy import device_index
-        from dvllm.worker.step_cache_state import write_state
+        from dvllm.step_caches.state import write_state
 
         f = self.forward
         for g in self.groups:
@@ -23,7 +23,7 @@ class BlocksResidualRows(MethodRows):
                 write_state(g, f.residual_view(g, g.new, self.residual_slot), hidden[local] - f.head_in[g.index])
 
     def fill(self, hidden: Any) -> None:
-        from dvllm.worker.step_cache_state import fit_tokens
+        from dvllm.step_caches.state import fit_tokens
 
         f = self.forward
         for g in self.groups:

@@ -38,7 +38,7 @@ class FirstBlockRows(MethodRows):
         import torch
 
         from dvllm.host_copy import device_index
-        from dvllm.worker.step_cache_state import write_state
+        from dvllm.step_caches.state import write_state
 
         f = self.forward
         device = hidden_in.device
@@ -68,7 +68,7 @@ class FirstBlockRows(MethodRows):
     def keep(self, hidden: Any, position: dict[int, int]) -> None:
         """diffusers keeps the last block's hidden output minus the head block's."""
         from dvllm.host_copy import device_index
-        from dvllm.worker.step_cache_state import write_state
+        from dvllm.step_caches.state import write_state
 
         f = self.forward
         for g in self.groups:
@@ -78,7 +78,7 @@ class FirstBlockRows(MethodRows):
 
     def fill(self, hidden: Any) -> None:
         """A skipping group's rows: the head's output plus their kept tail residual."""
-        from dvllm.worker.step_cache_state import fit_tokens
+        from dvllm.step_caches.state import fit_tokens
 
         f = self.forward
         for g in self.groups:

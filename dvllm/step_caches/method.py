@@ -13,8 +13,12 @@ import reprlib
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 if TYPE_CHECKING:
-    from dvllm.models.model_info import ModelInfo
-    from dvllm.step_cache import CacheConfig, CacheLayout
+    from dvllm.step_caches.layout import CacheLayout
+
+# A request's step_cache.CacheConfig and a family's ModelInfo, as the methods take them: named, not imported (a
+# CacheConfig is made from this package's registry, and a ModelInfo lists the methods its family serves).
+CacheConfig = Any
+ModelInfo = Any
 
 # Step numbers and step counts: far past any schedule served (max_inference_steps is 1000 by default), where
 # every larger value means the same; it keeps them small integers for the worker and torch.

@@ -22,7 +22,7 @@ def method_of(name: str) -> CacheMethod:
 
 
 def served_methods(info: object) -> tuple[str, ...]:
-    """The methods a family serves (ModelInfo.cache_methods): none where it serves no step caching."""
+    """The methods a family serves (each method asks the family's ModelInfo): none where it serves no step caching."""
     if getattr(info, "cache_layout", None) is None:
         return ()
     return tuple(name for name, method in METHODS.items() if method.unsupported(info) is None)

@@ -2,7 +2,7 @@
 
 On the steps its schedule computes, a row's attention modules run and refresh their Taylor factors; on the
 others their outputs are predicted from the factors, and those rows leave the attention modules' batch. The
-worker part is worker/taylorseer_rows.py (it is the longest and needs torch throughout).
+worker part is step_caches/taylorseer_rows.py (it is the longest and needs torch throughout).
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class TaylorSeer(CacheMethod):
         return TaylorState()
 
     def rows(self, forward: Any, groups: list) -> MethodRows:
-        from dvllm.worker.taylorseer_rows import TaylorSeerRows
+        from dvllm.step_caches.taylorseer_rows import TaylorSeerRows
 
         return TaylorSeerRows(forward, groups)
 

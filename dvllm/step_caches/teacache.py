@@ -74,7 +74,7 @@ class TeaCacheRows(BlocksResidualRows):
         import torch
 
         from dvllm.host_copy import device_index
-        from dvllm.worker.step_cache_state import write_state
+        from dvllm.step_caches.state import write_state
 
         f, arguments = self.forward, call.arguments
         hidden = arguments[f.spec.hidden_arg]

@@ -2,10 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from dvllm.worker.step_cache_hooks import ForwardCache
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -14,4 +11,4 @@ class ForwardContext:
     decisions and state); the place for the forward's BatchLayout, LoRA plan and row scope too, so that every
     hook gets one object passed for the span."""
 
-    cache: "ForwardCache | None" = None
+    cache: Any = None  # step_cache_hooks.ForwardCache (that module gives hooks this context: not imported here)

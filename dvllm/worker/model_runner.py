@@ -19,6 +19,7 @@ from dvllm.core.stage_stats import StageStats
 from dvllm.lora.cache import LoraCache
 from dvllm.models.base import ModelAdapter
 from dvllm.profiler import PhaseTimer
+from dvllm.step_caches.state import CacheState
 from dvllm.worker.decode_stage import DecodeJob, DecodeStage
 from dvllm.worker.denoise_batch import StepParts, denoise_step
 from dvllm.worker.denoiser import Denoiser
@@ -30,7 +31,6 @@ from dvllm.worker.row_scope import RowScope
 from dvllm.worker.start_latents import Start, make_start
 from dvllm.worker.state_pool import StatePool
 from dvllm.worker.step_cache_hooks import CacheHooks
-from dvllm.worker.step_cache_state import CacheState
 from dvllm.worker.step_work import Stage, StepWork, run_stages
 from dvllm.worker.vae_calls import decode_by_request
 

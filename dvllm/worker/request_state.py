@@ -8,7 +8,7 @@ from diffusers import SchedulerMixin
 
 from dvllm.core.scheduler_output import BlockTables, NewRequestData
 from dvllm.samplers import SamplerPlan
-from dvllm.worker.step_cache_state import CacheState
+from dvllm.step_caches.state import CacheState
 
 
 @dataclass(eq=False)

@@ -31,11 +31,11 @@ from dvllm.models.base import CacheSpec
 from dvllm.models.layout import BatchLayout
 from dvllm.step_caches.method import MethodRows
 from dvllm.step_caches.registry import method_of
+from dvllm.step_caches.state import CacheState, Group, pool_values, stream_tokens
 from dvllm.worker.forward_context import ForwardContext
 from dvllm.worker.hooked_call import Call
 from dvllm.worker.row_scope import RowScope
 from dvllm.worker.state_pool import StatePool
-from dvllm.worker.step_cache_state import CacheState, Group, pool_values, stream_tokens
 
 HOOK_NAME = "dvllm_step_cache"
 logger = logging.getLogger(__name__)

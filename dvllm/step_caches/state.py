@@ -8,14 +8,14 @@ from typing import Any
 
 import torch
 
-from dvllm.step_cache import CacheConfig, CacheLayout
+from dvllm.step_caches.layout import CacheLayout
 
 
 @dataclass
 class CacheState:
     """One request's step cache on the worker, between steps (its tensors are in the pool)."""
 
-    config: CacheConfig
+    config: Any  # a step_cache.CacheConfig (made from this package's registry: not imported here)
     text_tokens: int = 0                 # text tokens its state keeps per text (or unified) stream
     numel: int = 0                       # pool elements one of its rows takes
     primed: bool = False                 # a computing step kept its state (step one always computes)
@@ -23,7 +23,7 @@ class CacheState:
     host: Any = None                     # what its method keeps on the host (CacheMethod.host_state)
 
     @classmethod
-    def sized(cls, config: CacheConfig, layout: CacheLayout, data: Any) -> "CacheState":
+    def sized(cls, config: Any, layout: CacheLayout, data: Any) -> "CacheState":
         """For a request (NewRequestData), sized once as admission sized its blocks."""
         text_tokens, numel = layout.request_row(config, data.height, data.width, data.max_sequence_length,
                                                 (data.prompt, data.negative_prompt), data.num_frames)

@@ -14,8 +14,7 @@ import torch
 
 from dvllm.host_copy import device_index
 from dvllm.step_caches.method import MethodRows
-from dvllm.worker.hooked_call import Call
-from dvllm.worker.step_cache_state import Group, factor_values, fit_tokens, stream_tokens, write_state
+from dvllm.step_caches.state import Group, factor_values, fit_tokens, stream_tokens, write_state
 
 Factors = list[list[list[torch.Tensor]]]  # [module][output][order] -> [rows, tokens, dim]
 
@@ -42,8 +41,9 @@ class TaylorSeerRows(MethodRows):
         if computing:
             state.host.num_orders, state.host.last_update_step = computing[0].next, computing[0].step
 
-    def attention(self, module: int, call: Call, rows: list[int]) -> Any:
-        """One attention module's call on the forward rows `rows` that flow through the blocks now."""
+    def attention(self, module: int, call: Any, rows: list[int]) -> Any:
+        """One attention module's call (worker/hooked_call.Call) on the forward rows `rows` that flow through the
+        blocks now."""
         position = {row: i for i, row in enumerate(rows)}
         predicting = [g for g in self.groups if not g.computes and g.rows[0] in position]
         if not predicting:
