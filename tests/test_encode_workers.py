@@ -19,7 +19,7 @@ from dvllm import DiffusionEngine, EngineConfig
 from dvllm.models.loader import load_adapter
 from dvllm.worker.encode_stage import EncodeStage
 from dvllm.worker.encode_worker import EncoderCopy, ModuleCopy, start_encode_workers
-from dvllm.worker.prompt_writer import encode_flat
+from dvllm.worker.conditions import encode_flat
 from dvllm.worker.stage_process import WorkerProcessLost
 
 def _engine(path: str, **kwargs) -> DiffusionEngine:

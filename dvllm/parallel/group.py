@@ -54,38 +54,36 @@ from dvllm.parallel.group_member import JoinOrder, LoraSlot, SharedCall, backend
 from dvllm.parallel.row_split import call_rows, chunk, cut, gather_rows
 from dvllm.parallel.uneven_split import TooFewTokens
 from dvllm.worker.lora_layers import LoraLayers
-from dvllm.worker.stage_process import CallBounds, StageProcess, WorkerProcessLost, check_devices
+from dvllm.runtime.liveness import CallBounds
+from dvllm.runtime.remote import SETUP
+from dvllm.worker.stage_process import StageProcess, WorkerProcessLost, check_devices
 
 logger = logging.getLogger(__name__)
 
 
 class GroupMember(StageProcess):
     kind = "group member"
-    module = "dvllm.parallel.group_member"
+    target = "dvllm.parallel.group_member:main"
     process_name = "dvllm-member"
 
     def load(self) -> None:
         """Sends the engine's config: the member loads the model (its answer comes later: `loaded`)."""
-        self._send(("build", self._copy()))
+        self.post(SETUP, self._copy())
 
     def loaded(self) -> None:
-        self._receive()
+        self.receive()
         self._built = True
 
     def send(self, message: Any) -> None:
         """A JoinOrder, or a denoiser call's skeleton; `done` waits for its end."""
-        self._send(("run", message))
+        self.post("run", message)
 
     def done(self) -> Any:
         """The member's answer to what was sent last (a DecodeCalls' outputs; None for the rest)."""
-        return self._receive()
-
-    @property
-    def alive(self) -> bool:
-        return self._process is not None and self._process.poll() is None
+        return self.receive()
 
     def start_again(self) -> None:
-        self._respawn("died" if not self.alive else "goes with its group, formed anew")
+        self.restart("died" if not self.alive else "goes with its group, formed anew")
 
 
 def member_devices(config: EngineConfig, device: torch.device) -> list[str]:
