@@ -230,7 +230,7 @@ def test_a_text_whose_process_dies_twice_fails_alone():
 @pytest.mark.slow
 def test_shutdown_stops_the_processes(sd_eps_path):
     engine = _engine(sd_eps_path, encode_workers=2)
-    processes = [w._process for w in _stage(engine).workers]
+    processes = [w.process for w in _stage(engine).workers]
     engine.add_request("0", *LATER[0])
     while engine.has_unfinished_requests():
         engine.step()

@@ -41,6 +41,15 @@ def resolve(target: str) -> Target:
     return getattr(importlib.import_module(module), function)
 
 
+def use_threads(threads: int) -> None:
+    """This process's torch intra-op threads (0: torch's default). Set once, at the start: besides the OpenMP
+    count it resizes process-wide pools other threads may be using."""
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def child_main() -> None:
     """The process's entry (dvllm.child_process.run_entry): sys.argv[1:] = `<channel fd> <target> <threads>
     <the target's arguments>`."""
@@ -49,9 +58,6 @@ def child_main() -> None:
     fd, target, threads, *args = sys.argv[1:]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle: it stops us
     set_third_party_verbosity(verbose=child_library_logs())  # (its stderr is its parent's: no loading bars there)
-    if int(threads) > 0:
-        import torch
-
-        torch.set_num_threads(int(threads))
+    use_threads(int(threads))
     run: Any = resolve(target)
     run(Channel(Connection(int(fd))), *args)
