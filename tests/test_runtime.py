@@ -33,7 +33,7 @@ def test_the_channel_carries_tensors_whole_and_a_tied_one_once():
     a, b = Channel(ours), Channel(theirs)
     weight = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
     message = {"tied": [weight, weight], "view": weight[1:, ::2], "empty": torch.zeros(0, 5),
-               "scalar": torch.tensor(True), "param": torch.nn.Parameter(torch.ones(2)), "text": "x" * 10}
+               "scalar": torch.tensor(True), "conj": torch.tensor([1 + 2j]).conj(), "param": torch.nn.Parameter(torch.ones(2)), "text": "x" * 10}
     got: list = []
     reader = threading.Thread(target=lambda: got.append(b.receive()))
     reader.start()
@@ -42,7 +42,7 @@ def test_the_channel_carries_tensors_whole_and_a_tied_one_once():
     (out,) = got
     assert out["tied"][0] is out["tied"][1] and torch.equal(out["tied"][0], weight)
     assert out["tied"][0].dtype == torch.bfloat16 and torch.equal(out["view"], weight[1:, ::2])
-    assert out["empty"].shape == (0, 5) and out["scalar"].item() is True
+    assert out["empty"].shape == (0, 5) and out["scalar"].item() is True and out["conj"].item() == 1 - 2j
     assert isinstance(out["param"], torch.nn.Parameter) and out["text"] == "x" * 10
     a.close()
     with pytest.raises((EOFError, OSError)):

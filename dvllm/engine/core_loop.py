@@ -9,7 +9,7 @@ steps; everything the loop has to say leaves through one `report` callable as a 
     ("pong",)                                  the answer to a ping: the loop came round (runtime/liveness.py)
 
 The same loop runs on a thread of the server's process (the report goes to the event loop) and as
-the main loop of an engine core process (the report goes down a pipe): see core_process.py.
+the main loop of an engine core process (the report goes down its channel): see core_process.py.
 """
 from __future__ import annotations
 

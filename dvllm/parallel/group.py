@@ -5,7 +5,7 @@ together, each on its own device with a whole copy of the denoiser, and either a
 
 The worker leads. It alone holds the requests' state, schedules, samples and decodes; a member holds the denoiser
 and nothing else. Each time the worker calls its denoiser, a hook sends the call to the members first (its
-arguments' skeleton over each member's pipe, its tensors by broadcast: parallel/call_broadcast.py), so every
+arguments' skeleton over each member's channel, its tensors by broadcast: parallel/call_broadcast.py), so every
 member makes the same call. Sequence parallel: the collectives inside the forward split and gather, and every
 member ends with the whole output, of which the worker's is used. CFG-parallel: each runs its own rows and the
 worker receives the others'. So batching, samplers, preemption and every request's state are the one worker's as
@@ -243,7 +243,7 @@ class WorkerGroup:
 
     def _recover(self, what: str, error: Exception) -> bool:
         """The group formed anew after a failed exchange; whether the group caused the failure (a member lost,
-        a collective's or a pipe's error), so that it is worth running again."""
+        a collective's or a channel's error), so that it is worth running again."""
         lost = [m.index for m in self.members if not m.alive]
         logger.error("a grouped %s failed (%s: %s; members lost: %s); forming the group anew", what,
                      type(error).__name__, error, lost or "none")

@@ -61,7 +61,8 @@ class _Unpickler(pickle.Unpickler):
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
+    # (a lazily conjugated or negated view holds other bytes than its values: resolved first)
+    return tensor.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 class Channel:
