@@ -26,8 +26,8 @@ from dvllm import AsyncDiffusionEngine, EngineConfig
 from dvllm.engine.async_engine import EngineUnresponsiveError
 from dvllm.entrypoints.api_server import build_app
 from dvllm.entrypoints.cli_args import add_engine_args, engine_kwargs
-from dvllm.worker.encode_worker import EncodeWorker
 from dvllm.runtime.liveness import CallBounds
+from dvllm.worker.encode_worker import EncodeWorker
 from dvllm.worker.stage_process import WorkerProcessLost
 
 CALL_S = 5.0  # a stage call's bound here: the tiny model's batches take milliseconds, even on a loaded machine

@@ -53,9 +53,9 @@ from dvllm.parallel.group_decode import DecodeCalls, assign
 from dvllm.parallel.group_member import JoinOrder, LoraSlot, SharedCall, backend, denoiser_lora
 from dvllm.parallel.row_split import call_rows, chunk, cut, gather_rows
 from dvllm.parallel.uneven_split import TooFewTokens
-from dvllm.worker.lora_layers import LoraLayers
 from dvllm.runtime.liveness import CallBounds
 from dvllm.runtime.remote import SETUP
+from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.stage_process import StageProcess, WorkerProcessLost, check_devices
 
 logger = logging.getLogger(__name__)

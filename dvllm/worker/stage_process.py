@@ -20,6 +20,7 @@ from dvllm.runtime.channel import Channel
 from dvllm.runtime.errors import ProcessLost
 from dvllm.runtime.remote import SETUP, Remote
 
+
 class WorkerProcessLost(ProcessLost):
     """The stage's process died (killed, or crashed) or passed its call's bound before answering."""
 
