@@ -54,8 +54,8 @@ logger = logging.getLogger(__name__)
 FORK_SERVER_ENV = "DVLLM_FORK_SERVER"  # "0": fresh interpreters; set by an owner for its children: the address
 # What the server imports before it forks: every child's entry module (and the model registry: the pipelines
 # and models each family loads, _preload)
-PRELOAD = ("dvllm.engine.core_process", "dvllm.worker.decode_worker", "dvllm.worker.encode_worker",
-           "dvllm.parallel.group_member", "dvllm.models.registry")
+PRELOAD = ("dvllm.runtime.spawn", "dvllm.engine.core_process", "dvllm.worker.decode_worker",
+           "dvllm.worker.encode_worker", "dvllm.parallel.group_member", "dvllm.models.registry")
 _MAX_MESSAGE = 1 << 20
 _WATCH_S = 0.5
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}

@@ -81,7 +81,7 @@ def test_a_member_killed_mid_forward_loses_nothing(sdxl_path):
             if not kills:
                 kills.append(member.pid)
                 os.kill(member.pid, signal.SIGKILL)
-                member._process.wait()
+                member.process.wait()
 
         _denoiser(engine).register_forward_pre_hook(kill_once, with_kwargs=True)
         _assert_close(_images(engine, params), want)

@@ -228,7 +228,7 @@ def test_a_job_whose_worker_dies_twice_fails_its_request_only():
 def test_shutdown_drains_the_stage_and_stops_the_processes(sd_eps_path, in_loop):
     engine = _engine(sd_eps_path, decode_workers=2)
     stage = _stage(engine)
-    processes = [w._process for w in stage.workers]
+    processes = [w.process for w in stage.workers]
     outputs: dict[str, list] = {}
     _add(engine)
     deadline = time.monotonic() + _DEADLINE_S

@@ -18,9 +18,9 @@ from test_encode_stage import LATER, _assert_same_images, _run
 from dvllm import DiffusionEngine, EngineConfig
 from dvllm.models.load_config import LoadConfig
 from dvllm.models.loader import load_adapter
+from dvllm.worker.conditions import encode_flat
 from dvllm.worker.encode_stage import EncodeStage
 from dvllm.worker.encode_worker import EncoderCopy, ModuleCopy, start_encode_workers
-from dvllm.worker.prompt_writer import encode_flat
 from dvllm.worker.stage_process import WorkerProcessLost
 
 def _engine(path: str, **kwargs) -> DiffusionEngine:
@@ -231,7 +231,7 @@ def test_a_text_whose_process_dies_twice_fails_alone():
 @pytest.mark.slow
 def test_shutdown_stops_the_processes(sd_eps_path):
     engine = _engine(sd_eps_path, encode_workers=2)
-    processes = [w._process for w in _stage(engine).workers]
+    processes = [w.process for w in _stage(engine).workers]
     engine.add_request("0", *LATER[0])
     while engine.has_unfinished_requests():
         engine.step()

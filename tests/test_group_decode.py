@@ -84,7 +84,7 @@ def test_a_member_killed_inside_a_decode_loses_nothing(sd_eps_path):
             if isinstance(message, DecodeCalls) and not kills:
                 kills.append(member.pid)
                 os.kill(member.pid, signal.SIGKILL)
-                member._process.wait()
+                member.process.wait()
 
         member.send = send_then_die
         outs = engine.generate(PROMPTS, _params(5.0), use_tqdm=False)

@@ -89,7 +89,7 @@ def test_a_member_killed_gets_the_slots_again_and_a_slot_taken_anew_is_taken_on_
         member = group.members[0]
         killed = member.pid
         os.kill(killed, signal.SIGKILL)  # idle, holding slot 0: the next forward finds it gone
-        member._process.wait()
+        member.process.wait()
         for loras, seed in turns[1:]:
             got.append(_images(engine, 5.0, ["a red circle"], [loras], [seed])[0])
         assert group.restarts == 1 and member.alive and member.pid != killed

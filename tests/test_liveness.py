@@ -26,8 +26,9 @@ from dvllm import AsyncDiffusionEngine, EngineConfig
 from dvllm.config_flags import add_engine_args, engine_kwargs
 from dvllm.engine.async_engine import EngineUnresponsiveError
 from dvllm.entrypoints.api_server import build_app
+from dvllm.runtime.liveness import CallBounds
 from dvllm.worker.encode_worker import EncodeWorker
-from dvllm.worker.stage_process import CallBounds, WorkerProcessLost
+from dvllm.worker.stage_process import WorkerProcessLost
 
 CALL_S = 5.0  # a stage call's bound here: the tiny model's batches take milliseconds, even on a loaded machine
 CORE_S = 5.0  # the core's heartbeat bound: its steps take milliseconds too

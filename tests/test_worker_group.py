@@ -87,14 +87,14 @@ def test_a_member_killed_mid_forward_or_idle_loses_nothing(flux_path):
             if not kills:
                 kills.append(member.pid)
                 os.kill(member.pid, signal.SIGKILL)
-                member._process.wait()
+                member.process.wait()
 
         hook = group.denoiser.register_forward_pre_hook(kill_once, with_kwargs=True)
         _assert_close(_images(engine, PROMPTS, params), want)
         hook.remove()
         assert group.restarts == 1 and member.alive and member.pid != kills[0]
         os.kill(member.pid, signal.SIGKILL)  # idle: the next call finds its pipe closed
-        member._process.wait()
+        member.process.wait()
         _assert_close(_images(engine, PROMPTS, params), want)
         assert group.restarts == 2 and member.alive
         assert engine.stats()["stage_restarts"]["worker_group.members"] == 2  # (dvllm_stage_restarts)

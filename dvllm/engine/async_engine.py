@@ -22,11 +22,11 @@ from dvllm.config import EngineConfig
 from dvllm.core.request import Request
 from dvllm.engine.core_loop import CoreLoop
 from dvllm.engine.engine import DiffusionEngine, StepStats
-from dvllm.engine.heartbeat import CoreHeartbeat
 from dvllm.engine.input_processor import InputProcessor
 from dvllm.engine.start_checks import check_at_start
 from dvllm.lora.registry import registry_for, require_registry
 from dvllm.outputs import RequestOutput
+from dvllm.runtime.liveness import Heartbeat
 from dvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,10 @@ class AsyncDiffusionEngine:
         self.dead: BaseException | None = None
         config = EngineConfig.from_kwargs(model=model, **engine_args)  # bad arguments fail before anything starts
         check_at_start(config)
-        self.heartbeat = CoreHeartbeat(lambda: self._send("ping"), config.core_heartbeat_timeout_s)
+        self.heartbeat = Heartbeat(lambda: self._send("ping"), config.core_heartbeat_timeout_s, "the engine core",
+                                   "core_heartbeat_timeout_s",
+                                   ": /health answers 503 and new requests are refused until it does",
+                                   thread_name="dvllm-core-heartbeat")
         self.core_process = None
         if config.engine_core_process:
             self._start_process(config, {**engine_args, "model": model, "engine_core_process": False})

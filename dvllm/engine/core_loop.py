@@ -6,21 +6,21 @@ steps; everything the loop has to say leaves through one `report` callable as a 
     ("accepted", request_id, error or None)   an add was applied (error: what add_processed raised)
     ("step", StepStats, outputs, stats)        a step ran
     ("stats", stats)                           the counters changed while idle (commands, worker polls)
-    ("pong",)                                  the answer to a ping: the loop came round (engine/heartbeat.py)
+    ("pong",)                                  the answer to a ping: the loop came round (runtime/liveness.py)
 
 The same loop runs on a thread of the server's process (the report goes to the event loop) and as
-the main loop of an engine core process (the report goes down a pipe): see core_process.py.
+the main loop of an engine core process (the report goes down its channel): see core_process.py.
 """
 from __future__ import annotations
 
 import logging
-import pickle
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from dvllm.engine.engine import DiffusionEngine
+from dvllm.runtime.errors import portable
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +100,3 @@ class CoreLoop:
         if applied:
             self._send_stats()
 
-
-def portable(error: BaseException) -> BaseException:
-    """The error itself if it survives pickling (it may cross a pipe), else a RuntimeError that says it."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # noqa: BLE001 - an exception class with a constructor pickle cannot call
-        return RuntimeError(f"{type(error).__name__}: {error}")

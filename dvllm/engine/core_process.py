@@ -1,41 +1,38 @@
 """The engine core in a process of its own (as vLLM v1's EngineCoreProc), and the server's end of it.
 
-The child builds the DiffusionEngine and runs the CoreLoop on its main thread; a reader thread
-takes commands off one pipe and a writer thread sends the loop's reports down the other, so the
-loop never waits on a pipe and pickling stays off it. The server keeps admission (the input
-processor, LoRA files) and everything HTTP: what crosses is a checked Request one way and
-RequestOutputs the other, pickled (protocol 5). A request's LoRA adapters cross as ids (dvllm.lora.ref): the
-core's worker reads their files itself.
+The core is a process of dvllm's runtime (runtime/spawn.py) with one channel to the server
+(runtime/channel.py). The child builds the DiffusionEngine and runs the CoreLoop on its main
+thread; a reader thread takes commands off the channel and a writer thread sends the loop's
+reports down it, so the loop never waits on the channel and pickling stays off it. The server
+keeps admission (the input processor, LoRA files) and everything HTTP: what crosses is a checked
+Request one way and RequestOutputs the other; a request's LoRA adapters cross as ids (dvllm.lora.ref), the
+core's worker reads their files itself. Its liveness is the runtime's heartbeat
+(runtime/liveness.py), which the async engine runs over the loop's pings and reports.
 
 The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group, and the server
-drains before it stops its core) and leaves when told to or when the server's end of the pipe
+drains before it stops its core) and leaves when told to or when the server's end of the channel
 closes, so a server that dies takes its core with it; while it still loads, the rules every child
 is started with (dvllm.child_process) see to that.
 """
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import pickle
 import queue
-import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 from dvllm.config import EngineConfig
-from dvllm.fork_server import start_child
 from dvllm.logging_setup import STARTUP_LOGGER
 from dvllm.models.base import ModelInfo
 from dvllm.models.load_config import LoadedModel
+from dvllm.runtime.channel import Channel
+from dvllm.runtime.errors import portable
+from dvllm.runtime.spawn import spawn
 
 logger = logging.getLogger(__name__)
-
-_PROTOCOL = 5
 
 
 @dataclass(frozen=True)
@@ -58,22 +55,15 @@ class CoreProcess:
 
     def __init__(self, engine_args: dict[str, Any], on_report: Callable[[tuple], None],
                  on_exit: Callable[[BaseException], None], log_level: str | None = None) -> None:
-        # Forked by the fork server or a fresh interpreter (fork_server.py), not multiprocessing's spawn: that
-        # would import the caller's main script again, which a script without a __main__ guard does not survive.
-        commands_in, self._commands = multiprocessing.Pipe(duplex=False)  # (reader, writer): the core reads
-        self._reports, reports_out = multiprocessing.Pipe(duplex=False)   # commands and writes reports
-        fds = (commands_in.fileno(), reports_out.fileno())
         self._on_report, self._on_exit = on_report, on_exit
         self._stopping = False
         self._send_queue: queue.SimpleQueue = queue.SimpleQueue()
         # (it dies with this process, even while it imports and loads)
-        self._process = start_child("dvllm.engine.core_process:main", "dvllm-core", fds)
+        self._process, self._channel = spawn("dvllm.engine.core_process:run_core", "dvllm-core")
         try:
-            commands_in.close()  # the core holds its own ends: ours must close for EOF to mean "gone"
-            reports_out.close()
             logging.getLogger(STARTUP_LOGGER).info("the engine core process (pid %d) loads the model ...",
                                                    self._process.pid)
-            self._commands.send_bytes(pickle.dumps((engine_args, log_level), protocol=_PROTOCOL))
+            self._channel.send((engine_args, log_level))
             self.info = self._wait_ready()
         except BaseException:  # a failed load (the core has exited), or SIGTERM / Ctrl-C while it loads
             if self._process.poll() is None:
@@ -88,7 +78,7 @@ class CoreProcess:
 
     def _wait_ready(self) -> CoreInfo:
         try:
-            kind, payload = pickle.loads(self._reports.recv_bytes())
+            kind, payload = self._channel.receive()
         except (EOFError, OSError):
             self._wait(5)
             raise RuntimeError(f"the engine core process exited with code {self._process.returncode} while "
@@ -138,7 +128,7 @@ class CoreProcess:
             if command is None:
                 return
             try:
-                self._commands.send_bytes(pickle.dumps(command, protocol=_PROTOCOL))
+                self._channel.send(command)
             except (OSError, ValueError):  # the core is gone: the reader reports it
                 return
 
@@ -146,7 +136,7 @@ class CoreProcess:
         error: BaseException | None = None
         try:
             while True:
-                kind, *rest = pickle.loads(self._reports.recv_bytes())
+                kind, *rest = self._channel.receive()
                 if kind == "dead":
                     error = rest[0]
                     break
@@ -158,20 +148,18 @@ class CoreProcess:
             self._on_exit(error or RuntimeError(f"the engine core process exited with code {self._process.returncode}"))
 
 
-def run_core(commands: Connection, reports: Connection) -> None:
-    """The core process's main: read its arguments, load, say ready (or why not), then step until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from dvllm.engine.core_loop import CoreLoop, portable
+def run_core(channel: Channel) -> None:
+    """The core process's target (runtime/spawn.py): read its arguments, load, say ready (or why not), then step
+    until told to stop. (A library user's server leaves the libraries as quiet as the runtime made them.)"""
+    from dvllm.engine.core_loop import CoreLoop
     from dvllm.engine.engine import DiffusionEngine
-    from dvllm.logging_setup import child_library_logs, set_third_party_verbosity, setup_logging
+    from dvllm.logging_setup import setup_logging
 
-    engine_args, log_level = pickle.loads(commands.recv_bytes())
+    engine_args, log_level = channel.receive()
     if log_level is not None:  # the server's dvllm logging, on the stderr the core shares with it
         setup_logging(log_level)
-    else:  # a library user's server: dvllm's own process, its libraries as quiet as the user's during dvllm's calls
-        set_third_party_verbosity(verbose=child_library_logs())
     out: queue.SimpleQueue = queue.SimpleQueue()
-    writer = threading.Thread(target=_send_reports, args=(out, reports), name="dvllm-core-writer", daemon=True)
+    writer = threading.Thread(target=_send_reports, args=(out, channel), name="dvllm-core-writer", daemon=True)
     writer.start()
     try:
         engine = DiffusionEngine(**engine_args)
@@ -184,7 +172,7 @@ def run_core(commands: Connection, reports: Connection) -> None:
     out.put(("ready", CoreInfo(engine.config, engine.model_info, engine.loaded_model, engine.block_numel,
                                engine.processor.pool_blocks, engine.processor.model_key,
                                engine.valid_samplers(), loop.stats())))
-    threading.Thread(target=_take_commands, args=(commands, loop), name="dvllm-core-commands",
+    threading.Thread(target=_take_commands, args=(channel, loop), name="dvllm-core-commands",
                      daemon=True).start()
     try:
         loop.run()
@@ -197,30 +185,26 @@ def run_core(commands: Connection, reports: Connection) -> None:
         writer.join(10)
 
 
-def _take_commands(commands: Connection, loop: Any) -> None:
-    """Unpickles commands into the loop's queue; the server's end closing stops the loop."""
+def _take_commands(channel: Channel, loop: Any) -> None:
+    """Puts commands into the loop's queue; the server's end closing stops the loop."""
     try:
         while True:
-            command = pickle.loads(commands.recv_bytes())
+            command = channel.receive()
             if command[0] == "stop":
                 break
             loop.put(*command)
     except (EOFError, OSError):
-        logger.warning("the server's end of the engine core's pipe closed: stopping")
+        logger.warning("the server's end of the engine core's channel closed: stopping")
     loop.stop()
 
 
-def _send_reports(out: queue.SimpleQueue, reports: Connection) -> None:
+def _send_reports(out: queue.SimpleQueue, channel: Channel) -> None:
     while True:
         report = out.get()
         if report is None:
             return
         try:
-            reports.send_bytes(pickle.dumps(report, protocol=_PROTOCOL))
+            channel.send(report)
         except (OSError, ValueError):
             return  # the server is gone; the command reader stops the loop
 
-
-def main() -> None:
-    """The process's entry (dvllm.child_process.run_entry): `<commands fd> <reports fd>`."""
-    run_core(Connection(int(sys.argv[1])), Connection(int(sys.argv[2])))

@@ -26,12 +26,11 @@ class RayWorkerWrapper:
 
     def start(self) -> tuple[int, int]:
         """Loads the model and the state pool; returns the pool's (blocks, elements per block)."""
-        import torch
-
         from dvllm.executor.worker import Worker, resolve_device
+        from dvllm.runtime.spawn import use_threads
 
         if resolve_device(self.config.device).type == "cpu":  # as many torch threads as CPUs reserved
-            torch.set_num_threads(max(1, int(self.config.worker_num_cpus)))
+            use_threads(max(1, int(self.config.worker_num_cpus)))
         self.worker = Worker(self.config)
         return self.worker.pool_info()
 

@@ -17,14 +17,16 @@ from dvllm.models.loader import load_adapter
 from dvllm.parallel.group import WorkerGroup
 from dvllm.parallel.group_decode import SharedDecode, decodes_in_group
 from dvllm.profiler import PhaseTimer
+from dvllm.runtime.liveness import CallBounds
 from dvllm.worker.decode_stage import DecodeStage
 from dvllm.worker.decode_worker import start_decode_workers
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage
 from dvllm.worker.encode_worker import start_encode_workers
 from dvllm.worker.fast_mode import settle
-from dvllm.worker.model_runner import ModelRunner, to_output_type
-from dvllm.worker.stage_process import CallBounds, StageProcess
+from dvllm.worker.model_runner import ModelRunner
+from dvllm.worker.output_types import to_output_type
+from dvllm.worker.stage_process import StageProcess
 from dvllm.worker.start_latents import make_start
 from dvllm.worker.state_pool import create_state_pool
 from dvllm.worker.warm_up import warm_up

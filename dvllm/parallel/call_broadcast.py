@@ -1,7 +1,7 @@
 """One module call sent from a group's leader to its members: the arguments' structure (and every value that is
-not a tensor) goes as a small picklable skeleton over each member's pipe, the tensors by torch.distributed
-broadcasts from rank 0 on the group's device (NCCL between GPUs, gloo on the CPU), in the order the skeleton
-lists them."""
+not a tensor) goes as a small picklable skeleton over each member's channel (dvllm.runtime), the tensors by
+torch.distributed broadcasts from rank 0 on the group's device (NCCL between GPUs, gloo on the CPU), in the order
+the skeleton lists them."""
 from __future__ import annotations
 
 from dataclasses import dataclass

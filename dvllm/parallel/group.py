@@ -5,7 +5,7 @@ together, each on its own device with a whole copy of the denoiser, and either a
 
 The worker leads. It alone holds the requests' state, schedules, samples and decodes; a member holds the denoiser
 and nothing else. Each time the worker calls its denoiser, a hook sends the call to the members first (its
-arguments' skeleton over each member's pipe, its tensors by broadcast: parallel/call_broadcast.py), so every
+arguments' skeleton over each member's channel, its tensors by broadcast: parallel/call_broadcast.py), so every
 member makes the same call. Sequence parallel: the collectives inside the forward split and gather, and every
 member ends with the whole output, of which the worker's is used. CFG-parallel: each runs its own rows and the
 worker receives the others'. So batching, samplers, preemption and every request's state are the one worker's as
@@ -53,39 +53,37 @@ from dvllm.parallel.group_decode import DecodeCalls, assign
 from dvllm.parallel.group_member import JoinOrder, LoraSlot, SharedCall, backend
 from dvllm.parallel.row_split import call_rows, chunk, cut, gather_rows
 from dvllm.parallel.uneven_split import TooFewTokens
+from dvllm.runtime.liveness import CallBounds
+from dvllm.runtime.remote import SETUP
 from dvllm.worker.lora_layers import LoraLayers
-from dvllm.worker.stage_process import CallBounds, StageProcess, WorkerProcessLost, check_devices
+from dvllm.worker.stage_process import StageProcess, WorkerProcessLost, check_devices
 
 logger = logging.getLogger(__name__)
 
 
 class GroupMember(StageProcess):
     kind = "group member"
-    module = "dvllm.parallel.group_member"
+    target = "dvllm.parallel.group_member:main"
     process_name = "dvllm-member"
 
     def load(self) -> None:
         """Sends the engine's config: the member loads the model (its answer comes later: `loaded`)."""
-        self._send(("build", self._copy()))
+        self.post(SETUP, self._copy())
 
     def loaded(self) -> None:
-        self._receive()
+        self.receive()
         self._built = True
 
     def send(self, message: Any) -> None:
         """A JoinOrder, or a denoiser call's skeleton; `done` waits for its end."""
-        self._send(("run", message))
+        self.post("run", message)
 
     def done(self) -> Any:
         """The member's answer to what was sent last (a DecodeCalls' outputs; None for the rest)."""
-        return self._receive()
-
-    @property
-    def alive(self) -> bool:
-        return self._process is not None and self._process.poll() is None
+        return self.receive()
 
     def start_again(self) -> None:
-        self._respawn("died" if not self.alive else "goes with its group, formed anew")
+        self.restart("died" if not self.alive else "goes with its group, formed anew")
 
 
 def member_devices(config: EngineConfig, device: torch.device) -> list[str]:
@@ -244,7 +242,7 @@ class WorkerGroup:
 
     def _recover(self, what: str, error: Exception) -> bool:
         """The group formed anew after a failed exchange; whether the group caused the failure (a member lost,
-        a collective's or a pipe's error), so that it is worth running again."""
+        a collective's or a channel's error), so that it is worth running again."""
         lost = [m.index for m in self.members if not m.alive]
         logger.error("a grouped %s failed (%s: %s; members lost: %s); forming the group anew", what,
                      type(error).__name__, error, lost or "none")

@@ -1,4 +1,4 @@
-"""A worker group's member: `python -m dvllm.parallel.group_member <pipe fd> <device> <threads>`, started by the
+"""A worker group's member: a process of dvllm's runtime (runtime/spawn.py), started by the
 group's leader (parallel/group.py). It joins the group's process group, loads the model as the leader did and keeps
 its denoiser alone; then, for each denoiser call the leader makes, it receives the call's arguments and runs it
 with the leader. Sequence parallel: the whole call, split inside the forward by the same context-parallel plan
@@ -30,6 +30,7 @@ from dvllm.models.load_config import LoadConfig
 from dvllm.parallel.call_broadcast import receive
 from dvllm.parallel.group_decode import DecodeCalls
 from dvllm.parallel.row_split import call_rows, chunk, cut, send_rows
+from dvllm.runtime.channel import Channel
 from dvllm.worker.lora_layers import LoraLayers, LoraPlan
 from dvllm.worker.row_scope import RowScope
 from dvllm.worker.stage_process import serve
@@ -195,6 +196,6 @@ def shared_call(member: Member, message: SharedCall, device: torch.device) -> No
     return None
 
 
-def main() -> None:
-    """The process's entry (dvllm.child_process.run_entry)."""
-    serve(load_denoiser, run)
+def main(channel: Channel, device: str) -> None:
+    """The process's target (dvllm.runtime.spawn)."""
+    serve(channel, device, load_denoiser, run)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from dvllm.runtime.channel import Channel
+from dvllm.worker.output_types import to_output_type
 from dvllm.worker.stage_process import StageProcess, check_devices, serve
 from dvllm.worker.vae_calls import decode_by_request
 
@@ -99,7 +101,7 @@ class DecodeWorker(StageProcess):
     """One decode process: gets its VAE copy with the first batch, answers each with each job's images."""
 
     kind = "decode"
-    module = "dvllm.worker.decode_worker"
+    target = "dvllm.worker.decode_worker:main"
     process_name = "dvllm-decode"
 
     def decode(self, batch: Batch) -> list[list[Any]]:
@@ -107,8 +109,6 @@ class DecodeWorker(StageProcess):
 
 
 def _decode_batch(decoder: VaeDecoder, batch: Batch, device: torch.device) -> list[list[Any]]:
-    from dvllm.worker.model_runner import to_output_type
-
     latents, size, jobs, chunk = batch
     pixels = decode_by_request(lambda part: decoder.decode(part, size), latents.to(device), [n for n, _ in jobs],
                                chunk)
@@ -131,6 +131,6 @@ def start_decode_workers(adapter: Any, count: int, devices: list[str], worker_de
     return [DecodeWorker(lambda: VaeCopy.of(adapter), devices[i % len(devices)], threads, i) for i in range(count)]
 
 
-def main() -> None:
-    """The process's entry (dvllm.child_process.run_entry)."""
-    serve(lambda copy, device: copy.build(device), _decode_batch)
+def main(channel: Channel, device: str) -> None:
+    """The process's target (dvllm.runtime.spawn)."""
+    serve(channel, device, lambda copy, device: copy.build(device), _decode_batch)

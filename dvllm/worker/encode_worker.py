@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from dvllm.runtime.channel import Channel
+from dvllm.worker.conditions import encode_flat
 from dvllm.worker.stage_process import StageProcess, check_devices, serve
 
 logger = logging.getLogger(__name__)
@@ -158,7 +160,7 @@ class EncodeWorker(StageProcess):
     flattened, [texts, numel], on the host."""
 
     kind = "encode"
-    module = "dvllm.worker.encode_worker"
+    target = "dvllm.worker.encode_worker:main"
     process_name = "dvllm-encode"
 
     def encode(self, batch: Batch) -> torch.Tensor:
@@ -166,8 +168,6 @@ class EncodeWorker(StageProcess):
 
 
 def _encode_batch(adapter: Any, batch: Batch, device: torch.device) -> torch.Tensor:
-    from dvllm.worker.prompt_writer import encode_flat
-
     texts, length, images = batch
     return encode_flat(adapter, texts, length, images).cpu()
 
@@ -186,6 +186,6 @@ def start_encode_workers(adapter: Any, count: int, devices: list[str], worker_de
     return [EncodeWorker(lambda: copy, devices[i % len(devices)], threads, i) for i in range(count)]
 
 
-def main() -> None:
-    """The process's entry (dvllm.child_process.run_entry)."""
-    serve(lambda copy, device: copy.build(device), _encode_batch)
+def main(channel: Channel, device: str) -> None:
+    """The process's target (dvllm.runtime.spawn)."""
+    serve(channel, device, lambda copy, device: copy.build(device), _encode_batch)

@@ -11,7 +11,6 @@ import logging
 import math
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from dvllm.core.scheduler_output import NewRequestData, ResumedRequestData, RunnerOutput, SchedulerOutput
@@ -25,6 +24,7 @@ from dvllm.worker.denoise_batch import StepParts, denoise_step
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage, start_key
 from dvllm.worker.lora_layers import LoraLayers
+from dvllm.worker.output_types import to_output_type
 from dvllm.worker.prompt_writer import PromptWriter
 from dvllm.worker.request_state import RequestState, row_bounds
 from dvllm.worker.row_scope import RowScope
@@ -459,22 +459,3 @@ def _rng_checkpoint(states: list[RequestState]) -> Callable[[], None]:
             s.generator.set_state(rng)
 
     return restore
-
-
-def to_output_type(images: torch.Tensor, output_type: str) -> list[Any]:
-    """[B, 3, H, W] in [0, 1] -> the output type, as diffusers' VaeImageProcessor.postprocess does. Videos,
-    [B, frames, 3, H, W], as its VideoProcessor.postprocess_video: each a [frames, 3, H, W] tensor, a
-    [frames, H, W, 3] array or a list of PIL frames."""
-    if images.dim() == 5:
-        videos = [to_output_type(video, output_type) for video in images]
-        if output_type == "pil":
-            return videos
-        return [torch.stack(v) if output_type == "pt" else np.stack(v) for v in videos]
-    if output_type == "pt":
-        return [x.cpu() for x in images]
-    arrays = images.cpu().permute(0, 2, 3, 1).float().numpy()
-    if output_type == "np":
-        return list(arrays)
-    from diffusers.image_processor import VaeImageProcessor
-
-    return VaeImageProcessor.numpy_to_pil(arrays)

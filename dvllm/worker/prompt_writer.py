@@ -12,7 +12,7 @@ import torch
 from dvllm.core.scheduler_output import NewRequestData
 from dvllm.models.base import ModelAdapter
 from dvllm.request_sizes import as_images
-from dvllm.worker.conditions import flatten, unflatten
+from dvllm.worker.conditions import encode_flat, flatten, unflatten
 from dvllm.worker.encode_stage import EncodeStage
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.per_request import per_request
@@ -102,19 +102,6 @@ class PromptWriter:
                     images: Any = None) -> torch.Tensor:
         """The encode stage's call (see encode_flat)."""
         return encode_flat(self.adapter, texts, max_sequence_length, images)
-
-
-def encode_flat(adapter: ModelAdapter, texts: list[tuple[str | None, bool]], max_sequence_length: int | None,
-                images: Any = None) -> torch.Tensor:
-    """Texts of one length (read with one request's images, for an edit model whose encoder reads them) -> their
-    conditions flattened, [texts, numel], on the adapter's device (the encode stage's call, and an encode
-    worker's)."""
-    kwargs = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
-    if images is not None:
-        kwargs["images"] = as_images(images)
-    conditions = adapter.on_device(adapter.encode_prompt(texts, **kwargs))
-    shapes = adapter.info.text.condition_shapes
-    return torch.cat([flatten(c, shapes) for c in conditions])
 
 
 class ImageKey:
