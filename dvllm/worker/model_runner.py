@@ -32,6 +32,7 @@ from dvllm.worker.start_latents import Start, make_start
 from dvllm.worker.state_pool import StatePool
 from dvllm.worker.step_cache_hooks import CacheHooks
 from dvllm.worker.step_work import Stage, StepWork, run_stages
+from dvllm.worker.swap import swap_in, swap_out
 from dvllm.worker.vae_calls import decode_by_request
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class ModelRunner:
         self._last_failed_loras: dict[str, tuple[int, str]] = {}
         self._reported: dict[str, int] = {}  # running counts (restarts, group forwards) as last reported
         self.group = None  # the worker's group (parallel/group.py), whose reforms are reported as restarts
+        self._stages = self._stage_list()
 
     @property
     def encode_stage(self) -> EncodeStage | None:
@@ -80,7 +82,7 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         work = StepWork(out)
-        run_stages(self._stage_list(), work, self.timer)  # (made per step: a test may replace a stage's method)
+        run_stages(self, self._stages, work, self.timer)
         return work.output(self.stage_processes())
 
     def _stage_list(self) -> tuple[Stage, ...]:
@@ -88,31 +90,31 @@ class ModelRunner:
         (StepWork). A stage with `items` runs on those requests, retried one by one when the group fails."""
         return (
             # 0. the encode stage's jobs first: what admission below takes may have been sent long ago
-            Stage("encode submission", self._submit_encodes),
+            Stage("encode submission", "_submit_encodes"),
             # 1. what the scheduler freed; adapters into the slots it chose
-            Stage("freeing", self._free),
-            Stage("LoRA loading", self._load_loras),
+            Stage("freeing", "_free"),
+            Stage("LoRA loading", "_load_loras"),
             # 2. preempted state leaves the pool before anyone writes into the blocks it frees
-            Stage("swap-out", self._swap_out, items=self._preempted, alone=True),
+            Stage("swap-out", "_swap_out", items=self._preempted, alone=True),
             # 3. encode prompts (one text-encoder call for all cache misses), prepare latents, swap in
-            Stage("prompt encoding", self._encode_prompts, phase="encode", timed="encode"),
-            Stage("latent preparation", self._prepare_latents, items=lambda work: work.ready, phase="encode",
+            Stage("prompt encoding", "_encode_prompts", phase="encode", timed="encode"),
+            Stage("latent preparation", "_prepare_latents", items=lambda work: work.ready, phase="encode",
                   timed="encode"),
-            Stage("swap-in", self._swap_in, items=lambda work: work.out.resumed_requests, alone=True,
+            Stage("swap-in", "_swap_in", items=lambda work: work.out.resumed_requests, alone=True,
                   phase="encode", timed="encode"),
-            Stage("admission", self._admitted, phase="encode", timed="encode"),
+            Stage("admission", "_admitted", phase="encode", timed="encode"),
             # 4. denoise: one forward over the batch, each row's sampler update fused into the pool write
-            Stage("batching", self._batch),
-            Stage("denoise", self._denoise, items=lambda work: work.batch, checkpoint=_rng_checkpoint,
+            Stage("batching", "_batch"),
+            Stage("denoise", "_denoise", items=lambda work: work.batch, checkpoint=_rng_checkpoint,
                   timed="denoise"),
             # 5. decode the requests that took their last step (the decode stage takes what it has room for)
-            Stage("hand-over", self._hand_over, phase="decode", timed="decode"),
-            Stage("decode", self._decode, items=lambda work: [s for s in work.finished if s.request_id not in
+            Stage("hand-over", "_hand_over", phase="decode", timed="decode"),
+            Stage("decode", "_decode", items=lambda work: [s for s in work.finished if s.request_id not in
                                                                 work.decoding], phase="decode", timed="decode"),
-            Stage("preview decoding", self._decode_previews, phase="decode", timed="decode"),
-            Stage("finishing", self._finish),
+            Stage("preview decoding", "_decode_previews", phase="decode", timed="decode"),
+            Stage("finishing", "_finish"),
             # 6. what the stages finished meanwhile
-            Stage("collection", self._collect),
+            Stage("collection", "_collect"),
         )
 
     def _submit_encodes(self, work: StepWork) -> None:
@@ -286,40 +288,12 @@ class ModelRunner:
             return None
         return self.encode_stage.take(start_key(d.request_id))
 
-    # preemption: the request's pool contents go to host memory and come back unchanged
+    # preemption: the request's pool contents go to host memory and come back unchanged (swap.py)
     def _swap_out(self, work: StepWork, group: list[RequestState]) -> None:
-        (state,) = group
-        blocks, pool = state.blocks, self.pool
-        numel = self.adapter.info.latents.numel(*state.data.size)
-        host = {"latents": pool.read(blocks.latents, numel)}
-        if blocks.history is not None:
-            host["history"] = pool.read(blocks.history, numel)
-        if blocks.cache is not None:
-            host["cache"] = pool.read(blocks.cache, state.cache.numel)
-        if blocks.inputs is not None:
-            host["inputs"] = pool.read(blocks.inputs, state.input_numel)
-        host["cond"] = pool.read([blocks.cond], self.adapter.info.text.condition_numel)
-        if blocks.uncond is not None:
-            host["uncond"] = pool.read([blocks.uncond], self.adapter.info.text.condition_numel)
-        state.host = {k: v.to("cpu") for k, v in host.items()}
-        state.blocks = None
+        swap_out(group[0], self.pool, self.adapter.info)
 
     def _swap_in(self, work: StepWork, group: list[ResumedRequestData]) -> None:
-        (resumed,) = group
-        state, blocks = self.states[resumed.request_id], resumed.blocks
-        host = {k: v.to(self.pool.device) for k, v in state.host.items()}
-        self.pool.write(blocks.latents, host["latents"])
-        if blocks.history is not None:
-            self.pool.write(blocks.history, host["history"])
-        if blocks.cache is not None:
-            self.pool.write(blocks.cache, host["cache"])
-        if blocks.inputs is not None:
-            self.pool.write(blocks.inputs, host["inputs"])
-        if blocks.write_cond:  # evicted from the prompt cache meanwhile: restore our copy
-            self.pool.write([blocks.cond], host["cond"])
-        if blocks.uncond is not None and blocks.write_uncond:
-            self.pool.write([blocks.uncond], host["uncond"])
-        state.blocks, state.host = blocks, None
+        swap_in(self.states[group[0].request_id], group[0].blocks, self.pool)
 
     # 5. decode
     def _hand_over(self, work: StepWork) -> None:

@@ -7,6 +7,7 @@ applied here, for every stage alike, not inside the stages.
 """
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -55,16 +56,21 @@ class StepWork:
                             stages=self.stats, stage_processes=stage_processes)
 
 
+_NO_PHASE = nullcontext()  # (stateless: entered by every stage while the profiler is off)
+
+
 def _request_id(item: Any) -> str:
     return item.request_id
 
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage of the iteration: `run(work)`, or, with `items`, `run(work, requests)` under the retry."""
+    """One stage of the iteration: the runner's method `run`, as `run(work)`, or, with `items`,
+    `run(work, requests)` under the retry. (A name, looked up at each step: the list is made once, and a test
+    may replace one method of a runner.)"""
 
     name: str                                     # what a request's error says failed ("decode failed: ...")
-    run: Callable[..., None]
+    run: str
     items: Callable[[StepWork], list[Any]] | None = None  # the requests it runs on (None: once, on the step)
     alone: bool = False                           # each request on its own (one pool write each)
     # what puts the requests back as they were before a failed run of several (per_request's checkpoint)
@@ -73,16 +79,21 @@ class Stage:
     timed: str | None = None                      # the stage metrics' stage (stage_stats.STAGES) it is busy time of
 
 
-def run_stages(stages: tuple[Stage, ...], work: StepWork, timer: PhaseTimer) -> None:
+def run_stages(owner: Any, stages: tuple[Stage, ...], work: StepWork, timer: PhaseTimer) -> None:
+    """Runs `stages` (methods of `owner`) in order. Every step runs them: no context manager is entered per stage
+    unless the profiler is on (a clock read is what the stage metrics take)."""
     for stage in stages:
         items = None if stage.items is None else work.live(stage.items(work), _request_id)
         if items == []:  # a stage of requests, none of them live: not run, not timed
             continue
-        with timer.phase(stage.phase) if stage.phase else nullcontext(), \
-                work.stats.timing(stage.timed) if stage.timed else nullcontext():
+        run = getattr(owner, stage.run)
+        start = time.perf_counter()
+        with timer.phase(stage.phase) if stage.phase and timer.enabled else _NO_PHASE:
             if items is None:
-                stage.run(work)
-                continue
-            for group in [[item] for item in items] if stage.alone else [items]:
-                per_request(group, lambda g: stage.run(work, g), work.errors, stage.name, key=_request_id,
-                            checkpoint=stage.checkpoint)
+                run(work)
+            else:
+                for group in [[item] for item in items] if stage.alone else [items]:
+                    per_request(group, lambda g: run(work, g), work.errors, stage.name, key=_request_id,
+                                checkpoint=stage.checkpoint)
+        if stage.timed:
+            work.stats.add(stage.timed, time.perf_counter() - start, 0)
