@@ -10,8 +10,8 @@ import torch
 from dvllm import DiffusionEngine, EngineConfig, SamplingParams
 from dvllm.models.layout import BatchLayout
 from dvllm.worker.denoiser import Denoiser, ForwardInputs, batch_buckets
+from dvllm.worker.forward_context import ForwardHooks
 from dvllm.worker.lora_layers import LoraLayers
-from dvllm.worker.row_scope import RowScope
 
 
 class RowWiseAdapter:
@@ -42,11 +42,11 @@ def test_bucketed_padding_changes_no_row(rows):
     denoiser = Denoiser(adapter, EngineConfig(compile="bucketed", max_batch_size=4))
     args = (torch.randn(rows, 4, 2, 2), torch.rand(rows), {"prompt_embeds": torch.randn(rows, 3, 5)}, torch.rand(rows))
     layout = BatchLayout.single((16, 16), rows)
-    forward = denoiser.plan(layout, (), LoraLayers(None, 1, 4, RowScope()))
+    forward = denoiser.plan(layout, (), LoraLayers(None, 1, 4, ForwardHooks()))
     bucket = forward.layout.num_rows
     latents, timesteps, conditions, guidance = (_pad(a, bucket) if torch.is_tensor(a) else
                                                 {k: _pad(v, bucket) for k, v in a.items()} for a in args)
-    out = denoiser(forward, ForwardInputs(latents, timesteps, guidance, conditions))
+    out = denoiser(forward, ForwardInputs(latents, timesteps, guidance, conditions), ForwardHooks())
     expected = adapter.denoise(*args, layout)
     assert adapter.seen_rows[0] == next(b for b in batch_buckets(8) if b >= rows)  # ran padded up
     torch.testing.assert_close(out, expected)

@@ -16,6 +16,7 @@ from dvllm.core.block_manager import BlockManager
 from dvllm.core.encode_ahead import EncodeAhead
 from dvllm.core.request import Request
 from dvllm.worker.encode_stage import EncodeStage
+from dvllm.worker.forward_context import DENOISER, TEXT_ENCODERS
 
 STAGE = "dvllm-encode"
 # How long a test thread waits on an event before the test fails (never reached when things work)
@@ -240,8 +241,12 @@ def test_text_adapters_encode_in_the_loop_and_do_not_reach_the_stages_encodes(sd
     runner = engine.executor.worker.runner
     real_denoise = runner.adapter.denoise
 
+    hooks = runner.hooks
+
     def denoise(*args, **kwargs):
-        if runner.lora.current is not None and runner.encode_stage.pending and not encoded.is_set():
+        context = kwargs.get("context")
+        if context is not None and context.lora is not None and runner.encode_stage.pending \
+                and not encoded.is_set():
             in_forward.set()
             assert encoded.wait(WAIT)
         return real_denoise(*args, **kwargs)
@@ -249,12 +254,15 @@ def test_text_adapters_encode_in_the_loop_and_do_not_reach_the_stages_encodes(sd
     def after_stage_encode(texts):
         if threading.current_thread().name == STAGE and not encoded.is_set():
             assert in_forward.wait(WAIT)
-            assert runner.lora.current is None  # the loop's plan is the loop thread's alone
 
     calls = _spy(engine, monkeypatch, after_stage_encode)
     real_encode = runner.adapter.encode_prompt
 
     def encode_then_signal(texts, **kwargs):
+        if threading.current_thread().name == STAGE and not encoded.is_set():  # each part has its own context:
+            assert in_forward.wait(WAIT)  # the loop's forward runs its adapters now, waiting for this encode
+            assert hooks.context_of(DENOISER).lora is not None
+            assert hooks.context_of(TEXT_ENCODERS) is None  # and the stage's texts take none
         try:
             return real_encode(texts, **kwargs)
         finally:

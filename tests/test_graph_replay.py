@@ -16,8 +16,8 @@ from test_host_syncs import FAMILIES, _requests, kontext_path  # noqa: F401  (ko
 from dvllm import DiffusionEngine, EngineConfig
 from dvllm.models.layout import BatchLayout
 from dvllm.worker.denoiser import Denoiser, ForwardInputs
+from dvllm.worker.forward_context import ForwardHooks
 from dvllm.worker.lora_layers import LoraLayers
-from dvllm.worker.row_scope import RowScope
 
 
 class RowWiseAdapter:
@@ -49,11 +49,11 @@ def _padded(inputs: ForwardInputs, rows: int) -> ForwardInputs:
 def test_a_graph_replays_from_its_own_buffers_written_in_place():
     adapter = RowWiseAdapter()
     denoiser = Denoiser(adapter, EngineConfig(max_batch_size=4), capture=emulated_capture)
-    lora = LoraLayers(None, 1, 4, RowScope())
+    lora = LoraLayers(None, 1, 4, ForwardHooks())
     layout = BatchLayout.single((16, 16), 3)
     first = denoiser.plan(layout, ((4, 2, 2), 0), lora)
     assert first.layout.num_rows == 4 and first.buffers is None  # padded to the bucket; nothing captured yet
-    out = denoiser(first, _padded(_inputs(3, 0), 4))
+    out = denoiser(first, _padded(_inputs(3, 0), 4), lora.hooks)
     torch.testing.assert_close(out, adapter.denoise(*_inputs(3, 0).args(), None))
     second = denoiser.plan(layout, ((4, 2, 2), 0), lora)
     buffers = second.buffers
@@ -62,13 +62,13 @@ def test_a_graph_replays_from_its_own_buffers_written_in_place():
     for mine, theirs in zip(buffers.args(), _padded(new, 4).args()):
         for a, b in (zip(mine.values(), theirs.values()) if isinstance(mine, dict) else [(mine, theirs)]):
             a.copy_(b)
-    out = denoiser(second, buffers)
+    out = denoiser(second, buffers, lora.hooks)
     graph = denoiser.graphs[second.key]
     assert isinstance(graph.graph, EmulatedGraph) and graph.graph.replays == 2  # its capture's, and this one
     assert out.data_ptr() == graph.output.data_ptr()  # the graph's own output buffer, no copy
     torch.testing.assert_close(out, adapter.denoise(*new.args(), None))
     with pytest.raises(RuntimeError, match="gathered into its buffers"):
-        denoiser(second, _padded(new, 4))
+        denoiser(second, _padded(new, 4), lora.hooks)
 
 
 def test_the_emulator_refuses_what_a_capture_cannot_hold():

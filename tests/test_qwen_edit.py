@@ -194,9 +194,9 @@ def test_lora_rows_in_separate_calls_keep_their_adapters(qwen_image_edit_plus_pa
     adapter_model = engine.executor.worker.runner.adapter
     denoise, rows_per_call = adapter_model.denoise, []
 
-    def counted(latents, *args):
+    def counted(latents, *args, **kwargs):
         rows_per_call.append(len(latents))
-        return denoise(latents, *args)
+        return denoise(latents, *args, **kwargs)
 
     adapter_model.denoise = counted
     outs = engine.generate([prompt for prompt, _ in jobs], [p for _, p in jobs], use_tqdm=False)

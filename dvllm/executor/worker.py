@@ -24,6 +24,7 @@ from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage
 from dvllm.worker.encode_worker import start_encode_workers
 from dvllm.worker.fast_mode import settle
+from dvllm.worker.forward_context import DENOISER
 from dvllm.worker.model_runner import ModelRunner
 from dvllm.worker.output_types import to_output_type
 from dvllm.worker.stage_process import StageProcess
@@ -99,10 +100,8 @@ class Worker:
         if config.warm_up:  # before the stages' threads start: a capture has the device to itself
             with torch.inference_mode():
                 warm_up(self.runner.denoiser, adapter, self.pool, self.runner.lora)
-        if self.group is not None:
-            self.group.runs_alone = self.runner.caching_now
-        if self.group is not None and config.enable_lora:
-            self.group.share_loras(self.runner.lora)
+        if self.group is not None:  # its call hooks read each forward's context (LoRA rows, step caching)
+            self.runner.hooks.add(DENOISER, self.group)
         if self.group is not None and decodes_in_group(config, adapter.pipeline.vae):  # a batch's calls shared out
             shared = SharedDecode(self.group, adapter.pipeline.vae)
             self.runner.decode_requests = shared.wrap(self.runner.decode_requests)

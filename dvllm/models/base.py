@@ -5,7 +5,7 @@ import threading
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, ContextManager
+from typing import Any, Callable, ClassVar, ContextManager, Protocol
 
 import torch
 
@@ -59,6 +59,14 @@ def denoiser_of(pipeline: Any) -> torch.nn.Module:
     return getattr(pipeline, denoiser_component(pipeline))
 
 
+class HookContext(Protocol):
+    """What a forward whose modules run hooks (LoRA rows, step caching) is given by the worker, for its span
+    (worker/forward_context.py's ForwardContext): the hooks read the forward's plans from it; the adapter only
+    says which rows a call of its own runs on."""
+
+    def narrow(self, rows: list[int], index: Any) -> ContextManager[None]: ...
+
+
 def denoisers_of(pipeline: Any) -> list[torch.nn.Module]:
     """Every denoiser a pipeline runs: its transformer or UNet, and a two-expert model's second transformer."""
     second = getattr(pipeline, "transformer_2", None)
@@ -85,9 +93,6 @@ class ModelAdapter(ABC):
         self.device = device
         self.dtype = dtype
         self.encoder_device = device  # where encode_prompt runs the text encoders (place_text_encoders)
-        # (rows, their index on the device) -> a context in which the forward runs on those of its rows (the
-        # worker's RowScope.narrow)
-        self.narrow_rows: Callable[[list[int], torch.Tensor], ContextManager[None]] = lambda rows, index: nullcontext()
         # Held around every call into the VAE where the VAE keeps state between calls: Wan's and Qwen-Image's
         # causal VAEs cache features in the module, and each encode or decode resets both caches, so the loop,
         # the encode stage (input images) and the decode stage would mix each other's batches. Other VAEs keep
@@ -131,19 +136,19 @@ class ModelAdapter(ABC):
     def before_loading(cls) -> None:
         """Whatever the process needs before this family's pipeline can be loaded (nothing, mostly)."""
 
-    def call_per_group(self, keys: list[Any], out_like: torch.Tensor,
-                       call: Callable[[list[int], Any], torch.Tensor]) -> torch.Tensor:
+    def call_per_group(self, keys: list[Any], out_like: torch.Tensor, call: Callable[[list[int], Any], torch.Tensor],
+                       context: HookContext | None) -> torch.Tensor:
         """One transformer call per distinct key, for rows that cannot share a call (other input-image shapes).
         `call(rows, index)` gets the group's row numbers and what selects them (a slice when every row is in the
         one group: nothing is copied) and returns the group's output, which lands in those rows. Each call runs
-        with the row scope narrowed to its rows, so modules that treat rows apart (LoRA layers) know them."""
+        with the forward's context narrowed to its rows, so hooks that treat rows apart (LoRA layers) know them."""
         if len(set(keys)) == 1:
             return call(list(range(len(keys))), slice(None))
         out = torch.empty_like(out_like)
         for key in dict.fromkeys(keys):
             rows = [i for i, k in enumerate(keys) if k == key]
             index = device_index(rows, out_like.device)
-            with self.narrow_rows(rows, index):
+            with nullcontext() if context is None else context.narrow(rows, index):
                 out[index] = call(rows, index)
         return out
 
@@ -190,9 +195,11 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout, context: HookContext | None = None) -> torch.Tensor:
         """One batched forward; every tensor has one row per model row. What the rows are (their size, texts'
-        lengths, input images) the layout says, on the host: nothing here reads a tensor back to learn it."""
+        lengths, input images) the layout says, on the host: nothing here reads a tensor back to learn it.
+        `context`: where the forward's modules run hooks, what a call on some of its rows narrows (None: no
+        hook runs, as in a compiled or captured forward)."""
 
     def step_conditions(self, layout: BatchLayout, dtype: torch.dtype) -> Conditions:
         """Per-row inputs the forward takes beyond the stored conditions, built on the host from the layout

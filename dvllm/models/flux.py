@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, transformer_cache_spec
+from dvllm.models.base import CacheSpec, Conditions, HookContext, ModelAdapter, transformer_cache_spec
 from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len, linear_sigmas
 from dvllm.models.layout import BatchLayout
 from dvllm.models.model_info import Defaults, Guidance, Latents, ModelInfo, Schedule, Text
@@ -78,7 +78,8 @@ class FluxAdapter(ModelAdapter):
         return latents * init_noise_sigma
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout, context: HookContext | None = None
+                ) -> torch.Tensor:
         pipe = self.pipeline
         height, width = (2 * (s // (pipe.vae_scale_factor * 2)) for s in layout.image_size)
         img_ids = latent_image_ids(height // 2, width // 2, self.device, latents.dtype)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dvllm.models.base import Conditions
+from dvllm.models.base import Conditions, HookContext
 from dvllm.models.flux import FluxAdapter, latent_image_ids
 from dvllm.models.layout import BatchLayout
 from dvllm.models.model_info import ImageInputs, ModelInfo
@@ -109,7 +109,8 @@ class FluxKontextAdapter(FluxAdapter):
         return latents, image_latents.reshape(n, -1)
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout, context: HookContext | None = None
+                ) -> torch.Tensor:
         """Rows of one input grid share a call; one call per distinct grid (see the module docstring)."""
         grids = [tuple(g[:2]) for g in layout.row_grids]
 
@@ -117,7 +118,7 @@ class FluxKontextAdapter(FluxAdapter):
             return self._call(latents[index], timesteps[index], {k: v[index] for k, v in conditions.items()},
                               guidance[index], layout.image_size, grids[rows[0]])
 
-        return self.call_per_group(grids, latents, call)
+        return self.call_per_group(grids, latents, call, context)
 
     def _call(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions, guidance: torch.Tensor,
               image_size: tuple[int, int], grid: tuple[int, int]) -> torch.Tensor:

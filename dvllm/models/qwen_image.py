@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, transformer_cache_spec
+from dvllm.models.base import CacheSpec, Conditions, HookContext, ModelAdapter, transformer_cache_spec
 from dvllm.models.flux import flux_timestep_kwargs
 from dvllm.models.layout import BatchLayout
 from dvllm.models.model_info import Defaults, Guidance, Latents, ModelInfo, Schedule, Text
@@ -73,7 +73,8 @@ class QwenImageAdapter(ModelAdapter):
         return latents * init_noise_sigma
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout, context: HookContext | None = None
+                ) -> torch.Tensor:
         pipe = self.pipeline
         lengths = layout.row_text_lengths
         length = max(lengths)  # the batch's longest prompt: the rest is padding

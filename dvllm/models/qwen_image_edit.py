@@ -28,13 +28,13 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from dvllm.host_copy import device_tensor
-from dvllm.models.base import Conditions
+from dvllm.models.base import Conditions, HookContext
 from dvllm.models.byte_tokenizer import allow_qwen_vl_processor_without_torchvision
 from dvllm.models.flux import flux_timestep_kwargs
 from dvllm.models.layout import BatchLayout
 from dvllm.models.model_info import Defaults, Guidance, ImageInputs, Latents, ModelInfo, Schedule, Text
 from dvllm.models.qwen_image import MAX_TEXT_TOKENS, QwenImageAdapter
-from dvllm.models.qwen_rows import rows_of_own_shapes
+from dvllm.models.qwen_rows import RowShapeHooks, RowShapes
 
 VAE_AREA = 1024 * 1024        # both pipelines' VAE image area (Edit's VL image too)
 PLUS_CONDITION_AREA = 384 * 384  # Plus's VL image area
@@ -74,6 +74,7 @@ def edit_numel(vae_scale: int, features: int, max_images: int, height: int, widt
 
 class QwenImageEditAdapter(QwenImageAdapter):
     pipeline_classes = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+    _row_hooks: RowShapeHooks | None = None  # installed with the first call that pads rows
 
     @classmethod
     def before_loading(cls) -> None:
@@ -164,7 +165,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return noise, torch.cat(packed, dim=1).expand(n, -1)
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout, context: HookContext | None = None
+                ) -> torch.Tensor:
         """Rows with as many input images share one call, padded to the longest (see the module docstring)."""
         grids, lengths = layout.row_grids, layout.row_text_lengths
         # zero_cond_t modulates tokens by their image's place, which padding would shift: a call per shape set
@@ -175,7 +177,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
                               [self._shapes(grids[i], layout.image_size) for i in rows], [lengths[i] for i in rows],
                               padded=len({grids[i] for i in rows}) > 1)
 
-        return self.call_per_group(keys, latents, call)
+        return self.call_per_group(keys, latents, call, context)
 
     def padded_denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                        layout: BatchLayout) -> torch.Tensor:
@@ -204,19 +206,24 @@ class QwenImageEditAdapter(QwenImageAdapter):
         length = max(lengths)  # the call's longest prompt: the rest is padding
         mask, embeds = conditions["prompt_embeds_mask"][:, :length] > 0.5, conditions["prompt_embeds"][:, :length]
         text_mask = None if min(lengths) == length else mask.long()
-        context = nullcontext({})
+        rows = nullcontext()
         if padded:
             real = torch.arange(tokens + longest, device=latents.device)[None] < \
                 device_tensor([tokens + t for t in image_tokens], latents.device)[:, None]
-            context = rows_of_own_shapes(pipe.transformer, shapes, tokens + longest, real)
-        with context as attention_kwargs:
+            rows = self._row_shape_hooks().running(RowShapes(shapes, tokens + longest, real))
+        with rows:
             out = pipe.transformer(
                 hidden_states=torch.cat([latents, image_latents.to(latents.dtype)], dim=1),
                 timestep=timesteps.to(latents.dtype) / 1000, guidance=None, encoder_hidden_states_mask=text_mask,
-                encoder_hidden_states=embeds, img_shapes=shapes, attention_kwargs=attention_kwargs or None,
-                return_dict=False,
+                encoder_hidden_states=embeds, img_shapes=shapes, return_dict=False,
             )[0]
         return out[:, :tokens]
+
+    def _row_shape_hooks(self) -> RowShapeHooks:
+        """The transformer's per-row positions and attention, hooked in with the first call that pads rows."""
+        if self._row_hooks is None:
+            self._row_hooks = RowShapeHooks(self.pipeline.transformer)
+        return self._row_hooks
 
     def cache_spec(self) -> None:
         return None

@@ -8,38 +8,73 @@ attention masks the padding out. Padding rather than packing keeps every row a r
 the norms and the LoRA layers stay per row), and the padding costs only the difference between the
 longest and the other rows' image tokens.
 
-Two pieces, installed for the one call: a stand-in for the transformer's `pos_embed` that returns
-per-row frequencies, and an attention processor that applies them row by row and masks padded image
-tokens. The processor computes what diffusers' QwenDoubleStreamAttnProcessor2_0 does for one row.
+Two hooks in diffusers' hook registry, installed once on the transformer (`RowShapeHooks`) and passing every
+call through unless a call's row shapes are given to them for its span (`running`): one on the transformer's
+`pos_embed`, which returns per-row frequencies, and one on each block's attention, which runs the row
+attention processor: it applies them row by row and masks padded image tokens, computing what diffusers'
+QwenDoubleStreamAttnProcessor2_0 does for one row. Nothing of the transformer is swapped for the call.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
+HOOK_NAME = "dvllm_row_shapes"
 
-class _RowPositions(torch.nn.Module):
-    """The transformer's pos_embed, per row: (image freqs [rows, tokens, d], text freqs [rows, text, d])."""
 
-    def __init__(self, pos_embed: torch.nn.Module, shapes: list[list[tuple[int, int, int]]], tokens: int) -> None:
+@dataclass(frozen=True)
+class RowShapes:
+    """One call's rows: each row's img_shapes, the padded image tokens, and which of them are real [rows, tokens]."""
+
+    shapes: list[list[tuple[int, int, int]]]
+    tokens: int
+    image_mask: torch.Tensor
+
+
+class _PositionsHook(ModelHook):
+    """On the transformer's pos_embed: (image freqs [rows, tokens, d], text freqs [rows, text, d]), each row's
+    from its own shapes, while a call's RowShapes are given."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self.pos_embed, self.shapes, self.tokens = pos_embed, shapes, tokens
+        self.context: RowShapes | None = None
 
-    def forward(self, img_shapes: Any, max_txt_seq_len: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def new_forward(self, module: torch.nn.Module, img_shapes: Any, *args: Any, **kwargs: Any) -> Any:
+        original, rows = self.fn_ref.original_forward, self.context
+        if rows is None:
+            return original(img_shapes, *args, **kwargs)
         done: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         images, texts = [], []
-        for shapes in self.shapes:
+        for shapes in rows.shapes:
             key = tuple(shapes)
             if key not in done:
-                done[key] = self.pos_embed([shapes], max_txt_seq_len=max_txt_seq_len, device=device)
+                done[key] = original([shapes], *args, **kwargs)
             image, text = done[key]
-            pad = image.new_ones(self.tokens - len(image), image.shape[-1])  # rotation by 0: masked anyway
+            pad = image.new_ones(rows.tokens - len(image), image.shape[-1])  # rotation by 0: masked anyway
             images.append(torch.cat([image, pad]))
             texts.append(text)
         return torch.stack(images), torch.stack(texts)
+
+
+class _AttentionHook(ModelHook):
+    """On a block's attention: the row attention, masking padded image tokens, while a call's RowShapes are
+    given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.context: RowShapes | None = None
+        self.processor = RowAttentionProcessor()
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        rows = self.context
+        if rows is None:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        return self.processor(module, *args, image_mask=rows.image_mask, **kwargs)
 
 
 class RowAttentionProcessor:
@@ -82,15 +117,25 @@ def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * freqs.unsqueeze(2)).flatten(3).type_as(x)
 
 
-@contextmanager
-def rows_of_own_shapes(transformer: Any, shapes: list[list[tuple[int, int, int]]], tokens: int,
-                       image_mask: torch.Tensor) -> Iterator[dict[str, Any]]:
-    """For one transformer call: per-row positions and the row attention; yields its attention_kwargs."""
-    processors, pos_embed = transformer.attn_processors, transformer.pos_embed
-    transformer.pos_embed = _RowPositions(pos_embed, shapes, tokens)
-    transformer.set_attn_processor(RowAttentionProcessor())
-    try:
-        yield {"image_mask": image_mask}
-    finally:
-        transformer.pos_embed = pos_embed
-        transformer.set_attn_processor(processors)
+class RowShapeHooks:
+    """The two hooks on one transformer; a call's RowShapes are given to them for its span."""
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        self._hooks: list[_PositionsHook | _AttentionHook] = []
+        self._add(transformer.pos_embed, _PositionsHook())
+        for block in transformer.transformer_blocks:
+            self._add(block.attn, _AttentionHook())
+
+    def _add(self, module: torch.nn.Module, hook: ModelHook) -> None:
+        HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, HOOK_NAME)
+        self._hooks.append(hook)
+
+    @contextmanager
+    def running(self, rows: RowShapes) -> Iterator[None]:
+        for hook in self._hooks:
+            hook.context = rows
+        try:
+            yield
+        finally:
+            for hook in self._hooks:
+                hook.context = None

@@ -14,7 +14,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 
-from dvllm.models.base import Conditions, ModelAdapter
+from dvllm.models.base import Conditions, HookContext, ModelAdapter
 from dvllm.models.layout import BatchLayout
 from dvllm.models.model_info import Defaults, Guidance, ImageInputs, Latents, ModelInfo, Schedule, Text
 
@@ -142,7 +142,8 @@ class StableDiffusionAdapter(ModelAdapter):
         return torch.cat([latents, inputs.view(len(latents), -1, *latents.shape[2:]).to(latents.dtype)], dim=1)
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout, context: HookContext | None = None
+                ) -> torch.Tensor:
         return self.pipeline.unet(
             self.unet_input(latents, conditions),
             timesteps,

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, transformer_cache_spec
+from dvllm.models.base import CacheSpec, Conditions, HookContext, ModelAdapter, transformer_cache_spec
 from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len
 from dvllm.models.layout import BatchLayout
 from dvllm.models.model_info import Defaults, Latents, ModelInfo, Schedule, Text
@@ -76,7 +76,8 @@ class StableDiffusion3Adapter(ModelAdapter):
         return randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype) * init_noise_sigma
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout, context: HookContext | None = None
+                ) -> torch.Tensor:
         return self.pipeline.transformer(
             hidden_states=latents, timestep=timesteps, encoder_hidden_states=conditions["prompt_embeds"],
             pooled_projections=conditions["pooled_prompt_embeds"], return_dict=False,

@@ -6,7 +6,7 @@ from functools import cached_property
 
 import torch
 
-from dvllm.models.base import Conditions
+from dvllm.models.base import Conditions, HookContext
 from dvllm.models.layout import BatchLayout
 from dvllm.models.model_info import ModelInfo
 from dvllm.models.stable_diffusion import StableDiffusionAdapter
@@ -61,7 +61,8 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
         return {k: torch.zeros((1, *shape), dtype=self.dtype, device=self.device) for k, shape in shapes.items()}
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout, context: HookContext | None = None
+                ) -> torch.Tensor:
         pipe = self.pipeline
         return pipe.unet(
             self.unet_input(latents, conditions), timesteps, encoder_hidden_states=conditions["prompt_embeds"],

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, transformer_cache_spec
+from dvllm.models.base import CacheSpec, Conditions, HookContext, ModelAdapter, transformer_cache_spec
 from dvllm.models.layout import BatchLayout
 from dvllm.models.model_info import Defaults, Latents, ModelInfo, Schedule, Text, Video
 
@@ -95,7 +95,8 @@ class WanAdapter(ModelAdapter):
         return latents * init_noise_sigma
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout, context: HookContext | None = None
+                ) -> torch.Tensor:
         timestep, embeds = timesteps.to(torch.float32), conditions["prompt_embeds"]
         if self.pipeline.config.expand_timesteps:  # one timestep per latent token (TI2V): here all the row's
             _, p_h, p_w = self.pipeline.transformer.config.patch_size
@@ -111,7 +112,7 @@ class WanAdapter(ModelAdapter):
                          encoder_hidden_states=embeds[index].to(model.dtype), return_dict=False,
                          **{key: value[index].to(model.dtype) for key, value in extra.items()})[0]
 
-        return self.call_per_group(list(experts), latents, call)
+        return self.call_per_group(list(experts), latents, call, context)
 
     def transformer_inputs(self, latents: torch.Tensor, conditions: Conditions
                            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

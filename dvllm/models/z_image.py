@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dvllm.models.base import CacheSpec, Conditions, ModelAdapter, transformer_cache_spec
+from dvllm.models.base import CacheSpec, Conditions, HookContext, ModelAdapter, transformer_cache_spec
 from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len
 from dvllm.models.layout import BatchLayout
 from dvllm.models.model_info import Defaults, Guidance, Latents, ModelInfo, Schedule, Text
@@ -90,7 +90,8 @@ class ZImageAdapter(ModelAdapter):
         return (latents * init_noise_sigma).to(self.dtype)
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
-                guidance: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+                guidance: torch.Tensor, layout: BatchLayout, context: HookContext | None = None
+                ) -> torch.Tensor:
         transformer = self.pipeline.transformer
         captions = [e[:n] for e, n in zip(conditions["prompt_embeds"], layout.row_text_lengths)]
         frames = list(latents.to(transformer.dtype).unsqueeze(2).unbind(dim=0))

@@ -55,7 +55,7 @@ from dvllm.parallel.row_split import call_rows, chunk, cut, gather_rows
 from dvllm.parallel.uneven_split import TooFewTokens
 from dvllm.runtime.liveness import CallBounds
 from dvllm.runtime.remote import SETUP
-from dvllm.worker.lora_layers import LoraLayers
+from dvllm.worker.forward_context import ForwardContext
 from dvllm.worker.stage_process import StageProcess, WorkerProcessLost, check_devices
 
 logger = logging.getLogger(__name__)
@@ -111,9 +111,9 @@ class WorkerGroup:
         self.cfg_groups = config.cfg_parallel_size
         self.row_groups = self.cfg_groups
         self.forwards = {"tokens": 0, "rows": 0, "alone": 0}  # denoiser calls, by split (alone: not shared)
-        # Whether the forward about to run must run on the worker alone: one with step-cached rows, whose skip
-        # decisions read every row's whole tokens and whose state lives in the worker's pool (set by the worker)
-        self.runs_alone: Callable[[], bool] = lambda: False
+        # The running forward's context, given to the group's call hooks for its span as to every hook (the worker
+        # adds the group to its ForwardHooks): its LoRA rows and its step caching
+        self.context: ForwardContext | None = None
         self._alone = False
         if self.splits_tokens:
             check_context_parallel(denoiser, config.sequence_parallel_size // self.ring, self.ring, device)
@@ -129,7 +129,6 @@ class WorkerGroup:
         # One exchange with the members at a time: the step loop's forwards and the decode stage's decodes
         self.lock = threading.Lock()
         self.units_decoded = [0] * self.size  # decoder calls each of the group ran for shared decodes, by rank
-        self.lora: LoraLayers | None = None  # the worker's adapter slots (share_loras)
         self.lora_slots: dict[int, LoraRef] = {}  # what the members' slots hold, to resend
         self._call_scope = contextlib.ExitStack()  # CFG-parallel with LoRA: the worker's rows narrowed for a call
         self._dir = tempfile.mkdtemp(prefix="dvllm-group-")
@@ -146,10 +145,6 @@ class WorkerGroup:
             raise
         self._hooks = [denoiser.register_forward_pre_hook(self._share_call, with_kwargs=True),
                        denoiser.register_forward_hook(self._call_done)]
-
-    def share_loras(self, lora: LoraLayers) -> None:
-        """Calls name the rows' adapters of `lora` (the worker's slots)."""
-        self.lora = lora
 
     def load_lora(self, slot: int, ref: LoraRef | None) -> None:
         """The members' slot made the worker's (after the worker loaded it; None: emptied): each member reads the
@@ -178,7 +173,7 @@ class WorkerGroup:
         def run(*args: Any, **kwargs: Any) -> torch.Tensor:
             with self.lock:
                 try:
-                    return self._run(fn, args, kwargs, self.runs_alone())
+                    return self._run(fn, args, kwargs, self._runs_alone())
                 except TooFewTokens:  # a sequence shorter than the group: every process stopped at its split
                     self._abandon_call()
                 return self._run(fn, args, kwargs, True)  # (a pure function of its inputs: the same output)
@@ -202,6 +197,11 @@ class WorkerGroup:
                 return fn(*args, **kwargs)
             finally:
                 self._call_scope.close()
+
+    def _runs_alone(self) -> bool:
+        """Whether the forward about to run must run on the worker alone: one with step-cached rows, whose skip
+        decisions read every row's whole tokens and whose state lives in the worker's pool."""
+        return self.context is not None and self.context.cache is not None
 
     def _abandon_call(self) -> None:
         """The shared call that stopped at its split (TooFewTokens) let go: the members' answers to it taken (each
@@ -298,12 +298,13 @@ class WorkerGroup:
             member.done()
 
     def _call_loras(self) -> tuple | None:
-        """The LoRA adapters of the call's rows, as (slot, weight) pairs: the running plan's rows, or those of the
-        row scope the call runs in (an adapter's per-shape calls)."""
-        plan = self.lora.current if self.lora is not None else None
+        """The LoRA adapters of the call's rows, as (slot, weight) pairs: the forward's plan's rows, or those of
+        the row scope the call runs in (an adapter's per-shape calls)."""
+        context = self.context
+        plan = None if context is None else context.lora
         if plan is None:
             return None
-        rows = plan.scope.rows
+        rows = context.rows.rows
         return tuple(plan.sets) if rows is None else tuple(plan.sets[r] for r in rows)
 
     def _share_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -325,7 +326,7 @@ class WorkerGroup:
         self._parts = [chunk(rows, group, groups) for group in range(groups)]
         mine = self._parts[0]
         if loras is not None and mine.stop - mine.start < rows:  # the worker's LoRA layers see its rows only
-            self._call_scope.enter_context(self.lora.scope.narrow(
+            self._call_scope.enter_context(self.context.narrow(
                 list(range(mine.start, mine.stop)), torch.arange(mine.start, mine.stop, device=self.device)))
         return cut(args, kwargs, rows, mine)
 

@@ -17,7 +17,7 @@ import logging
 import os
 import types
 from datetime import timedelta
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,8 @@ from dvllm.parallel.call_broadcast import receive
 from dvllm.parallel.group_decode import DecodeCalls
 from dvllm.parallel.row_split import call_rows, chunk, cut, send_rows
 from dvllm.runtime.channel import Channel
+from dvllm.worker.forward_context import ForwardContext, ForwardHooks
 from dvllm.worker.lora_layers import LoraLayers, LoraPlan
-from dvllm.worker.row_scope import RowScope
 from dvllm.worker.stage_process import serve
 
 logger = logging.getLogger(__name__)
@@ -98,11 +98,11 @@ class Member:
         else:
             self.lora.load(slot, denoiser_lora(self.lora_cache.weights(ref), self.component))
 
-    def lora_plan(self, rows: tuple | None) -> LoraPlan | None:
-        """The call's rows' adapters as a plan over the member's slots (None: no row has an adapter here)."""
+    def with_loras(self, rows: tuple | None) -> ContextManager[None]:
+        """The call's rows' adapters, as a plan over the member's slots, given to its LoRA layers for the span."""
         if rows is None or self.lora is None or not self.lora.tables or not any(rows):
-            return None
-        return LoraPlan(list(rows), self.lora)
+            return contextlib.nullcontext()
+        return self.lora.hooks.running(ForwardContext(lora=LoraPlan(list(rows), self.lora)))
 
 
 def load_denoiser(config: Any, device: torch.device) -> Member:
@@ -123,7 +123,7 @@ def load_denoiser(config: Any, device: torch.device) -> Member:
     lora = None
     if config.enable_lora:  # slots over the denoiser alone, as many and as wide as the leader's
         lora = LoraLayers(types.SimpleNamespace(**{component: denoiser}), config.max_loras, config.max_lora_rank,
-                          RowScope())
+                          ForwardHooks())
     del adapter, vae
     gc.collect()
     if device.type == "cuda":
@@ -177,19 +177,17 @@ def shared_call(member: Member, message: SharedCall, device: torch.device) -> No
     denoiser = member.denoiser
     groups = message.row_groups
     if groups == 1:  # the same call: the split is inside the forward
-        plan = member.lora_plan(message.lora_rows)
-        with plan.running() if plan is not None else contextlib.nullcontext():
+        with member.with_loras(message.lora_rows):
             denoiser(*args, **kwargs)
         return None
     rows, rank, span = call_rows(args, kwargs), dist.get_rank(), dist.get_world_size() // groups
     part = chunk(rows, rank // span, groups)  # this member's row group's rows
     if part.stop > part.start:
         mine_args, mine_kwargs = cut(args, kwargs, rows, part)
-        plan = member.lora_plan(None if message.lora_rows is None else message.lora_rows[part])
         # (elastic) a rows step on a group that splits tokens: each rank's rows run whole
         paused = member.config.sequence_parallel_size > 1 and span == 1
         with context_parallel_paused(denoiser) if paused else contextlib.nullcontext(), \
-                plan.running() if plan is not None else contextlib.nullcontext():
+                member.with_loras(None if message.lora_rows is None else message.lora_rows[part]):
             output = denoiser(*mine_args, **mine_kwargs)
         if rank % span == 0:  # the row group's first rank answers for it (its ranks end with the same output)
             send_rows(output)

@@ -8,7 +8,6 @@ unconditional half of the forward is one contiguous block and no row is indexed
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +21,7 @@ from dvllm.profiler import PhaseTimer
 from dvllm.samplers import StepRow
 from dvllm.worker.conditions import unflatten
 from dvllm.worker.denoiser import Denoiser, Forward, ForwardInputs
-from dvllm.worker.forward_context import ForwardContext
+from dvllm.worker.forward_context import ForwardHooks
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.request_state import RequestState
 from dvllm.worker.state_pool import StatePool
@@ -67,6 +66,7 @@ class StepParts:
     pool: StatePool
     timer: PhaseTimer
     lora: LoraLayers
+    forward_hooks: ForwardHooks     # every hook on the pipeline's modules, given each forward's context
     hooks: CacheHooks | None = None  # step caching (installed with the first caching request)
 
 
@@ -95,19 +95,13 @@ def denoise_step(parts: StepParts, states: list[RequestState]) -> StepResult:
         caching = None
         if hooks is not None and any(s.cache is not None for s in batch.states):
             caching = forward_cache(hooks.spec, pool, batch.states, batch.layout)
-        # step caching decides which rows run each block inside the forward: eager, unpadded
-        forward = parts.denoiser.plan(batch.layout, input_shapes(batch), parts.lora, eager=caching is not None)
+        forward = parts.denoiser.plan(batch.layout, input_shapes(batch), parts.lora, cache=caching)
         inputs = model_inputs(adapter, pool, batch, forward)
     # 2. forward
     with timer.phase("forward"):
-        if caching is None:
-            out = parts.denoiser(forward, inputs)
-            if forward.key is not None and not all(batch.fused):
-                out = out.clone()  # a replay's output buffer, and a diffusers scheduler may keep what it steps on
-        else:
-            lora = forward.lora.running() if forward.lora is not None else nullcontext()
-            with hooks.running(ForwardContext(cache=caching)), lora:
-                out = adapter.denoise(*inputs.args(), forward.layout)
+        out = parts.denoiser(forward, inputs, parts.forward_hooks)
+        if forward.key is not None and not all(batch.fused):
+            out = out.clone()  # a replay's output buffer, and a diffusers scheduler may keep what it steps on
     # 3. guidance, 4. the sampler update written back into the pool, 5. step caching's state
     with timer.phase("update_scatter"):
         update(pool, batch, guide(adapter, batch, out), result.errors, result.previews)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -29,6 +28,7 @@ import torch
 from dvllm.config import EngineConfig
 from dvllm.models.base import Conditions, ModelAdapter, denoisers_of
 from dvllm.models.layout import BatchLayout
+from dvllm.worker.forward_context import ForwardContext, ForwardHooks
 from dvllm.worker.lora_layers import LoraLayers, LoraPlan
 from dvllm.worker.regional_compile import RegionalCompile
 
@@ -105,6 +105,13 @@ class Forward:
     lora: LoraPlan | None          # the rows' adapters (None: no row has any)
     key: tuple | None = None       # its graph's key (None: not run from a graph)
     graph: _Graph | None = None    # a captured graph for it
+    cache: Any = None              # step caching's groups (step_cache_hooks.ForwardCache; None: no row caches)
+
+    def context(self) -> ForwardContext | None:
+        """A new context for one run of it, given to its hooks (None: no hook has anything to do in it)."""
+        if self.lora is None and self.cache is None:
+            return None
+        return ForwardContext(layout=self.layout, lora=self.lora, cache=self.cache)
 
     @property
     def buffers(self) -> ForwardInputs | None:
@@ -138,12 +145,12 @@ class Denoiser:
     def fn(self) -> Any:
         return self.compiled or self.adapter.denoise  # looked up per call: the adapter's own, as it is now
 
-    def plan(self, layout: BatchLayout, shapes: tuple, lora: LoraLayers, eager: bool = False) -> Forward:
+    def plan(self, layout: BatchLayout, shapes: tuple, lora: LoraLayers, cache: Any = None) -> Forward:
         """How `layout`'s forward runs. `shapes`: its inputs' shapes past the rows (part of a graph's key).
-        `eager`: the adapter's own forward, unpadded (step caching decides inside it)."""
+        `cache`: its step caching's groups, which decide inside the adapter's own forward: eager, unpadded."""
         rows = layout.num_rows
-        if eager or not self.pad:
-            return Forward(layout, rows, lora.plan(layout.row_loras))
+        if cache is not None or not self.pad:
+            return Forward(layout, rows, lora.plan(layout.row_loras), cache=cache)
         padded = layout.padded(next((b for b in self.buckets if b >= rows), rows))
         plan = lora.plan(padded.row_loras)
         if self.graphs is None:
@@ -154,20 +161,15 @@ class Denoiser:
             self.graphs.move_to_end(key)
         return Forward(padded, rows, plan, key, graph)
 
-    def __call__(self, forward: Forward, inputs: ForwardInputs) -> torch.Tensor:
-        """The forward's output on its real rows. From a graph, that is a view of the graph's own output
-        buffer: it holds until the next replay (denoise_batch copies it where a diffusers scheduler might
-        keep it)."""
-        fn = self.fn if forward.lora is None else self.adapter.denoise  # LoRA layers run Python per call
-        if forward.key is None:
-            with _lora_running(forward):
-                return fn(*inputs.args(), forward.layout)[:forward.rows]
-        graph = forward.graph
-        if graph is None and forward.key not in self.graphs and self.capture_lazily:
-            graph = self._capture(forward, inputs, fn)
-        if graph is None:  # its capture failed once, or none is captured while serving: no graph
-            with _lora_running(forward):
-                return fn(*inputs.args(), forward.layout)[:forward.rows]
+    def __call__(self, forward: Forward, inputs: ForwardInputs, hooks: ForwardHooks) -> torch.Tensor:
+        """The forward's output on its real rows (`hooks`: those on the pipeline's modules, given the forward's
+        context). From a graph, that is a view of the graph's own output buffer: it holds until the next replay
+        (denoise_batch copies it where a diffusers scheduler might keep it)."""
+        if forward.key is None or (forward.graph is None and not self._captures(forward)):
+            return self._run(forward, inputs, hooks)[:forward.rows]  # (no graph: its capture failed, or not now)
+        graph = forward.graph or self._capture(forward, inputs, hooks)
+        if graph is None:
+            return self._run(forward, inputs, hooks)[:forward.rows]
         if inputs is not graph.inputs:  # (only the forward that captured it: the gather wrote its own tensors)
             raise RuntimeError("a graph's inputs must be gathered into its buffers (Forward.buffers)")
         if graph.lora is not None:
@@ -182,21 +184,31 @@ class Denoiser:
             self.fn(*inputs.args(), forward.layout)
             return False
         if forward.graph is None and forward.key not in self.graphs:
-            return self._capture(forward, inputs, self.fn) is not None
+            return self._capture(forward, inputs, None) is not None
         return self.graphs.get(forward.key) is not None
 
-    def _capture(self, forward: Forward, inputs: ForwardInputs, fn: Any) -> _Graph | None:
+    def _captures(self, forward: Forward) -> bool:
+        """Whether a forward with no graph yet gets one captured now (lazily, the first of its key)."""
+        return forward.key not in self.graphs and self.capture_lazily
+
+    def _run(self, forward: Forward, inputs: ForwardInputs, hooks: ForwardHooks | None) -> torch.Tensor:
+        """The forward run once, a new context given to its hooks for the span (each run of a capture its own:
+        what the hooks build from the plan's tables is recorded in the graph). A forward with hooks to run runs
+        the adapter's own Python (LoRA layers and step caching run Python per call)."""
+        context = forward.context()
+        if context is None:
+            return self.fn(*inputs.args(), forward.layout)
+        with hooks.running(context):
+            return self.adapter.denoise(*inputs.args(), forward.layout, context=context)
+
+    def _capture(self, forward: Forward, inputs: ForwardInputs, hooks: ForwardHooks | None) -> _Graph | None:
         """Captures the forward on `inputs`, which become the graph's static buffers (the gather made them
         for this forward alone). None, remembered, where the forward cannot be captured."""
         if len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
 
-        def run() -> torch.Tensor:
-            with _lora_running(forward):
-                return fn(*inputs.args(), forward.layout)
-
         try:
-            graph, output = self.capture(run, self.graph_pool)
+            graph, output = self.capture(lambda: self._run(forward, inputs, hooks), self.graph_pool)
         except Exception:  # e.g. a host-to-device copy inside the forward: not capturable
             logger.warning("cannot capture a CUDA graph for %s; running it eagerly", forward.key, exc_info=True)
             self.graphs[forward.key] = None
@@ -205,6 +217,3 @@ class Denoiser:
         captured = self.graphs[forward.key] = _Graph(graph, inputs, output, forward.lora)
         return captured
 
-
-def _lora_running(forward: Forward) -> Any:
-    return nullcontext() if forward.lora is None else forward.lora.running()

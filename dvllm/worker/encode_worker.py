@@ -25,9 +25,9 @@ from dvllm.worker.stage_process import StageProcess, check_devices, serve
 
 logger = logging.getLogger(__name__)
 
-# What the worker keeps of the adapter for the process: not its pipeline (rebuilt there), nor the row scope the
-# denoiser's forward reads
-_NOT_COPIED = ("pipeline", "narrow_rows", "vae_lock")  # (the process has no VAE: the lock stays with it)
+# What the worker keeps of the adapter for the process: not its pipeline (rebuilt there), nor the hooks on its
+# denoiser (Qwen edits' row shapes)
+_NOT_COPIED = ("pipeline", "_row_hooks", "vae_lock")  # (the process has no VAE: the lock stays with it)
 
 
 def _copied(value: Any) -> bool:

@@ -13,12 +13,12 @@ and a row pays for its own adapters' ranks only. Rows without adapters pay nothi
 Where every adapted row has the same set, there is no per-row gather: two plain matmuls do it.
 
 Layers get a hook in diffusers' hook registry (as its own caches do) when an adapter first touches them,
-and pass every call through unless a forward runs under a `LoraPlan.running()`.
+and pass every call through unless a forward's context (worker/forward_context.py) with a LoRA plan is given
+to them: `LoraLayers.context` makes one for a text-encoder call, the denoiser's forward its own.
 """
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -28,6 +28,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from dvllm.host_copy import device_index, device_tensor, to_device
 from dvllm.lora.weights import LoraWeights
 from dvllm.models.layout import RowAdapters
+from dvllm.worker.forward_context import TEXT_ENCODERS, ForwardContext, ForwardHooks, part_of
 from dvllm.worker.row_scope import RowScope
 
 HOOK_NAME = "dvllm_lora"
@@ -61,13 +62,11 @@ def _fits(module: Any, a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class LoraLayers:
-    def __init__(self, pipeline: Any, num_slots: int, max_rank: int, scope: RowScope) -> None:
-        self.pipeline, self.num_slots, self.max_rank, self.scope = pipeline, num_slots, max_rank, scope
+    def __init__(self, pipeline: Any, num_slots: int, max_rank: int, hooks: ForwardHooks) -> None:
+        self.pipeline, self.num_slots, self.max_rank, self.hooks = pipeline, num_slots, max_rank, hooks
         self.slot_digest: list[str | None] = [None] * num_slots  # each slot's adapter, by file digest
         self.slot_rank = [0] * num_slots
         self.tables: dict[tuple[str, str], _Table] = {}
-        # The forward running now, per thread: the encode stage's text encoders run beside the loop's forward
-        self._running = threading.local()
         self._coverage_ids: dict[frozenset, int] = {}
         self._modules: dict[str, dict[str, torch.nn.Module]] = {}
 
@@ -101,14 +100,6 @@ class LoraLayers:
                 table.filled.discard(slot)
         self.slot_digest[slot], self.slot_rank[slot] = None, 0
 
-    @property
-    def current(self) -> "LoraPlan | None":
-        return getattr(self._running, "plan", None)
-
-    @current.setter
-    def current(self, plan: "LoraPlan | None") -> None:
-        self._running.plan = plan
-
     def slot_of(self, digest: str) -> int:
         try:
             return self.slot_digest.index(digest)
@@ -122,9 +113,10 @@ class LoraLayers:
         return LoraPlan([tuple((self.slot_of(digest), w) for digest, w in row) for row in rows], self)
 
     @contextmanager
-    def running(self, rows: tuple[RowAdapters, ...] | list[RowAdapters]) -> Iterator[None]:
+    def encoding(self, rows: tuple[RowAdapters, ...] | list[RowAdapters]) -> Iterator[None]:
+        """The text encoders' adapted layers apply `rows`' adapters to the calls inside (one text a row)."""
         plan = self.plan(rows)
-        with plan.running() if plan is not None else nullcontext():
+        with self.hooks.running(None if plan is None else ForwardContext(lora=plan), TEXT_ENCODERS):
             yield
 
     def coverage(self, slots: set[int]) -> tuple[int, ...]:
@@ -148,23 +140,28 @@ class LoraLayers:
         key = (component, name)
         if key not in self.tables:
             table = self.tables[key] = _Table(module, self.num_slots, self.max_rank)
-            HookRegistry.check_if_exists_or_initialize(module).register_hook(_LoraHook(self, table), HOOK_NAME)
+            hook = _LoraHook(table)
+            HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, HOOK_NAME)
+            self.hooks.add(part_of(component), hook)
         return self.tables[key]
 
 
 class _LoraHook(ModelHook):
-    """On one adapted layer (through diffusers' hook registry): the base layer, then the rows' updates."""
+    """On one adapted layer (through diffusers' hook registry): the base layer, then the rows' updates, as the
+    forward's context (given for its span: ForwardHooks) plans them."""
 
-    def __init__(self, layers: LoraLayers, table: _Table) -> None:
+    def __init__(self, table: _Table) -> None:
         super().__init__()
-        self.layers, self.table = layers, table
+        self.table = table
+        self.context: ForwardContext | None = None
 
     def new_forward(self, module: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = self.fn_ref.original_forward(x, *args, **kwargs)
-        plan = self.layers.current
+        context = self.context
+        plan = None if context is None else context.lora
         if plan is None or plan.slots.isdisjoint(self.table.filled):
             return out
-        return plan.apply(self.table, x, out)
+        return plan.apply(self.table, x, out, context)
 
 
 @dataclass
@@ -187,7 +184,7 @@ class LoraPlan:
     graph captured with one plan replays another of the same key once `take_values` copied its tables."""
 
     def __init__(self, rows: list[tuple[tuple[int, float], ...]], layers: LoraLayers) -> None:
-        self.num_rows, self.layers, self.scope = len(rows), layers, layers.scope
+        self.num_rows, self.layers = len(rows), layers
         self.slots = {s for row in rows for s, _ in row}
         self.rank = max(layers.slot_rank[s] for s in self.slots)
         k = max(len(row) for row in rows)
@@ -203,17 +200,6 @@ class LoraPlan:
         self._all = (adapted, index, None if len(adapted) == self.num_rows else index)
         shared = len({rows[r] for r in adapted}) == 1
         self.graph_key = (tuple(self.has), shared, self.rank, k, layers.coverage(self.slots))
-        self._views: dict[torch.dtype, tuple[Any, _View | None]] = {}
-
-    @contextmanager
-    def running(self) -> Iterator[None]:
-        """The adapted layers apply this plan to the forward run inside."""
-        self._views.clear()  # built anew from the tables in each forward (a captured graph records that too)
-        self.layers.current = self
-        try:
-            yield
-        finally:
-            self.layers.current = None
 
     def take_values(self, other: "LoraPlan") -> None:
         """Another plan's slots and weights into this one's tables (plans of one graph_key)."""
@@ -221,11 +207,12 @@ class LoraPlan:
             self.row_slots.copy_(other.row_slots, non_blocking=True)
             self.row_scale.copy_(other.row_scale, non_blocking=True)
 
-    def _rows(self, n: int, dtype: torch.dtype) -> _View | None:
-        """The call's adapted rows: the forward's rows, or those step caching is running now (computed once
-        per row set and dtype, since every layer of the forward asks)."""
-        current = self.scope.rows
-        cached = self._views.get(dtype)
+    def _rows(self, n: int, dtype: torch.dtype, scope: RowScope, memo: dict) -> _View | None:
+        """The call's adapted rows: the forward's rows, or those `scope` runs now (step caching, per-shape calls),
+        computed once per row set and dtype in the forward's `memo` (every layer of the forward asks; a new
+        forward, a captured graph's too, builds them anew from the tables)."""
+        current = scope.rows
+        cached = memo.get((self, dtype))
         if cached is not None and cached[0] == current:  # (step caching narrows each module's call anew)
             return cached[1]
         rows = list(range(self.num_rows)) if current is None else current
@@ -242,12 +229,12 @@ class LoraPlan:
         if adapted:
             view = _View(local=local, slots=self.row_slots[index], scale=self.row_scale[index].to(dtype),
                          shared=len({self.sets[rows[i]] for i in adapted}) == 1)
-        self._views[dtype] = (current, view)
+        memo[(self, dtype)] = (current, view)
         return view
 
-    def apply(self, table: _Table, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def apply(self, table: _Table, x: torch.Tensor, out: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """`out` (the base layer's fresh output) with the rows' low-rank updates added in place."""
-        view = self._rows(x.shape[0], out.dtype)
+        view = self._rows(x.shape[0], out.dtype, context.rows, context.memo)
         if view is None:
             return out
         out = out if out.is_contiguous() else out.contiguous()

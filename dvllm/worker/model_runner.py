@@ -23,11 +23,11 @@ from dvllm.worker.decode_stage import DecodeJob, DecodeStage
 from dvllm.worker.denoise_batch import StepParts, denoise_step
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage, start_key
+from dvllm.worker.forward_context import ForwardHooks
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.output_types import to_output_type
 from dvllm.worker.prompt_writer import PromptWriter
 from dvllm.worker.request_state import RequestState, row_bounds
-from dvllm.worker.row_scope import RowScope
 from dvllm.worker.start_latents import Start, make_start
 from dvllm.worker.state_pool import StatePool
 from dvllm.worker.step_cache_hooks import CacheHooks
@@ -53,9 +53,8 @@ class ModelRunner:
         self.timer = timer
         self.states: dict[str, RequestState] = {}
         self._cache_hooks: CacheHooks | None = None  # installed on the transformer with the first caching request
-        self.rows = RowScope()  # which rows step caching runs a module on: LoRA layers follow it
-        adapter.narrow_rows = self.rows.narrow  # so do the adapter's per-group calls (edits of other input shapes)
-        self.lora = LoraLayers(adapter.pipeline, max_loras, max_lora_rank, self.rows)
+        self.hooks = ForwardHooks()  # every hook on the pipeline's modules that takes a forward's context
+        self.lora = LoraLayers(adapter.pipeline, max_loras, max_lora_rank, self.hooks)
         self.lora_cache = lora_cache  # the adapters' weights, read from the ids the loads name (None: no LoRA)
         self.prompts = PromptWriter(adapter, pool, self.lora)
         # The last step's prompt-cache blocks left unwritten and adapter loads that failed: with async scheduling
@@ -73,12 +72,8 @@ class ModelRunner:
     @property
     def cache_hooks(self) -> CacheHooks:
         if self._cache_hooks is None:
-            self._cache_hooks = CacheHooks(self.adapter.cache_spec(), self.rows)
+            self._cache_hooks = CacheHooks(self.adapter.cache_spec(), self.hooks)
         return self._cache_hooks
-
-    def caching_now(self) -> bool:
-        """Whether the forward running now runs under step caching (a worker group runs it alone)."""
-        return self._cache_hooks is not None and self._cache_hooks.in_forward()
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         work = StepWork(out)
@@ -165,7 +160,7 @@ class ModelRunner:
                 self.group.choose_split(work.out.num_rows)
 
     def _denoise(self, work: StepWork, group: list[RequestState]) -> None:
-        parts = StepParts(self.adapter, self.denoiser, self.pool, self.timer, self.lora,
+        parts = StepParts(self.adapter, self.denoiser, self.pool, self.timer, self.lora, self.hooks,
                           self.cache_hooks if any(s.cache is not None for s in group) else None)
         result = denoise_step(parts, group)
         work.errors.update(result.errors)

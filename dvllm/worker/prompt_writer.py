@@ -68,7 +68,7 @@ class PromptWriter:
                 kwargs = {} if length is None else {"max_sequence_length": length}
                 if images is not None:
                     kwargs["images"] = images.images
-                with self.lock, self.lora.running([loras] * len(items)):  # all of the call take these adapters
+                with self.lock, self.lora.encoding([loras] * len(items)):  # all of the call take these adapters
                     conditions = self.adapter.on_device(self.adapter.encode_prompt(items, **kwargs))
                 encoded.update(zip(group, conditions))
             blocks = [b for b, text in targets.items() if text in encoded]

@@ -12,16 +12,15 @@ and each attention module; the batch put back together after the last block); ea
 rows (its MethodRows).
 
 The hooks are installed once on the adapter's transformer (`CacheHooks`, in diffusers' hook registry, as
-diffusers' own cache hooks are) and pass every call through unless the forward's context is given to
-them (`CacheHooks.running(context)`): the runner's eager path, since a decision that depends on the data
+diffusers' own cache hooks are) and pass every call through unless a forward's context with a ForwardCache is
+given to them (worker/forward_context.py): the runner's eager path, since a decision that depends on the data
 cannot be replayed from a CUDA graph.
 """
 from __future__ import annotations
 
 import inspect
 import logging
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
@@ -32,9 +31,8 @@ from dvllm.models.layout import BatchLayout
 from dvllm.step_caches.method import MethodRows
 from dvllm.step_caches.registry import method_of
 from dvllm.step_caches.state import CacheState, Group, pool_values, stream_tokens
-from dvllm.worker.forward_context import ForwardContext
+from dvllm.worker.forward_context import DENOISER, ForwardContext, ForwardHooks
 from dvllm.worker.hooked_call import Call
-from dvllm.worker.row_scope import RowScope
 from dvllm.worker.state_pool import StatePool
 
 HOOK_NAME = "dvllm_step_cache"
@@ -186,9 +184,9 @@ class _CacheHook(ModelHook):
     """On one block or attention module (through diffusers' hook registry): the call as the forward's context
     decides it, given to the hook for the forward's span; as it is when no caching forward runs."""
 
-    def __init__(self, rows: RowScope, decide: Callable) -> None:
+    def __init__(self, decide: Callable) -> None:
         super().__init__()
-        self.rows, self.decide = rows, decide
+        self.decide = decide
         self.signature: inspect.Signature | None = None
         self.context: ForwardContext | None = None  # the running forward's, while one runs
 
@@ -200,17 +198,15 @@ class _CacheHook(ModelHook):
         context, original = self.context, self.fn_ref.original_forward
         if context is None or context.cache is None:
             return original(*args, **kwargs)
-        return self.decide(context.cache, Call(original, self.signature, args, kwargs, self.rows))
+        return self.decide(context.cache, Call(original, self.signature, args, kwargs, context.rows))
 
 
 class CacheHooks:
-    """Wraps the spec's blocks and attention modules once; each forward's context is given to them for its
-    span (`running`)."""
+    """Wraps the spec's blocks and attention modules once, their hooks added to `hooks`: each forward's context
+    is given to them for its span."""
 
-    def __init__(self, spec: CacheSpec, rows: RowScope | None = None) -> None:
-        self.spec = spec
-        self.rows = rows or RowScope()  # shared with whatever else must know which rows a module runs on
-        self._hooks: list[_CacheHook] = []
+    def __init__(self, spec: CacheSpec, hooks: ForwardHooks) -> None:
+        self.spec, self.hooks = spec, hooks
         last = len(spec.blocks) - 1
         for i, block in enumerate(spec.blocks):
             self._wrap(block, lambda f, call, i=i: f.head(call) if i == 0 else f.block(call, i == last))
@@ -218,25 +214,9 @@ class CacheHooks:
             self._wrap(module, lambda f, call, j=j: f.attention(j, call))
 
     def _wrap(self, module: torch.nn.Module, decide: Callable) -> None:
-        hook = _CacheHook(self.rows, decide)
+        hook = _CacheHook(decide)
         HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, HOOK_NAME)
-        self._hooks.append(hook)
-
-    @contextmanager
-    def running(self, context: ForwardContext) -> Iterator[None]:
-        """Gives the forward's context to every hook for the span (as diffusers' registry gives its hooks a
-        cache context), and takes it back after."""
-        for hook in self._hooks:
-            hook.context = context
-        try:
-            yield
-        finally:
-            for hook in self._hooks:
-                hook.context = None
-
-    def in_forward(self) -> bool:
-        """Whether a caching forward runs now (a worker group runs it alone)."""
-        return bool(self._hooks) and self._hooks[0].context is not None  # (every hook has the same one)
+        self.hooks.add(DENOISER, hook)
 
 
 def _put(full: torch.Tensor, part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
