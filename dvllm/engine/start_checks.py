@@ -1,8 +1,8 @@
 """What the engine's settings ask of the model, its files and its adapters, refused before anything loads: each
 package's fields (resolved into its config: engine/configs.py), the adapters that --lora-modules names, the
 quantization spec and what the other settings ask of it, and the model's files (no model code runs: torch and
-diffusers only where a quantization spec is given). Every way of starting an
-engine (DiffusionEngine, AsyncDiffusionEngine, dvllm serve) calls it once, right after the engine config is made."""
+diffusers only where a quantization spec is given). Every way of starting an engine (DiffusionEngine,
+AsyncDiffusionEngine, dvllm serve) calls it once, right after the engine config is made."""
 from __future__ import annotations
 
 from dvllm.config import EngineConfig
