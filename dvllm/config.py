@@ -1,7 +1,10 @@
-"""EngineConfig: every engine knob, validated in one place.
+"""EngineConfig: every engine knob, as one flat set of arguments.
 
 The Python API (`DiffusionEngine(**kwargs)`) and the CLI flags are both generated
-from this dataclass, so they cannot drift apart.
+from this dataclass, so they cannot drift apart. The packages own what the fields mean: each resolves its part
+into a small config of its own, checked there (core/scheduler_config.py, worker/pool_config.py,
+worker/stage_config.py, parallel/parallel_config.py, models/load_config.py, ...); engine/configs.py resolves
+them all once at start. What no one package owns is checked here (config_checks.py).
 """
 from __future__ import annotations
 
@@ -9,19 +12,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dvllm.config_checks import (  # noqa: F401 - the choices are read from here too
-    COMPILE_MODES,
-    DTYPES,
-    EXECUTORS,
-    LOAD_FORMATS,
-    SCHEDULING_POLICIES,
-    check_config,
-    device_list,
-    parse_lora_modules,
-)
+from dvllm.config_checks import check_config, parse_lora_modules
 from dvllm.param_defaults import DEFAULT_PIXELS_FACTOR
 
-CPU_STATE_POOL_MB = 1024
+CPU_STATE_POOL_MB = 1024  # the state pool off CUDA, where no memory profile sizes it
+
 # A stage process's call bounds (stage_process.CallBounds): vLLM's execute-model timeout for a batch; a process's
 # start (imports, its model copy, its first batch's warm-up) twice that
 STAGE_CALL_TIMEOUT_S = 300.0
@@ -495,29 +490,6 @@ class EngineConfig:
 
     def validate(self) -> None:
         check_config(self)
-
-    @property
-    def group_size(self) -> int:
-        """The processes that run each forward: the worker and its group's members."""
-        return self.sequence_parallel_size * self.cfg_parallel_size
-
-    @property
-    def decode_devices(self) -> list[str]:
-        """Where the decode workers go, in turn (none given: the worker's device)."""
-        return device_list(self.decode_device)
-
-    @property
-    def encode_devices(self) -> list[str]:
-        """Where the encode workers go, in turn (none given: see encode_device)."""
-        return device_list(self.encode_device)
-
-    @property
-    def cpu_lora_cache_size(self) -> int:
-        return self.max_cpu_loras or 2 * self.max_loras
-
-    @property
-    def prompt_chars_per_step(self) -> int:
-        return self.max_prompt_chars_per_step or 2 * self.max_prompt_chars
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -5,6 +5,7 @@ from dvllm.config import EngineConfig
 from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request
 from dvllm.core.scheduler import Scheduler
+from dvllm.core.scheduler_config import SchedulerConfig
 from dvllm.core.scheduler_output import RunnerOutput
 from dvllm.sampling_params import SamplingParams
 
@@ -34,4 +35,4 @@ def iterate(scheduler: Scheduler):
 
 
 def make(num_blocks: int = 1000, cache: bool = True, **kwargs) -> Scheduler:
-    return Scheduler(EngineConfig(**kwargs), BlockManager(num_blocks, cache))
+    return Scheduler(SchedulerConfig.of(EngineConfig(**kwargs)), BlockManager(num_blocks, cache))

@@ -21,6 +21,7 @@ from pairwise import Pair, all_pairs, covering_rows, pairs_of
 from process_tree import descendants, process_name, zombie
 
 from dvllm import AsyncDiffusionEngine, EngineConfig
+from dvllm.engine.start_checks import check_at_start
 
 
 def pair(a: tuple[str, Any], b: tuple[str, Any]) -> Pair:
@@ -166,7 +167,7 @@ def test_each_refused_pair_is_refused_at_start_naming_both(refused, models):
     before = set(descendants(os.getpid()))
     with pytest.raises(ValueError) as error:
         if options.get("device") == "cuda":  # no GPU here: the config refuses it before any device is touched
-            EngineConfig(model=models.path(name), **options)
+            check_at_start(EngineConfig(model=models.path(name), **options))
         else:
             AsyncDiffusionEngine(model=models.path(name), dtype="float32", **{"device": "cpu", **options})
     for word in REFUSED[refused]:

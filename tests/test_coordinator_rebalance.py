@@ -6,6 +6,7 @@ from __future__ import annotations
 from scheduler_utils import Clock, iterate
 
 from dvllm.config import EngineConfig
+from dvllm.core.scheduler_config import SchedulerConfig
 from dvllm.engine.coordinator import Coordinator
 from dvllm.profiler import PhaseTimer
 
@@ -20,8 +21,8 @@ class TwoWorkers:
 
 
 def test_a_request_moved_to_an_idle_worker_keeps_the_iterations_it_waited():
-    coordinator = Coordinator(EngineConfig(max_batch_size=1, scheduling_policy="priority"), TwoWorkers(),
-                              PhaseTimer(False))
+    config = EngineConfig(max_batch_size=1, scheduling_policy="priority")
+    coordinator = Coordinator(config, SchedulerConfig.of(config), TwoWorkers(), PhaseTimer(False))
     busy, idle = coordinator.cores
     clock = Clock()
     busy.scheduler.add_request(clock.request("running", steps=50, cfg=False))

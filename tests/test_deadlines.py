@@ -10,6 +10,7 @@ import torch.distributed as dist
 from dvllm import DiffusionEngine, EngineConfig, SamplingParams
 from dvllm.entrypoints.protocol import APIError, ImageGenerationRequest, engine_value_error
 from dvllm.parallel.context_parallel import rows_split_pays
+from dvllm.parallel.parallel_config import ParallelConfig
 
 TOL = 1e-5
 PROMPTS = ["a red circle", "a blue square on a green field", "a star", "a dog"]
@@ -33,11 +34,11 @@ def test_the_http_deadline_is_the_requests_deadline_s():
 
 def test_the_group_policy_is_checked():
     with pytest.raises(ValueError, match="group_policy must be one of"):
-        EngineConfig(group_policy="wide")
+        ParallelConfig.of(EngineConfig(group_policy="wide"))
     with pytest.raises(ValueError, match="needs sequence_parallel_size > 1"):
-        EngineConfig(group_policy="elastic")
+        ParallelConfig.of(EngineConfig(group_policy="elastic"))
     with pytest.raises(ValueError, match="needs sequence_parallel_size > 1"):
-        EngineConfig(group_policy="elastic", cfg_parallel_size=2)
+        ParallelConfig.of(EngineConfig(group_policy="elastic", cfg_parallel_size=2))
 
 
 def test_the_elastic_split_rule():

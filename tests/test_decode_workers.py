@@ -18,6 +18,7 @@ from dvllm import AsyncDiffusionEngine, DiffusionEngine, EngineConfig, SamplingP
 from dvllm.models.loader import load_adapter
 from dvllm.worker.decode_stage import DecodeJob, DecodeStage
 from dvllm.worker.decode_worker import VaeCopy
+from dvllm.worker.stage_config import StageConfig
 from dvllm.worker.stage_process import WorkerProcessLost, same_gpu
 
 # Waiting on another process's progress: generous, as the suite runs on a loaded machine
@@ -253,7 +254,7 @@ def test_shutdown_drains_the_stage_and_stops_the_processes(sd_eps_path, in_loop)
 ])
 def test_what_cannot_work_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(model="tiny-shapes", **kwargs).validate()
+        StageConfig.of(EngineConfig(model="tiny-shapes", **kwargs))
 
 
 def test_a_gpu_the_worker_does_not_see_is_no_decode_device(sd_eps_path):
@@ -269,7 +270,8 @@ def test_a_gpu_workers_own_gpu_is_no_decode_device():
     assert same_gpu(torch.device("cuda:1"), torch.device("cuda:1"))
     assert not same_gpu(torch.device("cuda:1"), torch.device("cuda:0"))
     assert not same_gpu(torch.device("cpu"), torch.device("cuda:0"))
-    assert EngineConfig(decode_workers=2, decode_device="cuda:1, cpu").decode_devices == ["cuda:1", "cpu"]
+    stages = StageConfig.of(EngineConfig(decode_workers=2, decode_device="cuda:1, cpu"))
+    assert stages.decode_devices == ("cuda:1", "cpu")
 
 
 def test_no_job_overtakes_an_earlier_job_of_its_request():

@@ -344,9 +344,10 @@ def test_closing_the_stage_waits_for_the_batch_it_is_on_and_forgets_the_rest():
 
 def test_max_encode_ahead_must_be_positive():
     from dvllm.config import EngineConfig
+    from dvllm.core.scheduler_config import SchedulerConfig
 
     with pytest.raises(ValueError, match="max_encode_ahead"):
-        EngineConfig(model="tiny-shapes", max_encode_ahead=0)
+        SchedulerConfig.of(EngineConfig(model="tiny-shapes", max_encode_ahead=0))
 
 
 FAMILIES = ["sdxl_path", "sd3_path", "flux_path", "qwen_image_path", "z_image_path"]

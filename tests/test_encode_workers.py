@@ -21,6 +21,7 @@ from dvllm.models.loader import load_adapter
 from dvllm.worker.conditions import encode_flat
 from dvllm.worker.encode_stage import EncodeStage
 from dvllm.worker.encode_worker import EncoderCopy, ModuleCopy, start_encode_workers
+from dvllm.worker.stage_config import StageConfig
 from dvllm.worker.stage_process import WorkerProcessLost
 
 def _engine(path: str, **kwargs) -> DiffusionEngine:
@@ -251,7 +252,7 @@ def test_shutdown_stops_the_processes(sd_eps_path):
 ])
 def test_what_cannot_work_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(model="tiny-shapes", **kwargs).validate()
+        StageConfig.of(EngineConfig(model="tiny-shapes", **kwargs))
 
 
 def test_encode_workers_turn_the_stage_on():

@@ -12,6 +12,7 @@ import torch
 from graph_emulator import emulated_capture
 
 from dvllm import DiffusionEngine, EngineConfig, SamplingParams
+from dvllm.parallel.parallel_config import ParallelConfig
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.fast_mode import fastest_attention
 from dvllm.worker.regional_compile import RegionalCompile
@@ -92,9 +93,9 @@ def test_the_fastest_attention_is_one_that_cannot_fail(name, dtype, capability, 
 
 def test_bad_combinations_are_refused():
     with pytest.raises(ValueError, match=r"worker group .*fast"):
-        EngineConfig(fast=True, cfg_parallel_size=2)
+        ParallelConfig.of(EngineConfig(fast=True, cfg_parallel_size=2))
     with pytest.raises(ValueError, match=r"worker group .*fast"):
-        EngineConfig(fast=True, sequence_parallel_size=2)
+        ParallelConfig.of(EngineConfig(fast=True, sequence_parallel_size=2))
     with pytest.raises(ValueError, match="compile must be one of"):
         EngineConfig(compile="everything")
     with pytest.raises(ValueError, match="compile_backend is set but compile is 'off'"):

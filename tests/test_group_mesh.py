@@ -14,6 +14,7 @@ from conftest import tiny_qwen_image_pipeline
 from lora_utils import make_lora
 
 from dvllm import DiffusionEngine, EngineConfig, SamplingParams
+from dvllm.parallel.parallel_config import ParallelConfig
 from dvllm.parallel.row_split import call_rows
 
 TOL = 1e-5
@@ -94,4 +95,4 @@ def test_a_member_killed_mid_forward_forms_the_mesh_anew(qwen_image_path, qwen_l
 
 def test_the_elastic_policy_is_refused_on_a_mesh():
     with pytest.raises(ValueError, match="cfg_parallel_size 1"):
-        EngineConfig(group_policy="elastic", **MESH)
+        ParallelConfig.of(EngineConfig(group_policy="elastic", **MESH))

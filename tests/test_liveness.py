@@ -25,6 +25,7 @@ from utils_server import FAST, WAIT, png_pixels, wait_until
 from dvllm import AsyncDiffusionEngine, EngineConfig
 from dvllm.config_flags import add_engine_args, engine_kwargs
 from dvllm.engine.async_engine import EngineUnresponsiveError
+from dvllm.engine.start_checks import check_at_start
 from dvllm.entrypoints.api_server import build_app
 from dvllm.runtime.liveness import CallBounds
 from dvllm.worker.encode_worker import EncodeWorker
@@ -40,8 +41,8 @@ BODY = {"prompt": "a red circle", "seed": 7, **FAST}
 @pytest.mark.parametrize("name", ["stage_call_timeout_s", "stage_start_timeout_s", "core_heartbeat_timeout_s"])
 @pytest.mark.parametrize("value", [0, -1.0, float("inf"), "5", True])
 def test_a_bound_that_is_no_finite_positive_number_is_refused_by_name(name, value):
-    with pytest.raises(ValueError, match=name):
-        EngineConfig(**{name: value})
+    with pytest.raises(ValueError, match=name):  # the core's bound by EngineConfig, the stages' by StageConfig
+        check_at_start(EngineConfig(**{name: value}))
 
 
 def test_the_bounds_are_flags():

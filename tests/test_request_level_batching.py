@@ -97,17 +97,18 @@ def test_priority_orders_the_batches_and_preempts_nothing(sd_eps_path):
 
 def test_batching_is_checked():
     from dvllm import EngineConfig
+    from dvllm.core.scheduler_config import SchedulerConfig
 
     with pytest.raises(ValueError, match="batching must be one of"):
-        EngineConfig(batching="iteration")
+        SchedulerConfig.of(EngineConfig(batching="iteration"))
     with pytest.raises(ValueError, match="shape_order must be one of"):
-        EngineConfig(shape_order="newest")
+        SchedulerConfig.of(EngineConfig(shape_order="newest"))
     with pytest.raises(ValueError, match="shape_order='oldest' with group_policy='elastic'"):
-        EngineConfig(shape_order="oldest", group_policy="elastic", sequence_parallel_size=2)
+        SchedulerConfig.of(EngineConfig(shape_order="oldest", group_policy="elastic", sequence_parallel_size=2))
     with pytest.raises(ValueError, match="request-level policy's window: set batching='request'"):
-        EngineConfig(request_batch_wait_s=0.1)
+        SchedulerConfig.of(EngineConfig(request_batch_wait_s=0.1))
     with pytest.raises(ValueError, match=r"request_batch_wait_s must be within \[0, 60\]"):
-        EngineConfig(batching="request", request_batch_wait_s=-1)
+        SchedulerConfig.of(EngineConfig(batching="request", request_batch_wait_s=-1))
 
 
 def test_a_batch_gathers_its_kind_for_the_window_while_the_engine_sleeps(sd_eps_path):

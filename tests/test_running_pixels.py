@@ -14,6 +14,7 @@ from dvllm import DiffusionEngine, SamplingParams
 from dvllm.config import EngineConfig
 from dvllm.core.request import Request
 from dvllm.core.scheduler import Scheduler
+from dvllm.core.scheduler_config import SchedulerConfig
 
 ONE_16PX_CFG = 2 * 16 * 16  # rows x height x width of one CFG request at 16x16
 
@@ -112,7 +113,7 @@ def test_a_worker_that_is_full_takes_no_request_from_another():
 @pytest.mark.parametrize("value", [0, -5, 1.5])
 def test_a_bad_bound_is_refused(value):
     with pytest.raises(ValueError, match="max_running_pixels"):
-        EngineConfig(max_running_pixels=value)
+        SchedulerConfig.of(EngineConfig(max_running_pixels=value))
 
 
 def test_the_bound_changes_no_image(sd_eps_path):

@@ -7,6 +7,7 @@ from scheduler_utils import Clock, iterate, make
 from dvllm.config import EngineConfig
 from dvllm.core.request import RequestStatus, check_fits, prompt_cache_key
 from dvllm.core.scheduler import Scheduler
+from dvllm.core.scheduler_config import SchedulerConfig
 from dvllm.core.scheduler_output import RunnerOutput
 
 
@@ -411,7 +412,7 @@ def test_one_iteration_encodes_a_bounded_number_of_input_images():
     out, _ = iterate(s)
     assert [r.request_id for r in out.new_requests] == ["three"]  # over the budget alone: still admitted
     with pytest.raises(ValueError, match="max_input_images_per_step"):
-        EngineConfig(max_input_images_per_step=0)
+        SchedulerConfig.of(EngineConfig(max_input_images_per_step=0))
 
 
 def test_scheduling_ahead_counts_steps_in_flight_and_frees_the_rows_of_a_last_step():

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from dvllm import DiffusionEngine, SamplingParams
 from dvllm.config import EngineConfig
+from dvllm.parallel.parallel_config import ParallelConfig
 
 TOL = 1e-5  # the bound on the CPU in float32; measured: about 1e-7
 
@@ -139,9 +140,9 @@ def test_what_a_group_does_not_serve_is_refused(flux_path, sd3_path):
             (dict(group_timeout_s=0), "group_timeout_s must be"),
             (dict(sequence_parallel_size=0), "sequence_parallel_size")]:
         with pytest.raises(ValueError, match=match):
-            EngineConfig(**{"sequence_parallel_size": 2, **kwargs})
+            ParallelConfig.of(EngineConfig(**{"sequence_parallel_size": 2, **kwargs}))
     with pytest.raises(ValueError, match="group_devices is set"):
-        EngineConfig(group_devices="cpu")
+        ParallelConfig.of(EngineConfig(group_devices="cpu"))
     with pytest.raises(ValueError, match="no context-parallel plan"):  # before any member starts
         DiffusionEngine(model=sd3_path, device="cpu", sequence_parallel_size=2)
     assert not dist.is_initialized()

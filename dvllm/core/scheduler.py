@@ -34,7 +34,6 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from dvllm.config import EngineConfig
 from dvllm.core.batch_key import request_batch_key
 from dvllm.core.block_manager import BlockManager
 from dvllm.core.deadlines import Pace
@@ -42,23 +41,21 @@ from dvllm.core.encode_ahead import EncodeAhead, EncodeKey
 from dvllm.core.lora_slots import LoraSlots
 from dvllm.core.preemption import choose_pixel_victims, choose_victims
 from dvllm.core.request import Request, RequestStatus
+from dvllm.core.scheduler_config import SchedulerConfig
 from dvllm.core.scheduler_output import BlockTables, ResumedRequestData, RunnerOutput, SchedulerOutput
 from dvllm.outputs import RequestOutput
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.max_batch_size = config.max_batch_size
         self.max_running_pixels = config.max_running_pixels
         self.prompt_chars_per_step = config.prompt_chars_per_step
         self.input_images_per_step = config.max_input_images_per_step
         self.by_priority = config.scheduling_policy == "priority"
         self.request_level = config.batching == "request"
-        # auto: oldest, but in turn where the elastic policy's deadline pace (deadlines.py) assumes it
-        self.oldest_first = config.shape_order == "oldest" or (config.shape_order == "auto"
-                                                               and config.group_policy != "elastic")
+        self.oldest_first = config.shape_order == "oldest"
         self.batch_wait = config.request_batch_wait_s
-        self.max_batch_size = config.max_batch_size
         self.hold_s = 0.0  # batching=request: how much longer the next batch gathers (the engine sleeps meanwhile)
         self.aging = config.priority_aging_iterations
         self.blocks = block_manager
@@ -77,7 +74,7 @@ class Scheduler:
         self.cache_skipped_rows = self.cache_computed_rows = 0  # step caching, over the engine's life
         self.deadlines = {True: 0, False: 0}  # finished requests with a deadline: met, missed
         # The elastic group policy's deadline-first steps (None: deadlines are only reported)
-        self.pace = Pace() if config.group_policy == "elastic" else None
+        self.pace = Pace() if config.elastic else None
         self._freed: list[str] = []
         # By iteration, until its update: the requests it stepped, and request id -> the cache entries it filled
         self._batches: dict[int, list[Request]] = {}
@@ -86,8 +83,8 @@ class Scheduler:
         # that takes its id meanwhile)
         self._stale: dict[str, int] = {}
         # With the worker's encode stage: the texts it encodes ahead of admission
-        self.ahead = EncodeAhead(config.max_encode_ahead, always=config.encode_workers > 0) \
-            if config.encode_stage else None
+        self.ahead = EncodeAhead(config.encode_ahead, always=config.encode_always) \
+            if config.encode_ahead is not None else None
 
     # -- requests in and out -------------------------------------------------
     def add_request(self, request: Request, age: int = 0) -> None:

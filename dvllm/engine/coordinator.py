@@ -17,6 +17,7 @@ from dvllm.config import EngineConfig
 from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request, RequestStatus
 from dvllm.core.scheduler import Scheduler
+from dvllm.core.scheduler_config import SchedulerConfig
 from dvllm.core.stage_stats import GROUP_SPLITS, STAGES, StageStats
 from dvllm.engine.core import EngineCore
 from dvllm.errors import NoWorkerError, QueueFullError
@@ -41,8 +42,9 @@ TIMEOUT_KEYS = ("encode_stage.process", "decode_stage.process", "worker_group.me
 
 
 class Coordinator:
-    def __init__(self, config: EngineConfig, executor: Executor, timer: PhaseTimer) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, scheduler: SchedulerConfig, executor: Executor,
+                 timer: PhaseTimer) -> None:
+        self.config, self.scheduler_config = config, scheduler
         self.executor = executor
         self.cores = [EngineCore(i, self._new_scheduler(i), executor, timer) for i in range(executor.num_workers)]
         # the in-process worker: one core, stepped as it is (it cannot die apart from the engine)
@@ -56,7 +58,7 @@ class Coordinator:
 
     def _new_scheduler(self, index: int) -> Scheduler:
         num_blocks, _ = self.executor.pool_info(index)
-        return Scheduler(self.config, BlockManager(num_blocks, self.config.enable_prompt_cache))
+        return Scheduler(self.scheduler_config, BlockManager(num_blocks, self.scheduler_config.prompt_cache))
 
     # -- one iteration ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -39,7 +39,8 @@ class DiffusionEngine:
         if self.config.engine_core_process:
             raise ValueError("engine_core_process: DiffusionEngine steps in the caller's process; "
                              "AsyncDiffusionEngine (and dvllm serve) can run the core in a process of its own")
-        check_at_start(self.config)  # a typo'd adapter or file fails now, not after the model loads
+        # each package's part resolved and checked; a typo'd adapter or file fails now, not after the model loads
+        self.configs = check_at_start(self.config)
         with quiet_libraries():  # the libraries' loading chatter and bars, not the caller's own logging
             self.executor = create_executor(self.config)
             try:  # a refusal at start (a pair of options, a pool too small) leaves no process or group behind
@@ -52,7 +53,7 @@ class DiffusionEngine:
         self.model_info = self.executor.model_info()
         self.loaded_model = self.executor.loaded_model()
         self._timer = PhaseTimer(self.config.profile_steps)  # the driver's phases: scheduling
-        self.coordinator = Coordinator(self.config, self.executor, self._timer)
+        self.coordinator = Coordinator(self.config, self.configs.scheduler, self.executor, self._timer)
         self.block_numel = self.coordinator.block_numel
         pool_blocks = min(self.executor.pool_info(i)[0] for i in range(self.executor.num_workers))
         self.loras = registry_for(self.config, self.loaded_model.name)

@@ -16,6 +16,7 @@ from dvllm.models.load_config import LoadConfig, LoadedModel
 from dvllm.models.loader import load_adapter
 from dvllm.parallel.group import WorkerGroup
 from dvllm.parallel.group_decode import SharedDecode, decodes_in_group
+from dvllm.parallel.parallel_config import ParallelConfig
 from dvllm.profiler import PhaseTimer
 from dvllm.runtime.liveness import CallBounds
 from dvllm.worker.decode_stage import DecodeStage
@@ -27,6 +28,8 @@ from dvllm.worker.fast_mode import settle
 from dvllm.worker.forward_context import DENOISER
 from dvllm.worker.model_runner import ModelRunner
 from dvllm.worker.output_types import to_output_type
+from dvllm.worker.pool_config import PoolConfig
+from dvllm.worker.stage_config import StageConfig
 from dvllm.worker.stage_process import StageProcess
 from dvllm.worker.start_latents import make_start
 from dvllm.worker.state_pool import create_state_pool
@@ -46,20 +49,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _start_group(config: EngineConfig, adapter: ModelAdapter, device: torch.device) -> WorkerGroup:
+def _start_group(config: EngineConfig, adapter: ModelAdapter, device: torch.device,
+                 parallel: ParallelConfig) -> WorkerGroup:
     """The worker's group, its every denoiser call shared with the members (and run again if the group fails)."""
     if adapter.info.expert_boundary is not None:  # the members would hold and run only the first expert
         raise ValueError(f"{adapter.name}: a two-expert model (Wan 2.2 A14B) is not served in a worker group yet: "
                          "use sequence_parallel_size=1 and cfg_parallel_size=1")
-    group = WorkerGroup(config, denoiser_of(adapter.pipeline), device)
+    group = WorkerGroup(parallel, config, denoiser_of(adapter.pipeline), device)
     adapter.denoise = group.guard(adapter.denoise)  # the runner reads adapter.denoise per call
     return group
 
 
-def _bound(processes: list[StageProcess] | None, config: EngineConfig) -> None:
+def _bound(processes: list[StageProcess] | None, stages: StageConfig) -> None:
     """The stage processes' calls bounded as the config says: past it a process is taken for lost."""
     for process in processes or []:
-        process.bounds = CallBounds(config.stage_call_timeout_s, config.stage_start_timeout_s)
+        process.bounds = CallBounds(stages.call_timeout_s, stages.start_timeout_s)
 
 
 class Worker:
@@ -72,15 +76,17 @@ class Worker:
         # fast mode's choices (and the other speed settings' defaults) made concrete for this device and denoiser
         self.config = config = settle(config, adapter)
         self.quantization = load.quantization
+        # The worker's parts of the settings, resolved once (a Ray worker's too: it is handed the flat config)
+        self.stages, self.parallel = stages, parallel = StageConfig.of(config), ParallelConfig.of(config)
         # Before the memory profile: the worker's own text encoders are freed, and their work is not its device's
-        encode_devices = config.encode_devices or ["cpu"]
-        encoders = start_encode_workers(adapter, config.encode_workers, encode_devices,
-                                        self.device) if config.encode_workers else None
-        _bound(encoders, config)
+        encode_devices = list(stages.encode_devices) or ["cpu"]
+        encoders = start_encode_workers(adapter, stages.encode_workers, encode_devices,
+                                        self.device) if stages.encode_workers else None
+        _bound(encoders, stages)
         self.encoders_at = ",".join(encode_devices) if encoders else None  # None: the adapter's encoder_device
         self.group = None
         try:
-            self.group = _start_group(config, adapter, self.device) if config.group_size > 1 else None
+            self.group = _start_group(config, adapter, self.device, parallel) if parallel.size > 1 else None
             self._build(config, adapter, encoders)
         except BaseException:  # the processes and the process group go with the worker that failed to start
             if self.group is not None:
@@ -91,10 +97,11 @@ class Worker:
 
     def _build(self, config: EngineConfig, adapter: ModelAdapter, encoders: Any) -> None:
         """The pool (after the memory profile), the runner and the stages."""
-        self.pool, decode_stage = create_state_pool(config, adapter)
+        stages = self.stages
+        self.pool, decode_stage = create_state_pool(PoolConfig.of(config), adapter, config)
         custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step
         self.timer = PhaseTimer(config.profile_steps, self.device)
-        self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, config.max_decode_batch,
+        self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, stages.max_decode_batch,
                                   config.max_loras, config.max_lora_rank, lora_cache=lora_cache_for(config))
         self.runner.group = self.group
         if config.warm_up:  # before the stages' threads start: a capture has the device to itself
@@ -102,18 +109,19 @@ class Worker:
                 warm_up(self.runner.denoiser, adapter, self.pool, self.runner.lora)
         if self.group is not None:  # its call hooks read each forward's context (LoRA rows, step caching)
             self.runner.hooks.add(DENOISER, self.group)
-        if self.group is not None and decodes_in_group(config, adapter.pipeline.vae):  # a batch's calls shared out
+        if self.group is not None and decodes_in_group(self.parallel, adapter.pipeline.vae):  # calls shared out
             shared = SharedDecode(self.group, adapter.pipeline.vae)
             self.runner.decode_requests = shared.wrap(self.runner.decode_requests)
         if decode_stage:
-            workers = start_decode_workers(adapter, config.decode_workers, config.decode_devices or [str(self.device)],
-                                           self.device) if config.decode_workers else None
-            _bound(workers, config)
+            workers = start_decode_workers(adapter, stages.decode_workers,
+                                           list(stages.decode_devices) or [str(self.device)],
+                                           self.device) if stages.decode_workers else None
+            _bound(workers, stages)
             self.runner.decode_stage = DecodeStage(self.runner.decode_requests, to_output_type, self.device,
-                                                   config.max_decode_batch, config.max_decode_queue, workers)
-        if config.encode_stage:  # as many texts a call as the memory profile measured (two per row)
+                                                   stages.max_decode_batch, stages.max_decode_queue, workers)
+        if stages.encode_stage:  # as many texts a call as the memory profile measured (two per row)
             prompts = self.runner.prompts
-            prompts.encode_stage = EncodeStage(prompts.encode_flat, self.device, 2 * config.max_batch_size,
+            prompts.encode_stage = EncodeStage(prompts.encode_flat, self.device, stages.encode_batch,
                                                prompts.lock, start=functools.partial(make_start, adapter),
                                                workers=encoders)
             prompts.encoders_released = bool(encoders)

@@ -51,4 +51,9 @@ def lora_cache_for(config: Any) -> LoraCache | None:
     if not config.enable_lora:
         return None
     return LoraCache(LoraReader(config.model, LoadConfig.of(config), config.max_lora_rank), LoraFilePolicy.of(config),
-                     config.cpu_lora_cache_size)
+                     cpu_lora_cache_size(config))
+
+
+def cpu_lora_cache_size(config: Any) -> int:
+    """Adapters kept read in host memory: max_cpu_loras, or twice the slots."""
+    return config.max_cpu_loras or 2 * config.max_loras

@@ -38,8 +38,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dvllm.config import EngineConfig
-from dvllm.config_checks import device_list
 from dvllm.lora.ref import LoraRef
 from dvllm.parallel.call_broadcast import pack, send_tensors
 from dvllm.parallel.context_parallel import (
@@ -51,6 +49,7 @@ from dvllm.parallel.context_parallel import (
 )
 from dvllm.parallel.group_decode import DecodeCalls, assign
 from dvllm.parallel.group_member import JoinOrder, LoraSlot, SharedCall, backend
+from dvllm.parallel.parallel_config import ParallelConfig
 from dvllm.parallel.row_split import call_rows, chunk, cut, gather_rows
 from dvllm.parallel.uneven_split import TooFewTokens
 from dvllm.runtime.liveness import CallBounds
@@ -86,12 +85,12 @@ class GroupMember(StageProcess):
         self.restart("died" if not self.alive else "goes with its group, formed anew")
 
 
-def member_devices(config: EngineConfig, device: torch.device) -> list[str]:
+def member_devices(config: ParallelConfig, device: torch.device) -> list[str]:
     """Where the members go: --group-devices, else the worker's device type (a GPU worker's members on the GPUs
     after its own)."""
-    if config.group_devices:
-        return device_list(config.group_devices)
-    count = config.group_size - 1
+    if config.devices:
+        return list(config.devices)
+    count = config.size - 1
     if device.type != "cuda":
         return ["cpu"] * count
     first = (device.index if device.index is not None else torch.cuda.current_device()) + 1
@@ -101,10 +100,12 @@ def member_devices(config: EngineConfig, device: torch.device) -> list[str]:
 class WorkerGroup:
     """The leader's side of a group: its members, the process group, and the hook that shares each call."""
 
-    def __init__(self, config: EngineConfig, denoiser: torch.nn.Module, device: torch.device) -> None:
-        self.size, self.ring = config.group_size, config.ring_degree
+    def __init__(self, config: ParallelConfig, engine_config: Any, denoiser: torch.nn.Module,
+                 device: torch.device) -> None:
+        """`engine_config`: the flat EngineConfig the members load the model from."""
+        self.size, self.ring = config.size, config.ring_degree
         self.splits_tokens = config.sequence_parallel_size > 1  # the denoiser has the context-parallel plan on
-        self.elastic = config.group_policy == "elastic"  # the split chosen per step (choose_split)
+        self.elastic = config.elastic  # the split chosen per step (choose_split)
         # Row groups: runs of consecutive ranks, each running a slice of a call's rows (its ranks splitting the
         # tokens between them). Static: cfg_parallel_size of sequence_parallel_size ranks each. Elastic: this step's
         # choice, every rank its own rows (the split paused) or one group that splits every row's tokens.
@@ -134,9 +135,10 @@ class WorkerGroup:
         self._dir = tempfile.mkdtemp(prefix="dvllm-group-")
         self._generation = 0
         threads = torch.get_num_threads()  # a CPU member runs as many torch threads as the worker
-        self.members = [GroupMember(lambda: config, place, threads, rank) for rank, place in enumerate(devices, 1)]
+        self.members = [GroupMember(lambda: engine_config, place, threads, rank)
+                        for rank, place in enumerate(devices, 1)]
         for member in self.members:  # a member's call (a forward, a decode share) is bounded as the collectives are
-            member.bounds = CallBounds(config.group_timeout_s, config.stage_start_timeout_s)
+            member.bounds = CallBounds(config.timeout_s, config.start_timeout_s)
         try:
             self._load()
             self._form(first=True)
@@ -280,9 +282,9 @@ class WorkerGroup:
         self._generation += 1
         init_file = os.path.join(self._dir, f"rendezvous-{self._generation}")
         for member in self.members:
-            member.send(JoinOrder(member.index, self.size, init_file, self.config.group_timeout_s))
+            member.send(JoinOrder(member.index, self.size, init_file, self.config.timeout_s))
         dist.init_process_group(backend(self.device), init_method=f"file://{init_file}", rank=0,
-                                world_size=self.size, timeout=timedelta(seconds=self.config.group_timeout_s))
+                                world_size=self.size, timeout=timedelta(seconds=self.config.timeout_s))
         if self.splits_tokens and first:
             span = self.size // self.cfg_groups
             enable_context_parallel(self.denoiser, span // self.ring, self.ring, self.device, self.cfg_groups)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from dvllm.parallel.parallel_config import ParallelConfig
 from dvllm.parallel.row_split import chunk
 
 logger = logging.getLogger(__name__)
@@ -132,10 +133,10 @@ def put_together(outputs: list[torch.Tensor], spans: list[tuple[int, int]]) -> l
     return [outputs[first] if count == 1 else torch.cat(outputs[first:first + count]) for first, count in spans]
 
 
-def decodes_in_group(config: Any, vae: Any) -> bool:
-    """Whether the group shares its decodes: asked for (group_decode), in the worker's process (not decode
-    workers'), and a decoder that can be shared."""
-    return config.group_size > 1 and config.group_decode and not config.decode_workers and shares_decode(vae)
+def decodes_in_group(config: ParallelConfig, vae: Any) -> bool:
+    """Whether the group shares its decodes: asked for (group_decode, resolved: a group, and no decode workers,
+    which decode in processes of their own), and a decoder that can be shared."""
+    return config.group_decode and shares_decode(vae)
 
 
 class SharedDecode:

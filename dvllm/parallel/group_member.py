@@ -29,6 +29,7 @@ from dvllm.models.base import denoiser_component
 from dvllm.models.load_config import LoadConfig
 from dvllm.parallel.call_broadcast import receive
 from dvllm.parallel.group_decode import DecodeCalls
+from dvllm.parallel.parallel_config import ParallelConfig
 from dvllm.parallel.row_split import call_rows, chunk, cut, send_rows
 from dvllm.runtime.channel import Channel
 from dvllm.worker.forward_context import ForwardContext, ForwardHooks
@@ -78,12 +79,12 @@ def backend(device: torch.device) -> str:
 
 @dataclasses.dataclass
 class Member:
-    """What a member holds: the denoiser, the engine's config, the VAE decoder when the group shares its decodes
+    """What a member holds: the denoiser, the group's config, the VAE decoder when the group shares its decodes
     (parallel/group_decode.py), and the LoRA slots over its denoiser (named `component` in the pipeline) with the
     adapters it read, when LoRA is on."""
 
     denoiser: torch.nn.Module
-    config: Any  # EngineConfig
+    parallel: ParallelConfig
     decoder: torch.nn.Module | None = None
     lora: LoraLayers | None = None
     lora_cache: LoraCache | None = None
@@ -117,9 +118,10 @@ def load_denoiser(config: Any, device: torch.device) -> Member:
                            default_params=config.default_params, load=load)
     from dvllm.parallel.group_decode import decodes_in_group
 
+    parallel = ParallelConfig.of(config)  # the member's part of the engine's settings, resolved once
     component, vae = denoiser_component(adapter.pipeline), adapter.pipeline.vae
     denoiser = getattr(adapter.pipeline, component)
-    decoder = vae.decoder if decodes_in_group(config, vae) else None
+    decoder = vae.decoder if decodes_in_group(parallel, vae) else None
     lora = None
     if config.enable_lora:  # slots over the denoiser alone, as many and as wide as the leader's
         lora = LoraLayers(types.SimpleNamespace(**{component: denoiser}), config.max_loras, config.max_lora_rank,
@@ -128,14 +130,14 @@ def load_denoiser(config: Any, device: torch.device) -> Member:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return Member(denoiser, config, decoder, lora, lora_cache_for(config), component)
+    return Member(denoiser, parallel, decoder, lora, lora_cache_for(config), component)
 
 
 def join(member: Member, order: JoinOrder, device: torch.device) -> None:
     """Into the process group, then (sequence parallel) the denoiser split as the leader splits its own."""
     from dvllm.parallel.context_parallel import enable_context_parallel
 
-    config = member.config
+    config = member.parallel
     dist.init_process_group(backend(device), init_method=f"file://{order.init_file}", rank=order.rank,
                             world_size=order.world_size, timeout=timedelta(seconds=order.timeout_s))
     if config.sequence_parallel_size > 1:
@@ -185,7 +187,7 @@ def shared_call(member: Member, message: SharedCall, device: torch.device) -> No
     if part.stop > part.start:
         mine_args, mine_kwargs = cut(args, kwargs, rows, part)
         # (elastic) a rows step on a group that splits tokens: each rank's rows run whole
-        paused = member.config.sequence_parallel_size > 1 and span == 1
+        paused = member.parallel.sequence_parallel_size > 1 and span == 1
         with context_parallel_paused(denoiser) if paused else contextlib.nullcontext(), \
                 member.with_loras(None if message.lora_rows is None else message.lora_rows[part]):
             output = denoiser(*mine_args, **mine_kwargs)

@@ -32,6 +32,7 @@ from dvllm.sizing.fake_memory import (
 )
 from dvllm.sizing.quant_bytes import parse_spec, quantized_bytes
 from dvllm.config import EngineConfig
+from dvllm.engine.configs import EngineConfigs
 from dvllm.engine.input_processor import InputProcessor
 from dvllm.models.base import ModelAdapter
 from dvllm.models.loader import DTYPES, _apply_defaults, _default_layers, dummy_components, resolve_dtype, resolve_model
@@ -150,7 +151,7 @@ def estimate(model: str, dtype: str = "auto", encoder_device: str | None = None,
               "decode_stage": decode_stage, "max_decode_queue": max_decode_queue, "encode_stage": encode_stage,
               "max_encode_ahead": max_encode_ahead, "decode_workers": decode_workers, "encode_workers": encode_workers,
               "max_num_frames": max_num_frames}
-    EngineConfig(**engine)  # the engine's own checks of these values
+    EngineConfigs.of(EngineConfig(**engine))  # the engine's own checks of these values (and their owners')
     if decode_workers:  # the stage runs for them, whatever auto would choose
         decode_stage = True
     spec = parse_spec(quantization) if quantization else None

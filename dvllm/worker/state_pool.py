@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 
 from dvllm import ops
-from dvllm.config import CPU_STATE_POOL_MB, EngineConfig
+from dvllm.config import CPU_STATE_POOL_MB
 from dvllm.host_copy import device_tensor
 from dvllm.models.base import ModelAdapter, ModelInfo
+from dvllm.worker.pool_config import PoolConfig
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +65,16 @@ class StatePool:
         return math.ceil(numel / self.block_numel)
 
 
-def create_state_pool(config: EngineConfig, adapter: ModelAdapter) -> tuple[StatePool, bool]:
-    """The pool, and whether the decode stage runs (the GPU memory profile chooses when it is left unset)."""
+def create_state_pool(config: PoolConfig, adapter: ModelAdapter, engine_config: Any) -> tuple[StatePool, bool]:
+    """The pool, and whether the decode stage runs (the GPU memory profile chooses when it is left unset).
+    `engine_config`: the flat EngineConfig whose limits the GPU memory profile sizes the worst step from."""
     info = adapter.info
     block_numel = choose_block_numel(info)
     bytes_per_block = block_numel * torch.empty((), dtype=adapter.state_dtype).element_size()
     if config.num_state_blocks is not None:
         num_blocks, decode_stage = config.num_state_blocks, config.decode_stage is not False
     else:
-        pool_bytes, decode_stage = _pool_bytes(config, adapter)
+        pool_bytes, decode_stage = _pool_bytes(config, adapter, engine_config)
         num_blocks = pool_bytes // bytes_per_block
     pool = StatePool(num_blocks, block_numel, adapter.state_dtype, adapter.device)
     logger.info("state pool: %d blocks of %d elements (%.1f MiB)", num_blocks, block_numel,
@@ -79,7 +82,7 @@ def create_state_pool(config: EngineConfig, adapter: ModelAdapter) -> tuple[Stat
     return pool, decode_stage
 
 
-def _pool_bytes(config: EngineConfig, adapter: ModelAdapter) -> tuple[int, bool]:
+def _pool_bytes(config: PoolConfig, adapter: ModelAdapter, engine_config: Any) -> tuple[int, bool]:
     stage = config.decode_stage is not False  # auto: on where memory is not profiled
     if config.state_pool_mb is not None:
         return int(config.state_pool_mb * 2**20), stage
@@ -89,4 +92,4 @@ def _pool_bytes(config: EngineConfig, adapter: ModelAdapter) -> tuple[int, bool]
     # worst step the engine's limits allow has shown its peak (worker/memory_profile.py).
     from dvllm.worker.memory_profile import DeviceMemory, gpu_pool_bytes
 
-    return gpu_pool_bytes(adapter, config, DeviceMemory(adapter.device))
+    return gpu_pool_bytes(adapter, engine_config, DeviceMemory(adapter.device))
