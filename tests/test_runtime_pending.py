@@ -88,6 +88,8 @@ def test_idle_pings_find_a_dead_idle_remote_and_leave_busy_ones_alone(tests_impo
         lost = pings.check({"idle": idle, "dead": dead, "busy": busy}, busy={"busy"})
         assert list(lost) == ["dead"] and "dead remote" in lost["dead"]
         assert busy.in_flight == 1  # not pinged: its step is what proves it
+        assert idle.call("echo", 0) == 0  # (answered after the ping sent to it, which is answered then too)
+        assert pings.check({"idle": idle, "busy": busy}, busy={"busy"}) == {}  # taken: nothing to say
         gate.set()
         assert step.result() == 1
         with pytest.raises(ValueError, match="bound"):

@@ -19,7 +19,7 @@ from multiprocessing.connection import wait as wait_for_connections
 from typing import Any, NoReturn, Sequence
 
 from dvllm.runtime.backends import Backend, Handle, ProcessBackend
-from dvllm.runtime.calls import Answer, Call
+from dvllm.runtime.calls import PING, Answer, Call
 from dvllm.runtime.channel import Channel
 from dvllm.runtime.errors import ProcessLost
 from dvllm.runtime.liveness import CallBounds, Watchdog
@@ -164,13 +164,14 @@ class Remote:
             raise answer.error
         return answer.value
 
-    def _pump(self, timeout: float) -> None:
-        """Reads the next answer if one comes within `timeout`; raises `lost_error` if the remote is lost."""
+    def _pump(self, timeout: float) -> bool:
+        """Reads the next answer if one comes within `timeout` (whether one did); raises `lost_error` if the remote
+        is lost."""
         self._check()
         if not self._channel.poll(timeout):
             if self._process.poll() is not None:
                 self._lose("exited")
-            return
+            return False
         try:
             answer: Answer = self._channel.receive()
         except (EOFError, OSError) as e:
@@ -182,26 +183,28 @@ class Remote:
             self._watchdog.arm(self._calls[0].bound, self._process)
         else:
             self._watchdog.disarm()
-        if call.kind != SETUP:
+        if call.kind not in (SETUP, PING):
             self._answered = True  # (an error answered is an answer too: the process is up and warm)
         self._answers[answer.id] = answer
+        return True
 
     @staticmethod
     def _wait_any(pendings: list[Pending], timeout: float | None) -> list[Pending]:
         deadline = None if timeout is None else time.monotonic() + timeout
         remotes = list(dict.fromkeys(p.remote for p in pendings))
         while True:
+            for remote in remotes:
+                try:
+                    while remote._pump(0):  # (every answer there)
+                        pass
+                except ProcessLost:  # (its pendings are done now: their result raises it)
+                    pass
             done = [p for p in pendings if p.done()]
             left = time_left(deadline)
             if done or left == 0:
                 return done
-            live = [r for r in remotes if r._lost_why is None]
-            wait_for_connections([r._channel.conn for r in live], min(_ALIVE_POLL_S, left or _ALIVE_POLL_S))
-            for remote in live:
-                try:
-                    remote._pump(0)
-                except ProcessLost:  # (its pendings are done now: their result raises it)
-                    pass
+            live = [r._channel.conn for r in remotes if r._lost_why is None]
+            wait_for_connections(live, min(_ALIVE_POLL_S, left or _ALIVE_POLL_S))
 
     # -- the rest -----------------------------------------------------------------
     def _check(self) -> None:
