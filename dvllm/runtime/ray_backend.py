@@ -135,6 +135,7 @@ class RayRemote:
         self._start()
 
     def close(self) -> None:
+        self._lost_why = self._lost_why or f"{self._named()} is closed"
         self._kill_actor()
         self.actor = None
 
