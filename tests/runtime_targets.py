@@ -28,3 +28,23 @@ def _handle(kind: str, payload: Any) -> Any:
 
 def answer(channel: Channel) -> None:
     answer_calls(channel, _handle)
+
+
+def gated(channel: Channel, gate: Any) -> None:
+    """As `answer`, and a "gated" call answers its payload once `gate` (a threading.Event: the in-process backend
+    only) is set."""
+
+    def handle(kind: str, payload: Any) -> Any:
+        if kind == "gated":
+            gate.wait()
+            return payload
+        return _handle(kind, payload)
+
+    answer_calls(channel, handle)
+
+
+class Answerer:
+    """A Ray actor's target (runtime.ray_backend): the same calls."""
+
+    def handle(self, kind: str, payload: Any) -> Any:
+        return _handle(kind, payload)

@@ -3,21 +3,27 @@
 The driver keeps the schedulers; only each step's SchedulerOutput goes to a worker and
 its small RunnerOutput comes back (images once, at the end). Workers sit in one
 placement group, one bundle each, and are numbered with the driver's node first, then
-by node address. A worker that dies is reported by `wait` and restarted in its bundle
-when the cluster allows.
+by node address: that policy is this module's. Each worker is a remote of dvllm's runtime
+(runtime/ray_backend.py: calls, pending answers waited on together, errors, idle pings,
+restart in its bundle). A worker that dies is reported by `wait` and restarted in its
+bundle when the cluster allows.
 """
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from dvllm.config import EngineConfig
 from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
 from dvllm.executor.base import Executor, WorkerDied
-from dvllm.executor.ray_worker import RayWorkerWrapper
+from dvllm.runtime.errors import ProcessLost, RemoteError
+from dvllm.runtime.liveness import IdlePings
+from dvllm.runtime.pending import Pending, wait
+from dvllm.runtime.ray_backend import SETUP, WHERE, RayRemote
 
 logger = logging.getLogger(__name__)
+
+_TARGET = "dvllm.executor.ray_worker:RayWorkerWrapper"
 
 
 def _import_ray():
@@ -49,11 +55,10 @@ class RayExecutor(Executor):
         self.bundle = self._bundle()
         self._remove_group = remove_placement_group
         self.group = None
-        self.actors: list[Any] = []
-        self.nodes: list[dict[str, Any]] = []  # where each worker runs (RayWorkerWrapper.node)
-        self._in_flight: dict[Any, int] = {}   # step ObjectRef -> worker
-        self._restarting: dict[Any, int] = {}  # start() ObjectRef of a restarted actor -> worker
-        self._pings: dict[Any, tuple[int, Any, float]] = {}  # heartbeat ObjectRef -> (worker, actor, sent at)
+        self.remotes: list[RayRemote] = []  # by worker
+        self._in_flight: dict[Pending, int] = {}  # step -> worker, in submission order
+        self._restarting: dict[Pending, tuple[int, Pending]] = {}  # a restarted worker's start -> (worker, WHERE)
+        self._pings = IdlePings(config.worker_heartbeat_timeout_s)
         self._alive: list[bool] = []
         try:
             _check_feasible(ray, self.bundle, self.num_workers)
@@ -70,6 +75,16 @@ class RayExecutor(Executor):
             self.shutdown()
             raise
 
+    @property
+    def actors(self) -> list[Any]:
+        """Each worker's Ray actor handle."""
+        return [remote.actor for remote in self.remotes]
+
+    @property
+    def nodes(self) -> list[dict[str, Any]]:
+        """Where each worker runs: node_ip, node_id, hostname, pid, gpu_ids."""
+        return [remote.node for remote in self.remotes]
+
     # -- start-up --------------------------------------------------------------------
     def _bundle(self) -> dict[str, float]:
         gpus = self.config.worker_num_gpus
@@ -78,32 +93,32 @@ class RayExecutor(Executor):
         bundle = {"CPU": float(self.config.worker_num_cpus), "GPU": float(gpus)}
         return {k: v for k, v in bundle.items() if v > 0}
 
-    def _new_actor(self, bundle_index: int) -> Any:
+    def _new_remote(self, bundle_index: int) -> RayRemote:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        cls = self.ray.remote(RayWorkerWrapper)
-        return cls.options(
-            num_cpus=self.bundle.get("CPU", 0), num_gpus=self.bundle.get("GPU", 0), max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle_index),
-        ).remote(self.config)
+        options = dict(num_cpus=self.bundle.get("CPU", 0), num_gpus=self.bundle.get("GPU", 0), max_restarts=0,
+                       scheduling_strategy=PlacementGroupSchedulingStrategy(
+                           self.group, placement_group_bundle_index=bundle_index))
+        return RayRemote(f"the worker of bundle {bundle_index}", _TARGET, (self.config,), options)
 
     def _start_all(self) -> None:
-        ray = self.ray
-        actors = [self._new_actor(i) for i in range(self.num_workers)]
-        nodes = ray.get([a.node.remote() for a in actors], timeout=self.config.ray_startup_timeout_s)
-        driver_ip = ray.util.get_node_ip_address()
-        order = sorted(range(len(actors)), key=lambda i: (nodes[i]["node_ip"] != driver_ip, nodes[i]["node_ip"], i))
-        self.actors = [actors[i] for i in order]
-        self.nodes = [nodes[i] for i in order]
-        self.bundle_index = list(order)
-        starts = [a.start.remote() for a in self.actors]
-        for index, ref in enumerate(starts):
+        remotes = [self._new_remote(i) for i in range(self.num_workers)]
+        self.remotes = remotes  # (shutdown ends them if what follows fails)
+        wheres = [r.submit(WHERE, None, bound=self.config.ray_startup_timeout_s) for r in remotes]
+        nodes = [where.result() for where in wheres]
+        driver_ip = self.ray.util.get_node_ip_address()
+        order = sorted(range(len(remotes)), key=lambda i: (nodes[i]["node_ip"] != driver_ip, nodes[i]["node_ip"], i))
+        self.remotes = [remotes[i] for i in order]
+        for index, remote in enumerate(self.remotes):
+            remote.label = f"worker {index}"
+        starts = [r.submit(SETUP, None) for r in self.remotes]
+        for index, start in enumerate(starts):
             try:
-                ray.get(ref)
-            except Exception as e:  # noqa: BLE001 - the message must say where it failed
-                raise RuntimeError(f"worker {index} on node {self.nodes[index]['node_ip']} "
-                                   f"({self.nodes[index]['hostname']}, GPUs {self.nodes[index]['gpu_ids'] or 'none'}) "
-                                   f"failed to start: {_cause(e)}") from None
+                start.result()
+            except (RemoteError, ProcessLost) as e:  # the message must say where it failed
+                node = self.nodes[index]
+                raise RuntimeError(f"worker {index} on node {node['node_ip']} ({node['hostname']}, GPUs "
+                                   f"{node['gpu_ids'] or 'none'}) failed to start: {_cause(e)}") from None
         self._alive = [True] * self.num_workers
 
     # -- the executor interface --------------------------------------------------------
@@ -111,61 +126,54 @@ class RayExecutor(Executor):
         return [i for i, alive in enumerate(self._alive) if alive]
 
     def call(self, worker: int, method: str, *args: Any) -> Any:
-        return self.ray.get(self.actors[worker].call.remote(method, *args))
+        return self.remotes[worker].call("call", (method, args))
 
     def submit(self, worker: int, scheduler_output: SchedulerOutput) -> None:
-        self._in_flight[self.actors[worker].execute.remote(scheduler_output)] = worker
+        self._in_flight[self.remotes[worker].submit("execute", scheduler_output)] = worker
 
     def wait(self, timeout: float | None = None) -> dict[int, RunnerOutput | WorkerDied]:
         if not self._in_flight:
             return {}
-        refs = list(self._in_flight)
-        ready, rest = self.ray.wait(refs, num_returns=1, timeout=timeout)
-        if rest and ready:  # whatever else is done already comes along
-            ready += self.ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+        ready = set(wait(self._in_flight, timeout))
         done: dict[int, RunnerOutput | WorkerDied] = {}
-        ready_refs, behind = set(ready), set()
-        for ref, worker in list(self._in_flight.items()):  # submission order: a worker's oldest step first
+        behind = set()
+        for step, worker in list(self._in_flight.items()):  # submission order: a worker's oldest step first
             if worker in done or worker in behind:
                 continue  # one step per worker a call, in order (async scheduling queues two)
-            if ref not in ready_refs:
+            if step not in ready:
                 behind.add(worker)
                 continue
-            del self._in_flight[ref]
+            del self._in_flight[step]
             try:
-                done[worker] = self.ray.get(ref)
-            except Exception as e:  # noqa: BLE001 - actor died, node lost, OOM-killed, or raised
+                done[worker] = step.result()
+            except Exception as e:  # noqa: BLE001 - died, node lost, OOM-killed, or the step raised
                 done[worker] = WorkerDied(worker, _cause(e))
-                self._bury(worker)
+                self._bury(worker, f"failed a step ({_cause(e)})")
         return done
 
-    def _bury(self, worker: int) -> None:
+    def _bury(self, worker: int, why: str) -> None:
         self._alive[worker] = False
-        for ref in [ref for ref, w in self._in_flight.items() if w == worker]:  # a step queued behind: gone too
-            del self._in_flight[ref]
-        try:
-            self.ray.kill(self.actors[worker], no_restart=True)  # it may be alive but broken
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        for step in [step for step, w in self._in_flight.items() if w == worker]:  # queued behind: gone too
+            del self._in_flight[step]
+        self.remotes[worker].kill(why)  # it may be alive but broken
 
     def restart(self, worker: int) -> None:
-        self._bury(worker)
-        self.actors[worker] = self._new_actor(self.bundle_index[worker])
-        self._restarting[self.actors[worker].start.remote()] = worker
+        self._bury(worker, "is given up")
+        remote = self.remotes[worker]
+        remote.restart()  # in its bundle
+        where = remote.submit(WHERE, None)
+        self._restarting[remote.submit(SETUP, None)] = (worker, where)
 
     def poll_restarts(self) -> dict[int, str | None]:
-        if not self._restarting:
-            return {}
-        ready, _ = self.ray.wait(list(self._restarting), num_returns=len(self._restarting), timeout=0)
         settled: dict[int, str | None] = {}
-        for ref in ready:
-            worker = self._restarting.pop(ref)
+        for start in wait(self._restarting, timeout=0):
+            worker, where = self._restarting.pop(start)
             try:
-                self.ray.get(ref)
-                self.nodes[worker] = self.ray.get(self.actors[worker].node.remote())
+                start.result()
+                where.result()
                 self._alive[worker] = True
                 settled[worker] = None
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - as wait's
                 settled[worker] = _cause(e)
         return settled
 
@@ -174,29 +182,14 @@ class RayExecutor(Executor):
         return self.config.worker_heartbeat_s
 
     def check_health(self) -> dict[int, str]:
-        """Pings each live worker with no step or ping in flight (an actor answers in order, so an idle one
-        answers at once); a ping that fails, or goes unanswered for worker_heartbeat_timeout_s, is a death."""
-        now, ray = time.monotonic(), self.ray
-        busy = set(self._in_flight.values()) | {worker for worker, _, _ in self._pings.values()}
-        for worker in self.live_workers():
-            if worker not in busy:
-                actor = self.actors[worker]
-                self._pings[actor.node.remote()] = (worker, actor, now)
-        ready, _ = ray.wait(list(self._pings), num_returns=len(self._pings), timeout=0)
-        dead: dict[int, str] = {}
-        for ref in ready:
-            worker, actor, _ = self._pings.pop(ref)
-            try:
-                ray.get(ref)
-            except Exception as e:  # noqa: BLE001 - actor died, node lost
-                if actor is self.actors[worker] and self._alive[worker]:  # not a ping to a replaced actor
-                    dead[worker] = _cause(e)
-        for ref, (worker, actor, sent) in list(self._pings.items()):
-            if now - sent > self.config.worker_heartbeat_timeout_s and actor is self.actors[worker]:
-                del self._pings[ref]
-                dead[worker] = f"no heartbeat for {self.config.worker_heartbeat_timeout_s:g} s"
-        for worker in dead:
-            self._bury(worker)
+        """Pings each live worker with no step in flight (runtime.liveness.IdlePings: an actor answers in order,
+        so an idle one answers at once); a ping that fails, or goes unanswered for worker_heartbeat_timeout_s, is
+        a death. A worker with steps in flight that is found lost is left to `wait`, which reports its step."""
+        busy = set(self._in_flight.values())
+        lost = self._pings.check({w: self.remotes[w] for w in self.live_workers()}, busy)
+        dead = {worker: why for worker, why in lost.items() if worker not in busy}
+        for worker, why in dead.items():
+            self._bury(worker, why)
         return dead
 
     def describe(self, worker: int) -> dict[str, Any]:
@@ -204,12 +197,9 @@ class RayExecutor(Executor):
         return {"node_ip": node["node_ip"], "gpu_ids": node["gpu_ids"]}
 
     def shutdown(self) -> None:
-        for actor in self.actors:
-            try:
-                self.ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        self.actors = []
+        for remote in self.remotes:
+            remote.close()
+        self.remotes = []
         if self.group is not None:
             try:
                 self._remove_group(self.group)
@@ -247,8 +237,8 @@ def _describe_cluster(ray: Any) -> str:
 
 
 def _cause(error: BaseException) -> str:
-    """The worker's own exception when there is one, else Ray's first line."""
-    cause = getattr(error, "cause", None)
-    if isinstance(cause, BaseException):
-        return f"{type(cause).__name__}: {cause}"
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    """What a worker's failure says: the runtime's errors as they are ("Type: message" for the worker's own,
+    which worker and how it was lost for a loss), anything else as "Type: message"."""
+    if isinstance(error, (RemoteError, ProcessLost)):
+        return str(error)
+    return f"{type(error).__name__}: {error}"

@@ -1,28 +1,31 @@
-"""What runs inside each Ray actor: a Worker, built on request so that start-up errors name the node."""
+"""What runs inside each Ray actor: a Worker, built on request so that start-up errors name the node. The actor is
+the runtime's (runtime/ray_backend.py's RayHost), which answers each call with `handle`."""
 from __future__ import annotations
 
-import os
-import socket
 from typing import Any
 
 from dvllm.config import EngineConfig
 
 
 class RayWorkerWrapper:
-    """A plain class; the executor wraps it with ray.remote. The model loads in `start`, not in
-    __init__, so the driver learns where each actor landed before anything can fail."""
+    """The model loads in `start`, not in __init__, so the driver learns where each actor landed (the host's
+    WHERE) before anything can fail."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.worker = None
 
-    def node(self) -> dict[str, Any]:
-        import ray
-
-        context = ray.get_runtime_context()
-        return {"node_ip": ray.util.get_node_ip_address(), "node_id": context.get_node_id(),
-                "hostname": socket.gethostname(), "pid": os.getpid(),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+    def handle(self, kind: str, payload: Any) -> Any:
+        """A call: "start" (returns the state pool's (blocks, elements per block)), "execute" (a step),
+        "call" ((a Worker method's name, its arguments))."""
+        if kind == "start":
+            return self.start()
+        if kind == "execute":
+            return self.worker.execute(payload)
+        if kind == "call":
+            method, args = payload
+            return getattr(self.worker, method)(*args)
+        raise ValueError(f"a Ray worker has no call {kind!r}")
 
     def start(self) -> tuple[int, int]:
         """Loads the model and the state pool; returns the pool's (blocks, elements per block)."""
@@ -33,9 +36,3 @@ class RayWorkerWrapper:
             use_threads(max(1, int(self.config.worker_num_cpus)))
         self.worker = Worker(self.config)
         return self.worker.pool_info()
-
-    def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.worker, method)(*args)
-
-    def execute(self, scheduler_output: Any) -> Any:
-        return self.worker.execute(scheduler_output)

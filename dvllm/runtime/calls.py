@@ -1,12 +1,17 @@
 """Calls over a channel: each names its kind and carries an id its answer repeats; an answer holds a value or the
-error the call raised there (errors.py). A None message asks the answering side to stop."""
+error the call raised there (errors.py). A None message asks the answering side to stop; a PING is answered at
+once (by the runtime, not the handler: the heartbeat of an idle remote, liveness.IdlePings)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from dvllm.runtime.channel import Channel
 from dvllm.runtime.errors import RemoteError
+
+if TYPE_CHECKING:  # (not imported: the channel needs torch, which the runtime's light users do without)
+    from dvllm.runtime.channel import Channel
+
+PING = "ping"
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,7 @@ def answer_calls(channel: Channel, handle: Callable[[str, Any], Any]) -> None:
         if call is None:
             return
         try:
-            answer = Answer(call.id, handle(call.kind, call.payload))
+            answer = Answer(call.id, None if call.kind == PING else handle(call.kind, call.payload))
         except Exception as e:  # noqa: BLE001 - the caller decides what a failed call fails
             answer = Answer(call.id, error=RemoteError.of(e))
         try:

@@ -10,17 +10,23 @@ that works, besides a dead one (which its channel's close says).
   a step, and a stopped (SIGSTOP) or wedged process answers nothing at all. Every other report proves as much, so
   the age is the time since the last report of any kind. An idle loop is woken by the ping; a busy one answers
   after its step, so the bound must exceed the longest single step.
+- Idle pings (IdlePings): for remotes that answer calls (a Ray worker), whose death while no call is in flight
+  no call would notice: each idle one is sent a PING, a call whose bound is the heartbeat's; the remote answers in
+  order, so an idle one answers at once, and one that does not within the bound is killed as any call's would be.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from dvllm.config import STAGE_CALL_TIMEOUT_S, STAGE_START_TIMEOUT_S
+from dvllm.runtime.calls import PING
+from dvllm.runtime.errors import ProcessLost
+from dvllm.runtime.pending import Pending, wait
 
 logger = logging.getLogger(__name__)
 
@@ -154,3 +160,43 @@ class Heartbeat:
                     logger.error("%s has answered nothing for %.1f s (%s=%g)%s", self._what, self.age, self._setting,
                                  self.limit_s, self._meanwhile)
         return responsive
+
+
+class IdlePings:
+    """The heartbeat of call-answering remotes between their calls, run by the caller's own loop (`check`, every
+    interval it chooses): no thread, since the caller's loop is what takes the answers."""
+
+    def __init__(self, limit_s: float) -> None:
+        if limit_s <= 0:
+            raise ValueError(f"a heartbeat's bound must be > 0 s, not {limit_s}")
+        self.limit_s = limit_s
+        self._pings: dict[Hashable, Pending] = {}  # the ping out to each remote (by the caller's key)
+
+    def check(self, remotes: Mapping[Hashable, Any], busy: Collection[Hashable] = ()) -> dict[Hashable, str]:
+        """Pings each of `remotes` (key -> remote with `submit`) not in `busy` with no ping out; takes the pings
+        answered or failed. Returns the remotes found lost (key -> why): a ping that failed, or passed its
+        bound (the remote is killed); one to a remote started again since it was sent says nothing."""
+        for key in [key for key, ping in self._pings.items() if remotes.get(key) is not ping.remote]:
+            del self._pings[key]  # (a remote given up, or replaced)
+        lost: dict[Hashable, str] = {}
+        for key, remote in remotes.items():
+            if key not in self._pings and key not in busy:
+                try:
+                    self._pings[key] = remote.submit(PING, None, bound=self.limit_s)
+                except ProcessLost as e:  # found lost already
+                    lost[key] = str(e)
+        return {**self._take(remotes), **lost}
+
+    def _take(self, remotes: Mapping[Hashable, Any]) -> dict[Hashable, str]:
+        done = set(wait(self._pings.values(), timeout=0))
+        lost: dict[Hashable, str] = {}
+        for key, ping in list(self._pings.items()):
+            if ping not in done:
+                continue
+            del self._pings[key]
+            try:
+                ping.result()
+            except ProcessLost as e:
+                if ping.incarnation == remotes[key].restarts:  # (not a ping to the process before a restart)
+                    lost[key] = str(e)
+        return lost
