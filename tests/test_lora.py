@@ -147,8 +147,10 @@ def test_text_encoder_adapters_join_the_prompt_cache_key_denoiser_only_ones_do_n
 
 @pytest.mark.slow
 def test_one_slot_serves_adapters_in_turn_and_requests_without_loras_never_wait(families):
-    """max_loras=1: the second adapter waits until the first one's request finished (an adapter in use is
-    never evicted), then replaces it; a request without adapters runs alongside either."""
+    """max_loras=1: the second adapter waits until the first one's requests finished (an adapter in use is
+    never evicted), then replaces it; a request without adapters runs alongside either. Adapters are read one at
+    a time ahead of their loads (half the host cache of two): 'plain' is read while 'full' runs, and the later
+    request with 'full' joins the first, its adapter resident, rather than wait behind 'plain'."""
     family = families["sd"]
     engine = _engine(family, max_loras=1)
     base = dict(num_inference_steps=3, guidance_scale=4.0, height=32, width=32, output_type="np")
@@ -159,10 +161,12 @@ def test_one_slot_serves_adapters_in_turn_and_requests_without_loras_never_wait(
     for i, (prompt, p) in enumerate(requests):
         engine.add_request(f"r{i}", prompt, p)
     finished, started = _run_to_end(engine)
-    assert started["r2"] == started["r0"], "a request without adapters must not wait for a slot"
-    r0_last_step = started["r0"] + finished["r0"].num_inference_steps - 1
-    assert started["r1"] > r0_last_step, "'plain' waits for 'full' to leave the slot"
-    assert engine.stats()["lora_slot_loads"] == 3  # full, plain, full again
+    # (r0 waits for its adapter's read, off the step loop: r2 goes first)
+    assert started["r2"] <= started["r0"], "a request without adapters must not wait for a slot or a read"
+    assert started["r3"] == started["r0"], "a request whose adapter is resident joins"
+    last_full_step = max(started[r] + finished[r].num_inference_steps - 1 for r in ("r0", "r3"))
+    assert started["r1"] > last_full_step, "'plain' waits for 'full' to leave the slot"
+    assert engine.stats()["lora_slot_loads"] == 2  # full, then plain
     for i, (prompt, p) in enumerate(requests):
         _assert_close(finished[f"r{i}"].images, _reference(family, prompt, p), f"r{i}")
     engine.shutdown()

@@ -38,6 +38,7 @@ from dvllm.core.batch_key import request_batch_key
 from dvllm.core.block_manager import BlockManager
 from dvllm.core.deadlines import Pace
 from dvllm.core.encode_ahead import EncodeAhead, EncodeKey
+from dvllm.core.lora_reads import LoraReads
 from dvllm.core.lora_slots import LoraSlots
 from dvllm.core.preemption import choose_pixel_victims, choose_victims
 from dvllm.core.request import Request, RequestStatus
@@ -60,6 +61,7 @@ class Scheduler:
         self.aging = config.priority_aging_iterations
         self.blocks = block_manager
         self.lora_slots = LoraSlots(config.max_loras)
+        self.lora_reads = LoraReads(config.lora_cache_size)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         # Requests whose last step is done and whose latents are in the worker's decode stage: they hold no
@@ -133,6 +135,7 @@ class Scheduler:
         if self.ahead is not None:
             self.ahead.clear()
         self.lora_slots = LoraSlots(self.lora_slots.num_slots)  # a new worker starts with empty slots
+        self.lora_reads = LoraReads(self.lora_reads.max_asked * 2)  # and has read nothing
         return requests
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -195,6 +198,8 @@ class Scheduler:
         out.await_decodes = bool(self.decoding) and idle
         # Requests wait for texts the encode stage is on and nothing else is to run: the worker waits for them
         out.await_encodes = idle and self.ahead is not None and not all(self.ahead.keys.values())
+        out.lora_reads = self.lora_reads.take()
+        out.await_lora_reads = idle and self.lora_reads.pending
         return out
 
     def _admit(self, out: SchedulerOutput) -> None:
@@ -230,6 +235,8 @@ class Scheduler:
                 continue
             if gate and self.ahead.must_wait(request, self.blocks):
                 continue
+            if request.loras and self.lora_reads.must_wait(request.lora_adapters, self.lora_slots):
+                continue  # its adapters are being read, off the worker's loop
             chars = self._chars_to_encode(request)
             images = 0 if request.swapped else request.num_input_images
             if admitted_new and (chars > chars_budget or images > images_budget):
@@ -417,6 +424,7 @@ class Scheduler:
         now = time.time()
         for slot in runner_out.failed_lora_slots:
             self.lora_slots.forget(slot)
+        self.lora_reads.update(runner_out.loras_read, runner_out.loras_dropped)
         if self.ahead is not None:
             self.ahead.mark_ready(runner_out.encoded)
             outputs += self._encode_failed(runner_out.encode_errors, now)

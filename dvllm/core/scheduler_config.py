@@ -27,6 +27,7 @@ class SchedulerConfig:
     request_batch_wait_s: float = 0.0     # batching=request: a batch's window for more of its kind
     priority_aging_iterations: int = 100  # iterations of earlier arrival one priority level is worth
     max_loras: int = 4                    # adapters resident per worker (LoRA slots)
+    lora_cache_size: int = 8              # adapters a worker keeps read in host memory (max_cpu_loras)
     elastic: bool = False                 # group_policy=elastic: late requests step alone (deadlines.Pace)
     encode_ahead: int | None = None       # the encode stage's queue (None: no encode stage)
     encode_always: bool = False           # encode workers: every text waits for the stage
@@ -45,6 +46,7 @@ class SchedulerConfig:
                    scheduling_policy=config.scheduling_policy, batching=config.batching, shape_order=order,
                    request_batch_wait_s=config.request_batch_wait_s,
                    priority_aging_iterations=config.priority_aging_iterations, max_loras=config.max_loras,
+                   lora_cache_size=config.max_cpu_loras or 2 * config.max_loras,
                    elastic=elastic, encode_ahead=config.max_encode_ahead if config.encode_stage else None,
                    encode_always=config.encode_workers > 0, prompt_cache=config.enable_prompt_cache)
 

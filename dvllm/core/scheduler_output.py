@@ -99,6 +99,8 @@ class SchedulerOutput:
     # In this order on the worker: load LoRA adapters into slots (slot, adapter id: the worker reads the file
     # itself), swap out the preempted, then fill the new and the resumed.
     lora_loads: list[tuple[int, LoraRef]] = field(default_factory=list)
+    # Adapters to read into the worker's host memory, off its step loop (core/lora_reads.py), first of all
+    lora_reads: list[LoraRef] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     resumed_requests: list[ResumedRequestData] = field(default_factory=list)
@@ -114,6 +116,7 @@ class SchedulerOutput:
     # their images instead.
     await_decodes: bool = False
     await_encodes: bool = False  # likewise, for texts of waiting requests the encode stage is on
+    await_lora_reads: bool = False  # likewise, for adapters of waiting requests being read
     # The worker's encode stage: texts (text, negative, max_sequence_length, images' digest) to encode ahead of
     # admission, first of all; and texts to forget (no waiting request needs them).
     encode_jobs: list[tuple] = field(default_factory=list)
@@ -125,7 +128,7 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not (self.new_requests or self.resumed_requests or self.scheduled_ids or self.freed_ids
                     or self.preempted_ids or self.await_decodes or self.await_encodes or self.encode_jobs
-                    or self.encode_drops
+                    or self.encode_drops or self.lora_reads or self.await_lora_reads
                     or self.encode_starts)
 
 
@@ -149,6 +152,10 @@ class RunnerOutput:
     cache_rows: tuple[int, int] = (0, 0)
     # LoRA slots the worker could not load an adapter into (left empty; their requests are in errors).
     failed_lora_slots: list[int] = field(default_factory=list)
+    # Adapter reads that ended since the last output (digests; a failed one fails at its load), and adapters the
+    # worker's host cache let go.
+    loras_read: list[str] = field(default_factory=list)
+    loras_dropped: list[str] = field(default_factory=list)
     # The encode stage since the last output: texts now ready to take, and texts it could not encode (-> why).
     encoded: list[tuple] = field(default_factory=list)
     encode_errors: dict[tuple, str] = field(default_factory=dict)

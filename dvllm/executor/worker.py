@@ -153,6 +153,8 @@ class Worker:
             self.runner.decode_stage.close(drain=True)
         if self.group is not None:
             self.group.close()
+        if self.runner.lora_cache is not None:
+            self.runner.lora_cache.close()
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:

@@ -86,6 +86,7 @@ class ModelRunner:
         return (
             # 0. the encode stage's jobs first: what admission below takes may have been sent long ago
             Stage("encode submission", "_submit_encodes"),
+            Stage("LoRA reads", "_read_loras_ahead"),  # (adapters of waiting requests, on the reader thread)
             # 1. what the scheduler freed; adapters into the slots it chose
             Stage("freeing", "_free"),
             Stage("LoRA loading", "_load_loras"),
@@ -123,12 +124,16 @@ class ModelRunner:
         if self.decode_stage is not None and work.out.freed_ids:
             self.decode_stage.drop(set(work.out.freed_ids))
 
+    def _read_loras_ahead(self, work: StepWork) -> None:
+        for ref in work.out.lora_reads if self.lora_cache is not None else ():  # (none: their loads fail, naming why)
+            self.lora_cache.read_ahead(ref)
+
     def _load_loras(self, work: StepWork) -> None:
         """Copies adapters into their slots. A load that fails fails the new and resumed requests that use it,
         and, with async scheduling, those the driver admitted before it heard of the failure (the last step's)."""
         loaded = {ref.digest for _, ref in work.out.lora_loads}
         carried = {digest: v for digest, v in self._last_failed_loras.items() if digest not in loaded}
-        for slot, ref in work.out.lora_loads:  # each read from the host cache, else its file
+        for slot, ref in work.out.lora_loads:  # each read ahead into the host cache (else read now)
             try:
                 if self.lora_cache is None:
                     raise RuntimeError("this worker serves no LoRA adapters (enable_lora is off)")
@@ -190,6 +195,9 @@ class ModelRunner:
         if self.encode_stage is not None:
             work.encoded = self.encode_stage.collect(timeout=_AWAIT_STAGE_S if out.await_encodes else 0.0)
             work.stats.add("encode_stage", work.encoded.seconds, work.encoded.num_texts)
+        if self.lora_cache is not None:
+            work.loras_read, work.loras_dropped = self.lora_cache.report(
+                timeout=_AWAIT_STAGE_S if out.await_lora_reads else 0.0)
         self._report_restarts(work.stats)
 
     def _report_restarts(self, stages: StageStats) -> None:

@@ -39,6 +39,8 @@ class StepWork:
     previews: dict[str, list[Any]] = field(default_factory=dict)
     preview_steps: dict[str, int] = field(default_factory=dict)
     encoded: Any = None                                         # the encode stage's collected texts
+    loras_read: list[str] = field(default_factory=list)         # adapter reads ended since the last step
+    loras_dropped: list[str] = field(default_factory=list)      # adapters the host cache let go
 
     def live(self, items: list[Any], key: Callable[[Any], str]) -> list[Any]:
         """Those of `items` whose request has not failed."""
@@ -51,6 +53,7 @@ class StepWork:
                             encoded=encoded.ready if encoded else [], encode_errors=encoded.errors if encoded else {},
                             decoding_ids=sorted(self.decoding),
                             failed_lora_slots=[slot for slot, _ in self.failed_loras.values()],
+                            loras_read=self.loras_read, loras_dropped=self.loras_dropped,
                             cached_ids=[k for k, (step_cached, _, _) in cached.items() if step_cached],
                             cache_rows=(sum(v[1] for v in cached.values()), sum(v[2] for v in cached.values())),
                             stages=self.stats, stage_processes=stage_processes)
