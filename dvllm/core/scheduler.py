@@ -42,8 +42,9 @@ from dvllm.core.lora_reads import LoraReads
 from dvllm.core.lora_slots import LoraSlots
 from dvllm.core.preemption import choose_pixel_victims, choose_victims
 from dvllm.core.request import Request, RequestStatus
+from dvllm.core.request_blocks import allocate_blocks, blocks_needed, can_allocate, free_blocks
 from dvllm.core.scheduler_config import SchedulerConfig
-from dvllm.core.scheduler_output import BlockTables, ResumedRequestData, RunnerOutput, SchedulerOutput
+from dvllm.core.scheduler_output import ResumedRequestData, RunnerOutput, SchedulerOutput
 from dvllm.outputs import RequestOutput
 
 
@@ -116,7 +117,7 @@ class Scheduler:
         rows = sum(r.rows for r in self.running if r.shape_key == request.shape_key) + extra_rows
         return (rows + request.rows <= self.max_batch_size
                 and self._pixels_fit(request, extra_pixels)
-                and self._can_allocate(request, extra_blocks)
+                and can_allocate(self.blocks, request, extra_blocks)
                 and self.lora_slots.can_place(request.lora_adapters))
 
     @property
@@ -252,7 +253,7 @@ class Scheduler:
                         # slot before it (it would never get one), requests without adapters go on.
                         lora_blocked = True
                         continue
-                    if not self._can_allocate(request):
+                    if not can_allocate(self.blocks, request):
                         break  # blocks are shared by all shapes: nobody may overtake the head
                     blocked.add(key)  # rows are per shape: later requests of this shape wait behind it
                     continue
@@ -291,20 +292,8 @@ class Scheduler:
 
     def _fits(self, request: Request, rows: dict) -> bool:
         return (rows[request.shape_key] + request.rows <= self.max_batch_size
-                and self._can_allocate(request)
+                and can_allocate(self.blocks, request)
                 and self.lora_slots.can_place(request.lora_adapters))
-
-    def _can_allocate(self, request: Request, extra_blocks: int = 0) -> bool:
-        """Whether its blocks can be had: its step-cache state in one run (the worker updates it in place)."""
-        needed = self._blocks_needed(request) + extra_blocks
-        run = request.rows * request.cache_blocks
-        return self.blocks.can_allocate_run(run, needed - run) if run else self.blocks.can_allocate(needed)
-
-    def _blocks_needed(self, request: Request) -> int:
-        """Blocks admission takes out of the free and reclaimable ones: a prompt-cache miss needs new
-        blocks, and a hit on an idle cached entry makes that entry's blocks unreclaimable."""
-        return request.private_blocks + sum(self.blocks.blocks_to_claim(key, request.cond_blocks)
-                                            for key in request.cond_keys if key is not None)
 
     def _preempt_for(self, request: Request, rows: dict, out: SchedulerOutput) -> bool:
         """Preempt the least urgent running requests that rank below `request`, if that makes it fit."""
@@ -312,7 +301,7 @@ class Scheduler:
         candidates = sorted((r for r in self.running if self.urgency(r) > self.urgency(request)
                              and r.steps_scheduled < r.num_steps), key=self.urgency, reverse=True)
         victims = choose_victims(request, candidates, rows[request.shape_key] + request.rows - self.max_batch_size,
-                                 self._blocks_needed(request) - self.blocks.num_available,
+                                 blocks_needed(self.blocks, request) - self.blocks.num_available,
                                  self.lora_slots.shortfall(request.lora_adapters), self.blocks, self.lora_slots)
         for victim in victims or []:
             self._preempt(victim, rows, out)
@@ -341,7 +330,9 @@ class Scheduler:
         out.preempted_ids.append(victim.request_id)
 
     def _admit_one(self, request: Request, out: SchedulerOutput) -> None:
-        tables = self._allocate(request)
+        tables, filled = allocate_blocks(self.blocks, request)
+        if filled:  # prompt-cache entries this request's step writes
+            self._writers.setdefault(self.iteration, {})[request.request_id] = filled
         out.lora_loads += self.lora_slots.acquire(request.lora_adapters, self.iteration)
         self.waiting.remove(request)
         self.running.append(request)
@@ -357,45 +348,10 @@ class Scheduler:
             if self.ahead is not None:
                 out.encode_drops += self.ahead.used(request, (tables.write_cond, tables.write_uncond))
 
-    def _allocate(self, request: Request) -> BlockTables:
-        n, nb, per_row = request.params.n, request.latent_blocks, request.cache_blocks
-        cache = None
-        if per_row:  # first, while the run admission found is still free: row r is the run's r-th part
-            run = self.blocks.allocate_run(request.rows * per_row)
-            cache = [run[r * per_row:(r + 1) * per_row] for r in range(request.rows)]
-        latents = [self.blocks.allocate(nb) for _ in range(n)]
-        history = [self.blocks.allocate(nb) for _ in range(n)] if request.uses_history else None
-        inputs = [self.blocks.allocate(request.input_blocks) for _ in range(n)] if request.input_blocks else None
-        entries, writes = [], []
-        for key in request.cond_keys:
-            if key is None:
-                entries.append(None)
-                writes.append(False)
-                continue
-            entry = self.blocks.lookup(key)
-            writes.append(entry is None)
-            if entry is None:
-                entry = self.blocks.insert(key, request.cond_blocks)
-                self._writers.setdefault(self.iteration, {}).setdefault(request.request_id, []).append(entry)
-            entries.append(entry)
-        request.cond_entry, request.uncond_entry = entries
-        request.blocks = BlockTables(
-            latents=latents, history=history, cache=cache, inputs=inputs, cond=entries[0].blocks,
-            uncond=entries[1].blocks if entries[1] else None, write_cond=writes[0], write_uncond=writes[1],
-        )
-        return request.blocks
-
     def _release(self, request: Request) -> None:
-        tables = request.blocks
-        if tables is None:
-            return
-        for blocks in tables.latents + (tables.history or []) + (tables.cache or []) + (tables.inputs or []):
-            self.blocks.free(blocks)
-        for entry in (request.cond_entry, request.uncond_entry):
-            if entry is not None:
-                self.blocks.release(entry)
-        self.lora_slots.release(request.lora_adapters, self.iteration)
-        request.blocks = request.cond_entry = request.uncond_entry = None
+        if request.blocks is not None:
+            free_blocks(self.blocks, request)
+            self.lora_slots.release(request.lora_adapters, self.iteration)
 
     def _pick_batch(self) -> list[Request]:
         groups: dict[tuple[int, int], list[Request]] = defaultdict(list)
