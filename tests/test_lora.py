@@ -147,10 +147,8 @@ def test_text_encoder_adapters_join_the_prompt_cache_key_denoiser_only_ones_do_n
 
 @pytest.mark.slow
 def test_one_slot_serves_adapters_in_turn_and_requests_without_loras_never_wait(families):
-    """max_loras=1: the second adapter waits until the first one's requests finished (an adapter in use is
-    never evicted), then replaces it; a request without adapters runs alongside either. Adapters are read one at
-    a time ahead of their loads (half the host cache of two): 'plain' is read while 'full' runs, and the later
-    request with 'full' joins the first, its adapter resident, rather than wait behind 'plain'."""
+    """max_loras=1: the second adapter waits until the first one's request finished (an adapter in use is
+    never evicted), then replaces it; a request without adapters runs alongside either."""
     family = families["sd"]
     engine = _engine(family, max_loras=1)
     base = dict(num_inference_steps=3, guidance_scale=4.0, height=32, width=32, output_type="np")
@@ -161,12 +159,12 @@ def test_one_slot_serves_adapters_in_turn_and_requests_without_loras_never_wait(
     for i, (prompt, p) in enumerate(requests):
         engine.add_request(f"r{i}", prompt, p)
     finished, started = _run_to_end(engine)
-    # (r0 waits for its adapter's read, off the step loop: r2 goes first)
-    assert started["r2"] <= started["r0"], "a request without adapters must not wait for a slot or a read"
-    assert started["r3"] == started["r0"], "a request whose adapter is resident joins"
-    last_full_step = max(started[r] + finished[r].num_inference_steps - 1 for r in ("r0", "r3"))
-    assert started["r1"] > last_full_step, "'plain' waits for 'full' to leave the slot"
-    assert engine.stats()["lora_slot_loads"] == 2  # full, then plain
+    assert started["r2"] == started["r0"], "a request without adapters must not wait for a slot"
+    r0_last_step = started["r0"] + finished["r0"].num_inference_steps - 1
+    assert started["r1"] > r0_last_step, "'plain' waits for 'full' to leave the slot"
+    # full, plain, full again; or, where 'plain' was still being read (off the loop, while r0 ran) when r0 left the
+    # slot, r3 took 'full' on first (no load) and 'plain' came after it
+    assert engine.stats()["lora_slot_loads"] == (2 if started["r3"] < started["r1"] else 3)
     for i, (prompt, p) in enumerate(requests):
         _assert_close(finished[f"r{i}"].images, _reference(family, prompt, p), f"r{i}")
     engine.shutdown()
@@ -194,6 +192,9 @@ def test_preempted_lora_request_comes_back_with_the_same_image(families):
     """Preemption unpins its adapter (another may take the slot); readmission loads it again."""
     family = families["sd"]
     engine = _engine(family, scheduling_policy="priority", max_loras=1, max_batch_size=2)
+    # 'plain' read into the worker's host memory first: else, arriving while 'low' runs, it would wait for its
+    # file's read (off the loop), and 'low' might finish meanwhile
+    engine.generate("warm", P(num_inference_steps=1, height=32, width=32, loras={"plain": 1.0}), use_tqdm=False)
     low = P(num_inference_steps=6, guidance_scale=4.0, height=32, width=32, output_type="np", seed=7,
             loras={"full": 0.8}, priority=5)
     engine.add_request("low", "a red circle", low)

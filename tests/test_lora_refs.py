@@ -37,14 +37,6 @@ def _lora_request(clock: Clock, rid: str, *refs: LoraRef):
     return request
 
 
-def _after_reads(s, out):
-    """The next step after the worker reported every read `out` asked for, and any asked meanwhile."""
-    while out.lora_reads:
-        s.update_from_output(out, RunnerOutput(loras_read=[ref.digest for ref in out.lora_reads]))
-        out = s.schedule()
-    return out
-
-
 def test_a_lora_requests_control_messages_are_small_and_hold_no_torch_objects():
     """What the server pipes to the core ("add", Request) and what the scheduler hands the worker
     (SchedulerOutput: the slot loads, the new request's rows' adapters) unpickle in an interpreter that never
@@ -53,13 +45,11 @@ def test_a_lora_requests_control_messages_are_small_and_hold_no_torch_objects():
     request = _lora_request(clock, "a", _ref("style", "d1" * 16, text=True), _ref("detail", "d2" * 16))
     command = pickle.dumps(("add", request), protocol=5)
     s.add_request(request)
-    ask = s.schedule()  # the worker reads the files first, off its loop; the request waits for that
-    assert [ref.name for ref in ask.lora_reads] == ["style", "detail"] and not ask.new_requests
-    out = _after_reads(s, ask)
+    out = s.schedule()
     assert [(slot, ref.name) for slot, ref in out.lora_loads] == [(0, "style"), (1, "detail")]
     assert out.new_requests[0].loras == (("d1" * 16, 0.5), ("d2" * 16, 0.5))
     assert out.new_requests[0].text_loras == (("d1" * 16, 0.5),)
-    step = pickle.dumps((ask, out), protocol=5)
+    step = pickle.dumps(out, protocol=5)
     assert len(command) < 4096 and len(step) < 4096, (len(command), len(step))
     code = ("import pickle, sys\n"
             f"pickle.loads({command!r}); pickle.loads({step!r})\n"
@@ -75,12 +65,13 @@ def test_slots_know_an_adapter_by_its_files_digest():
     one, same, other = _ref("one", "aa" * 16), _ref("same", "aa" * 16), _ref("other", "bb" * 16)
     s.add_request(_lora_request(clock, "a", one))
     s.add_request(_lora_request(clock, "b", same))
-    ask = s.schedule()
-    assert [ref.name for ref in ask.lora_reads] == ["one"]  # one file: one read
-    out = _after_reads(s, ask)
+    out = s.schedule()
     assert [slot for slot, _ in out.lora_loads] == [0] and s.lora_slots.num_resident == 1
     s.add_request(_lora_request(clock, "c", other))
-    assert [slot for slot, _ in _after_reads(s, s.schedule()).lora_loads] == [1]
+    ask = s.schedule()  # "a" and "b" run: "c" waits for its file to be read, off the worker's loop
+    assert not ask.lora_loads and [ref.name for ref in ask.lora_reads] == ["other"]
+    s.update_from_output(ask, RunnerOutput(loras_read=[other.digest]))
+    assert [slot for slot, _ in s.schedule().lora_loads] == [1]
 
 
 @pytest.fixture(scope="module")
@@ -129,27 +120,31 @@ def test_a_file_changed_after_admission_fails_only_its_requests_at_the_worker(sd
         engine.shutdown()
 
 
-def test_a_lora_request_waits_for_its_read_while_others_go_on_and_a_dropped_adapter_is_read_again():
+def test_while_requests_run_a_lora_request_waits_for_its_read_and_a_dropped_adapter_is_read_again():
+    """Nothing running, an adapter is read in the step that loads it (no one waits); while requests run, a
+    request whose adapter is not read waits, the worker reads it off its loop, and requests without go on."""
     s, clock = make(max_loras=1), Clock()  # a host cache of two: one read asked at a time
     one, two = _ref("one", "aa" * 16), _ref("two", "bb" * 16)
+    s.add_request(clock.request("running", steps=9))
+    assert [r.request_id for r in s.schedule().new_requests] == ["running"]
     for request in (_lora_request(clock, "a", one), clock.request("plain", steps=3), _lora_request(clock, "b", two)):
         s.add_request(request)
     out = s.schedule()
     assert [r.request_id for r in out.new_requests] == ["plain"] and not out.lora_loads
-    assert [ref.name for ref in out.lora_reads] == ["one"]  # "two" is asked once "one" is read
+    assert [ref.name for ref in out.lora_reads] == ["one"]  # "b" waits behind "a" for the one slot
     again = s.schedule()
     assert not again.lora_reads and not again.new_requests  # asked once; still reading
     s.update_from_output(again, RunnerOutput(loras_read=[one.digest]))
     out = s.schedule()
     assert [r.request_id for r in out.new_requests] == ["a"] and [ref.name for _, ref in out.lora_loads] == ["one"]
-    assert [ref.name for ref in out.lora_reads] == ["two"]
+    assert [ref.name for ref in out.lora_reads] == ["two"]  # read while "a" holds the slot
     s.update_from_output(out, RunnerOutput(loras_read=[two.digest], loras_dropped=[two.digest]))
     assert [ref.name for ref in s.schedule().lora_reads] == ["two"]  # let go before its load: read again
 
 
 def test_adapter_files_are_read_off_the_step_loop_and_a_slow_read_stalls_no_one(sd_eps_path, adapters):
-    """The worker reads a waiting request's adapter on its reader thread: a read that does not end holds that
-    request only; the others take their steps and finish meanwhile."""
+    """While a request runs, the worker reads a new request's adapter on its reader thread: a read that does not
+    end holds that request only; the running one takes its steps and finishes meanwhile."""
     engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", lora_modules={"a": adapters["a"]})
     cache = engine.executor.worker.runner.lora_cache
     release, threads = threading.Event(), []
@@ -162,17 +157,17 @@ def test_adapter_files_are_read_off_the_step_loop_and_a_slow_read_stalls_no_one(
 
     cache.reader.read = held_read
     try:
+        engine.add_request("plain", "a blue square", SamplingParams(**dict(REQUEST, num_inference_steps=4)))
+        finished = {o.request_id: o for o in engine.step() if o.finished}  # "plain" runs
         engine.add_request("styled", "a red circle", SamplingParams(**REQUEST, loras={"a": 1.0}))
-        engine.add_request("plain", "a blue square", SamplingParams(**REQUEST))
-        finished = {}
         while "plain" not in finished:
             finished.update({o.request_id: o for o in engine.step() if o.finished})
-        assert "styled" not in finished and finished["plain"].error is None
+        assert "styled" not in finished and finished["plain"].error is None and threads
         release.set()
         while engine.has_unfinished_requests():
             finished.update({o.request_id: o for o in engine.step() if o.finished})
         assert finished["styled"].error is None
-        assert threads and all(name.startswith("dvllm-lora-read") for name in threads), threads
+        assert all(name.startswith("dvllm-lora-read") for name in threads), threads
     finally:
         release.set()
         engine.shutdown()

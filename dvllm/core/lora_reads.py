@@ -1,9 +1,10 @@
 """Which adapters the worker has read into its host memory: the scheduler's view, so that no step reads a file.
 
 An adapter crosses to the worker as an id (lora/ref.py); the worker reads its file (and checks the file's digest)
-on a thread of its own, off the step loop, when the scheduler asks. A request whose adapters are neither in a
-LoRA slot nor read waits, and is asked for, while other requests go on; the step that loads it into a slot then
-copies weights already in host memory. The worker reports each read that ended (well or not: a failed one fails
+on a thread of its own, off the step loop, when the scheduler asks. While requests run, a request whose adapters
+are neither in a LoRA slot nor read waits, and they are asked for, while the others go on; the step that loads it
+into a slot then copies weights already in host memory. With none running, no one's step would wait for a read:
+the step that loads the adapter reads it (unless a read of it is under way: that one is waited for, off the loop). The worker reports each read that ended (well or not: a failed one fails
 its requests at the load, naming why) and each adapter its host cache let go.
 """
 from __future__ import annotations
@@ -20,14 +21,16 @@ class LoraReads:
         self.asked: dict[str, LoraRef] = {}     # digests asked for and not yet reported
         self._to_send: list[LoraRef] = []
 
-    def must_wait(self, adapters: list[LoraRef], slots: LoraSlots) -> bool:
-        """Whether a request with these adapters waits for reads (asking for them, as far as max_asked allows)."""
+    def must_wait(self, adapters: list[LoraRef], slots: LoraSlots, running: bool) -> bool:
+        """Whether a request with these adapters waits for reads (asking for them, as far as max_asked allows, where
+        requests are `running`)."""
         waits = False
         for ref in adapters:
             if ref.digest in self.read or ref.digest in slots.digest:
                 continue
-            waits = True
-            if ref.digest not in self.asked and len(self.asked) < self.max_asked:
+            if ref.digest in self.asked or running:
+                waits = True
+            if running and ref.digest not in self.asked and len(self.asked) < self.max_asked:
                 self.asked[ref.digest] = ref
                 self._to_send.append(ref)
         return waits

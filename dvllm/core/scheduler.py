@@ -211,6 +211,9 @@ class Scheduler:
             if request.steps_scheduled < request.num_steps:
                 rows[request.shape_key] += request.rows
         blocked = set()
+        # While requests run, an adapter's file is read on the worker's reader thread and its request waits
+        # (core/lora_reads.py); with none running, in the step that loads it (no one's step waits for it)
+        running = bool(rows)
         # Prompts are tokenized and input images encoded on the step loop when their requests are admitted:
         # bound how much one iteration takes on, so a burst of long prompts or images cannot stall everyone's
         # next step.
@@ -236,8 +239,10 @@ class Scheduler:
                 continue
             if gate and self.ahead.must_wait(request, self.blocks):
                 continue
-            if request.loras and self.lora_reads.must_wait(request.lora_adapters, self.lora_slots):
-                continue  # its adapters are being read, off the worker's loop
+            if request.loras and self.lora_reads.must_wait(request.lora_adapters, self.lora_slots, running):
+                # its adapters are being read; no later LoRA request takes the slots it will need meanwhile
+                lora_blocked = not self.lora_slots.can_place(request.lora_adapters)
+                continue
             chars = self._chars_to_encode(request)
             images = 0 if request.swapped else request.num_input_images
             if admitted_new and (chars > chars_budget or images > images_budget):

@@ -44,12 +44,17 @@ class LoraCache:
             self.read_ahead(ref)
             weights = self._reading.pop(ref.digest).result()  # (the read's own error, as a read here raises it)
             self._keep(ref.digest, weights)
+            self._ended.append(ref.digest)  # (the scheduler learns it is held)
         self._weights.move_to_end(ref.digest)
         return weights
 
     def read_ahead(self, ref: LoraRef) -> None:
-        """Starts reading the adapter on the reader thread, unless it is read or being read."""
-        if ref.digest in self._weights or ref.digest in self._reading or ref.digest in self._failed:
+        """Starts reading the adapter on the reader thread, unless it is read (then reported so again: the scheduler
+        asked, not knowing) or being read."""
+        if ref.digest in self._weights or ref.digest in self._failed:
+            self._ended.append(ref.digest)
+            return
+        if ref.digest in self._reading:
             return
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="dvllm-lora-read")
