@@ -17,6 +17,10 @@ class LoraReads:
     def __init__(self, cache_size: int) -> None:
         # at most half the worker's host cache asked for at once: reads ahead must not push out those not yet used
         self.max_asked = max(1, cache_size // 2)
+        self.clear()
+
+    def clear(self) -> None:
+        """A new worker: it has read nothing, and nothing was asked of it."""
         self.read: set[str] = set()             # digests the worker holds read (its last reports)
         self.asked: dict[str, LoraRef] = {}     # digests asked for and not yet reported
         self._to_send: list[LoraRef] = []

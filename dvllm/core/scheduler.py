@@ -136,7 +136,7 @@ class Scheduler:
         if self.ahead is not None:
             self.ahead.clear()
         self.lora_slots = LoraSlots(self.lora_slots.num_slots)  # a new worker starts with empty slots
-        self.lora_reads = LoraReads(self.lora_reads.max_asked * 2)  # and has read nothing
+        self.lora_reads.clear()  # and has read nothing
         return requests
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -12,7 +12,7 @@ runs the denoiser's; a part runs one forward at a time (the text encoders under 
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Iterator, Protocol
 
@@ -43,11 +43,6 @@ class ForwardContext:
         return self.rows.narrow(rows, index)
 
 
-def narrowed(context: ForwardContext | None, rows: list[int], index: Any) -> ContextManager[None]:
-    """`context.narrow`, or nothing where no hook runs (a forward without context)."""
-    return nullcontext() if context is None else context.narrow(rows, index)
-
-
 class ContextHook(Protocol):
     context: ForwardContext | None
 
@@ -61,9 +56,6 @@ class ForwardHooks:
     def add(self, part: str, hook: ContextHook) -> None:
         hook.context = None
         self._hooks[part].append(hook)
-
-    def remove(self, part: str, hook: ContextHook) -> None:
-        self._hooks[part].remove(hook)
 
     def context_of(self, part: str) -> ForwardContext | None:
         """The context the part's hooks hold now (None: no forward of it runs, or it has no hooks)."""
