@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dvllm.config_checks import choice, positive_int
+from dvllm.lora.ref import host_cache_size
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 BATCHING_POLICIES = ("step", "request")
@@ -46,7 +47,7 @@ class SchedulerConfig:
                    scheduling_policy=config.scheduling_policy, batching=config.batching, shape_order=order,
                    request_batch_wait_s=config.request_batch_wait_s,
                    priority_aging_iterations=config.priority_aging_iterations, max_loras=config.max_loras,
-                   lora_cache_size=config.max_cpu_loras or 2 * config.max_loras,
+                   lora_cache_size=host_cache_size(config),
                    elastic=elastic, encode_ahead=config.max_encode_ahead if config.encode_stage else None,
                    encode_always=config.encode_workers > 0, prompt_cache=config.enable_prompt_cache)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from dvllm.lora.files import LoraFilePolicy, locate_lora
 from dvllm.lora.reader import LoraReader, file_changed
-from dvllm.lora.ref import LoraRef, file_digest
+from dvllm.lora.ref import LoraRef, file_digest, host_cache_size
 from dvllm.lora.weights import LoraWeights
 from dvllm.models.load_config import LoadConfig
 
@@ -102,9 +102,4 @@ def lora_cache_for(config: Any) -> LoraCache | None:
     if not config.enable_lora:
         return None
     return LoraCache(LoraReader(config.model, LoadConfig.of(config), config.max_lora_rank), LoraFilePolicy.of(config),
-                     cpu_lora_cache_size(config))
-
-
-def cpu_lora_cache_size(config: Any) -> int:
-    """Adapters kept read in host memory: max_cpu_loras, or twice the slots."""
-    return config.max_cpu_loras or 2 * config.max_loras
+                     host_cache_size(config))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 _CHUNK = 1 << 20
 
@@ -30,3 +31,9 @@ def file_digest(path: str) -> str:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def host_cache_size(config: Any) -> int:
+    """Adapters a worker keeps read in host memory (an EngineConfig's max_cpu_loras, or twice the slots): its
+    LoraCache holds that many, and the scheduler asks for reads ahead within it (core/lora_reads.py)."""
+    return config.max_cpu_loras or 2 * config.max_loras
