@@ -54,6 +54,16 @@ void check_table(const char* op, const char* name, const at::Tensor& table, cons
   TORCH_CHECK(table.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
+// A history table: int32 [rows, K, ceil(numel / block_numel)], 1 <= K <= MAX_HISTORY slots a row.
+void check_history_table(const char* op, const at::Tensor& table, const at::Tensor& pool, int64_t rows,
+                         int64_t numel) {
+  TORCH_CHECK(table.dim() == 3 && table.size(1) >= 1 && table.size(1) <= MAX_HISTORY, op,
+              ": history_table must be 3-D [R, K, nb] with 1 <= K <= ", int(MAX_HISTORY), ", got ", table.sizes());
+  TORCH_CHECK(table.is_contiguous(), op, ": history_table must be contiguous");
+  check_table(op, "history_table", table.view({rows * table.size(1), table.size(2)}), pool, rows * table.size(1),
+              numel);
+}
+
 // A dense [rows, numel] tensor on the pool's device, of the pool's dtype (or float32 if allowed).
 void check_rows(const char* op, const char* name, const at::Tensor& t, const at::Tensor& pool, int64_t rows,
                 int64_t numel, bool allow_float32) {
@@ -168,7 +178,7 @@ void check_update_args(const at::Tensor& pool, const at::Tensor& latent_table, c
   TORCH_CHECK(coeffs.device() == pool.device(), op, ": coeffs is on ", coeffs.device(), " but pool is on ",
               pool.device());
   TORCH_CHECK(coeffs.is_contiguous(), op, ": coeffs must be contiguous");
-  if (history_table) check_table(op, "history_table", *history_table, pool, rows, numel);
+  if (history_table) check_history_table(op, *history_table, pool, rows, numel);
   if (noise) check_rows(op, "noise", *noise, pool, rows, numel, /*allow_float32=*/true);
 }
 
@@ -214,7 +224,7 @@ void scatter_update_cpu(at::Tensor& pool,                                 // [nu
                         const at::Tensor& latent_table,                   // [R, nb] int32
                         const at::Tensor& model_output,                   // [R, numel] float32 or pool dtype
                         const at::Tensor& coeffs,                         // [R, NUM_COEFFS] float32
-                        const std::optional<at::Tensor>& history_table,  // [R, nb] int32, row of -1: none
+                        const std::optional<at::Tensor>& history_table,  // [R, K, nb] int32, slot of -1: none
                         const std::optional<at::Tensor>& noise,          // [R, numel] float32 or pool dtype
                         bool clip) {
   check_update_args(pool, latent_table, model_output, coeffs, history_table, noise);
@@ -223,10 +233,15 @@ void scatter_update_cpu(at::Tensor& pool,                                 // [nu
   if (rows == 0 || numel == 0) return;
   const char* op = "dvllm::scatter_update";
   check_block_ids(op, "latent_table", latent_table, pool.size(0), /*allow_disabled_rows=*/false);
-  if (history_table) check_block_ids(op, "history_table", *history_table, pool.size(0), /*allow_disabled_rows=*/true);
+  const int64_t slots = history_table ? history_table->size(1) : 0;
+  if (history_table) {
+    check_block_ids(op, "history_table", history_table->view({rows * slots, nb}), pool.size(0),
+                    /*allow_disabled_rows=*/true);
+  }
   const int32_t* lt = latent_table.const_data_ptr<int32_t>();
   const int32_t* ht = history_table ? history_table->const_data_ptr<int32_t>() : nullptr;
   const float* cf = coeffs.const_data_ptr<float>();
+  static_assert(MAX_HISTORY == 3, "the weights below name each history slot's column");
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pool.scalar_type(), "scatter_update_cpu", [&] {
     scalar_t* base = pool.mutable_data_ptr<scalar_t>();
@@ -235,9 +250,14 @@ void scatter_update_cpu(at::Tensor& pool,                                 // [nu
                                        noise && noise->scalar_type() == at::kFloat};
     for_each_segment(rows, numel, B, [&](int64_t r, int64_t col, int64_t offset, int64_t n) {
       const float* c = cf + r * NUM_COEFFS;
-      const float ax = c[AX], am = c[AM], bound = c[CLIP], cs = c[CS], cm = c[CM], cx = c[CX], ch = c[CH], cn = c[CN];
+      const float ax = c[AX], am = c[AM], bound = c[CLIP], cs = c[CS], cm = c[CM], cx = c[CX], cn = c[CN];
+      const float ch[MAX_HISTORY] = {c[CH], c[CH1], c[CH2]};
       scalar_t* x_seg = base + static_cast<int64_t>(lt[r * nb + col]) * B;
-      scalar_t* h_seg = (ht && ht[r * nb] >= 0) ? base + static_cast<int64_t>(ht[r * nb + col]) * B : nullptr;
+      scalar_t* h_seg[MAX_HISTORY] = {};  // the row's present slots' segments; slot 0 is written
+      for (int64_t k = 0; k < slots; ++k) {
+        const int32_t* slot = ht + (r * slots + k) * nb;
+        if (slot[0] >= 0) h_seg[k] = base + static_cast<int64_t>(slot[col]) * B;
+      }
       float x[kChunk], mo[kChunk], x0[kChunk], prev[kChunk], extra[kChunk];
       for (int64_t done = 0; done < n; done += kChunk) {
         const int64_t m = std::min(kChunk, n - done);
@@ -250,15 +270,16 @@ void scatter_update_cpu(at::Tensor& pool,                                 // [nu
           for (int64_t k = 0; k < m; ++k) x0[k] = clamp_abs(x0[k], bound);
         }
         for (int64_t k = 0; k < m; ++k) prev[k] = cs * x[k] + cm * mo[k] + cx * x0[k];
-        if (h_seg) {  // read the old history, then replace it with x0
-          load_floats(h_seg + done, m, extra);
-          for (int64_t k = 0; k < m; ++k) prev[k] += ch * extra[k];
-          store_floats(x0, m, h_seg + done);
-        }
         if (noise_in.data) {
           noise_in.load(first, m, extra);
           for (int64_t k = 0; k < m; ++k) prev[k] += cn * extra[k];
         }
+        for (int64_t s = 0; s < MAX_HISTORY; ++s) {
+          if (!h_seg[s]) continue;
+          load_floats(h_seg[s] + done, m, extra);
+          for (int64_t k = 0; k < m; ++k) prev[k] += ch[s] * extra[k];
+        }
+        if (h_seg[0]) store_floats(x0, m, h_seg[0] + done);  // after every read: x0 replaces the oldest slot
         store_floats(prev, m, x_seg + done);
       }
     });

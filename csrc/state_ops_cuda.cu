@@ -96,29 +96,36 @@ __device__ __forceinline__ float clamp_abs(float x, float c) {
 template <typename scalar_t>
 __global__ void scatter_update_kernel(scalar_t* __restrict__ pool,                // [num_blocks, B]
                                       const int32_t* __restrict__ latent_table,   // [R, nb]
-                                      const int32_t* __restrict__ history_table,  // [R, nb] or nullptr
+                                      const int32_t* __restrict__ history_table,  // [R, slots, nb] or nullptr
                                       RowsInput<scalar_t> model_output,           // [R, numel]
                                       RowsInput<scalar_t> noise,                  // [R, numel], data may be nullptr
                                       const float* __restrict__ coeffs,           // [R, NUM_COEFFS]
-                                      bool clip, int64_t rows, int64_t numel, int64_t block_numel, int64_t nb) {
+                                      bool clip, int64_t rows, int64_t numel, int64_t block_numel, int64_t nb,
+                                      int64_t slots) {
+  static_assert(MAX_HISTORY == 3, "the weights below name each history slot's column");
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const float* c = coeffs + r * NUM_COEFFS;
-    const bool has_history = history_table && history_table[r * nb] >= 0;
+    const float ch[MAX_HISTORY] = {c[CH], c[CH1], c[CH2]};
     for (int64_t j = blockIdx.x; j < nb; j += gridDim.x) {
       const int64_t offset = j * block_numel, n = min(block_numel, numel - offset);
       scalar_t* x_seg = pool + static_cast<int64_t>(latent_table[r * nb + j]) * block_numel;
-      scalar_t* h_seg = has_history ? pool + static_cast<int64_t>(history_table[r * nb + j]) * block_numel : nullptr;
+      scalar_t* h_seg[MAX_HISTORY] = {nullptr, nullptr, nullptr};  // present slots' runs; slot 0 is written
+      for (int64_t s = 0; s < slots; ++s) {
+        const int32_t* slot = history_table + (r * slots + s) * nb;
+        if (slot[0] >= 0) h_seg[s] = pool + static_cast<int64_t>(slot[j]) * block_numel;
+      }
       for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
         const int64_t i = r * numel + offset + k;  // flat index in model_output / noise
         const float x = static_cast<float>(x_seg[k]), mo = model_output[i];
         float x0 = c[AX] * x + c[AM] * mo;
         if (clip) x0 = clamp_abs(x0, c[CLIP]);
         float prev = c[CS] * x + c[CM] * mo + c[CX] * x0;
-        if (h_seg) {  // read the old history, then replace it with x0
-          prev += c[CH] * static_cast<float>(h_seg[k]);
-          h_seg[k] = static_cast<scalar_t>(x0);
-        }
         if (noise.data) prev += c[CN] * noise[i];
+#pragma unroll
+        for (int s = 0; s < MAX_HISTORY; ++s) {
+          if (h_seg[s]) prev += ch[s] * static_cast<float>(h_seg[s][k]);
+        }
+        if (h_seg[0]) h_seg[0][k] = static_cast<scalar_t>(x0);  // after every read: x0 replaces the oldest slot
         x_seg[k] = static_cast<scalar_t>(prev);
       }
     }
@@ -176,7 +183,7 @@ void scatter_update_cuda(at::Tensor& pool,                                 // [n
                          const at::Tensor& latent_table,                   // [R, nb] int32
                          const at::Tensor& model_output,                   // [R, numel] float32 or pool dtype
                          const at::Tensor& coeffs,                         // [R, NUM_COEFFS] float32
-                         const std::optional<at::Tensor>& history_table,  // [R, nb] int32, row of -1: none
+                         const std::optional<at::Tensor>& history_table,  // [R, K, nb] int32, slot of -1: none
                          const std::optional<at::Tensor>& noise,          // [R, numel] float32 or pool dtype
                          bool clip) {
   check_update_args(pool, latent_table, model_output, coeffs, history_table, noise);
@@ -191,7 +198,7 @@ void scatter_update_cuda(at::Tensor& pool,                                 // [n
     scatter_update_kernel<scalar_t><<<grid_for(rows, latent_table.size(1)), threads_for(pool.size(1)), 0, stream>>>(
         pool.mutable_data_ptr<scalar_t>(), latent_table.const_data_ptr<int32_t>(),
         history_table ? history_table->const_data_ptr<int32_t>() : nullptr, mo, nz, coeffs.const_data_ptr<float>(),
-        clip, rows, numel, pool.size(1), latent_table.size(1));
+        clip, rows, numel, pool.size(1), latent_table.size(1), history_table ? history_table->size(1) : 0);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

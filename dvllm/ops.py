@@ -4,11 +4,12 @@
 carries its own coefficients (one row of `coeffs`, laid out as dvllm/sampler_coeffs.py says):
 
     x0   = clamp(ax * sample + am * model_output, -clip, clip)
-    prev = cs * sample + cm * model_output + cx * x0 + ch * history + cn * noise
+    prev = cs * sample + cm * model_output + cx * x0 + cn * noise + sum_k ch_k * history[k]
 
-x0 is the row's prediction of the clean latent (DPM-Solver keeps it as history, and
-previews decode it). DDIM, Euler, Euler ancestral, DPM-Solver++ (1st/2nd order) and
-LCM are exactly this form with step-dependent coefficients; see dvllm/samplers.
+x0 is the row's prediction of the clean latent (multistep samplers keep their last few as
+history slots, and previews decode it). DDIM, Euler, Euler ancestral, DPM-Solver++ (orders
+1-3), UniPC (its predictor and corrector, orders 1-3) and LCM are exactly this form with
+step-dependent coefficients; see dvllm/samplers.
 
 The state-pool ops move rows between the paged state pool and dense batches. The pool
 is one contiguous [num_blocks, B] tensor; element i of row r lives at
@@ -17,7 +18,8 @@ on the pool's device (every entry a valid block id unless said otherwise):
 
     gather_blocks   pool -> [R, numel] batch
     scatter_blocks  [R, numel] batch -> pool (only the addressed elements)
-    scatter_update  sampler_update read from and written back into the pool, fused
+    scatter_update  sampler_update read from and written back into the pool, fused; each row's
+                    x0 replaces its history slot 0 (the oldest), which the host rotates per step
 
 Each wrapper runs dvllm's custom op (csrc/, built on first use by dvllm._extension)
 when it has a kernel for the pool's device, else the `*_ref` function next to it, which
@@ -27,19 +29,21 @@ Rows that an op writes must not share blocks with each other (reads may share).
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from dvllm._extension import custom_ops_available
-from dvllm.sampler_coeffs import NUM_COEFFS, Coeff
+from dvllm.sampler_coeffs import HISTORY_COEFFS, MAX_HISTORY, NUM_COEFFS, Coeff
 
-AX, AM, CLIP, CS, CM, CX, CH, CN = (int(c) for c in Coeff)  # short names for the formulas below
+AX, AM, CLIP, CS, CM, CX, CH, CN, CH1, CH2 = (int(c) for c in Coeff)  # short names for the formulas below
 
 
 def sampler_update(
     sample: torch.Tensor,        # [R, C, H, W] current latents
     model_output: torch.Tensor,  # [R, C, H, W] guided denoiser output
     coeffs: torch.Tensor,        # [R, NUM_COEFFS] float32
-    history: torch.Tensor | None = None,  # [R, C, H, W] previous x0 (multistep), or None
+    history: Sequence[torch.Tensor] = (),  # up to MAX_HISTORY [R, C, H, W]: earlier x0 by slot (multistep)
     noise: torch.Tensor | None = None,    # [R, C, H, W] ancestral noise, or None
     clip: bool = False,          # whether any row clamps x0 (skips the clamp otherwise)
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,10 +56,10 @@ def sampler_update(
     if clip:
         x0 = torch.maximum(torch.minimum(x0, c[:, CLIP]), -c[:, CLIP])
     prev = c[:, CS] * sample + c[:, CM] * model_output + c[:, CX] * x0
-    if history is not None:
-        prev = prev + c[:, CH] * history.to(torch.float32)
     if noise is not None:
         prev = prev + c[:, CN] * noise.to(torch.float32)
+    for column, slot in zip(HISTORY_COEFFS, history):
+        prev = prev + c[:, column] * slot.to(torch.float32)
     return prev, x0
 
 
@@ -108,14 +112,15 @@ def scatter_update(
     latent_table: torch.Tensor,  # [R, nb] int32: each row's latents (read, then written)
     model_output: torch.Tensor,  # [R, numel] float32 or pool.dtype
     coeffs: torch.Tensor,        # [R, NUM_COEFFS] float32
-    history_table: torch.Tensor | None = None,  # [R, nb] int32: each row's x0 history; a row of -1 keeps none
+    history_table: torch.Tensor | None = None,  # [R, K, nb] int32, K <= MAX_HISTORY: each row's history slots
     noise: torch.Tensor | None = None,          # [R, numel] float32 or pool.dtype
     clip: bool = False,
 ) -> None:
-    """`sampler_update` on rows of the pool, fused: latents <- prev; history rows <- x0.
+    """`sampler_update` on rows of the pool, fused: latents <- prev; history slot 0 <- x0.
 
-    All math is in float32; results are stored in pool.dtype. Written rows (latents and
-    history) must not share blocks with each other.
+    A slot whose first block id is -1 is absent (a row of samplers that keep fewer slots, or none): not read,
+    and, for slot 0, not written. A [R, nb] history_table is one slot per row. All math is in float32;
+    results are stored in pool.dtype. Written rows (latents and slot 0) must not share blocks with each other.
     """
     _check_pool(pool)
     if model_output.dim() != 2:
@@ -125,8 +130,8 @@ def scatter_update(
         raise ValueError(f"latent_table has {latent_table.shape[0]} rows but model_output has {rows}")
     _check_rows("model_output", model_output, pool, rows, numel, allowed=(torch.float32, pool.dtype))
     _check_rows("coeffs", coeffs, pool, rows, NUM_COEFFS, allowed=(torch.float32,))
-    if history_table is not None and _check_table("history_table", history_table, pool, numel) != rows:
-        raise ValueError(f"history_table has {history_table.shape[0]} rows but model_output has {rows}")
+    if history_table is not None:
+        history_table = _history_slots(history_table, pool, rows, numel)
     if noise is not None:
         _check_rows("noise", noise, pool, rows, numel, allowed=(torch.float32, pool.dtype))
     if not _use_custom_ops(pool):
@@ -136,6 +141,17 @@ def scatter_update(
         pool, latent_table.contiguous(), model_output.contiguous(), coeffs.contiguous(),
         None if history_table is None else history_table.contiguous(),
         None if noise is None else noise.contiguous(), bool(clip))
+
+
+def _history_slots(table: torch.Tensor, pool: torch.Tensor, rows: int, numel: int) -> torch.Tensor:
+    """The history table as [R, K, nb], checked (metadata only)."""
+    if table.dim() == 2:
+        table = table.unsqueeze(1)
+    if table.dim() != 3 or not 1 <= table.shape[1] <= MAX_HISTORY:
+        raise ValueError(f"history_table must be [R, K, nb] with 1 <= K <= {MAX_HISTORY}, got {tuple(table.shape)}")
+    if _check_table("history_table", table.flatten(0, 1), pool, numel) != rows * table.shape[1]:
+        raise ValueError(f"history_table has {table.shape[0]} rows but model_output has {rows}")
+    return table
 
 
 # ---- State-pool ops: pure-torch references (they define what the ops mean) ----
@@ -153,7 +169,7 @@ def scatter_update_ref(
     latent_table: torch.Tensor,
     model_output: torch.Tensor,
     coeffs: torch.Tensor,
-    history_table: torch.Tensor | None = None,
+    history_table: torch.Tensor | None = None,  # [R, K, nb] (or [R, nb]: one slot)
     noise: torch.Tensor | None = None,
     clip: bool = False,
 ) -> None:
@@ -166,15 +182,21 @@ def scatter_update_ref(
     if clip:
         x0 = torch.maximum(torch.minimum(x0, c[:, CLIP]), -c[:, CLIP])
     prev = c[:, CS] * x + c[:, CM] * mo + c[:, CX] * x0
-    if history_table is not None:
-        has = (history_table[:, :1] >= 0)  # [R, 1]
-        # Rows without history aim their history write at their own latents, which the
-        # latent write below then overwrites: no boolean indexing, so shapes stay static.
-        h_index = torch.where(has, _flat_index(history_table, numel, block_numel), x_index)
-        prev = prev + torch.where(has, c[:, CH] * flat[h_index].float(), 0.0)
-        flat[h_index] = x0.to(pool.dtype)
     if noise is not None:
         prev = prev + c[:, CN] * noise.float()
+    if history_table is not None:
+        if history_table.dim() == 2:  # one slot a row
+            history_table = history_table.unsqueeze(1)
+        # Absent slots aim at the row's own latents (read with weight 0; slot 0's write is then overwritten by
+        # the latent write below): no boolean indexing, so shapes stay static.
+        slots = []
+        for k, column in enumerate(HISTORY_COEFFS[:history_table.shape[1]]):
+            table = history_table[:, k]
+            has = table[:, :1] >= 0  # [R, 1]
+            index = torch.where(has, _flat_index(table, numel, block_numel), x_index)
+            prev = prev + torch.where(has, c[:, column] * flat[index].float(), 0.0)
+            slots.append(index)
+        flat[slots[0]] = x0.to(pool.dtype)
     flat[x_index] = prev.to(pool.dtype)
 
 

@@ -8,7 +8,10 @@ disagree. Each kernel library also reports the layout it was compiled with (`coe
 reads before it loads the library (kernel_sources.py).
 
     x0   = clamp(AX * sample + AM * model_output, -CLIP, CLIP)
-    prev = CS * sample + CM * model_output + CX * x0 + CH * history + CN * noise
+    prev = CS * sample + CM * model_output + CX * x0 + CN * noise + CH * history[0] + CH1 * history[1] + ...
+
+A multistep sampler keeps up to MAX_HISTORY earlier x0 per row (its history slots, oldest first: the step
+writes its x0 over slot 0, which holds the oldest). CH, CH1, CH2 weigh slots 0, 1, 2.
 """
 from __future__ import annotations
 
@@ -22,8 +25,14 @@ class Coeff(enum.IntEnum):
     CS = 3    # prev: weight of the sample
     CM = 4    # prev: weight of the model output
     CX = 5    # prev: weight of x0
-    CH = 6    # prev: weight of the history (the previous x0, multistep samplers)
+    CH = 6    # prev: weight of history slot 0 (the oldest earlier x0 a multistep sampler keeps)
     CN = 7    # prev: weight of the noise (ancestral samplers)
+    CH1 = 8   # prev: weight of history slot 1
+    CH2 = 9   # prev: weight of history slot 2
+
+
+HISTORY_COEFFS = (Coeff.CH, Coeff.CH1, Coeff.CH2)  # by history slot
+MAX_HISTORY = len(HISTORY_COEFFS)
 
 
 NUM_COEFFS = len(Coeff)
@@ -45,6 +54,8 @@ def c_header() -> str:
         "namespace dvllm {\n\n"
         "// Columns of scatter_update's coeffs [R, NUM_COEFFS].\n"
         f"enum Coeff : int {{ {', '.join(f'{c.name} = {c.value}' for c in Coeff)}, NUM_COEFFS = {NUM_COEFFS} }};\n\n"
+        "// History slots weighed by " + ", ".join(c.name for c in HISTORY_COEFFS) + "; the update writes x0 to slot 0.\n"
+        f"enum : int {{ MAX_HISTORY = {MAX_HISTORY} }};\n\n"
         "// The names in order, then NUM_COEFFS: what coeff_layout() returns.\n"
         f"#define DVLLM_COEFF_LAYOUT {{{names}, NUM_COEFFS}}\n\n"
         "}  // namespace dvllm\n"

@@ -42,7 +42,7 @@ def check_arguments(device: str) -> None:
     expect_error(lambda: ops.gather_blocks(out, pool, table.long()), "block_table must be int32")
     expect_error(lambda: ops.scatter_blocks(out, pool, table[:, :1]), r"block_table must have shape \[2, 2\]")
     expect_error(lambda: ops.scatter_update(pool, table, out, coeffs[:, :4], None, None, False),
-                 r"coeffs must have shape \[2, 8\]")
+                 rf"coeffs must have shape \[2, {NUM_COEFFS}\]")
     expect_error(lambda: ops.scatter_update(pool, table, out, coeffs, None, out.double(), False),
                  "noise must be float32 or the pool's dtype")
 
@@ -55,8 +55,10 @@ def check_block_ids() -> None:
     expect_error(lambda: ops.gather_blocks(out, pool, table), r"block_table\[1, 1\] = 8 is not a block of the pool")
     expect_error(lambda: ops.scatter_blocks(out, pool, table), r"block_table\[1, 1\] = 8")
     history = torch.tensor([[-1, -1], [3, -1]], dtype=torch.int32)  # a row of -1 is fine; a -1 inside a row is not
-    expect_error(lambda: ops.scatter_update(pool, table.clamp(max=7), out, coeffs, history, None, False),
+    expect_error(lambda: ops.scatter_update(pool, table.clamp(max=7), out, coeffs, history[:, None], None, False),
                  r"history_table\[1, 1\] = -1")
+    expect_error(lambda: ops.scatter_update(pool, table.clamp(max=7), out, coeffs, history, None, False),
+                 r"history_table must be 3-D \[R, K, nb\]")
 
 
 def main(argv: list[str]) -> int:

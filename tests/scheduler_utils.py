@@ -22,7 +22,7 @@ class Clock:
                                 width=size, seed=0, n=n, priority=priority)
         return Request(request_id=rid, prompt=prompt or rid, params=params, num_steps=steps, cfg=cfg, plan=None,
                        arrival_time=float(self.seq), arrival_seq=self.seq, latent_blocks=latent_blocks,
-                       cond_blocks=cond_blocks, uses_history=history)
+                       cond_blocks=cond_blocks, history_slots=int(history))
 
 
 def iterate(scheduler: Scheduler):

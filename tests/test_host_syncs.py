@@ -96,10 +96,12 @@ def _requests(edit: bool, unet: bool, lora: bool, cache: dict | None, steps: int
     ]
 
 
-# Wan's own sampler, UniPC, is not vectorized: each request steps through diffusers' UniPCMultistepScheduler, which
-# copies its host-kept sigmas to the device and solves with torch.linalg (both wait on a GPU). The step tests run
-# Wan's rows with a vectorized sampler; test_a_per_request_sampler_syncs_only_inside_diffusers covers UniPC.
-VIDEO_SAMPLER = "flow_euler"
+# The step tests run Wan's rows with its own sampler, UniPC, which the fused update steps (stepped per request by
+# diffusers' UniPCMultistepScheduler it copied its host-kept sigmas to the device and solved with torch.linalg, both
+# waits on a GPU); test_a_per_request_sampler_syncs_only_inside_diffusers covers a sampler diffusers still steps.
+VIDEO_SAMPLER = None
+# not vectorized: each request steps its own diffusers scheduler, which waits on the device in its step
+FALLBACK_SAMPLER, FALLBACK_SITE = "SASolverScheduler", "diffusers/schedulers/scheduling_sasolver.py:"
 
 
 def _fallback_tensors(engine: DiffusionEngine) -> list[torch.Tensor]:
@@ -175,17 +177,16 @@ def test_a_step_reads_nothing_back_from_the_device(family, lora, method, request
 
 
 def test_a_per_request_sampler_syncs_only_inside_diffusers(request, lora_folders, tmp_path_factory):
-    """Wan's own UniPC steps per request: its waits are the scheduler's, none of dvllm's (a vectorized UniPC in
-    the fused update would remove them; not built)."""
+    """A sampler diffusers steps per request (SA-Solver on Wan): its waits are the scheduler's, none of dvllm's."""
     engine = _engine_at_a_middle_step("wan", False, None, "cpu", request, lora_folders, tmp_path_factory,
-                                      sampler="UniPCMultistepScheduler")
+                                      sampler=FALLBACK_SAMPLER)
     host = _fallback_tensors(engine)
     assert len(host) == 3  # every request steps through its own diffusers scheduler
     with HostSyncs(host=host) as syncs:
         outputs = engine.step()
     assert not [o.error for o in outputs if o.error], outputs
     assert syncs.count > 0, "the detector must see the scheduler's copies of its sigmas"
-    assert all(where.startswith("diffusers/schedulers/scheduling_unipc_multistep.py:") for _, where in syncs.sites), \
+    assert all(where.startswith(FALLBACK_SITE) for _, where in syncs.sites), \
         syncs.report()
 
 

@@ -12,6 +12,7 @@ from diffusers import DDIMScheduler
 
 from dvllm.ops import sampler_update
 from dvllm.samplers import SHORT_NAMES, build_plan, make_scheduler
+from dvllm.samplers.multistep import slot_order
 
 VECTORIZED = ["ddim", "euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "lcm"]
 
@@ -33,20 +34,24 @@ def diffusers_trajectory(scheduler, x, table, generator):
     for t in scheduler.timesteps:
         x_in = scheduler.scale_model_input(x, t) if hasattr(scheduler, "scale_model_input") else x
         mo = fake_denoiser(x_in, float(t), table)
-        x = scheduler.step(mo, t, x, generator=generator, return_dict=False)[0]
+        kwargs = {"generator": generator} if generator is not None else {}  # UniPC's step takes none
+        x = scheduler.step(mo, t, x, return_dict=False, **kwargs)[0]
         out.append(x)
     return out
 
 
 def dvllm_trajectory(plan, x, table, generator):
-    out, history = [], None
-    for row in plan.steps:
+    """The plan's steps as the worker runs them: its history slots start at zero and rotate (slot_order)."""
+    out, runs = [], [torch.zeros_like(x) for _ in range(plan.history_slots)]
+    for step, row in enumerate(plan.steps):
         mo = fake_denoiser(x * row.c_in, row.timestep, table)
         coeffs = torch.tensor([row.coeffs] * x.shape[0], dtype=torch.float32)
         noise = torch.randn(x.shape, generator=generator) if row.draws_noise else None
         clip = row.coeffs[2] != float("inf")
-        x, x0 = sampler_update(x, mo, coeffs, history if plan.uses_history else None, noise, clip=clip)
-        history = x0
+        order = slot_order(step, plan.history_slots)
+        x, x0 = sampler_update(x, mo, coeffs, [runs[k] for k in order], noise, clip=clip)
+        if runs:
+            runs[order[0]] = x0
         out.append(x)
     return out
 
@@ -106,8 +111,11 @@ def test_unsupported_configs_fall_back_to_diffusers():
     assert not build_plan(cfg, "PNDMScheduler", 10).vectorized
     assert not build_plan(cfg, "FlowMatchHeunDiscreteScheduler", 10).vectorized
     assert not build_plan(cfg, "HeunDiscreteScheduler", 10).vectorized
-    third_order = dict(cfg, solver_order=3, _class_name="DPMSolverMultistepScheduler")
-    assert not build_plan(third_order, None, 10).vectorized
+    sde = dict(cfg, algorithm_type="sde-dpmsolver++", _class_name="DPMSolverMultistepScheduler")
+    assert not build_plan(sde, None, 10).vectorized
+    unipc = dict(cfg, _class_name="UniPCMultistepScheduler", _use_default_values=[])  # else diffusers drops them
+    assert not build_plan(dict(unipc, predict_x0=False), None, 10).vectorized
+    assert not build_plan(dict(unipc, thresholding=True), None, 10).vectorized
 
 
 def test_short_names_are_the_documented_diffusers_configs():

@@ -16,7 +16,7 @@ import torch
 import torch._dynamo.testing
 
 from dvllm import _extension, ops
-from dvllm.ops import AX, CH, CLIP, CN, NUM_COEFFS
+from dvllm.ops import AX, CH, CLIP, CN, MAX_HISTORY, NUM_COEFFS
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU on this machine"))]
@@ -139,6 +139,7 @@ UPDATE_VARIANTS = {
     "mixed-history+noise+clip": ("mixed", "float32", "pool", True),
     "history+pool-noise": ("all", "pool", "float32", False),
     "no-history-rows+clip": ("none", None, "pool", True),
+    "history-slots": ("slots", "float32", "float32", False),
 }
 
 
@@ -147,11 +148,16 @@ def update_case(device: str, dtype: torch.dtype, block_numel: int, numel: int, r
     """A pool, its tables and the inputs of one scatter_update call."""
     history, noise_dtype, mo_dtype, clip = UPDATE_VARIANTS[variant]
     nb = ceil_div(numel, block_numel)
-    pool = make_pool(2 * rows * nb + 5, block_numel, dtype, device, gen)
-    latent_table, history_table = distinct_tables(2, rows, nb, pool.shape[0], gen, device)
+    slots = MAX_HISTORY if history == "slots" else 1
+    pool = make_pool((1 + slots) * rows * nb + 5, block_numel, dtype, device, gen)
+    latent_table, *history_slots = distinct_tables(1 + slots, rows, nb, pool.shape[0], gen, device)
+    history_table = history_slots[0] if slots == 1 else torch.stack(history_slots, dim=1)
     if history in ("mixed", "none"):  # -1 rows keep no history
         no_history = torch.arange(rows) % 2 == 1 if history == "mixed" else torch.ones(rows, dtype=torch.bool)
         history_table[no_history.to(device)] = -1
+    if history == "slots":  # row r keeps r % (MAX_HISTORY + 1) slots, the rest -1: a batch of several samplers
+        for r in range(rows):
+            history_table[r, r % (MAX_HISTORY + 1):] = -1
     as_dtype = {"float32": torch.float32, "pool": dtype}
     model_output = torch.randn(rows, numel, generator=gen).to(device=device, dtype=as_dtype[mo_dtype])
     coeffs = torch.randn(rows, NUM_COEFFS, generator=gen)
@@ -191,7 +197,7 @@ def test_scatter_update_matches_sampler_update(device: str, dtype: torch.dtype) 
     history = ops.gather_blocks(pool, history_table.clamp(min=0), numel).float() * has_history[:, None]
 
     prev, x0 = ops.sampler_update(sample.view(rows, *shape), mo.view(rows, *shape), coeffs,
-                                  history.view(rows, *shape), noise.view(rows, *shape), clip)
+                                  [history.view(rows, *shape)], noise.view(rows, *shape), clip)
     ops.scatter_update(pool, latent_table, mo, coeffs, history_table, noise, clip)
 
     rtol, atol = TOLERANCE[dtype]
@@ -271,7 +277,7 @@ def test_wrappers_reject_bad_input() -> None:
         (lambda: ops.gather_blocks(pool, table, 20, out=torch.zeros(20, 2).t()), "out must be contiguous"),
         (lambda: ops.scatter_blocks(torch.zeros(3, 20), pool, table), r"src must have shape \(2, 20\)"),
         (lambda: ops.scatter_update(pool, table, mo.double(), coeffs), "model_output must be"),
-        (lambda: ops.scatter_update(pool, table, mo, coeffs[:, :7]), r"coeffs must have shape \(2, 8\)"),
+        (lambda: ops.scatter_update(pool, table, mo, coeffs[:, :7]), rf"coeffs must have shape \(2, {NUM_COEFFS}\)"),
         (lambda: ops.scatter_update(pool, table, mo, coeffs.half()), "coeffs must be torch.float32"),
         (lambda: ops.scatter_update(pool, table, mo, coeffs, table[:1]), "history_table has 1 rows"),
         (lambda: ops.scatter_update(pool, table, mo, coeffs, noise=mo[:, :10]), "noise must have shape"),
@@ -320,7 +326,7 @@ def test_opcheck(device: str) -> None:
     for op, args in [
         (custom_ops.gather_blocks.default, (out, pool, latent_table)),
         (custom_ops.scatter_blocks.default, (out, pool, latent_table)),
-        (custom_ops.scatter_update.default, (pool, latent_table, mo, coeffs, history_table, noise, clip)),
+        (custom_ops.scatter_update.default, (pool, latent_table, mo, coeffs, history_table[:, None], noise, clip)),
     ]:
         torch.library.opcheck(op, args)
 
@@ -329,7 +335,7 @@ def test_torch_compile_fullgraph(device: str) -> None:
     """The wrappers trace without graph breaks and call the custom ops (fake kernels) when built."""
     gen = torch.Generator().manual_seed(5)
     pool, latent_table, mo, coeffs, history_table, noise, clip = update_case(
-        device, torch.float32, 16, 40, 3, "mixed-history+noise+clip", gen)
+        device, torch.float32, 16, 40, 3, "history-slots", gen)
 
     def step(pool, latent_table, mo, coeffs, history_table, noise):
         sample = ops.gather_blocks(pool, latent_table, 40)
@@ -400,8 +406,9 @@ def test_the_coefficient_layout_has_one_definition_and_no_import_cycle():
 
     root = Path(__file__).resolve().parents[1]
     assert (ops.AX, ops.CLIP, ops.CN, ops.NUM_COEFFS) == (Coeff.AX, Coeff.CLIP, Coeff.CN, len(Coeff))
-    assert "enum Coeff : int { AX = 0, AM = 1, CLIP = 2, CS = 3, CM = 4, CX = 5, CH = 6, CN = 7, NUM_COEFFS = 8 };" \
-        in c_header()
+    assert ("enum Coeff : int { AX = 0, AM = 1, CLIP = 2, CS = 3, CM = 4, CX = 5, CH = 6, CN = 7, CH1 = 8, CH2 = 9, "
+            "NUM_COEFFS = 10 };") in c_header()
+    assert "enum : int { MAX_HISTORY = 3 };" in c_header()
     for source in ("state_ops.cpp", "state_ops_cuda.cu"):
         text = (root / "csrc" / source).read_text()
         assert '#include "dvllm_coeffs.h"' in text and "enum Coeff" not in text and "AX = " not in text

@@ -281,3 +281,32 @@ def test_decode_workers_give_the_pipelines_videos(wan_path):
             previews += out.previews
     assert len(previews) == 1 and previews[0].shape == (9, 16, 16, 3)
     engine.shutdown()
+
+
+def test_wans_own_sampler_runs_in_the_fused_update(wan):
+    """UniPC (Wan's scheduler: 2 history slots), DPM-Solver++ over flow sigmas (1 slot) and flow Euler (none) in
+    one batch, each stepped by the fused update (no diffusers scheduler steps any request), each video equal to
+    WanPipeline's with that scheduler."""
+    import diffusers
+
+    engine, pipe = wan
+    samplers = [None, "DPMSolverMultistepScheduler", "FlowMatchEulerDiscreteScheduler", None]
+    batch = [(prompt, P(**{**vars(p), "sampler": sampler})) for (prompt, p), sampler in zip(mixed(), samplers)]
+    own = pipe.scheduler
+
+    def reference_of(pipe, prompt, p, output_type):
+        pipe.scheduler = own if p.sampler is None else getattr(diffusers, p.sampler).from_config(own.config)
+        return reference(pipe, prompt, p, output_type)
+
+    try:
+        for prompt, params in batch:
+            engine.add_request(prompt, prompt, params)
+        engine.step()
+        states = engine.executor.worker.runner.states.values()
+        assert len(states) == len(batch) and all(s.fallback is None for s in states)
+        assert sorted(s.plan.history_slots for s in states) == [0, 1, 2, 2]
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert_batch_equals_pipeline(engine, pipe, batch, reference_of)
+    finally:
+        pipe.scheduler = own

@@ -46,9 +46,9 @@ class Request:
     plan: Any               # the sampler plan; opaque here, sent to the worker once
     arrival_time: float
     arrival_seq: int
-    latent_blocks: int = 1    # state-pool blocks per image's latents (and per image's history)
+    latent_blocks: int = 1    # state-pool blocks per image's latents (and per history slot of an image)
     cond_blocks: int = 1      # state-pool blocks per prompt's conditions
-    uses_history: bool = False
+    history_slots: int = 0    # earlier x0 its multistep sampler keeps per image (runs of latent_blocks)
     cache_blocks: int = 0     # state-pool blocks per model row for its step cache (0: none)
     input_blocks: int = 0     # state-pool blocks per image for what its input image(s) left (inpainting, edits)
     input_numel: int = 0      # the numbers in them
@@ -95,7 +95,7 @@ class Request:
     @property
     def private_blocks(self) -> int:
         """Blocks only this request uses: latents, history for multistep samplers, step-cache state, inputs."""
-        per_image = self.latent_blocks * (2 if self.uses_history else 1) + self.input_blocks
+        per_image = self.latent_blocks * (1 + self.history_slots) + self.input_blocks
         return self.params.n * per_image + self.rows * self.cache_blocks
 
     @property

@@ -35,7 +35,8 @@ def allocate_blocks(blocks: BlockManager, request: Request) -> tuple[BlockTables
         run = blocks.allocate_run(request.rows * per_row)
         cache = [run[r * per_row:(r + 1) * per_row] for r in range(request.rows)]
     latents = [blocks.allocate(nb) for _ in range(n)]
-    history = [blocks.allocate(nb) for _ in range(n)] if request.uses_history else None
+    # image i's history slots are runs i * slots ... (i + 1) * slots - 1
+    history = [blocks.allocate(nb) for _ in range(n * request.history_slots)] if request.history_slots else None
     inputs = [blocks.allocate(request.input_blocks) for _ in range(n)] if request.input_blocks else None
     entries, writes, filled = [], [], []
     for key in request.cond_keys:

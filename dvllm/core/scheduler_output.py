@@ -14,7 +14,7 @@ class BlockTables:
     """Where a request's state lives in the worker's state pool (block ids)."""
 
     latents: list[list[int]]               # one list per image
-    history: list[list[int]] | None        # one list per image, for multistep samplers
+    history: list[list[int]] | None        # one list per history slot of each image (image by image), multistep samplers
     cond: list[int]                        # the prompt's conditions (may be shared with other requests)
     uncond: list[int] | None               # the negative prompt's, with CFG
     cache: list[list[int]] | None = None   # step-cache state, one list per model row (cond rows, then uncond)

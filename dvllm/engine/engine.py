@@ -250,10 +250,11 @@ class DiffusionEngine:
                      c.variant))
 
     def _check_pool_holds_a_default_request(self) -> None:
-        """One image at the default size, with history (multistep samplers) and both prompts (CFG)."""
+        """One image at the default size, with its sampler's history and both prompts (CFG)."""
         info, loaded, total = self.model_info, self.loaded_model, self.coordinator.num_blocks
         blocks, (height, width) = self.processor.blocks, (info.defaults.height, info.defaults.width)
-        need = 2 * blocks(info.latents.numel(*info.default_size)) + 2 * blocks(info.text.condition_numel)
+        latents = (1 + self.processor.default_history_slots()) * blocks(info.latents.numel(*info.default_size))
+        need = latents + 2 * blocks(info.text.condition_numel)
         if need > total:
             raise ValueError(f"the state pool is too small for even one default request: it needs {need} "
                              f"blocks and the pool has {total}; raise state_pool_mb")

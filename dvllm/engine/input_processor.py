@@ -70,7 +70,7 @@ class InputProcessor:
             cfg=info.guidance.uses_cfg(resolved.guidance_scale, resolved.negative_prompt), plan=plan,
             arrival_time=time.time() if arrival_time is None else arrival_time, arrival_seq=next(self._arrivals),
             latent_blocks=self.blocks(info.latents.numel(*resolved.size)),
-            cond_blocks=self.blocks(info.text.condition_numel), uses_history=plan.uses_history,
+            cond_blocks=self.blocks(info.text.condition_numel), history_slots=plan.history_slots,
             input_blocks=self.blocks(input_numel), input_numel=input_numel,
             input_grids=info.input_grids(resolved.image),
             image_key=image_digest(resolved.image) if info.text.reads_images else None,
@@ -130,6 +130,12 @@ class InputProcessor:
         return (params.sampler, params.num_inference_steps, params.strength, params.eta, params.mask_image is not None,
                 tuple(sorted((k, _hashable(v)) for k, v in extra.items())))
 
+    def default_history_slots(self) -> int:
+        """The history slots a default request's sampler keeps (the model's own, at its default steps)."""
+        info, d = self.info, self.info.defaults
+        return build_plan(info.schedule.config, None, d.steps, output_dtype_differs=info.schedule.output_dtype_differs,
+                          **self._timestep_kwargs(d.height, d.width, d.steps)).history_slots
+
     def _timestep_kwargs(self, height: int, width: int, steps: int) -> dict[str, Any]:
         info = self.info
         return info.schedule.timestep_kwargs(height, width, steps, info.schedule.config) if info.schedule.timestep_kwargs else {}
@@ -137,7 +143,7 @@ class InputProcessor:
     def _build(self, sampler: str | None, steps: int, params: SamplingParams) -> SamplerPlan:
         plan = build_plan(self.info.schedule.config, sampler, steps, params.strength, params.eta,
                           self.info.schedule.step_kwargs, renoise=params.mask_image is not None,
-                          fused=self.info.schedule.fused_update, **self._timestep_kwargs(params.height, params.width, steps))
+                          output_dtype_differs=self.info.schedule.output_dtype_differs, **self._timestep_kwargs(params.height, params.width, steps))
         probe_plan(plan, self._probe_shape())
         return plan
 
@@ -209,7 +215,7 @@ class InputProcessor:
 
         try:  # everything _build reads of the model, for the default request
             key = (json.dumps(info.schedule.config, sort_keys=True), self._plan_key(params), info.schedule.step_kwargs,
-                   info.schedule.fused_update, self._probe_shape())
+                   info.schedule.output_dtype_differs, self._probe_shape())
         except TypeError:  # a config JSON cannot hold (none from diffusers' files): probed, not remembered
             return list(probe())
         return list(_PROBED.get(key, probe))

@@ -46,10 +46,11 @@ class Schedule:
     # SD and SDXL's prepare_extra_step_kwargs pass eta and generator; the DiT pipelines pass nothing.
     step_kwargs: tuple[str, ...] = ()
     eta: float | None = None  # the pipeline's eta default (None: it takes no eta)
-    # False: every sampler is stepped by diffusers per request, never by the fused update. Where the pipeline
-    # keeps float32 latents beside a half-precision denoiser (Wan), its schedulers round each step through the
-    # output's dtype in their own way, which a float32 update would not repeat.
-    fused_update: bool = True
+    # The denoiser's output dtype is not the latents' (Wan keeps float32 latents beside a bfloat16 transformer).
+    # The schedulers then round through the output's dtype in their own ways: the fused update repeats UniPC's
+    # and DPM-Solver++'s (one product, see SamplerPlan.x0_term_in_model_dtype); the others are stepped by
+    # diffusers per request.
+    output_dtype_differs: bool = False
 
 
 @dataclass(frozen=True)

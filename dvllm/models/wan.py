@@ -57,7 +57,7 @@ class WanAdapter(ModelAdapter):
             family="wan", pipeline_class=type(pipe).__name__,
             # WanPipeline.__call__'s defaults
             defaults=Defaults(steps=50, guidance=5.0, height=480, width=832),
-            schedule=Schedule(self.scheduler_config(), fused_update=self.dtype == self.state_dtype),
+            schedule=Schedule(self.scheduler_config(), output_dtype_differs=self.dtype != self.state_dtype),
             latents=Latents(channels=pipe.vae.config.z_dim, scale=spatial, size_factor=spatial * config.patch_size[1],
                             temporal_scale=pipe.vae_scale_factor_temporal,
                             max_side=positions * spatial * min(config.patch_size[1:])),

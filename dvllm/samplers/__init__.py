@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from diffusers import SchedulerMixin
@@ -12,6 +12,7 @@ from dvllm.samplers.flow import flow_euler_steps
 from dvllm.samplers.plan import SamplerPlan, StepRow, fallback_plan, init_noise_sigma
 from dvllm.samplers.registry import SHORT_NAMES, make_scheduler
 from dvllm.samplers.sigma import dpmpp_steps, euler_ancestral_steps, euler_steps
+from dvllm.samplers.unipc import unipc_ok, unipc_steps
 
 __all__ = ["SHORT_NAMES", "PlanRefused", "SamplerPlan", "StepRow", "build_plan", "make_scheduler"]
 
@@ -27,49 +28,60 @@ def _ddim_ok(c) -> bool:
 def _dpm_ok(c) -> bool:
     return (
         c.algorithm_type == "dpmsolver++"
-        and c.solver_order in (1, 2)
+        and c.solver_order in (1, 2, 3)
         and c.solver_type in ("midpoint", "heun")
         and not c.thresholding
         and c.variance_type is None
-        and not c.use_flow_sigmas
-        and c.prediction_type in ("epsilon", "v_prediction", "sample")
+        and (c.prediction_type == "flow_prediction") == bool(c.use_flow_sigmas)
+        and c.prediction_type in ("epsilon", "v_prediction", "sample", "flow_prediction")
     )
 
 
-# class name -> (is this config one the vectorized update covers?, per-step rows, keeps x0 history?)
-_VECTORIZED: dict[str, tuple[Callable[[Any], bool], Callable[[Any], list[StepRow]], bool]] = {
-    "DDIMScheduler": (_ddim_ok, ddim_steps, False),
-    "EulerDiscreteScheduler": (lambda c: True, euler_steps, False),
-    "EulerAncestralDiscreteScheduler": (lambda c: True, euler_ancestral_steps, False),
-    "DPMSolverMultistepScheduler": (_dpm_ok, dpmpp_steps, True),
-    "LCMScheduler": (lambda c: not c.thresholding, lcm_steps, False),
-    "FlowMatchEulerDiscreteScheduler": (lambda c: True, flow_euler_steps, False),
+class _Vectorized(NamedTuple):
+    covers: Callable[[Any], bool]               # is this config one the vectorized update covers?
+    steps: Callable[[Any, int], list[StepRow]]  # the per-step rows of a schedule
+    history_slots: Callable[[Any], int] = lambda c: 0  # earlier x0 a row keeps
+    # diffusers forms AM * model_output in the model output's dtype and keeps the latents' dtype (see SamplerPlan)
+    x0_term_in_model_dtype: bool = False
+
+
+# scheduler class name -> how the fused update runs it
+_VECTORIZED: dict[str, _Vectorized] = {
+    "DDIMScheduler": _Vectorized(_ddim_ok, ddim_steps),
+    "EulerDiscreteScheduler": _Vectorized(lambda c: True, euler_steps),
+    "EulerAncestralDiscreteScheduler": _Vectorized(lambda c: True, euler_ancestral_steps),
+    "DPMSolverMultistepScheduler": _Vectorized(_dpm_ok, dpmpp_steps, lambda c: c.solver_order - 1,
+                                               x0_term_in_model_dtype=True),
+    "UniPCMultistepScheduler": _Vectorized(unipc_ok, unipc_steps, lambda c: c.solver_order,
+                                           x0_term_in_model_dtype=True),
+    "LCMScheduler": _Vectorized(lambda c: not c.thresholding, lcm_steps),
+    "FlowMatchEulerDiscreteScheduler": _Vectorized(lambda c: True, flow_euler_steps),
 }
 
 
 def build_plan(model_scheduler_config: dict[str, Any], sampler: str | None, num_steps: int,
                strength: float | None = None, eta: float | None = None, step_kwargs: tuple[str, ...] = (),
-               renoise: bool = False, fused: bool = True, **timestep_kwargs: Any) -> SamplerPlan:
+               renoise: bool = False, output_dtype_differs: bool = False, **timestep_kwargs: Any) -> SamplerPlan:
     """The schedule of `sampler` for `num_steps`, as diffusers computes it; ValueError if it cannot run.
     timestep_kwargs go to set_timesteps as the model's pipeline passes them (sigmas, mu). With a
     strength (image-to-image) the run skips the schedule's first steps, as the img2img pipelines do.
     step_kwargs names what the pipeline passes to scheduler.step ("eta", "generator") when it takes them.
     renoise (inpainting with a 4-channel UNet, which takes a strength): also each step's re-noising of the
-    known region. fused=False: every sampler is stepped by diffusers (Schedule.fused_update)."""
+    known region. output_dtype_differs: see Schedule.output_dtype_differs."""
     scheduler = make_scheduler(model_scheduler_config, sampler)
     name = sampler or model_scheduler_config["_class_name"]
     takes = set(inspect.signature(scheduler.step).parameters) & set(step_kwargs)
     # The vectorized DDIM update is eta = 0's: another eta is stepped by diffusers itself.
-    vectorize = fused and not ("eta" in takes and eta)
+    vectorize = not ("eta" in takes and eta)
     try:
         if "sigmas" in timestep_kwargs:  # a custom sigma schedule: its length is the step count
             scheduler.set_timesteps(device="cpu", **timestep_kwargs)
         else:
             scheduler.set_timesteps(num_steps, device="cpu", **timestep_kwargs)
         if strength is None:
-            plan = plan_for(name, scheduler, vectorize=vectorize)
+            plan = plan_for(name, scheduler, vectorize=vectorize, model_dtype_differs=output_dtype_differs)
         else:
-            plan = _img2img_plan(name, scheduler, num_steps, strength, vectorize)
+            plan = _img2img_plan(name, scheduler, num_steps, strength, vectorize, output_dtype_differs)
             if renoise:
                 plan.renoise = _renoise_coeffs(scheduler, plan.start_index, len(plan.steps))
         plan.eta = eta if "eta" in takes else None
@@ -99,17 +111,21 @@ def _renoise_coeffs(scheduler: SchedulerMixin, start: int, num_steps: int) -> li
     return coeffs + [(1.0, 0.0)]
 
 
-def plan_for(name: str, scheduler: SchedulerMixin, start: int = 0, vectorize: bool = True) -> SamplerPlan:
+def plan_for(name: str, scheduler: SchedulerMixin, start: int = 0, vectorize: bool = True,
+             model_dtype_differs: bool = False) -> SamplerPlan:
+    """model_dtype_differs: the denoiser's output dtype is not the latents' (a bfloat16 transformer beside
+    float32 latents); only the samplers whose diffusers step keeps the latents' dtype are vectorized then."""
     entry = _VECTORIZED.get(type(scheduler).__name__)
-    if not vectorize or entry is None or not entry[0](scheduler.config):
+    if (not vectorize or entry is None or not entry.covers(scheduler.config)
+            or (model_dtype_differs and not entry.x0_term_in_model_dtype)):
         return fallback_plan(name, scheduler, start)
-    _, steps_of, uses_history = entry
-    return SamplerPlan(name, steps_of(scheduler, start)[start:], init_noise_sigma(scheduler), uses_history=uses_history,
-                       start_index=start)
+    return SamplerPlan(name, entry.steps(scheduler, start)[start:], init_noise_sigma(scheduler),
+                       history_slots=entry.history_slots(scheduler.config), start_index=start,
+                       x0_term_in_model_dtype=entry.x0_term_in_model_dtype)
 
 
 def _img2img_plan(name: str, scheduler: SchedulerMixin, num_steps: int, strength: float,
-                  vectorize: bool = True) -> SamplerPlan:
+                  vectorize: bool = True, model_dtype_differs: bool = False) -> SamplerPlan:
     # As the img2img pipelines' get_timesteps: skip the first (1 - strength) of the schedule.
     start = (num_steps - min(int(num_steps * strength), num_steps)) * scheduler.order
     if start >= len(scheduler.timesteps):
@@ -122,6 +138,6 @@ def _img2img_plan(name: str, scheduler: SchedulerMixin, num_steps: int, strength
     t = scheduler.timesteps[start:start + 1]
     one, zero = torch.ones(1), torch.zeros(1)
     a, b = float(scheduler.add_noise(one, zero, t)), float(scheduler.add_noise(zero, one, t))
-    plan = plan_for(name, scheduler, start, vectorize)
+    plan = plan_for(name, scheduler, start, vectorize, model_dtype_differs)
     plan.start_noise = (a, b)
     return plan

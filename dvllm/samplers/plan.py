@@ -14,7 +14,8 @@ from typing import Any
 
 from diffusers import SchedulerMixin
 
-from dvllm.ops import CLIP, CS, NUM_COEFFS
+from dvllm.ops import AM, AX, CLIP, CM, CN, CS, CX, NUM_COEFFS
+from dvllm.sampler_coeffs import HISTORY_COEFFS
 
 
 @dataclass(frozen=True)
@@ -23,8 +24,23 @@ class StepRow:
 
     timestep: float
     c_in: float
-    coeffs: tuple[float, ...]  # NUM_COEFFS values, see dvllm.ops
+    # NUM_COEFFS values in dvllm/sampler_coeffs.py's order; a shorter tuple (AX..CN: samplers that keep at most
+    # one earlier x0) leaves the other history slots' weights at zero.
+    coeffs: tuple[float, ...]
     draws_noise: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.coeffs) > NUM_COEFFS:
+            raise ValueError(f"a step has {NUM_COEFFS} update coefficients, got {len(self.coeffs)}")
+        object.__setattr__(self, "coeffs", tuple(self.coeffs) + (0.0,) * (NUM_COEFFS - len(self.coeffs)))
+
+
+def update_coeffs(ax: float, am: float, cs: float, cx: float, history: tuple[float, ...] = (), cm: float = 0.0,
+                  clip: float = float("inf"), cn: float = 0.0) -> tuple[float, ...]:
+    """A step's coefficients by name; `history` weighs the history slots in order (CH, CH1, CH2)."""
+    values = {AX: ax, AM: am, CLIP: clip, CS: cs, CM: cm, CX: cx, CN: cn}
+    values.update(zip(HISTORY_COEFFS, history))
+    return tuple(values.get(i, 0.0) for i in range(NUM_COEFFS))
 
 
 @dataclass
@@ -32,7 +48,10 @@ class SamplerPlan:
     name: str
     steps: list[StepRow]
     init_noise_sigma: float
-    uses_history: bool = False
+    history_slots: int = 0  # earlier x0 a row keeps in the pool (multistep samplers), at most MAX_HISTORY
+    # diffusers forms the model output's x0 term, AM * model_output, in the model output's dtype (a bfloat16
+    # transformer beside float32 latents): dvllm rounds it the same way (dvllm/worker/model_dtype_product.py)
+    x0_term_in_model_dtype: bool = False
     # Set only for schedulers served per request: a prototype copied for each request.
     fallback: SchedulerMixin | None = field(default=None, repr=False)
     # Image-to-image: the run begins at this index of the full schedule, from a * image_latents + b * noise.
@@ -47,6 +66,10 @@ class SamplerPlan:
     @property
     def num_steps(self) -> int:
         return len(self.steps)
+
+    @property
+    def uses_history(self) -> bool:
+        return self.history_slots > 0
 
     @property
     def vectorized(self) -> bool:

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import math
 
-import torch
+import numpy as np
 
-from dvllm.samplers.plan import StepRow
+from dvllm.samplers.multistep import alpha_sigma, by_slot, log_snr, x0_coeffs
+from dvllm.samplers.plan import StepRow, update_coeffs
 
 INF = float("inf")
 
@@ -54,43 +55,43 @@ def euler_ancestral_steps(scheduler, start: int = 0) -> list[StepRow]:
     return rows
 
 
-def _alpha_sigma(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    alpha = 1.0 / torch.sqrt(sigma**2 + 1.0)
-    return alpha, sigma * alpha
-
-
 def dpmpp_steps(scheduler, start: int = 0) -> list[StepRow]:
-    """DPM-Solver++ (multistep, order 1 or 2, midpoint or heun); history holds the previous x0.
-    A run that begins at `start` (image-to-image) takes its first step at first order, as diffusers does."""
+    """DPM-Solver++ (multistep, orders 1-3; order 2 midpoint or heun), Karras or flow sigmas; its history slots
+    hold the last solver_order - 1 x0. A run that begins at `start` (image-to-image) warms its order up from
+    there, as diffusers does."""
     config = scheduler.config
-    sigmas = scheduler.sigmas.to(torch.float64)
-    num = len(scheduler.timesteps)
-    alphas, sigma_ts = _alpha_sigma(sigmas)
-    lambdas = torch.log(alphas) - torch.log(sigma_ts)  # +inf where sigma is 0
+    sigmas = [float(s) for s in scheduler.sigmas.tolist()]
+    lam = [log_snr(config, s) for s in sigmas]
+    num, order = len(scheduler.timesteps), config.solver_order
     rows = []
     for i, t in enumerate(scheduler.timesteps.tolist()):
-        alpha_s, sigma_s = alphas[i].item(), sigma_ts[i].item()
-        if config.prediction_type == "epsilon":
-            ax, am = 1.0 / alpha_s, -sigma_s / alpha_s
-        elif config.prediction_type == "v_prediction":
-            ax, am = alpha_s, -sigma_s
-        elif config.prediction_type == "sample":
-            ax, am = 0.0, 1.0
-        else:
-            raise ValueError(f"prediction_type {config.prediction_type!r} is not supported")
+        done = max(i - start, 0)  # steps this run has taken (rows before `start` are not used)
+        ax, am = x0_coeffs(config.prediction_type, config, sigmas[i])
         lower_order_final = i == num - 1 and (
             config.euler_at_final or (config.lower_order_final and num < 15) or config.final_sigmas_type == "zero"
         )
-        h = (lambdas[i + 1] - lambdas[i]).item()
-        alpha_t, sigma_t = alphas[i + 1].item(), sigma_ts[i + 1].item()
+        lower_order_second = i == num - 2 and config.lower_order_final and num < 15
+        alpha_t, sigma_t = alpha_sigma(config, sigmas[i + 1])
+        h = lam[i + 1] - lam[i]
         phi = alpha_t * (math.exp(-h) - 1.0)
-        cs, cx, ch = sigma_t / sigma_s, -phi, 0.0
-        if config.solver_order == 2 and i - start >= 1 and not lower_order_final:
-            r0 = (lambdas[i] - lambdas[i - 1]).item() / h
+        cs, cx, by_age = sigma_t / alpha_sigma(config, sigmas[i])[1], -phi, [0.0, 0.0]
+        if order == 1 or done < 1 or lower_order_final:
+            pass  # first order: the x0 alone
+        elif order == 2 or done < 2 or lower_order_second:
+            r0 = (lam[i] - lam[i - 1]) / h
             if config.solver_type == "midpoint":
-                cx, ch = -phi - 0.5 * phi / r0, 0.5 * phi / r0
+                cx, by_age[0] = -phi - 0.5 * phi / r0, 0.5 * phi / r0
             else:  # heun
                 psi = alpha_t * ((math.exp(-h) - 1.0) / h + 1.0)
-                cx, ch = -phi + psi / r0, -psi / r0
-        rows.append(StepRow(float(t), 1.0, (ax, am, INF, cs, 0.0, cx, ch, 0.0)))
+                cx, by_age[0] = -phi + psi / r0, -psi / r0
+        else:  # third order, over this x0 and the last two
+            r0, r1 = (lam[i] - lam[i - 1]) / h, (lam[i - 1] - lam[i - 2]) / h
+            d1_0, d1_1 = np.array([1.0, -1.0, 0.0]) / r0, np.array([0.0, 1.0, -1.0]) / r1
+            d1 = d1_0 + r0 / (r0 + r1) * (d1_0 - d1_1)
+            d2 = (d1_0 - d1_1) / (r0 + r1)
+            psi = alpha_t * ((math.exp(-h) - 1.0) / h + 1.0)
+            terms = -phi * np.array([1.0, 0.0, 0.0]) + psi * d1 - alpha_t * ((math.exp(-h) - 1.0 + h) / h**2 - 0.5) * d2
+            cx, by_age = float(terms[0]), terms[1:].tolist()
+        history = by_slot(by_age[:order - 1], order - 1)
+        rows.append(StepRow(float(t), 1.0, update_coeffs(ax, am, cs=cs, cx=cx, history=history)))
     return rows

@@ -16,14 +16,15 @@ from dvllm import ops
 from dvllm.host_copy import copy_to, device_index, to_device
 from dvllm.models.base import ModelAdapter, ModelInfo
 from dvllm.models.layout import BatchLayout
-from dvllm.ops import CLIP
+from dvllm.ops import AM, CLIP
 from dvllm.profiler import PhaseTimer
 from dvllm.samplers import StepRow
 from dvllm.worker.conditions import unflatten
 from dvllm.worker.denoiser import Denoiser, Forward, ForwardInputs
 from dvllm.worker.forward_context import ForwardHooks
 from dvllm.worker.lora_layers import LoraLayers
-from dvllm.worker.request_state import RequestState
+from dvllm.worker.model_dtype_product import x0_terms
+from dvllm.worker.request_state import RequestState, row_bounds
 from dvllm.worker.state_pool import StatePool
 from dvllm.worker.step_cache_hooks import CacheHooks, forward_cache
 
@@ -260,10 +261,13 @@ def _fused_update(pool: StatePool, batch: Batch, out: torch.Tensor, fused: list[
         keep = device_index([i for (lo, hi), f in zip(batch.bounds, fused) if f for i in range(lo, hi)],
                             sample.device)
         sample, latent_table, coeffs, out = sample[keep], latent_table[keep], coeffs[keep], out[keep]
+    if out.dtype != pool.data.dtype:  # only plans with x0_term_in_model_dtype are fused then (plan_for)
+        out, coeffs = x0_terms(out, coeffs, [r.coeffs[AM] for r in rows], row_bounds(states))
     noise = batch.noise
-    history_table = None
-    if any(s.plan.uses_history for s in states):
-        history_table = pool.table([r for s in states for r in s.history_rows(len(s.blocks.latents[0]))])
+    history_table, slots = None, max(s.plan.history_slots for s in states)
+    if slots:  # [R, slots, nb]
+        history_table = pool.table([slot for s in states for image in s.history_rows(len(s.blocks.latents[0]), slots)
+                                    for slot in image]).view(len(sample), slots, -1)
     ops.scatter_update(pool.data, latent_table, out, coeffs, history_table,
                        None if noise is None else noise.reshape(len(sample), -1), clip)
 

@@ -258,8 +258,8 @@ class ModelRunner:
             if start.inputs is not None:
                 self.pool.write(d.blocks.inputs, start.inputs.reshape(d.n, -1))
             self.pool.write(d.blocks.latents, x.reshape(d.n, -1))
-            if d.blocks.history:  # multistep history starts at zero (its first step reads it with weight 0)
-                self.pool.write(d.blocks.history, self.pool.data.new_zeros(d.n, x[0].numel()))
+            if d.blocks.history:  # multistep history starts at zero (its first steps read it with weight 0)
+                self.pool.write(d.blocks.history, self.pool.data.new_zeros(len(d.blocks.history), x[0].numel()))
             self.states[d.request_id] = RequestState(
                 data=d, generator=generator, blocks=d.blocks,
                 fallback=None if d.plan.vectorized else d.plan.new_fallback_scheduler(),

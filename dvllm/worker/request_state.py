@@ -8,6 +8,7 @@ from diffusers import SchedulerMixin
 
 from dvllm.core.scheduler_output import BlockTables, NewRequestData
 from dvllm.samplers import SamplerPlan
+from dvllm.samplers.multistep import slot_order
 from dvllm.step_caches.state import CacheState
 
 
@@ -45,11 +46,16 @@ class RequestState:
         """The diffusers scheduler's own timestep for this step (an img2img run starts into its schedule)."""
         return self.fallback.timesteps[self.plan.start_index + self.step]
 
-    def history_rows(self, num_blocks: int) -> list[list[int]]:
-        """Block rows of its history; rows of -1 (no history) for samplers that keep none."""
-        if self.blocks.history is not None:
-            return self.blocks.history
-        return [[-1] * num_blocks for _ in range(self.n)]
+    def history_rows(self, num_blocks: int, slots: int) -> list[list[list[int]]]:
+        """Per image, its `slots` history rows as this step's update reads them (slot_order: slot 0 the oldest,
+        which the update overwrites); rows of -1 past the slots its sampler keeps."""
+        kept = self.plan.history_slots if self.blocks.history is not None else 0
+        absent = [[-1] * num_blocks] * (slots - kept)
+        if not kept:
+            return [absent for _ in range(self.n)]
+        order = slot_order(self.step, kept)
+        runs = self.blocks.history
+        return [[runs[i * kept + k] for k in order] + absent for i in range(self.n)]
 
 
 def row_bounds(states: list[RequestState]) -> list[tuple[int, int]]:
