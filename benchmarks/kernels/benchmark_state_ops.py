@@ -60,8 +60,9 @@ class Case:
         per_request = [torch.randn(numel, generator=gen).to(device, dtype) for _ in range(batch)]
         per_request_history = [torch.randn(numel, generator=gen).to(device, dtype) for _ in range(batch)]
         batch_values = torch.randn(batch, numel, generator=gen).to(device, dtype)
-        # AX, AM, CLIP, CS, CM, CX, CH, CN: a contraction, so repeated steps keep values bounded and normal.
-        coeffs = torch.tensor([[0.9, 0.1, float("inf"), 0.5, 0.05, 0.2, 0.25, 0.0]], device=device).expand(batch, -1)
+        # AX, AM, CLIP, CS, CM, CX, CH, CN, CH1, CH2: a contraction, so repeated steps keep values bounded and normal.
+        coeffs = torch.tensor([[0.9, 0.1, float("inf"), 0.5, 0.05, 0.2, 0.25, 0.0, 0.0, 0.0]],
+                              device=device).expand(batch, -1).contiguous()
         es = pool.element_size()
 
         if op == "gather":
@@ -89,7 +90,7 @@ class Case:
 
             def dense_update() -> None:
                 prev, x0 = ops.sampler_update(torch.stack(per_request)[:, None, None], mo[:, None, None], coeffs,
-                                              torch.stack(per_request_history)[:, None, None])
+                                              [torch.stack(per_request_history)[:, None, None]])
                 for i in range(batch):
                     per_request[i].copy_(prev[i].view(-1))
                     per_request_history[i].copy_(x0[i].view(-1))
