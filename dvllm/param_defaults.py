@@ -61,7 +61,8 @@ def parse_defaults(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-_EXPECTED = {"guidance_scale": "a finite number >= 0", "guidance_scale_2": "a finite number >= 0", "fps": f"a number in {FPS_RANGE}", "sampler": "a sampler name"}
+_EXPECTED = {"guidance_scale": "a finite number >= 0", "guidance_scale_2": "a finite number >= 0",
+             "fps": f"a number in {FPS_RANGE}", "sampler": "a sampler name"}
 
 
 def _json(text: str, where: str) -> Any:
