@@ -24,7 +24,8 @@ MAX_DEFAULT_PIXELS = 16384 * 16384
 
 # request field -> the ModelInfo.defaults (model_info.Defaults) field it sets
 DEFAULTS_FIELDS = {"num_inference_steps": "steps", "guidance_scale": "guidance", "height": "height",
-                   "width": "width", "sampler": "sampler"}
+                   "width": "width", "sampler": "sampler", "guidance_scale_2": "guidance_2"}
+GUIDANCE_KEYS = ("guidance_scale", "guidance_scale_2")
 # a video model's frames and rate (ModelInfo.video)
 VIDEO_FIELDS = {"num_frames": "frames", "fps": "fps"}
 # max_sequence_length changes the model's conditions: the adapter takes it (set_max_sequence_length)
@@ -41,7 +42,7 @@ def parse_defaults(value: Any, where: str) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; allowed {sorted(KEYS)}")
     for key, v in value.items():
-        if key == "guidance_scale":
+        if key in GUIDANCE_KEYS:
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf")
         elif key == "fps":
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and MIN_FPS <= v <= MAX_FPS
@@ -60,7 +61,8 @@ def parse_defaults(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-_EXPECTED = {"guidance_scale": "a finite number >= 0", "fps": f"a number in {FPS_RANGE}", "sampler": "a sampler name"}
+_EXPECTED = {"guidance_scale": "a finite number >= 0", "guidance_scale_2": "a finite number >= 0",
+             "fps": f"a number in {FPS_RANGE}", "sampler": "a sampler name"}
 
 
 def _json(text: str, where: str) -> Any:

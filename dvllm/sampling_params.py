@@ -83,7 +83,8 @@ class SamplingParams:
     num_frames: int | None = None
     fps: float | None = None
     # Two-expert models (Wan 2.2 A14B): the guidance scale while the second, low-noise expert runs. None: the
-    # guidance_scale, as the pipeline's default. Other models take none.
+    # request's guidance_scale where it names one (as the pipeline), else the model's default (Defaults.guidance_2,
+    # else its guidance default). Other models take none.
     guidance_scale_2: float | None = None
 
     @property
@@ -192,8 +193,7 @@ class SamplingParams:
             self,
             num_inference_steps=self.num_inference_steps or info.defaults.steps,
             guidance_scale=guidance,
-            guidance_scale_2=None if info.expert_boundary is None else
-            (guidance if self.guidance_scale_2 is None else float(self.guidance_scale_2)),
+            guidance_scale_2=_guidance_2(self, info, guidance),
             height=self.height or image_h,
             width=self.width or image_w,
             seed=secrets.randbelow(RANDOM_SEED_LIMIT) if self.seed is None else self.seed,
@@ -240,6 +240,18 @@ class SamplingParams:
         if resolved.n > config.max_images_per_prompt:
             raise ValueError(f"n must be in [1, {config.max_images_per_prompt}], got {resolved.n}")
         return resolved
+
+
+def _guidance_2(params: SamplingParams, info: "ModelInfo", guidance: float) -> float | None:
+    """A two-expert model's low-noise scale (None for one expert): the request's; else, where the request names
+    guidance_scale, that one, as the pipeline falls back; else the model's default, or its guidance default."""
+    if info.expert_boundary is None:
+        return None
+    if params.guidance_scale_2 is not None:
+        return float(params.guidance_scale_2)
+    if params.guidance_scale is None and info.defaults.guidance_2 is not None:
+        return float(info.defaults.guidance_2)
+    return guidance
 
 
 def _frames(frames: int | None, info: "ModelInfo", config: "EngineConfig") -> int | None:

@@ -9,6 +9,8 @@ import shutil
 import numpy as np
 import pytest
 
+from conftest import _saved, tiny_wan_pipeline
+
 from dvllm import DiffusionEngine, EngineConfig, SamplingParams
 from dvllm.entrypoints.model_facts import model_facts
 from dvllm.models import model_defaults
@@ -60,6 +62,7 @@ def test_a_default_sampler_runs_as_if_the_request_named_it(sd_eps_path):
     ("{not json", "not valid JSON"),
     ('{"num_inference_steps": 0}', "num_inference_steps must be a positive integer"),
     ('{"guidance_scale": -1}', "guidance_scale must be a finite number >= 0"),
+    ('{"guidance_scale_2": "3"}', "guidance_scale_2 must be a finite number >= 0"),
     ('{"sampler": "eulr"}', "did you mean 'euler'"),
     ("[1, 2]", "expected a JSON object"),
 ])
@@ -85,3 +88,44 @@ def test_a_video_models_frames_and_rate_come_from_its_defaults(wan_path, sd_eps_
         DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", default_params={"fps": 16})
     with pytest.raises(ValueError, match=r"fps must be a number in \[0.001, 240\]"):
         DiffusionEngine(model=str(folder), device="cpu", dtype="float32", default_params={"fps": 0})
+
+
+def test_a_two_expert_models_second_scale_has_a_default(tmp_path_factory):
+    """guidance_scale_2 as a default (Wan 2.2 A14B's card: 4.0 high-noise, 3.0 low-noise): a request naming neither
+    scale gets both defaults, the same video as naming them; one naming guidance_scale alone gets it for both
+    experts, as the pipeline's fallback does; /v1/models tells the second scale."""
+    assert known_defaults("Wan-AI/Wan2.2-T2V-A14B-Diffusers")["guidance_scale_2"] == 3.0
+    assert known_defaults("wan2.2-t2v-a14b") == known_defaults("Wan-AI/Wan2.2-T2V-A14B-Diffusers")
+    path = _saved(tmp_path_factory, "tiny-wan-a14b-defaults", tiny_wan_pipeline(two_experts=True))
+    small = {"num_inference_steps": 4, "height": 16, "width": 16, "num_frames": 5}
+    engine = DiffusionEngine(model=path, device="cpu", dtype="float32",
+                             default_params={**small, "guidance_scale": 4.0, "guidance_scale_2": 3.0})
+    info = engine.model_info
+    assert (info.defaults.guidance, info.defaults.guidance_2) == (4.0, 3.0)
+    facts = model_facts(info, 4096, engine.valid_samplers())
+    assert (facts["guidance_scale"], facts["guidance_scale_2"], facts["boundary_timestep"]) == (4.0, 3.0, 875.0)
+    resolved = {name: SamplingParams(**given).resolve(info, engine.config)
+                for name, given in {"none": {}, "first": {"guidance_scale": 5.0},
+                                    "second": {"guidance_scale_2": 2.0}}.items()}
+    assert (resolved["none"].guidance_scale, resolved["none"].guidance_scale_2) == (4.0, 3.0)
+    assert (resolved["first"].guidance_scale, resolved["first"].guidance_scale_2) == (5.0, 5.0)
+    assert (resolved["second"].guidance_scale, resolved["second"].guidance_scale_2) == (4.0, 2.0)
+    plain, named, equal = (SamplingParams(seed=3, output_type="latent", **extra)
+                           for extra in ({}, {"guidance_scale": 4.0, "guidance_scale_2": 3.0},
+                                         {"guidance_scale": 4.0, "guidance_scale_2": 4.0}))
+    outs = engine.generate(["a red circle"] * 3, [plain, named, equal], use_tqdm=False)
+    assert all(out.error is None for out in outs)
+    np.testing.assert_array_equal(outs[0].images[0], outs[1].images[0])
+    assert float((outs[0].images[0] - outs[2].images[0]).abs().max()) > 1e-3  # the default 3.0 ran, not 4.0
+
+
+def test_a_second_scale_default_is_refused_for_one_expert(wan_path, tmp_path):
+    """As the request field is: a one-denoiser model takes no guidance_scale_2, from the engine or a folder."""
+    with pytest.raises(ValueError, match=r"default_params: guidance_scale_2: this model \(WanPipeline\) has one "
+                                         "denoiser"):
+        DiffusionEngine(model=wan_path, device="cpu", dtype="float32", default_params={"guidance_scale_2": 3.0})
+    folder = tmp_path / "wan"
+    shutil.copytree(wan_path, folder)
+    (folder / "dvllm_defaults.json").write_text(json.dumps({"guidance_scale_2": 3.0}))
+    with pytest.raises(ValueError, match="dvllm_defaults.json: guidance_scale_2: this model"):
+        DiffusionEngine(model=str(folder), device="cpu", dtype="float32")

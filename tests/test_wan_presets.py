@@ -10,6 +10,7 @@ import torch
 from diffusers import WanPipeline
 
 from dvllm import DiffusionEngine, SamplingParams
+from dvllm.models import model_names
 from dvllm.models.loader import dummy_components, load_preset, preset_names, resolve_model
 from dvllm.models.registry import adapter_for
 
@@ -29,6 +30,7 @@ LAYOUTS = {
     "wan2.1-t2v-14b": (8, 4, 16, False, None),
     "wan2.2-ti2v-5b": (16, 4, 48, True, None),
     "wan2.2-t2v-a14b": (8, 4, 16, False, 0.875),
+    "wan2.2-t2v-a14b-mlperf": (8, 4, 16, False, 0.875),
     "wan-cpu": (8, 4, 16, False, None),
 }
 
@@ -96,3 +98,32 @@ def test_wan_cpu_generates_a_video_on_the_cpu(wan_cpu):
     (video,) = out.images
     assert video.shape == (5, 32, 64, 3) and np.isfinite(video).all()
     assert 0.0 <= video.min() and video.max() <= 1.0
+
+
+def test_the_mlperf_preset_is_the_a14b_architecture_at_mlperfs_settings():
+    """MLPerf Inference v6.0's text-to-video clip: the A14B preset's architecture (its base, not a copy) with the
+    benchmark's defaults (720x1280, 81 frames, 20 steps, guidance 4.0 then 3.0), as the loader applies them to the
+    meta-device model (no weights)."""
+    from dvllm.models.loader import _apply_defaults, _default_layers
+    from dvllm.sizing.memory_estimate import _build
+
+    mlperf, a14b = load_preset("wan2.2-t2v-a14b-mlperf"), load_preset("wan2.2-t2v-a14b")
+    assert (mlperf["model_index"], mlperf["components"]) == (a14b["model_index"], a14b["components"])
+    assert mlperf["base"] == "wan2.2-t2v-a14b" and "defaults" not in a14b
+    adapter, source, _ = _build("wan2.2-t2v-a14b-mlperf", "bfloat16", "auto", False)
+    _apply_defaults(adapter, source, _default_layers(source, None))
+    info = adapter.info
+    defaults = info.defaults
+    assert (defaults.height, defaults.width, info.video.frames) == (720, 1280, 81)
+    assert (defaults.steps, defaults.guidance, defaults.guidance_2) == (20, 4.0, 3.0)
+    assert info.expert_boundary == 0.875 * 1000  # the architecture's boundary_ratio of the training timesteps
+
+
+def test_a_preset_base_must_be_a_plain_preset(monkeypatch):
+    presets = {"child": {"base": "missing"}, "grandchild": {"base": "child"}, "child2": {"base": "grandchild"}}
+    monkeypatch.setattr(model_names, "_read_preset", presets.__getitem__)
+    monkeypatch.setattr(model_names, "preset_names", lambda: sorted(presets))
+    with pytest.raises(ValueError, match="preset 'child': its base 'missing' is not a preset"):
+        model_names.load_preset("child")
+    with pytest.raises(ValueError, match="preset 'child2': its base 'grandchild' has a base of its own"):
+        model_names.load_preset("child2")

@@ -2,36 +2,45 @@
 # What fits one lent GPU (15 minutes of device time, one call): run_suite.sh's most needed steps, each capped so
 # that the whole ends inside --budget seconds (default 540), most needed first. Every step writes its own log and
 # JSON under --out; a step that fails or runs out of time is reported and the next one runs.
-#   0. MLPerf LoadGen (issue 49): sdxl (dummy weights, bf16) at MLPerf's settings (1024x1024, 20 Euler steps,
+#   0. the MLPerf Wan2.2 clip (issue 51): wan2.2-t2v-a14b-mlperf (dummy weights, bf16; both experts resident, about
+#      83 GB with the decode by benchmarks/README.md's estimate: an H200) at MLPerf Inference v6.0's settings
+#      (720x1280, 81 frames, 20 steps, CFG 4.0 / 3.0): one denoising step timed (1 warm-up, 2 timed, the request
+#      then aborted) and the tiled decode of its 81 frames (dvllm.benchmarks.clip_step); prints the step time and,
+#      labelled as arithmetic, 20 x the step + the decode beside MLPerf's published 21 s a video. The reference
+#      state ops (DVLLM_USE_CUSTOM_OPS=0): no kernel build; the step is the 14B forward's
+#   0a. Wan's host syncs on CUDA (tests/test_host_syncs.py -k "cuda_step and [wan": the bracket, as "allowance"
+#      holds "wan"): Wan 2.1 and its I2V, with and without LoRA and each step cache, their rows on flow_euler
+#      (Wan's own UniPC has no CUDA case yet)
+#   1. MLPerf LoadGen (issue 49): sdxl (dummy weights, bf16) at MLPerf's settings (1024x1024, 20 Euler steps,
 #      guidance 8.0), Offline then Server, short runs: their summaries' samples/s, queries/s and p99 beside MLPerf
 #      v5.0's published 2.37 samples/s and 2.29 queries/s a GPU (8x H200, TensorRT). Needs mlcommons-loadgen in
 #      .whl/ (cp312 manylinux wheel, as the others)
-#   0a. the same in fast mode (issue 49, --fast: regional compile, graphs captured at start, the fastest attention)
-#   0b. the LoRA trace (issue 49): sdxl (dummy weights, fp16) at 256-512 px, 16 requests of 0-3 random rank-16
+#   1a. the same in fast mode (issue 49, --fast: regional compile, graphs captured at start, the fastest attention)
+#   1b. the LoRA trace (issue 49): sdxl (dummy weights, fp16) at 256-512 px, 16 requests of 0-3 random rank-16
 #      adapters each (Zipf popularity over the trace's pool) at 1 and 4 requests/s: dvllm vs its request-level
 #      policy vs the pipeline serially (set_adapters per request): goodput at 3x solo latency, p50/p99
-#   0c. step caching under load (issue 49): flux-dev (dummy, bf16) at 256-512 px, 12 DiffusionDB-shaped requests
+#   1c. step caching under load (issue 49): flux-dev (dummy, bf16) at 256-512 px, 12 DiffusionDB-shaped requests
 #      at 1 request/s: dvllm, dvllm with first_block (0.08) for every request, the request-level policy
-#   0d. fast mode against exact (issue 49): flux-dev (bf16) on the images trace at 1/s and all at once; then the
+#   1d. fast mode against exact (issue 49): flux-dev (bf16) on the images trace at 1/s and all at once; then the
 #      image bound, exact then fast, at the default size (scripts/fast_mode_bound.py: the graphs' size)
-#   1. video (issue 29): wan2.1-t2v-1.3b, the generated video trace (832x480, 480x832, 480x480, CFG or not) with
+#   2. video (issue 29): wan2.1-t2v-1.3b, the generated video trace (832x480, 480x832, 480x480, CFG or not) with
 #      frames and steps clamped to 33 and 12, six clips at once: dvllm vs the pipeline serial and in static batches
 #      (`dvllm bench run --generate video`); its engine builds the CUDA kernels (Hopper only,
 #      TORCH_CUDA_ARCH_LIST=9.0) for the steps after it
-#   1b. one long clip (33 frames, 12 steps) and three short ones (17 frames, 4 steps) sent just behind it: dvllm
+#   2b. one long clip (33 frames, 12 steps) and three short ones (17 frames, 4 steps) sent just behind it: dvllm
 #      (oldest first, the default), dvllm taking the shapes in turn (shape_order=turns), and serial
-#   2. where the kernels' argument errors crashed the process on 2026-12-04 (tests/gpu/kernel_errors.sh: each
+#   3. where the kernels' argument errors crashed the process on 2026-12-04 (tests/gpu/kernel_errors.sh: each
 #      raise alone, then the suite's real history in one process: CUDA kernel tests, dvllm's raises, libtorch's)
-#   3. CUDA graph replay against eager and the syncs in one step, per family (tests/test_host_syncs.py -k cuda)
-#   4. the CUDA kernels' tests, tests/test_state_ops.py whole (passed 2026-12-04 but for the two argument-error
+#   4. CUDA graph replay against eager and the syncs in one step, per family (tests/test_host_syncs.py -k cuda)
+#   5. the CUDA kernels' tests, tests/test_state_ops.py whole (passed 2026-12-04 but for the two argument-error
 #      tests, which now raise in a process of their own: a crash there fails one test, not the step)
-#   5. sd15 (fp16, the mixed workload at 256/512 px, all at once): dvllm vs serial vs static batches of 8 and 16
-#   6. worker groups (issue 28): flux-dev's forward and its exchanges on this one GPU (measured 2026-12-04)
+#   6. sd15 (fp16, the mixed workload at 256/512 px, all at once): dvllm vs serial vs static batches of 8 and 16
+#   7. worker groups (issue 28): flux-dev's forward and its exchanges on this one GPU (measured 2026-12-04)
 #
 #   benchmarks/gpu/lease_check.sh [--out DIR] [--budget SECONDS] [--only STEP,STEP] [--dry-run]
 #
-# --only runs just the named steps (loadgen, loadgen_fast, loras, cache, fast_flux, fast_bound, video, video_turns,
-# kernel_errors, graphs, kernels, sd, group), in the order above.
+# --only runs just the named steps (mlperf_clip, wan_sync, loadgen, loadgen_fast, loras, cache, fast_flux, fast_bound,
+# video, video_turns, kernel_errors, graphs, kernels, sd, group), in the order above.
 #
 # Wheels the machine lacks (diffusers and its small needs) travel in .whl/ as run_suite.sh says.
 # --dry-run runs the same steps on the CPU at tiny sizes (the presets' CPU cousins).
@@ -89,6 +98,10 @@ print("GPU:", torch.cuda.get_device_name() if torch.cuda.is_available() else "no
 PY
 
 if [ $dry = 1 ]; then
+  step mlperf_clip 90 env DVLLM_USE_CUSTOM_OPS=0 $python -m dvllm.benchmarks.clip_step --dry-run --decode \
+    --output-json "$out/mlperf_clip.json"
+  step wan_sync 120 $python -m pytest -q -x tests/test_host_syncs.py -k "a_step_reads and [wan" \
+    -p no:cacheprovider
   step loadgen 90 $python -m dvllm.entrypoints.cli bench loadgen --model tiny-sd --load-format dummy --device cpu \
     --dtype float32 --size 32x32 --steps 4 --num-samples 64 --scenario Offline --min-duration-s 5 \
     --offline-expected-qps 40 --output-dir "$out/loadgen" --output-json "$out/loadgen.json"
@@ -125,6 +138,10 @@ if [ $dry = 1 ]; then
   echo "== dry run: every step passed in ${SECONDS} s"
   exit 0
 fi
+step mlperf_clip 330 env DVLLM_USE_CUSTOM_OPS=0 $python -m dvllm.benchmarks.clip_step --model wan2.2-t2v-a14b-mlperf \
+  --device cuda --dtype bfloat16 --warmup 1 --timed 2 --decode --vae-tiling --output-json "$out/mlperf_clip.json"
+step wan_sync 150 $python -m pytest -v --tb=short --maxfail=4 -p no:cacheprovider tests/test_host_syncs.py \
+  -k "cuda_step and [wan"
 # One engine, Offline then Server, 45 s each: Offline at an expected 2 samples/s; Server Poisson at 1.5 queries/s,
 # p99 <= 20 s (too few queries for LoadGen's early stopping to vouch for a p99: that run may say INVALID for that
 # alone, and says why)

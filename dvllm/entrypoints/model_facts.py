@@ -36,6 +36,7 @@ def model_facts(info: ModelInfo, max_image_pixels: int, samplers: list[str],
         "default_size": f"{default[0]}x{default[1]}",
         "num_inference_steps": info.defaults.steps,
         "guidance_scale": info.defaults.guidance,
+        **_second_expert(info),
         "sampler": info.defaults.sampler or info.schedule.config["_class_name"],
         "max_sequence_length": info.text.max_sequence_length,
         "size_multiple": step,
@@ -45,6 +46,15 @@ def model_facts(info: ModelInfo, max_image_pixels: int, samplers: list[str],
         **served,
         **_video_facts(info, max_num_frames),
     }
+
+
+def _second_expert(info: ModelInfo) -> dict[str, Any]:
+    """A two-expert model's default scale for its low-noise expert (its guidance default unless it names one)
+    and the timestep below which that expert runs."""
+    if info.expert_boundary is None:
+        return {}
+    second = info.defaults.guidance if info.defaults.guidance_2 is None else info.defaults.guidance_2
+    return {"guidance_scale_2": second, "boundary_timestep": info.expert_boundary}
 
 
 def _video_facts(info: ModelInfo, max_num_frames: int | None) -> dict[str, Any]:

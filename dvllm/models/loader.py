@@ -236,8 +236,12 @@ def _absent_components(source: ModelSource, pipeline_cls: type) -> dict[str, Non
 
 def _default_layers(source: ModelSource, default_params: Any) -> list[tuple[dict[str, Any], str]]:
     """The model's request defaults over its pipeline's (model_defaults.py), each layer with where it comes from:
-    the known table's, its folder's dvllm_defaults.json, then the engine's default_params."""
+    the known table's, a preset's own (model_names.load_preset), its folder's dvllm_defaults.json, then the engine's
+    default_params."""
     layers = [(known_defaults(source.hub_id or source.name), f"dvllm's defaults for {source.name}")]
+    if source.preset is not None and "defaults" in source.preset:
+        where = f"preset {source.name}'s defaults"
+        layers.append((parse_defaults(source.preset["defaults"], where), where))
     path = os.path.join(source.folder, DEFAULTS_FILE) if source.folder else None
     if path and os.path.isfile(path):
         layers.append((read_defaults_file(path), path))
@@ -263,6 +267,9 @@ def _apply_defaults(adapter: ModelAdapter, source: ModelSource, layers: list[tup
                              "family takes no per-model text length (only stable-diffusion-3 models without a T5 "
                              "encoder do)")
         setter(defaults["max_sequence_length"], source=f"{where['max_sequence_length']}: max_sequence_length")
+    if "guidance_scale_2" in defaults and adapter.info.expert_boundary is None:
+        raise ValueError(f"{where['guidance_scale_2']}: guidance_scale_2: this model ({adapter.info.pipeline_class}) "
+                         "has one denoiser; the scale of a second expert is for two-expert models (Wan 2.2 A14B)")
     if defaults:
         info = adapter.info
         chosen = {DEFAULTS_FIELDS[k]: v for k, v in defaults.items() if k in DEFAULTS_FIELDS}

@@ -2,9 +2,9 @@
 
 Z-Image-Turbo served with its pipeline's defaults runs 50 steps with CFG, about 12x the compute it was
 distilled for. Defaults come, each layer over the one before: the pipeline's; `KNOWN_DEFAULTS` below (facts
-from the models' cards, by Hub id, and for the presets of those architectures); the model folder's (or Hub
-repo's) `dvllm_defaults.json`; the engine's `default_params`. What is in force is in ModelInfo.defaults, and so in
-/v1/models.
+from the models' cards, by Hub id, and for the presets of those architectures); a preset's own `defaults` (a
+benchmark's settings: wan2.2-t2v-a14b-mlperf); the model folder's (or Hub repo's) `dvllm_defaults.json`; the
+engine's `default_params`. What is in force is in ModelInfo.defaults, and so in /v1/models.
 """
 from __future__ import annotations
 
@@ -21,14 +21,17 @@ KNOWN_DEFAULTS: dict[str, dict[str, Any]] = {
     # Wan: the pipeline's own defaults are 480x832 and 81 frames for every model
     "wan-ai/wan2.2-ti2v-5b-diffusers": {"height": 704, "width": 1280, "num_frames": 121, "fps": 24},
     "wan-ai/wan2.1-t2v-14b-diffusers": {"height": 720, "width": 1280},
+    # the card's example call; Wan's own wan/configs/wan_t2v_A14B.py agrees (40 steps, guidance (3.0, 4.0) for the
+    # low- and high-noise experts)
     "wan-ai/wan2.2-t2v-a14b-diffusers": {"height": 720, "width": 1280, "num_inference_steps": 40,
-                                         "guidance_scale": 4.0},
+                                         "guidance_scale": 4.0, "guidance_scale_2": 3.0},
 }
 # dvllm's presets of those architectures (random weights, for timing) time what the model would run
 PRESET_HUB_IDS = {"z-image-turbo": "tongyi-mai/z-image-turbo", "sd-turbo": "stabilityai/sd-turbo",
                   "wan2.2-ti2v-5b": "wan-ai/wan2.2-ti2v-5b-diffusers",
                   "wan2.1-t2v-14b": "wan-ai/wan2.1-t2v-14b-diffusers",
-                  "wan2.2-t2v-a14b": "wan-ai/wan2.2-t2v-a14b-diffusers"}
+                  "wan2.2-t2v-a14b": "wan-ai/wan2.2-t2v-a14b-diffusers",
+                  "wan2.2-t2v-a14b-mlperf": "wan-ai/wan2.2-t2v-a14b-diffusers"}
 
 
 def known_defaults(name: str) -> dict[str, Any]:

@@ -30,6 +30,9 @@ class Defaults:
     height: int
     width: int
     sampler: str | None = None  # None: the model's own scheduler
+    # A two-expert model's guidance while its low-noise expert runs (SamplingParams.guidance_scale_2). None: as the
+    # pipeline, the request's guidance_scale.
+    guidance_2: float | None = None
     strength: float = 0.8  # the img2img pipeline's default
     inpaint_strength: float = 1.0  # the inpainting pipeline's default
 

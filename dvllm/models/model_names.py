@@ -38,6 +38,23 @@ def preset_names() -> list[str]:
 
 
 def load_preset(name: str) -> dict[str, Any]:
+    """A preset's JSON. One that names a `base` preset is that preset's architecture (its model_index and
+    components) with its own description and request `defaults` (param_defaults.py's keys, the loader's layer over
+    the known table's): a benchmark's settings on a published architecture without a second copy of it."""
+    preset = _read_preset(name)
+    base = preset.get("base")
+    if base is None:
+        return preset
+    if base not in preset_names():
+        raise ValueError(f"preset {name!r}: its base {base!r} is not a preset")
+    parent = _read_preset(base)
+    if "base" in parent:  # one level: the architecture is always one file away
+        raise ValueError(f"preset {name!r}: its base {base!r} has a base of its own")
+    own = {key: value for key, value in preset.items() if key != "base"}
+    return {**parent, **own, "base": base}
+
+
+def _read_preset(name: str) -> dict[str, Any]:
     return json.loads((resources.files("dvllm.models.presets") / f"{name}.json").read_text())
 
 
