@@ -9,8 +9,8 @@
 #      labelled as arithmetic, 20 x the step + the decode beside MLPerf's published 21 s a video. The reference
 #      state ops (DVLLM_USE_CUSTOM_OPS=0): no kernel build; the step is the 14B forward's
 #   0a. Wan's host syncs on CUDA (tests/test_host_syncs.py -k "cuda_step and [wan": the bracket, as "allowance"
-#      holds "wan"): Wan 2.1 and its I2V, with and without LoRA and each step cache, their rows on flow_euler
-#      (Wan's own UniPC has no CUDA case yet)
+#      holds "wan"): Wan 2.1 and its I2V, with and without LoRA and each step cache, their rows on Wan's own UniPC
+#      (vectorized in the fused update: no step of it may wait on the device)
 #   1. MLPerf LoadGen (issue 49): sdxl (dummy weights, bf16) at MLPerf's settings (1024x1024, 20 Euler steps,
 #      guidance 8.0), Offline then Server, short runs: their summaries' samples/s, queries/s and p99 beside MLPerf
 #      v5.0's published 2.37 samples/s and 2.29 queries/s a GPU (8x H200, TensorRT). Needs mlcommons-loadgen in

@@ -25,7 +25,7 @@ from dvllm.lora.ref import LoraRef
 from dvllm.lora.registry import LoraRegistry
 from dvllm.models.base import ModelInfo
 from dvllm.sampler_names import did_you_mean, scheduler_class
-from dvllm.samplers import SHORT_NAMES, PlanRefused, SamplerPlan, build_plan
+from dvllm.samplers import SHORT_NAMES, PlanRefused, SamplerPlan, build_plan, history_slots
 from dvllm.samplers.probe import probe_plan
 from dvllm.request_sizes import as_images
 from dvllm.sampling_params import SamplingParams, check_text
@@ -131,10 +131,8 @@ class InputProcessor:
                 tuple(sorted((k, _hashable(v)) for k, v in extra.items())))
 
     def default_history_slots(self) -> int:
-        """The history slots a default request's sampler keeps (the model's own, at its default steps)."""
-        info, d = self.info, self.info.defaults
-        return build_plan(info.schedule.config, None, d.steps, output_dtype_differs=info.schedule.output_dtype_differs,
-                          **self._timestep_kwargs(d.height, d.width, d.steps)).history_slots
+        """The history slots a default request's sampler (the model's own) keeps."""
+        return history_slots(self.info.schedule.config, None, self.info.schedule.output_dtype_differs)
 
     def _timestep_kwargs(self, height: int, width: int, steps: int) -> dict[str, Any]:
         info = self.info

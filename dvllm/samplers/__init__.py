@@ -14,7 +14,7 @@ from dvllm.samplers.registry import SHORT_NAMES, make_scheduler
 from dvllm.samplers.sigma import dpmpp_steps, euler_ancestral_steps, euler_steps
 from dvllm.samplers.unipc import unipc_ok, unipc_steps
 
-__all__ = ["SHORT_NAMES", "PlanRefused", "SamplerPlan", "StepRow", "build_plan", "make_scheduler"]
+__all__ = ["SHORT_NAMES", "PlanRefused", "SamplerPlan", "StepRow", "build_plan", "history_slots", "make_scheduler"]
 
 
 class PlanRefused(ValueError):
@@ -111,13 +111,28 @@ def _renoise_coeffs(scheduler: SchedulerMixin, start: int, num_steps: int) -> li
     return coeffs + [(1.0, 0.0)]
 
 
+def history_slots(model_scheduler_config: dict[str, Any], sampler: str | None,
+                  output_dtype_differs: bool = False) -> int:
+    """The earlier x0 a request of this sampler keeps in the pool (0 where diffusers steps it per request)."""
+    scheduler = make_scheduler(model_scheduler_config, sampler)
+    entry = _vectorized(scheduler, output_dtype_differs)
+    return 0 if entry is None else entry.history_slots(scheduler.config)
+
+
+def _vectorized(scheduler: SchedulerMixin, model_dtype_differs: bool) -> _Vectorized | None:
+    """How the fused update runs this scheduler, or None where diffusers steps it per request. With the denoiser's
+    output dtype not the latents' (a bfloat16 transformer beside float32 latents), only the samplers whose
+    diffusers step keeps the latents' dtype are vectorized."""
+    entry = _VECTORIZED.get(type(scheduler).__name__)
+    if entry is None or not entry.covers(scheduler.config):
+        return None
+    return None if model_dtype_differs and not entry.x0_term_in_model_dtype else entry
+
+
 def plan_for(name: str, scheduler: SchedulerMixin, start: int = 0, vectorize: bool = True,
              model_dtype_differs: bool = False) -> SamplerPlan:
-    """model_dtype_differs: the denoiser's output dtype is not the latents' (a bfloat16 transformer beside
-    float32 latents); only the samplers whose diffusers step keeps the latents' dtype are vectorized then."""
-    entry = _VECTORIZED.get(type(scheduler).__name__)
-    if (not vectorize or entry is None or not entry.covers(scheduler.config)
-            or (model_dtype_differs and not entry.x0_term_in_model_dtype)):
+    entry = _vectorized(scheduler, model_dtype_differs) if vectorize else None
+    if entry is None:
         return fallback_plan(name, scheduler, start)
     return SamplerPlan(name, entry.steps(scheduler, start)[start:], init_noise_sigma(scheduler),
                        history_slots=entry.history_slots(scheduler.config), start_index=start,
