@@ -76,6 +76,7 @@ class Request:
     arrival_iteration: int = 0  # the scheduler's steps run when it arrived (priority aging's clock)
     failed_workers: set[int] = field(default_factory=set)  # workers that died while holding it
     pace: StepPace = field(default_factory=StepPace)  # its recent step times: the ETA of its progress outputs
+    decode_tiled: bool = False  # its decode runs in tiles: untiled, it would pass max_decode_mb (decode_budget.py)
 
     def reset(self) -> None:
         """Its worker died: start over from the seed (the images come out the same)."""
@@ -196,6 +197,7 @@ class Request:
             max_sequence_length=p.max_sequence_length, cache=p.cache,
             loras=request.row_loras, text_loras=request.text_loras,
             aesthetic_scores=None if p.aesthetic_score is None else (p.aesthetic_score, p.negative_aesthetic_score),
+            decode_tiled=request.decode_tiled,
         )
 
     def output(self, previews: list[Any] | None = None, preview_step: int | None = None) -> RequestOutput:
@@ -214,6 +216,7 @@ class Request:
             previews=previews or [],
             preview_step=preview_step if previews else None,
             eta_s=0.0 if self.is_finished else self.pace.eta(self.num_steps - self.num_steps_done),
+            decode_tiled=self.decode_tiled,
         )
 
 

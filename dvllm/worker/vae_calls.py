@@ -15,11 +15,14 @@ from typing import Callable, Sequence
 import torch
 
 
-def decode_by_request(decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor,
-                      counts: Sequence[int], chunk: int) -> torch.Tensor:
+def decode_by_request(decode: Callable[[torch.Tensor, bool], torch.Tensor], latents: torch.Tensor,
+                      counts: Sequence[int], chunk: int, tiled: Sequence[bool] | None = None) -> torch.Tensor:
     """`latents` holds the requests' images in order, `counts[i]` of the i-th request's; each request's go through
-    `decode` together, at most `chunk` a call (the memory bound the profile measured)."""
+    `decode(part, tiled[i])` together, at most `chunk` a call (the memory bound the profile measured); `tiled`:
+    whose calls run in tiles (None: no one's)."""
     if sum(counts) != len(latents):
         raise ValueError(f"{len(latents)} latents for requests of {list(counts)} images")
-    parts = [decode(part) for request in latents.split(list(counts)) for part in request.split(chunk)]
+    tiled = tiled or [False] * len(counts)
+    parts = [decode(part, tiles) for request, tiles in zip(latents.split(list(counts)), tiled)
+             for part in request.split(chunk)]
     return torch.cat(parts)
