@@ -24,15 +24,24 @@ def engine(wan_path):
     return DiffusionEngine(model=wan_path, device="cpu", dtype="float32")
 
 
-@pytest.fixture
-def steps_sent(engine, monkeypatch):
-    """Every SchedulerOutput the engine sends its worker, in order."""
-    sent, execute = [], engine.executor.execute
+@pytest.fixture(scope="module")
+def async_engine(wan_path):
+    """Async scheduling: a step is scheduled while the one before runs, so one may be in flight at the abort."""
+    engine = DiffusionEngine(model=wan_path, device="cpu", dtype="float32", async_scheduling=True)
+    yield engine
+    engine.shutdown()
 
-    def spy(index, sched_out):
-        sent.append(sched_out)
-        return execute(index, sched_out)
-    monkeypatch.setattr(engine.executor, "execute", spy)
+
+def spy_steps(engine: DiffusionEngine, monkeypatch) -> list:
+    """Every SchedulerOutput the engine sends its worker from now on, in order."""
+    sent = []
+    for name in ("execute", "execute_ahead"):
+        real = getattr(engine.executor, name)
+
+        def spy(index, sched_out, _real=real):
+            sent.append(sched_out)
+            return _real(index, sched_out)
+        monkeypatch.setattr(engine.executor, name, spy)
     return sent
 
 
@@ -43,35 +52,39 @@ def finals(engine: DiffusionEngine) -> dict:
     return outs
 
 
-def test_an_aborted_running_video_leaves_the_next_step_and_the_pool(engine, steps_sent):
+@pytest.mark.parametrize("ahead", [False, True], ids=["in step", "async scheduling"])
+def test_an_aborted_running_video_leaves_the_next_step_and_the_pool(request, monkeypatch, ahead):
+    engine = request.getfixturevalue("async_engine" if ahead else "engine")
     keep, other = P(num_inference_steps=6, seed=1), P(num_inference_steps=5, seed=3, guidance_scale=1.0)
     alone = engine.generate(["a wave", "a cloud"], [keep, other], use_tqdm=False)
+    steps_sent = spy_steps(engine, monkeypatch)
     engine.add_request("keep", "a wave", keep)
     engine.add_request("drop", "a long storm", P(num_inference_steps=300, seed=2))
     engine.add_request("other", "a cloud", other)
     scheduler, runner = engine.scheduler, engine.executor.worker.runner
-    for _ in range(2):
+    while len(steps_sent) < 3:
         engine.step()
     assert set(steps_sent[-1].scheduled_ids) == {"keep", "drop", "other"}
     dropped = scheduler.requests["drop"]
     rows, held, used = dropped.rows, dropped.private_blocks, scheduler.blocks.num_used_blocks
     free = scheduler.blocks.num_free
-    assert "drop" in runner.states and held > 0
+    assert held > 0
 
     assert engine.abort_request("drop")
     # its own blocks are back in the pool at once (its texts' entries stay cached, for others or reclaimed)
     assert scheduler.blocks.num_free == free + held and scheduler.blocks.num_used_blocks <= used - held
-    aborted_at = len(steps_sent)
-    rows_before = steps_sent[-1].num_rows
+    aborted_at, rows_before = len(steps_sent), steps_sent[-1].num_rows
     outs = engine.step()
-    step = steps_sent[-1]
+    step = steps_sent[aborted_at]  # the first step scheduled after the abort
     assert "drop" not in step.scheduled_ids and "drop" in step.freed_ids
     assert step.num_rows == rows_before - rows
-    assert "drop" not in runner.states  # the worker dropped its state in that same step
     aborted = [o for o in outs if o.request_id == "drop"]
     assert len(aborted) == 1 and aborted[0].finished and aborted[0].error == "request aborted"
+    if not ahead:  # (with a step in flight, the worker runs the step that drops it after this one)
+        assert "drop" not in runner.states  # the worker dropped its state in that same step
 
     done = finals(engine)
+    assert "drop" not in runner.states
     assert all("drop" not in s.scheduled_ids for s in steps_sent[aborted_at:])
     assert set(done) == {"keep", "other"}
     for want, request_id in zip(alone, ("keep", "other")):
