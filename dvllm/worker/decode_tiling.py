@@ -1,16 +1,17 @@
-"""A decode in tiles for the requests admission chose (dvllm/decode_budget.py), and the measure that choice
-starts from: one untiled decode's peak per pixel, taken once at the worker's start."""
+"""The measure a request's tiled decode is chosen from (dvllm/decode_budget.py): one untiled decode's peak per
+pixel, taken once at the worker's start."""
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
-from typing import Any
+import math
 
 import torch
 
 from dvllm.decode_budget import DecodeBudget
 from dvllm.models.base import ModelAdapter
+from dvllm.worker.memory_profile import DeviceMemory, largest_size
+from dvllm.worker.peak_tracker import PeakTracker
+from dvllm.worker.vae_calls import can_tile
 
 logger = logging.getLogger(__name__)
 # The measured decode's area (pixels a frame, at most): large enough that the VAE's fixed costs do not swamp the
@@ -18,30 +19,9 @@ logger = logging.getLogger(__name__)
 REFERENCE_PIXELS = 256 * 256
 
 
-def can_tile(vae: Any) -> bool:
-    """Whether the VAE decodes in tiles when asked (diffusers' enable_tiling / disable_tiling)."""
-    return callable(getattr(vae, "enable_tiling", None)) and callable(getattr(vae, "disable_tiling", None))
-
-
-@contextlib.contextmanager
-def tiling(vae: Any, on: bool) -> Iterator[None]:
-    """The VAE tiles inside when `on` (with the tile sizes it has), as it was after. The caller holds the VAE's
-    lock: the switch is the VAE's own attribute."""
-    if not on or getattr(vae, "use_tiling", False):
-        yield
-        return
-    vae.enable_tiling()
-    try:
-        yield
-    finally:
-        vae.disable_tiling()
-
-
 def reference_size(adapter: ModelAdapter) -> tuple[int, ...]:
     """The measured decode's size: a square of at most REFERENCE_PIXELS, and a video's shortest clip past one
     frame."""
-    from dvllm.worker.memory_profile import largest_size  # (it reads this module's tiling)
-
     info = adapter.info
     return largest_size(info, REFERENCE_PIXELS, None if info.video is None else 1 + info.video.frame_multiple)
 
@@ -62,19 +42,12 @@ def measure_budget(adapter: ModelAdapter, limit_bytes: int | None) -> DecodeBudg
 
     with torch.inference_mode():
         if adapter.device.type == "cuda":
-            from dvllm.worker.memory_profile import DeviceMemory
-
             peak = DeviceMemory(adapter.device).measure(decode)
         else:
-            from dvllm.sizing.fake_memory import PeakTracker
-
             with PeakTracker() as tracker:
                 decode()
             peak = tracker.peak
-    pixels = 1
-    for side in size:
-        pixels *= side
-    budget = DecodeBudget(limit_bytes, peak / pixels, can_tile(vae))
+    budget = DecodeBudget(limit_bytes, peak / math.prod(size), can_tile(vae))
     logger.info("decode budget: %.1f MiB a call (max_decode_mb); an untiled decode takes ~%.0f bytes a pixel "
                 "(measured at %s)%s", limit_bytes / 2**20, budget.bytes_per_pixel, "x".join(map(str, size)),
                 "" if budget.can_tile else f"; {type(vae).__name__} cannot tile: every decode runs untiled")

@@ -18,8 +18,7 @@ import torch
 from dvllm.runtime.channel import Channel
 from dvllm.worker.output_types import to_output_type
 from dvllm.worker.stage_process import StageProcess, check_devices, serve
-from dvllm.worker.decode_tiling import tiling
-from dvllm.worker.vae_calls import decode_by_request
+from dvllm.worker.vae_calls import decode_by_request, tiling
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from dvllm.decode_budget import DecodeBudget
 from dvllm.lora.weights import servable
 from dvllm.models.base import ModelAdapter, ModelInfo
 from dvllm.models.layout import BatchLayout
-from dvllm.worker.decode_tiling import tiling
 from dvllm.worker.denoiser import batch_buckets
+from dvllm.worker.vae_calls import tiling
 
 logger = logging.getLogger(__name__)
 _PROBE_TEXT = "a long prompt that fills every text encoder's token window " * 64  # truncated by each tokenizer

@@ -20,7 +20,6 @@ from dvllm.models.base import ModelAdapter
 from dvllm.profiler import PhaseTimer
 from dvllm.step_caches.state import CacheState
 from dvllm.worker.decode_stage import DecodeJob, DecodeStage
-from dvllm.worker.decode_tiling import tiling
 from dvllm.worker.denoise_batch import StepParts, denoise_step
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage, start_key
@@ -34,7 +33,7 @@ from dvllm.worker.state_pool import StatePool
 from dvllm.worker.step_cache_hooks import CacheHooks
 from dvllm.worker.step_work import Stage, StepWork, run_stages
 from dvllm.worker.swap import swap_in, swap_out
-from dvllm.worker.vae_calls import decode_by_request
+from dvllm.worker.vae_calls import decode_by_request, tiling
 
 logger = logging.getLogger(__name__)
 # How long a step with nothing to run but decodes (or encodes) to await waits for one (the loop comes back for new

@@ -10,7 +10,9 @@ already fills a GPU); the denoiser's forward is.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -26,3 +28,22 @@ def decode_by_request(decode: Callable[[torch.Tensor, bool], torch.Tensor], late
     parts = [decode(part, tiles) for request, tiles in zip(latents.split(list(counts)), tiled)
              for part in request.split(chunk)]
     return torch.cat(parts)
+
+
+def can_tile(vae: Any) -> bool:
+    """Whether the VAE decodes in tiles when asked (diffusers' enable_tiling / disable_tiling)."""
+    return callable(getattr(vae, "enable_tiling", None)) and callable(getattr(vae, "disable_tiling", None))
+
+
+@contextlib.contextmanager
+def tiling(vae: Any, on: bool) -> Iterator[None]:
+    """The VAE tiles inside when `on` (with the tile sizes it has), as it was after: a request's decode in tiles
+    (dvllm/decode_budget.py). The caller holds the VAE's lock: the switch is the VAE's own attribute."""
+    if not on or getattr(vae, "use_tiling", False):
+        yield
+        return
+    vae.enable_tiling()
+    try:
+        yield
+    finally:
+        vae.disable_tiling()
