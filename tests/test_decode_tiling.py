@@ -83,6 +83,32 @@ def test_a_decode_over_max_decode_mb_runs_tiled_as_the_pipelines_tiled_vae(wan_p
     assert not engine.executor.worker.runner.adapter.pipeline.vae.use_tiling  # tiled for that request only
 
 
+@pytest.mark.parametrize("decode_stage", [False, True], ids=["loop", "decode stage"])
+def test_an_untiled_decode_out_of_memory_runs_again_in_tiles(wan_path, references, monkeypatch, decode_stage):
+    """No estimate tiles here (the bound is far above both); the VAE runs out of memory on the large video's
+    untiled call (as a GPU would), and that call runs again tiled instead of failing the request."""
+    engine = DiffusionEngine(model=wan_path, device="cpu", dtype="float32", max_decode_mb=1e6, vae_tile_size=TILE,
+                             decode_stage=decode_stage)
+    vae, refused = engine.executor.worker.runner.adapter.pipeline.vae, []
+    real = vae.decode
+
+    def decode(z, *args, **kwargs):
+        if not vae.use_tiling and z.shape[-1] * vae.spatial_compression_ratio > TILE:
+            refused.append(tuple(z.shape))
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(z, *args, **kwargs)
+    monkeypatch.setattr(vae, "decode", decode)
+    try:
+        large, small = engine.generate(list(PROMPTS), requests(), use_tqdm=False)
+    finally:
+        engine.shutdown()
+    assert large.error is None and small.error is None and len(refused) == 1
+    assert (large.decode_tiled, small.decode_tiled) == (False, False)  # (admission did not choose it)
+    assert diff(large.images[0], references["large tiled"]) <= TOL
+    assert diff(small.images[0], references["small"]) <= TOL
+    assert not vae.use_tiling
+
+
 def test_without_max_decode_mb_nothing_tiles_and_nothing_is_measured(wan_path):
     engine = DiffusionEngine(model=wan_path, device="cpu", dtype="float32", decode_stage=False)
     budget = engine.processor.decode_budget

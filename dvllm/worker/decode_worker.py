@@ -18,7 +18,7 @@ import torch
 from dvllm.runtime.channel import Channel
 from dvllm.worker.output_types import to_output_type
 from dvllm.worker.stage_process import StageProcess, check_devices, serve
-from dvllm.worker.vae_calls import decode_by_request, tiling
+from dvllm.worker.vae_calls import decode_by_request, decode_call
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +112,7 @@ def _decode_batch(decoder: VaeDecoder, batch: Batch, device: torch.device) -> li
     latents, size, jobs, chunk = batch
 
     def decode(part: torch.Tensor, tiles: bool) -> torch.Tensor:
-        with tiling(decoder.pipeline.vae, tiles):
-            return decoder.decode(part, size)
+        return decode_call(decoder.pipeline.vae, tiles, lambda: decoder.decode(part, size))
 
     pixels = decode_by_request(decode, latents.to(device), [n for n, _, _ in jobs], chunk, [t for _, _, t in jobs])
     answer, lo = [], 0

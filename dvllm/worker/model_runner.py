@@ -33,7 +33,7 @@ from dvllm.worker.state_pool import StatePool
 from dvllm.worker.step_cache_hooks import CacheHooks
 from dvllm.worker.step_work import Stage, StepWork, run_stages
 from dvllm.worker.swap import swap_in, swap_out
-from dvllm.worker.vae_calls import decode_by_request, tiling
+from dvllm.worker.vae_calls import decode_by_request, decode_call
 
 logger = logging.getLogger(__name__)
 # How long a step with nothing to run but decodes (or encodes) to await waits for one (the loop comes back for new
@@ -348,8 +348,7 @@ class ModelRunner:
         vae = self.adapter.pipeline.vae
 
         def decode(part: torch.Tensor, tiles: bool) -> torch.Tensor:
-            with tiling(vae, tiles):
-                return self.adapter.decode(part, size)
+            return decode_call(vae, tiles, lambda: self.adapter.decode(part, size))
 
         with self.adapter.vae_lock:  # (the loop's, or the decode stage's thread)
             return decode_by_request(decode, latents, counts, self.max_decode_batch, tiled)

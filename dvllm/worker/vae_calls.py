@@ -11,10 +11,13 @@ already fills a GPU); the denoiser's forward is.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any, Callable, Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def decode_by_request(decode: Callable[[torch.Tensor, bool], torch.Tensor], latents: torch.Tensor,
@@ -47,3 +50,20 @@ def tiling(vae: Any, on: bool) -> Iterator[None]:
         yield
     finally:
         vae.disable_tiling()
+
+
+def decode_call(vae: Any, tiles: bool, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """One VAE call (`run`), tiled as asked; an untiled call that runs out of device memory runs again in tiles
+    where the VAE tiles (logged: its images are the tiled decode's), rather than fail its request."""
+    try:
+        with tiling(vae, tiles):
+            return run()
+    except torch.OutOfMemoryError:
+        if tiles or getattr(vae, "use_tiling", False) or not can_tile(vae):
+            raise
+    logger.warning("a VAE decode ran out of device memory; decoding it in tiles (max_decode_mb bounds decodes "
+                   "ahead of time)")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    with tiling(vae, True):
+        return run()
