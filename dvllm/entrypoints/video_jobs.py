@@ -1,9 +1,10 @@
 """The jobs behind /v1/videos: each in OpenAI's Video shape, in a store bounded in count and in MP4 bytes.
 
 A DELETE of an unfinished job cancels it: it stays, failed with the error code "cancelled", until a second
-DELETE drops it or it is evicted as finished jobs are. A job is never lost to make room: only finished jobs (completed or failed) are evicted, oldest first; while
-every slot holds an unfinished job a new one is refused (the route answers 429). Everything here runs on the
-event loop (the MP4 encode runs in a thread but hands its bytes back to the loop), so nothing needs a lock.
+DELETE drops it or it is evicted as finished jobs are. A job is never lost to make room: only finished jobs
+(completed or failed) are evicted, oldest first; while every slot holds an unfinished job a new one is refused (the
+route answers 429). Everything here runs on the event loop (the MP4 encode runs in a thread but hands its bytes
+back to the loop), so nothing needs a lock.
 """
 from __future__ import annotations
 
