@@ -360,9 +360,11 @@ def test_progress_is_the_steps_done_in_percent_and_99_until_the_mp4_is_ready():
     assert (video.status, video.progress, video.seed) == ("queued", 0, 5) and changed.is_set()
     video.advance(3, 8, seed=5)
     assert (video.status, video.progress) == ("in_progress", 37)
-    video.advance(8, 8, seed=5, eta_s=0.0)
+    assert video.to_json()["decode_tiled"] is False
+    video.advance(8, 8, seed=5, eta_s=0.0, decode_tiled=True)
     assert (video.status, video.progress) == ("in_progress", 99)  # the decode and the encode still run
     assert (video.step, video.num_steps, video.eta_seconds) == (8, 8, 0.0)
+    assert video.to_json()["decode_tiled"] is True  # (max_decode_mb chose a tiled decode for it)
     store = VideoJobs(capacity=1, max_bytes=10)
     store.add(video)
     store.complete(video, b"mp4")

@@ -191,7 +191,7 @@ async def _run(ctx: ServerContext, job: VideoJob, processed: EngineRequest, slot
             async with asyncio.timeout_at(deadline):
                 while True:
                     out = await engine_call(anext(agen))
-                    job.advance(out.num_steps_done, out.num_inference_steps, out.seed, out.eta_s)
+                    job.advance(out.num_steps_done, out.num_inference_steps, out.seed, out.eta_s, out.decode_tiled)
                     if out.finished:
                         break
         except TimeoutError:

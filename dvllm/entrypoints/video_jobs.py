@@ -42,6 +42,7 @@ class VideoJob:
     step: int = 0  # denoising steps done, of num_steps (0 until the engine's first output)
     num_steps: int = 0
     eta_seconds: float | None = None  # the engine's estimate of its steps left (RequestOutput.eta_s)
+    decode_tiled: bool = False  # its VAE decode runs in tiles (max_decode_mb; RequestOutput.decode_tiled)
     completed_at: int | None = None
     error: dict[str, Any] | None = None  # OpenAI's {code, message, param, type}
     mp4: bytes | None = None
@@ -65,10 +66,12 @@ class VideoJob:
     def cancelled(self) -> bool:
         return self.error is not None and self.error["code"] == CANCELLED
 
-    def advance(self, steps_done: int, num_steps: int, seed: int, eta_s: float | None = None) -> None:
+    def advance(self, steps_done: int, num_steps: int, seed: int, eta_s: float | None = None,
+                decode_tiled: bool = False) -> None:
         """A step's output: in progress, at most 99% until the MP4 is ready (decode and encode still run)."""
         if self.finished:
             return
+        self.decode_tiled = decode_tiled
         percent = min(99, 100 * steps_done // max(num_steps, 1))
         status = "in_progress" if steps_done > 0 else self.status
         state = (status, percent, seed, steps_done, num_steps, eta_s)
@@ -90,8 +93,8 @@ class VideoJob:
         self.notify()
 
     def to_json(self) -> dict[str, Any]:
-        """OpenAI's Video object (openai.types.Video), with dvllm's num_frames, fps, seed, step, num_steps and
-        eta_seconds beside its fields."""
+        """OpenAI's Video object (openai.types.Video), with dvllm's num_frames, fps, seed, step, num_steps,
+        eta_seconds and decode_tiled beside its fields."""
         return {
             "id": self.id, "object": "video", "model": self.model, "status": self.status, "progress": self.progress,
             "created_at": self.created_at, "completed_at": self.completed_at, "expires_at": None,
@@ -99,6 +102,7 @@ class VideoJob:
             "size": f"{self.width}x{self.height}", "seconds": f"{self.num_frames / self.fps:g}",
             "num_frames": self.num_frames, "fps": self.fps, "seed": self.seed,
             "step": self.step, "num_steps": self.num_steps, "eta_seconds": self.eta_seconds,
+            "decode_tiled": self.decode_tiled,
         }
 
 
