@@ -80,11 +80,11 @@ class EngineConfig:
                           "decode so."})
     vae_tile_size: int | None = field(
         default=None,
-        metadata={"help": "With vae_tiling, a tile's side in pixels (a multiple of the VAE's scale factor, 8 for "
-                          "SD, SDXL, SD3, Flux, Z-Image); tiles overlap by a quarter. Smaller tiles bound the "
-                          "decode's memory tighter and give a worker group more tiles to share out. Unset: the "
-                          "VAE's own (its sample_size, 1024 for Flux: a 1024x1024 image is one tile). "
-                          "AutoencoderKL's VAEs."})
+        metadata={"help": "With vae_tiling or max_decode_mb, a tile's side in pixels (a multiple of the VAE's scale "
+                          "factor, 8 for SD, SDXL, SD3, Flux, Z-Image, Wan 2.1); tiles overlap by a quarter. Smaller "
+                          "tiles bound the decode's memory tighter and give a worker group more tiles to share out. "
+                          "Unset: the VAE's own (its sample_size, 1024 for Flux: a 1024x1024 image is one tile; "
+                          "256 for Wan). AutoencoderKL's VAEs and Wan's."})
     quantization: Any = field(
         default=None,
         metadata={"help": "Quantize weights as they load, through diffusers' PipelineQuantizationConfig: "
@@ -222,6 +222,14 @@ class EngineConfig:
         default=4,
         metadata={"help": "Most images one VAE decode call takes (finishers decode in chunks of this many): "
                           "bounds the decode's memory, which the GPU pool sizing counts."},
+    )
+    max_decode_mb: float | None = field(
+        default=None,
+        metadata={"help": "The memory one VAE decode call may take (MiB): a request whose untiled decode is "
+                          "estimated above it decodes in tiles (its VAE's enable_tiling, that request only; its "
+                          "output says so, and the GPU memory profile measures the worst decode so). The estimate "
+                          "is linear in the pixels decoded, from one decode measured at start. Unset: every "
+                          "decode untiled (or all tiled with vae_tiling)."},
     )
     decode_stage: bool | None = field(
         default=None,

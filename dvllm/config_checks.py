@@ -144,8 +144,9 @@ def check_config(config: Config) -> None:
     choice("vae_dtype", config.vae_dtype, DTYPES)
     if config.vae_tile_size is not None:
         positive_int("vae_tile_size", config.vae_tile_size)
-        if not config.vae_tiling:
-            raise ValueError("vae_tile_size is set but vae_tiling is off: it sizes the tiles of a tiled decode")
+        if not config.vae_tiling and config.max_decode_mb is None:
+            raise ValueError("vae_tile_size is set but neither vae_tiling nor max_decode_mb tiles a decode: it sizes "
+                             "the tiles of a tiled decode")
     check_compile(config)
     choice("executor", config.executor, EXECUTORS)
     if not (config.device in ("auto", "cpu", "cuda") or is_cuda_index(config.device)):

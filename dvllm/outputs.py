@@ -45,6 +45,11 @@ class RequestOutput:
     # show: num_steps_done, or fewer when the decode stage decoded them while later steps ran.
     previews: list[Any] = field(default_factory=list)
     preview_step: int | None = None
+    # Seconds until its last step is done: an estimate, its steps left times the mean of its recent step times
+    # (core/step_pace.py; the decode after them is not counted). None before its first step; 0.0 once finished.
+    eta_s: float | None = None
+    # Its decode runs (or ran) in tiles: untiled, it was estimated above max_decode_mb (dvllm/decode_budget.py)
+    decode_tiled: bool = False
 
     @property
     def ok(self) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -111,6 +112,11 @@ def test_openai_client_streams_partial_images_then_the_image(client):
     events = list(stream)
     assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
     assert [e.partial_image_index for e in events[:2]] == [0, 1]
+    steps = [e.model_extra["step"] for e in events[:2]]
+    assert steps == sorted(steps) and 1 <= steps[0] and steps[-1] <= 6
+    for e in events[:2]:  # the engine's estimate, after a measured step (its value depends on the machine)
+        assert e.model_extra["num_steps"] == 6 and math.isfinite(e.model_extra["eta_seconds"])
+        assert e.model_extra["eta_seconds"] >= 0
     for e in events:
         assert e.size == "16x16" and e.output_format == "png" and e.created_at > 0
         assert png_pixels(e.b64_json).shape == (16, 16, 3)

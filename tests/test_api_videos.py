@@ -9,6 +9,7 @@ import argparse
 import base64
 import io
 import json
+import math
 import time
 
 import httpx
@@ -49,7 +50,8 @@ def started(server):
     ids: list[str] = []
     yield ids
     for video_id in ids:
-        httpx.delete(f"{server.url}/v1/videos/{video_id}", timeout=WAIT)
+        for _ in range(2):  # an unfinished job's first DELETE cancels it, the second drops it
+            httpx.delete(f"{server.url}/v1/videos/{video_id}", timeout=WAIT)
     assert_idle(server.url)
 
 
@@ -170,9 +172,16 @@ def test_events_stream_each_step_then_the_completed_job(server, started):
     assert all(p < 100 for kind, p in zip(kinds, progress) if kind != "video.completed")
     for kind, data in seen:
         assert data["type"] == kind and data["id"] == video_id and set(Video.model_fields) <= set(data)
+    steps = [data["step"] for _, data in seen]
+    assert steps == sorted(steps) and seen[-1][1]["step"] == seen[-1][1]["num_steps"] == 8
+    for kind, data in seen:  # an estimate after each step (its value depends on the machine), 0 once completed
+        assert (data["eta_seconds"] is None) == (data["step"] == 0), data
+        if data["step"]:
+            assert math.isfinite(data["eta_seconds"]) and data["eta_seconds"] >= 0
+    assert seen[-1][1]["eta_seconds"] == 0
 
 
-def test_delete_cancels_a_running_job_and_ends_its_stream(server, started):
+def test_delete_cancels_a_running_job_which_then_reports_it_until_deleted_again(server, started):
     video_id = post(server, {"prompt": "forever", **ENDLESS}, started).json()["id"]
     with httpx.stream("GET", f"{server.url}/v1/videos/{video_id}/events", timeout=WAIT) as response:
         stream = events(response)
@@ -182,11 +191,19 @@ def test_delete_cancels_a_running_job_and_ends_its_stream(server, started):
         assert (kind, data["status"]) == ("video.in_progress", "in_progress")
         error = assert_error(httpx.get(f"{server.url}/v1/videos/{video_id}/content", timeout=WAIT), 409)
         assert error["code"] == "video_not_ready"
-        deleted = httpx.delete(f"{server.url}/v1/videos/{video_id}", timeout=WAIT).json()
-        assert deleted == {"id": video_id, "object": "video.deleted", "deleted": True}
-        assert [kind for kind, _ in stream][-1:] == ["video.deleted"]
-    assert_error(httpx.get(f"{server.url}/v1/videos/{video_id}", timeout=WAIT), 404, "video_id")
+        cancelled = httpx.delete(f"{server.url}/v1/videos/{video_id}", timeout=WAIT).json()
+        assert (cancelled["id"], cancelled["object"], cancelled["deleted"], cancelled["cancelled"]) == (
+            video_id, "video.deleted", False, True)
+        last_kind, last = list(stream)[-1]
+        assert (last_kind, last["status"], last["error"]["code"]) == ("video.failed", "failed", "cancelled")
     assert_idle(server.url)  # the engine request was aborted: nothing runs, no state held
+    later = job(server, video_id)
+    assert (later["status"], later["error"]["code"], later["eta_seconds"]) == ("failed", "cancelled", None)
+    assert later == cancelled["video"] and 1 <= later["step"] < later["num_steps"]
+    assert f"after {later['step']} of {later['num_steps']} steps" in later["error"]["message"]
+    deleted = httpx.delete(f"{server.url}/v1/videos/{video_id}", timeout=WAIT).json()
+    assert deleted == {"id": video_id, "object": "video.deleted", "deleted": True}
+    assert_error(httpx.get(f"{server.url}/v1/videos/{video_id}", timeout=WAIT), 404, "video_id")
 
 
 def test_a_store_full_of_unfinished_jobs_refuses_new_ones_and_loses_none(server, started):
@@ -343,8 +360,11 @@ def test_progress_is_the_steps_done_in_percent_and_99_until_the_mp4_is_ready():
     assert (video.status, video.progress, video.seed) == ("queued", 0, 5) and changed.is_set()
     video.advance(3, 8, seed=5)
     assert (video.status, video.progress) == ("in_progress", 37)
-    video.advance(8, 8, seed=5)
+    assert video.to_json()["decode_tiled"] is False
+    video.advance(8, 8, seed=5, eta_s=0.0, decode_tiled=True)
     assert (video.status, video.progress) == ("in_progress", 99)  # the decode and the encode still run
+    assert (video.step, video.num_steps, video.eta_seconds) == (8, 8, 0.0)
+    assert video.to_json()["decode_tiled"] is True  # (max_decode_mb chose a tiled decode for it)
     store = VideoJobs(capacity=1, max_bytes=10)
     store.add(video)
     store.complete(video, b"mp4")

@@ -161,7 +161,7 @@ def test_a_full_stage_leaves_the_decode_to_the_loop(sd_eps_path, in_loop, monkey
 def test_closing_the_stage_drains_it():
     release = threading.Event()
 
-    def decode(latents, counts, size):
+    def decode(latents, counts, size, tiled):
         assert release.wait(60)
         return latents * 2
 

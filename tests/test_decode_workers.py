@@ -183,11 +183,11 @@ class _FakeWorker:
 
     def decode(self, batch):
         latents, size, jobs, _ = batch
-        self.batches.append([n for n, _ in jobs])
+        self.batches.append([n for n, _, _ in jobs])
         if self.dies(latents):
             raise WorkerProcessLost("killed")
         out, lo = [], 0
-        for n, kind in jobs:
+        for n, kind, _ in jobs:
             out.append([kind, latents[lo:lo + n].clone()])
             lo += n
         return out
@@ -197,8 +197,8 @@ class _FakeWorker:
 
 
 def _stage_with(worker: _FakeWorker) -> DecodeStage:
-    return DecodeStage(lambda latents, counts, size: latents, lambda images, kind: [], torch.device("cpu"), max_batch=4,
-                       capacity=16, workers=[worker])
+    return DecodeStage(lambda latents, counts, size, tiled: latents, lambda images, kind: [], torch.device("cpu"),
+                       max_batch=4, capacity=16, workers=[worker])
 
 
 def test_a_batch_whose_worker_died_is_decoded_again_then_job_by_job():

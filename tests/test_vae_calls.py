@@ -21,7 +21,8 @@ def test_each_requests_images_equal_its_own_decode(vae):
     latents = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     calls: list[int] = []
 
-    def decode(part: torch.Tensor) -> torch.Tensor:
+    def decode(part: torch.Tensor, tiled: bool) -> torch.Tensor:
+        assert not tiled  # none asked for
         calls.append(len(part))
         return vae.decode(part).sample
 
@@ -35,7 +36,15 @@ def test_each_requests_images_equal_its_own_decode(vae):
 def test_a_request_past_the_chunk_is_split_and_bad_counts_are_refused(vae):
     latents = torch.randn(3, 4, 8, 8)
     calls: list[int] = []
-    out = decode_by_request(lambda part: calls.append(len(part)) or part * 2, latents, [3], chunk=2)
+    out = decode_by_request(lambda part, tiled: calls.append(len(part)) or part * 2, latents, [3], chunk=2)
     assert calls == [2, 1] and torch.equal(out, latents * 2)
     with pytest.raises(ValueError, match="3 latents for requests of \\[2\\] images"):
-        decode_by_request(lambda part: part, latents, [2], chunk=2)
+        decode_by_request(lambda part, tiled: part, latents, [2], chunk=2)
+
+
+def test_each_requests_calls_tile_as_asked():
+    latents = torch.randn(5, 4, 8, 8)
+    calls: list[tuple[int, bool]] = []
+    decode_by_request(lambda part, tiled: calls.append((len(part), tiled)) or part, latents, [1, 3, 1], chunk=2,
+                      tiled=[False, True, False])
+    assert calls == [(1, False), (2, True), (1, True), (1, False)]

@@ -11,6 +11,7 @@ from typing import Any
 
 from dvllm.core.block_manager import CachedEntry
 from dvllm.core.scheduler_output import BlockTables, NewRequestData, StartJob
+from dvllm.core.step_pace import StepPace
 from dvllm.lora.ref import LoraRef
 from dvllm.outputs import RequestMetrics, RequestOutput
 from dvllm.request_sizes import as_images
@@ -74,6 +75,8 @@ class Request:
     num_preemptions: int = 0
     arrival_iteration: int = 0  # the scheduler's steps run when it arrived (priority aging's clock)
     failed_workers: set[int] = field(default_factory=set)  # workers that died while holding it
+    pace: StepPace = field(default_factory=StepPace)  # its recent step times: the ETA of its progress outputs
+    decode_tiled: bool = False  # its decode runs in tiles: untiled, it would pass max_decode_mb (decode_budget.py)
 
     def reset(self) -> None:
         """Its worker died: start over from the seed (the images come out the same)."""
@@ -81,6 +84,7 @@ class Request:
         self.steps_in_flight = 0
         self.blocks = self.cond_entry = self.uncond_entry = None
         self.swapped, self.images, self.cached_steps = False, [], 0
+        self.pace.reset()
 
     @property
     def rows(self) -> int:
@@ -193,6 +197,7 @@ class Request:
             max_sequence_length=p.max_sequence_length, cache=p.cache,
             loras=request.row_loras, text_loras=request.text_loras,
             aesthetic_scores=None if p.aesthetic_score is None else (p.aesthetic_score, p.negative_aesthetic_score),
+            decode_tiled=request.decode_tiled,
         )
 
     def output(self, previews: list[Any] | None = None, preview_step: int | None = None) -> RequestOutput:
@@ -210,6 +215,8 @@ class Request:
             error=self.error,
             previews=previews or [],
             preview_step=preview_step if previews else None,
+            eta_s=0.0 if self.is_finished else self.pace.eta(self.num_steps - self.num_steps_done),
+            decode_tiled=self.decode_tiled,
         )
 
 

@@ -185,6 +185,7 @@ class Scheduler:
             request.last_scheduled = self.iteration
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
+            request.pace.start(now)
         out.scheduled_ids = [r.request_id for r in batch]
         out.step_indices = [r.steps_scheduled for r in batch]
         out.finishing_ids = [r.request_id for r in batch if r.steps_scheduled + 1 == r.num_steps]
@@ -419,6 +420,7 @@ class Scheduler:
                 continue
             request.num_steps_done += 1
             request.cached_steps += request_id in cached
+            request.pace.record(now)
             if request_id in decoding:  # its images come later; its blocks are free now
                 self.running.remove(request)
                 self._release(request)

@@ -75,6 +75,7 @@ class NewRequestData:
     aesthetic_scores: tuple[float, float] | None = None  # (prompt's, negative's), for models that take them
     num_frames: int | None = None  # a video's frames (None: an image)
     guidance_scale_2: float | None = None  # a two-expert model's scale while its second expert runs
+    decode_tiled: bool = False  # its VAE decodes (previews too) run in tiles (admission chose: decode_budget.py)
 
     @property
     def size(self) -> tuple[int, ...]:

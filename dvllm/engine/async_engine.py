@@ -100,7 +100,8 @@ class AsyncDiffusionEngine:
             for name, path in lora_modules.items():
                 self.loras.load(name, path)
             self.processor = InputProcessor(self.config, self.model_info, info.block_numel, info.pool_blocks,
-                                            self.loras, model_key=info.model_key, valid_samplers=info.valid_samplers)
+                                            self.loras, model_key=info.model_key, valid_samplers=info.valid_samplers,
+                                            decode_budget=info.decode_budget)
         except BaseException:
             self.core_process.close()
             raise

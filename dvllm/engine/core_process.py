@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dvllm.config import EngineConfig
+from dvllm.decode_budget import DecodeBudget
 from dvllm.logging_setup import STARTUP_LOGGER
 from dvllm.models.base import ModelInfo
 from dvllm.models.load_config import LoadedModel
@@ -46,6 +47,7 @@ class CoreInfo:
     pool_blocks: int      # the smallest worker's pool
     model_key: str        # the result cache's model identity
     valid_samplers: list[str]
+    decode_budget: DecodeBudget  # which decodes run tiled: the workers' tightest
     stats: dict           # the counters at start-up, until the first report
 
 
@@ -171,7 +173,7 @@ def run_core(channel: Channel) -> None:
     loop = CoreLoop(engine, out.put)
     out.put(("ready", CoreInfo(engine.config, engine.model_info, engine.loaded_model, engine.block_numel,
                                engine.processor.pool_blocks, engine.processor.model_key,
-                               engine.valid_samplers(), loop.stats())))
+                               engine.valid_samplers(), engine.processor.decode_budget, loop.stats())))
     threading.Thread(target=_take_commands, args=(channel, loop), name="dvllm-core-commands",
                      daemon=True).start()
     try:

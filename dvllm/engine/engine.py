@@ -1,6 +1,7 @@
 """DiffusionEngine: add requests, step, get outputs. `generate` is the offline loop on top."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -10,6 +11,7 @@ from typing import Any
 from dvllm.config import EngineConfig
 from dvllm.core.request import Request
 from dvllm.core.scheduler import Scheduler
+from dvllm.decode_budget import DecodeBudget
 from dvllm.engine.coordinator import Coordinator
 from dvllm.engine.input_processor import InputProcessor
 from dvllm.engine.result_cache import CachedResult, ResultCache
@@ -57,8 +59,10 @@ class DiffusionEngine:
         self.block_numel = self.coordinator.block_numel
         pool_blocks = min(self.executor.pool_info(i)[0] for i in range(self.executor.num_workers))
         self.loras = registry_for(self.config, self.loaded_model.name)
+        budgets = [self.executor.call(i, "decode_budget") for i in range(self.executor.num_workers)]
         self.processor = InputProcessor(self.config, self.model_info, self.block_numel, pool_blocks, self.loras,
-                                        model_key=self._model_key())
+                                        model_key=self._model_key(),
+                                        decode_budget=functools.reduce(DecodeBudget.tightest, budgets))
         self.result_cache = ResultCache(self.config.result_cache_mb * 2**20)
         self._result_keys: dict[str, bytes] = {}  # request id -> result-cache key, while it runs
         self._generate_ids = itertools.count()

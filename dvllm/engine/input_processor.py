@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -20,6 +21,7 @@ import numpy as np
 
 from dvllm.config import EngineConfig
 from dvllm.core.request import Request, check_fits
+from dvllm.decode_budget import DecodeBudget
 from dvllm.engine.result_cache import result_key
 from dvllm.lora.ref import LoraRef
 from dvllm.lora.registry import LoraRegistry
@@ -32,11 +34,15 @@ from dvllm.sampling_params import SamplingParams, check_text
 from dvllm.step_cache import check_served
 
 
+logger = logging.getLogger(__name__)
+
+
 class InputProcessor:
     def __init__(self, config: EngineConfig, info: ModelInfo, block_numel: int, pool_blocks: int,
                  loras: LoraRegistry | None = None, model_key: str = "",
-                 valid_samplers: list[str] | None = None) -> None:
-        """valid_samplers: what another processor of this model probed (a server's, for its core's)."""
+                 valid_samplers: list[str] | None = None, decode_budget: DecodeBudget | None = None) -> None:
+        """valid_samplers: what another processor of this model probed (a server's, for its core's);
+        decode_budget: which decodes run tiled (the workers' tightest; None: none)."""
         self.config, self.info, self.loras = config, info, loras
         self.model_key = model_key  # what identifies the served model in result-cache keys
         if config.default_cache is not None and info.cache_layout is None:
@@ -44,6 +50,7 @@ class InputProcessor:
                              "would be refused; leave default_cache unset for this model")
         check_served(config.default_cache, info, "default_cache")
         self.block_numel = block_numel
+        self.decode_budget = decode_budget or DecodeBudget()
         self.pool_blocks = pool_blocks  # the smallest worker's pool: every request must fit it alone
         self._lock = threading.Lock()
         self._plans: OrderedDict[tuple, SamplerPlan | ValueError] = OrderedDict()  # failures are cached too
@@ -79,6 +86,7 @@ class InputProcessor:
                 (prompt, resolved.negative_prompt), resolved.num_frames)[1]),
         )
         check_fits(request, self.config.max_batch_size, self.pool_blocks)
+        request.decode_tiled = self._decode_tiled(request_id, resolved)
         # Only a seed the user chose can repeat: a drawn one would never hit, so it is not stored either.
         if self.config.result_cache_mb and params is not None and params.seed is not None:
             request.result_key = result_key(
@@ -86,6 +94,18 @@ class InputProcessor:
                 request.image_key or image_digest(resolved.image),
                 None if resolved.mask_image is None else image_digest(resolved.mask_image))
         return request
+
+    def _decode_tiled(self, request_id: str, params: SamplingParams) -> bool:
+        """Whether its decode calls (min(n, max_decode_batch) images each) would pass max_decode_mb untiled, and
+        so run tiled; logged, since the output then comes from a tiled decode."""
+        images = min(params.n, self.config.max_decode_batch)
+        budget = self.decode_budget
+        if params.output_type == "latent" or not budget.tiles(params.size, images):
+            return False
+        logger.info("%s decodes tiled: untiled, a decode of %d at %s is estimated at %.0f MiB, over max_decode_mb "
+                    "(%.0f MiB)", request_id, images, "x".join(map(str, params.size)),
+                    budget.estimate(params.size, images) / 2**20, budget.limit_bytes / 2**20)
+        return True
 
     def _loras(self, loras: dict[str, float] | None) -> tuple[tuple[LoraRef, float], ...]:
         """Each named adapter's id, with its weight (its file checked unchanged since it was loaded: a stat)."""

@@ -242,6 +242,11 @@ class _ImageEvent(BaseModel):
 class PartialImageEvent(_ImageEvent):
     type: str = "image_generation.partial_image"  # image_edit.partial_image for /v1/images/edits
     partial_image_index: int
+    # dvllm's: the request's progress when the partial image was sent (steps done of num_steps), and the engine's
+    # estimate of the seconds its remaining steps take (RequestOutput.eta_s)
+    step: int | None = None
+    num_steps: int | None = None
+    eta_seconds: float | None = None
 
 
 class CompletedEvent(_ImageEvent):

@@ -344,7 +344,9 @@ class _ImageEventStream:
                 b64 = await asyncio.to_thread(encode_b64, preview, fmt, compression)
                 yield _sse(PartialImageEvent(type=f"{self.req.event_prefix}.partial_image", b64_json=b64,
                                          created_at=int(time.time()), output_format=fmt,
-                                         size=f"{preview.width}x{preview.height}", partial_image_index=index))
+                                         size=f"{preview.width}x{preview.height}", partial_image_index=index,
+                                         step=out.num_steps_done, num_steps=out.num_inference_steps,
+                                         eta_seconds=out.eta_s))
                 index += 1
             if out.finished:
                 break

@@ -2,10 +2,12 @@
 
 POST /v1/videos checks the request completely (the engine's input processor, in a thread) and answers the queued
 job, or a 4xx as the image routes would; GET /v1/videos/{id} polls it (progress: the steps done, in percent, 99
-until its MP4 is ready), GET /v1/videos/{id}/events streams it as server-sent events (`video.queued`,
-`video.in_progress` at each step, then `video.completed` or `video.failed`; each carries the job; a job deleted
-meanwhile ends the stream with `video.deleted`), GET /v1/videos/{id}/content downloads its MP4 once completed,
-DELETE /v1/videos/{id} cancels it (its engine request is aborted) or drops it, GET /v1/videos lists the jobs.
+until its MP4 is ready; step, num_steps and the engine's eta_seconds beside it), GET /v1/videos/{id}/events
+streams it as server-sent events (`video.queued`, `video.in_progress` at each step, then `video.completed` or
+`video.failed`; each carries the job; a job deleted meanwhile ends the stream with `video.deleted`), GET
+/v1/videos/{id}/content downloads its MP4 once completed, DELETE /v1/videos/{id} cancels an unfinished job (its
+engine request is aborted, its rows and blocks freed at the next step; the job stays, failed with code
+"cancelled") or drops a finished one, GET /v1/videos lists the jobs.
 The MP4 is encoded in a worker thread, off the event loop and the engine's step loop.
 """
 from __future__ import annotations
@@ -101,9 +103,14 @@ def video_routes(ctx: ServerContext) -> APIRouter:
     @router.delete("/v1/videos/{video_id}")
     async def delete(video_id: str) -> dict:
         job = _job(ctx, video_id)
-        if job.task is not None and not job.task.done():
-            job.task.cancel()  # ends its engine stream, which aborts the engine request
-            await asyncio.gather(job.task, return_exceptions=True)
+        if not job.finished:  # cancelled: the job stays, failed with code "cancelled", until deleted again
+            if job.task is not None and not job.task.done():
+                job.task.cancel()  # ends its engine stream, which aborts the engine request
+                await asyncio.gather(job.task, return_exceptions=True)
+            job.cancel()
+            if job.cancelled:  # (else it finished meanwhile: dropped as a finished job is)
+                return {"id": job.id, "object": "video.deleted", "deleted": False, "cancelled": True,
+                        "video": job.to_json()}
         ctx.videos.remove(job.id)
         return {"id": job.id, "object": "video.deleted", "deleted": True}
 
@@ -184,7 +191,7 @@ async def _run(ctx: ServerContext, job: VideoJob, processed: EngineRequest, slot
             async with asyncio.timeout_at(deadline):
                 while True:
                     out = await engine_call(anext(agen))
-                    job.advance(out.num_steps_done, out.num_inference_steps, out.seed)
+                    job.advance(out.num_steps_done, out.num_inference_steps, out.seed, out.eta_s, out.decode_tiled)
                     if out.finished:
                         break
         except TimeoutError:
@@ -222,7 +229,7 @@ async def _job_events(ctx: ServerContext, job: VideoJob) -> AsyncIterator[bytes]
         if ctx.videos.get(job.id) is not job:
             yield _sse("video.deleted", {"id": job.id, "object": "video.deleted", "deleted": True})
             return
-        state = (job.status, job.progress)
+        state = (job.status, job.progress, job.step)
         if state != sent:
             sent = state
             yield _sse(f"video.{job.status}", job.to_json())

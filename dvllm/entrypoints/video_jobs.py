@@ -1,8 +1,10 @@
 """The jobs behind /v1/videos: each in OpenAI's Video shape, in a store bounded in count and in MP4 bytes.
 
-A job is never lost to make room: only finished jobs (completed or failed) are evicted, oldest first; while
-every slot holds an unfinished job a new one is refused (the route answers 429). Everything here runs on the
-event loop (the MP4 encode runs in a thread but hands its bytes back to the loop), so nothing needs a lock.
+A DELETE of an unfinished job cancels it: it stays, failed with the error code "cancelled", until a second
+DELETE drops it or it is evicted as finished jobs are. A job is never lost to make room: only finished jobs
+(completed or failed) are evicted, oldest first; while every slot holds an unfinished job a new one is refused (the
+route answers 429). Everything here runs on the event loop (the MP4 encode runs in a thread but hands its bytes
+back to the loop), so nothing needs a lock.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 STATUSES = ("queued", "in_progress", "completed", "failed")
+CANCELLED = "cancelled"  # the error code of a job a DELETE ended before it finished
 
 
 def new_video_id() -> str:
@@ -36,6 +39,10 @@ class VideoJob:
     created_at: int = field(default_factory=lambda: int(time.time()))
     status: str = "queued"
     progress: int = 0  # percent
+    step: int = 0  # denoising steps done, of num_steps (0 until the engine's first output)
+    num_steps: int = 0
+    eta_seconds: float | None = None  # the engine's estimate of its steps left (RequestOutput.eta_s)
+    decode_tiled: bool = False  # its VAE decode runs in tiles (max_decode_mb; RequestOutput.decode_tiled)
     completed_at: int | None = None
     error: dict[str, Any] | None = None  # OpenAI's {code, message, param, type}
     mp4: bytes | None = None
@@ -55,31 +62,47 @@ class VideoJob:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def advance(self, steps_done: int, num_steps: int, seed: int) -> None:
+    @property
+    def cancelled(self) -> bool:
+        return self.error is not None and self.error["code"] == CANCELLED
+
+    def advance(self, steps_done: int, num_steps: int, seed: int, eta_s: float | None = None,
+                decode_tiled: bool = False) -> None:
         """A step's output: in progress, at most 99% until the MP4 is ready (decode and encode still run)."""
         if self.finished:
             return
+        self.decode_tiled = decode_tiled
         percent = min(99, 100 * steps_done // max(num_steps, 1))
         status = "in_progress" if steps_done > 0 else self.status
-        if (status, percent, seed) != (self.status, self.progress, self.seed):
-            self.status, self.progress, self.seed = status, percent, seed
+        state = (status, percent, seed, steps_done, num_steps, eta_s)
+        if state != (self.status, self.progress, self.seed, self.step, self.num_steps, self.eta_seconds):
+            self.status, self.progress, self.seed, self.step, self.num_steps, self.eta_seconds = state
             self.notify()
+
+    def cancel(self) -> None:
+        """Ended by a DELETE before it finished: failed, saying so and at which step."""
+        self.fail(CANCELLED, f"The video was cancelled (DELETE) after {self.step} of {self.num_steps} steps.",
+                  type="cancelled")
 
     def fail(self, code: str, message: str, param: str | None = None, type: str = "server_error") -> None:
         if self.finished:
             return
         self.status, self.completed_at = "failed", int(time.time())
         self.error = {"code": code, "message": message, "param": param, "type": type}
+        self.eta_seconds = None
         self.notify()
 
     def to_json(self) -> dict[str, Any]:
-        """OpenAI's Video object (openai.types.Video), with dvllm's num_frames, fps and seed beside its fields."""
+        """OpenAI's Video object (openai.types.Video), with dvllm's num_frames, fps, seed, step, num_steps,
+        eta_seconds and decode_tiled beside its fields."""
         return {
             "id": self.id, "object": "video", "model": self.model, "status": self.status, "progress": self.progress,
             "created_at": self.created_at, "completed_at": self.completed_at, "expires_at": None,
             "error": self.error, "prompt": self.prompt, "remixed_from_video_id": None,
             "size": f"{self.width}x{self.height}", "seconds": f"{self.num_frames / self.fps:g}",
             "num_frames": self.num_frames, "fps": self.fps, "seed": self.seed,
+            "step": self.step, "num_steps": self.num_steps, "eta_seconds": self.eta_seconds,
+            "decode_tiled": self.decode_tiled,
         }
 
 
@@ -134,6 +157,7 @@ class VideoJobs:
         while self.num_bytes > self.max_bytes and self._evict_one(keep=job.id):
             pass
         job.mp4, job.status, job.progress, job.completed_at = mp4, "completed", 100, int(time.time())
+        job.step, job.eta_seconds = job.num_steps, 0.0
         job.notify()
 
     def page(self, after: str | None, limit: int, newest_first: bool) -> tuple[list[VideoJob], bool]:

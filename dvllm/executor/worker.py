@@ -10,6 +10,7 @@ import torch
 from dvllm._extension import custom_ops_available, custom_ops_status
 from dvllm.config import EngineConfig
 from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
+from dvllm.decode_budget import DecodeBudget
 from dvllm.lora.cache import lora_cache_for
 from dvllm.models.base import ModelAdapter, ModelInfo, denoiser_of
 from dvllm.models.load_config import LoadConfig, LoadedModel
@@ -20,6 +21,7 @@ from dvllm.parallel.parallel_config import ParallelConfig
 from dvllm.profiler import PhaseTimer
 from dvllm.runtime.liveness import CallBounds
 from dvllm.worker.decode_stage import DecodeStage
+from dvllm.worker.decode_tiling import measure_budget
 from dvllm.worker.decode_worker import start_decode_workers
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage
@@ -98,7 +100,8 @@ class Worker:
     def _build(self, config: EngineConfig, adapter: ModelAdapter, encoders: Any) -> None:
         """The pool (after the memory profile), the runner and the stages."""
         stages = self.stages
-        self.pool, decode_stage = create_state_pool(PoolConfig.of(config), adapter, config)
+        self.budget = measure_budget(adapter, stages.max_decode_bytes)  # before the profile, which decodes by it
+        self.pool, decode_stage = create_state_pool(PoolConfig.of(config), adapter, config, self.budget)
         custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step
         self.timer = PhaseTimer(config.profile_steps, self.device)
         self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, stages.max_decode_batch,
@@ -140,6 +143,10 @@ class Worker:
     def phase_seconds(self) -> dict[str, float]:
         """Seconds spent per step phase on this worker (with profile_steps)."""
         return self.timer.snapshot()
+
+    def decode_budget(self) -> DecodeBudget:
+        """Which of this worker's decodes run tiled (max_decode_mb, and its measure at start)."""
+        return self.budget
 
     def pool_info(self) -> tuple[int, int]:
         """(number of blocks, elements per block) of this worker's state pool."""

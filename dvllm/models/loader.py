@@ -383,15 +383,26 @@ def _build_component(cls: type, name: str, source: ModelSource) -> Any:
 
 
 def set_tile_size(vae: Any, pixels: int) -> None:
-    """An AutoencoderKL's tiles `pixels` on a side (their latents that over its scale factor); ValueError for a
-    side the factor does not divide or a VAE that tiles otherwise."""
-    from diffusers import AutoencoderKL
+    """The VAE's tiles `pixels` on a side (their latents that over its scale factor), overlapping by a quarter;
+    ValueError for a side the factor does not divide or a VAE that tiles otherwise."""
+    from diffusers import AutoencoderKL, AutoencoderKLWan
 
+    if isinstance(vae, AutoencoderKLWan):  # its stride is set apart: a quarter's overlap, in whole latents
+        factor = vae.spatial_compression_ratio
+        _check_tile_side(pixels, factor)
+        stride = pixels - max(factor, pixels // 4 // factor * factor)
+        vae.tile_sample_min_height = vae.tile_sample_min_width = pixels
+        vae.tile_sample_stride_height = vae.tile_sample_stride_width = stride
+        return
     if not isinstance(vae, AutoencoderKL):
         raise ValueError(f"vae_tile_size: {type(vae).__name__} tiles its own way; the size is set for "
-                         "AutoencoderKL's VAEs (SD, SDXL, SD3, Flux, Z-Image)")
+                         "AutoencoderKL's VAEs (SD, SDXL, SD3, Flux, Z-Image) and Wan's")
     factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    _check_tile_side(pixels, factor)
+    vae.tile_sample_min_size, vae.tile_latent_min_size = pixels, pixels // factor
+
+
+def _check_tile_side(pixels: int, factor: int) -> None:
     if pixels % factor or pixels < 2 * factor:
         raise ValueError(f"vae_tile_size must be a multiple of the VAE's scale factor {factor}, at least "
                          f"{2 * factor}; got {pixels}")
-    vae.tile_sample_min_size, vae.tile_latent_min_size = pixels, pixels // factor

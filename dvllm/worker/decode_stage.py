@@ -29,8 +29,9 @@ from dvllm.worker.stage_thread import StageThread
 
 logger = logging.getLogger(__name__)
 
-# (latents [n, ...] on the device, (height, width)) -> images [n, 3, H, W] in [0, 1]
-DecodeFn = Callable[[torch.Tensor, list[int], tuple[int, int]], torch.Tensor]  # latents, images a request, size
+# (latents [n, ...] on the device, images a request, (height, width), whether each request's calls tile) -> images
+# [n, 3, H, W] in [0, 1]
+DecodeFn = Callable[[torch.Tensor, list[int], tuple[int, int], list[bool]], torch.Tensor]
 # (images [n, 3, H, W] in [0, 1], output type) -> the request's images
 ConvertFn = Callable[[torch.Tensor, str], list[Any]]
 
@@ -45,6 +46,7 @@ class DecodeJob:
     step: int = 0  # the step count its latents are from
     ready: Any = None  # a CUDA event the latents' copy recorded (None on the CPU)
     lost: bool = False  # a decode worker died on it once
+    tiled: bool = False  # its VAE calls run in tiles (admission chose: dvllm/decode_budget.py)
 
     @property
     def n(self) -> int:
@@ -212,10 +214,12 @@ class DecodeStage(StageThread):
                 torch.cuda.current_stream().wait_event(job.ready)
         latents = torch.cat([job.latents for job in jobs])
         if self.workers:  # the process decodes and converts; the latents travel on the host
-            batch = (latents.cpu(), jobs[0].size, [(job.n, job.output_type) for job in jobs], self.max_batch)
+            batch = (latents.cpu(), jobs[0].size, [(job.n, job.output_type, job.tiled) for job in jobs],
+                     self.max_batch)
             outputs = self.workers[lane].decode(batch)
         else:
-            pixels, outputs, lo = self._decode(latents, [job.n for job in jobs], jobs[0].size), [], 0
+            pixels = self._decode(latents, [job.n for job in jobs], jobs[0].size, [job.tiled for job in jobs])
+            outputs, lo = [], 0
             for job in jobs:
                 outputs.append(self._convert(pixels[lo:lo + job.n], job.output_type))  # to the host: synchronizes
                 lo += job.n

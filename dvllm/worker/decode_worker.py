@@ -18,7 +18,7 @@ import torch
 from dvllm.runtime.channel import Channel
 from dvllm.worker.output_types import to_output_type
 from dvllm.worker.stage_process import StageProcess, check_devices, serve
-from dvllm.worker.vae_calls import decode_by_request
+from dvllm.worker.vae_calls import decode_by_request, decode_call
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +92,9 @@ class VaeDecoder:
         return self._decode(self, latents, image_size)
 
 
-# A batch: latents on the host, (height, width), each job's (image count, output type), and the most images
-# one VAE call takes (max_decode_batch, as the worker's own decode chunks them)
-Batch = tuple[torch.Tensor, tuple[int, int], list[tuple[int, str]], int]
+# A batch: latents on the host, (height, width), each job's (image count, output type, whether its calls tile),
+# and the most images one VAE call takes (max_decode_batch, as the worker's own decode chunks them)
+Batch = tuple[torch.Tensor, tuple[int, int], list[tuple[int, str, bool]], int]
 
 
 class DecodeWorker(StageProcess):
@@ -110,10 +110,13 @@ class DecodeWorker(StageProcess):
 
 def _decode_batch(decoder: VaeDecoder, batch: Batch, device: torch.device) -> list[list[Any]]:
     latents, size, jobs, chunk = batch
-    pixels = decode_by_request(lambda part: decoder.decode(part, size), latents.to(device), [n for n, _ in jobs],
-                               chunk)
+
+    def decode(part: torch.Tensor, tiles: bool) -> torch.Tensor:
+        return decode_call(decoder.pipeline.vae, tiles, lambda: decoder.decode(part, size))
+
+    pixels = decode_by_request(decode, latents.to(device), [n for n, _, _ in jobs], chunk, [t for _, _, t in jobs])
     answer, lo = [], 0
-    for n, output_type in jobs:
+    for n, output_type, _ in jobs:
         answer.append(to_output_type(pixels[lo:lo + n], output_type))
         lo += n
     return answer

@@ -29,10 +29,12 @@ from typing import Callable
 import torch
 
 from dvllm.config import EngineConfig
+from dvllm.decode_budget import DecodeBudget
 from dvllm.lora.weights import servable
 from dvllm.models.base import ModelAdapter, ModelInfo
 from dvllm.models.layout import BatchLayout
 from dvllm.worker.denoiser import batch_buckets
+from dvllm.worker.vae_calls import tiling
 
 logger = logging.getLogger(__name__)
 _PROBE_TEXT = "a long prompt that fills every text encoder's token window " * 64  # truncated by each tokenizer
@@ -84,8 +86,10 @@ def worst_forward(adapter: ModelAdapter, config: EngineConfig) -> tuple[int, tup
     return rows, worst_size(adapter.info, config)
 
 
-def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory) -> dict[str, int]:
-    """Peak transient bytes of each kind of work in the worst step."""
+def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory,
+               decode_budget: DecodeBudget | None = None) -> dict[str, int]:
+    """Peak transient bytes of each kind of work in the worst step (the worst decode tiled where the budget
+    tiles it)."""
     info = adapter.info
     rows, size = worst_forward(adapter, config)
     height, width = size[:2]
@@ -117,7 +121,9 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
 
     def decode() -> None:
         latents = torch.zeros((config.max_decode_batch, *info.latents.shape(*size)), dtype=dtype, device=device)
-        adapter.decode(latents, size)
+        tiled = decode_budget is not None and decode_budget.tiles(size, config.max_decode_batch)
+        with tiling(adapter.pipeline.vae, tiled):
+            adapter.decode(latents, size)
 
     def encode() -> None:
         texts_here = not config.encode_workers  # encode workers encode them in processes of their own
@@ -157,7 +163,8 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
                 raise ValueError(
                     f"the worst step this engine's limits allow does not fit the GPU: {name} ran out of memory "
                     f"({rows} rows at {width}x{height}, {config.max_decode_batch} images a decode); lower "
-                    "max_batch_size, max_image_pixels or max_decode_batch") from None
+                    "max_batch_size, max_image_pixels or max_decode_batch"
+                    f"{' (or set max_decode_mb: larger decodes run tiled)' if name == 'decode' else ''}") from None
     peaks["denoise"] += step_cache_bytes(info, rows, size, dtype)
     return peaks
 
@@ -249,10 +256,11 @@ def _table_numel_per_rank(module: torch.nn.Module) -> int:
     return module.in_channels * math.prod(module.kernel_size) + module.out_channels
 
 
-def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory) -> tuple[int, bool]:
+def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory,
+                   decode_budget: DecodeBudget | None = None) -> tuple[int, bool]:
     """What the state pool may take on this GPU, and whether the decode stage runs (choose_decode_stage);
     ValueError when the worst step leaves nothing."""
-    peaks = step_peaks(adapter, config, memory)
+    peaks = step_peaks(adapter, config, memory, decode_budget)
     graphs = 0
     if config.cuda_graph:  # their shared pool (one forward's activations) and each one's static inputs
         rows, size = worst_forward(adapter, config)

@@ -33,7 +33,7 @@ from dvllm.worker.state_pool import StatePool
 from dvllm.worker.step_cache_hooks import CacheHooks
 from dvllm.worker.step_work import Stage, StepWork, run_stages
 from dvllm.worker.swap import swap_in, swap_out
-from dvllm.worker.vae_calls import decode_by_request
+from dvllm.worker.vae_calls import decode_by_request, decode_call
 
 logger = logging.getLogger(__name__)
 # How long a step with nothing to run but decodes (or encodes) to await waits for one (the loop comes back for new
@@ -322,7 +322,7 @@ class ModelRunner:
             if stage.has_room(sum(j.n for j in jobs) + len(latents)):
                 jobs.append(DecodeJob(request_id, latents.to(self.adapter.dtype), data.size,
                                       "pil" if data.output_type == "latent" else data.output_type, preview=True,
-                                      step=self.states[request_id].step + 1))
+                                      step=self.states[request_id].step + 1, tiled=data.decode_tiled))
                 del x0[request_id]
         images = sum(j.n for j in jobs)
         takers = []
@@ -336,16 +336,22 @@ class ModelRunner:
             latents = self.pool.read([r for s in takers for r in s.blocks.latents], math.prod(shape))
             latents = latents.view(-1, *shape)
             for s, (lo, hi) in zip(takers, row_bounds(takers)):
-                jobs.append(DecodeJob(s.request_id, latents[lo:hi], size, s.data.output_type))
+                jobs.append(DecodeJob(s.request_id, latents[lo:hi], size, s.data.output_type,
+                                      tiled=s.data.decode_tiled))
         stage.submit(jobs)
         return {s.request_id for s in takers}
 
-    def decode_requests(self, latents: torch.Tensor, counts: list[int], size: tuple[int, ...]) -> torch.Tensor:
+    def decode_requests(self, latents: torch.Tensor, counts: list[int], size: tuple[int, ...],
+                        tiled: list[bool] | None = None) -> torch.Tensor:
         """Each request's images in VAE calls of their own (vae_calls.py says why), at most max_decode_batch
-        images a call: the decode's memory is bounded (and profiled)."""
+        images a call: the decode's memory is bounded (and profiled); `tiled`: the requests decoded in tiles."""
+        vae = self.adapter.pipeline.vae
+
+        def decode(part: torch.Tensor, tiles: bool) -> torch.Tensor:
+            return decode_call(vae, tiles, lambda: self.adapter.decode(part, size))
+
         with self.adapter.vae_lock:  # (the loop's, or the decode stage's thread)
-            return decode_by_request(lambda part: self.adapter.decode(part, size), latents, counts,
-                                     self.max_decode_batch)
+            return decode_by_request(decode, latents, counts, self.max_decode_batch, tiled)
 
     def _decode_previews(self, work: StepWork) -> None:
         """Partial images: x0 estimates through the VAE (those the decode stage had no room for), each request's
@@ -358,7 +364,8 @@ class ModelRunner:
         try:
             first = self.states[next(iter(x0))].data  # one forward, one size
             latents = torch.cat(list(x0.values())).to(self.adapter.dtype)
-            decoded = self.decode_requests(latents, [len(x) for x in x0.values()], first.size)
+            decoded = self.decode_requests(latents, [len(x) for x in x0.values()], first.size,
+                                           [self.states[r].data.decode_tiled for r in x0])
         except Exception:
             logger.exception("preview decode failed for %s; skipping these previews", sorted(x0))
             return {}
@@ -377,7 +384,8 @@ class ModelRunner:
         bounds = row_bounds(group)
         pixels = [latents[lo:hi] for s, (lo, hi) in zip(group, bounds) if s.data.output_type != "latent"]
         size = group[0].data.size
-        decoded = self.decode_requests(torch.cat(pixels), [len(p) for p in pixels], size) if pixels else None
+        tiled = [s.data.decode_tiled for s in group if s.data.output_type != "latent"]
+        decoded = self.decode_requests(torch.cat(pixels), [len(p) for p in pixels], size, tiled) if pixels else None
         lo_img = 0
         for s, (lo, hi) in zip(group, bounds):
             if s.data.output_type == "latent":

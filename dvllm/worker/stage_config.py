@@ -26,6 +26,7 @@ class StageConfig:
     decode_devices: tuple[str, ...] = ()  # where they go, in turn (empty: the worker's device)
     max_decode_batch: int = 4            # images a VAE decode call takes
     max_decode_queue: int = 32           # images handed to the stage and not yet decoded
+    max_decode_bytes: int | None = None  # one decode call's bound: requests above it decode tiled (None: none)
     call_timeout_s: float = 300.0        # a stage process's batch left unanswered this long: killed, redone
     start_timeout_s: float = 600.0       # the bound of its calls until it has answered one
 
@@ -38,6 +39,7 @@ class StageConfig:
                    decode_stage=config.decode_stage, decode_workers=config.decode_workers,
                    decode_devices=tuple(device_list(config.decode_device)),
                    max_decode_batch=config.max_decode_batch, max_decode_queue=config.max_decode_queue,
+                   max_decode_bytes=None if config.max_decode_mb is None else int(config.max_decode_mb * 2**20),
                    call_timeout_s=config.stage_call_timeout_s, start_timeout_s=config.stage_start_timeout_s)
 
 
@@ -86,6 +88,12 @@ def check(config: Any) -> None:
     """The stages' fields in range, and the combinations that cannot work refused."""
     for name in ("max_decode_batch", "max_decode_queue"):
         positive_int(name, getattr(config, name))
+    if config.max_decode_mb is not None:
+        if not (is_number(config.max_decode_mb) and 0 < config.max_decode_mb < float("inf")):
+            raise ValueError(f"max_decode_mb must be a finite number > 0 (MiB), got {config.max_decode_mb!r}")
+        if config.vae_tiling:
+            raise ValueError("max_decode_mb tiles the decodes above it, but vae_tiling tiles every decode already: "
+                             "set one of them")
     # finite: a bound that never passes hides a frozen process
     for name in ("stage_call_timeout_s", "stage_start_timeout_s"):
         value = getattr(config, name)
