@@ -53,8 +53,10 @@ def _start_group(config: EngineConfig, adapter: ModelAdapter, device: torch.devi
                  parallel: ParallelConfig) -> WorkerGroup:
     """The worker's group, its every denoiser call shared with the members (and run again if the group fails)."""
     if adapter.info.expert_boundary is not None:  # the members would hold and run only the first expert
-        raise ValueError(f"{adapter.name}: a two-expert model (Wan 2.2 A14B) is not served in a worker group yet: "
-                         "use sequence_parallel_size=1 and cfg_parallel_size=1")
+        raise ValueError(f"{adapter.name}: a two-expert model (Wan 2.2 A14B) is not served in a worker group "
+                         f"(sequence_parallel_size={parallel.sequence_parallel_size}, cfg_parallel_size="
+                         f"{parallel.cfg_parallel_size}): a member holds the first expert only and a shared call "
+                         "names no expert (docs/video.md); use sequence_parallel_size=1 and cfg_parallel_size=1")
     group = WorkerGroup(parallel, config, denoiser_of(adapter.pipeline), device)
     adapter.denoise = group.guard(adapter.denoise)  # the runner reads adapter.denoise per call
     return group

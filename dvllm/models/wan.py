@@ -141,8 +141,8 @@ class WanAdapter(ModelAdapter):
         # The pipeline calls cond and uncond apart, each in its own cache_context: each branch decides alone.
         # A block's output is its hidden stream, the video's tokens; both its attentions (self and cross) give
         # video tokens, and TaylorSeer predicts both (diffusers' default patterns, "^blocks.*attn" matched whole,
-        # match neither attn1 nor attn2: there it predicts nothing). Two experts are not cached: the hooks sit on
-        # one transformer's blocks.
+        # match neither attn1 nor attn2: there it predicts nothing). Two experts are not cached (docs/video.md):
+        # a row's kept state is one transformer's block outputs, and the hooks sit on one transformer's blocks.
         if len(self.experts) > 1:
             return None
         t, pipe = self.pipeline.transformer, self.pipeline
