@@ -2,8 +2,9 @@
 group's leader (parallel/group.py). It joins the group's process group, loads the model as the leader did and keeps
 its denoisers alone (a two-expert model's both: a call names its expert); then, for each denoiser call the leader
 makes, it receives the call's arguments and runs it with the leader. Sequence parallel: the whole call, split
-inside the forward by the same context-parallel plan (the output is the leader's; a member's is dropped). CFG-parallel: its own slice of the rows, whose output it
-sends to the leader. It also decodes its share of the leader's VAE decodes (parallel/group_decode.py).
+inside the forward by the same context-parallel plan (the output is the leader's; a member's is dropped).
+CFG-parallel: its own slice of the rows, whose output it sends to the leader. It also decodes its share of the
+leader's VAE decodes (parallel/group_decode.py).
 
 LoRA: a member holds the same adapter slots as the leader (their denoiser layers only: the leader encodes), each
 load sent to it as the leader loads (`LoraSlot`, the adapter's id: the member reads the file itself), and each call
