@@ -80,6 +80,19 @@ def test_the_image_is_optional_sets_the_default_size_and_takes_no_strength(ti2v)
         engine.add_request("strength", "x", P(image=picture(1), strength=0.5))
 
 
+def test_the_default_size_follows_the_defaults_in_force(tmp_path_factory):
+    """TI2V-5B's card runs 704x1280 (model_defaults.py): an image request without a size gets that area at its
+    aspect ratio, as the card's image-to-video example sizes it, not the pipeline's 480x832."""
+    path = _saved(tmp_path_factory, "tiny-wan-ti2v-defaults", tiny_wan_ti2v_pipeline())
+    engine = DiffusionEngine(model=path, device="cpu", dtype="float32",
+                             default_params={"height": 704, "width": 1280})
+    info, config = engine.model_info, engine.config
+    wide = P(image=picture(1, (160, 90))).resolve(info, config)
+    assert (wide.height, wide.width) == (704, 1248)  # sqrt(704*1280 * 9/16) = 712 and 1266, down to 32s
+    assert (P().resolve(info, config).height, P().resolve(info, config).width) == (704, 1280)
+    engine.shutdown()
+
+
 @pytest.mark.slow
 def test_the_checkpoint_as_shipped_animates_an_image(tmp_path_factory):
     """Wan-AI/Wan2.2-TI2V-5B-Diffusers names WanPipeline; its card loads the same files as

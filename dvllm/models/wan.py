@@ -15,7 +15,7 @@ the boundary in one step run one call per expert; both stay resident.
 from __future__ import annotations
 
 import dataclasses
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from dvllm.models.base import CacheSpec, Conditions, HookContext, ModelAdapter, 
 from dvllm.models.layout import BatchLayout
 from dvllm.models.model_info import Defaults, Latents, ModelInfo, Schedule, Text, Video
 from dvllm.models.wan_ti2v import first_frame_inputs, prepare_first_frame, timestep_mask
+from dvllm.request_sizes import aspect_size
 
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s max_sequence_length
 WAN21_FPS, WAN22_FPS = 16.0, 24.0  # the rates the models' cards export their videos at (TI2V-5B: 24)
@@ -73,6 +74,15 @@ class WanAdapter(ModelAdapter):
             cache_layout=self.cache_layout(),
         )
         return dataclasses.replace(info, images=first_frame_inputs(info)) if expand else info
+
+    def follow_defaults(self, info: ModelInfo) -> ModelInfo:
+        # an image request that names no size gets the default area at its image's aspect ratio: the area of the
+        # defaults in force (TI2V-5B's card: 704x1280), not the pipeline's
+        if info.images.edit_size is None:
+            return info
+        area = info.defaults.height * info.defaults.width
+        return dataclasses.replace(info, images=dataclasses.replace(
+            info.images, edit_size=partial(aspect_size, area, info.latents.size_factor)))
 
     def probe_condition_shapes(self) -> dict[str, tuple[int, ...]]:
         # every prompt is padded to the one length with the encoder's width: known without running it (which
