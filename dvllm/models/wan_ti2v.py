@@ -3,8 +3,8 @@
 Its image-to-video (WanImageToVideoPipeline's expand_timesteps branch) adds no input channel: the image's VAE
 latents are the video's first latent frame. Each step the pipeline gives the transformer (1 - mask) * image +
 mask * latents, the first frame's tokens at timestep 0 (mask * t per token); it steps its latents unmasked and
-masks them once more at the end. A sampler's update is elementwise, so no other frame ever reads the first
-frame's value: here the image's latents are written over the first frame at the start and after every step
+masks them once more at the end. A sampler's update is elementwise (Wan's schedulers run no thresholding,
+which would read the whole sample), so no other frame ever reads the first frame's value: here the image's latents are written over the first frame at the start and after every step
 (worker/first_frame.py), which gives every forward the pipeline's input and the video its final latents. The
 image's latents are the request's input state. A request without an image is text-to-video, every token at
 the row's timestep, as WanPipeline runs the same checkpoint; both kinds of row share a forward.
