@@ -4,10 +4,13 @@ latents, for videos of other sizes and frame counts batched together, with one e
 (each call shared with the expert it runs)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch.distributed as dist
-from conftest import _saved, tiny_wan_pipeline
+from conftest import tiny_wan_pipeline
+from lora_utils import make_lora
 
 from dvllm import DiffusionEngine, SamplingParams
 
@@ -21,8 +24,11 @@ def _params(steps: tuple[int, ...] = (3, 4, 2)) -> list[SamplingParams]:
                            output_type="latent") for i, ((h, w, f), n) in enumerate(zip(shapes, steps))]
 
 
-def _latents(engine: DiffusionEngine, steps: tuple[int, ...] = (3, 4, 2)) -> list[np.ndarray]:
-    outs = engine.generate(PROMPTS, _params(steps), use_tqdm=False)
+def _latents(engine: DiffusionEngine, steps: tuple[int, ...] = (3, 4, 2), lora: bool = False) -> list[np.ndarray]:
+    params = _params(steps)
+    if lora:  # the first request's rows with an adapter, beside rows without
+        params[0] = dataclasses.replace(params[0], loras={"l": 1.0})
+    outs = engine.generate(PROMPTS, params, use_tqdm=False)
     assert all(o.error is None for o in outs), [o.error for o in outs]
     return [o.images[0].numpy() for o in outs]
 
@@ -64,23 +70,26 @@ def test_a_group_of_two_gives_one_workers_videos(wan_path, split):
 @pytest.mark.slow
 def test_two_experts_in_a_group_of_two_give_one_workers_videos(tmp_path_factory, split):
     """Wan 2.2 A14B: both experts' calls are shared with the members (which hold both), each naming its expert;
-    videos whose steps cross the boundary equal one worker's."""
-    path = _saved(tmp_path_factory, "tiny-wan-a14b-in-group", tiny_wan_pipeline(two_experts=True))
+    videos whose steps cross the boundary, one with a LoRA adapter, equal one worker's."""
+    folder = tmp_path_factory.mktemp("tiny-wan-a14b-in-group")
+    pipe = tiny_wan_pipeline(two_experts=True)
+    pipe.save_pretrained(folder / "model")
+    path, loras = str(folder / "model"), {"l": make_lora(pipe, str(folder / "lora"), seed=1)}
     steps = (6, 4, 3)  # each crosses the boundary (875) in its own step
-    alone = DiffusionEngine(model=path, device="cpu", dtype="float32")
+    alone = DiffusionEngine(model=path, device="cpu", dtype="float32", lora_modules=loras)
     try:
         pipe = alone.executor.worker.runner.adapter.pipeline
         whole = [_block_tokens(pipe.transformer), _block_tokens(pipe.transformer_2)]
-        want = _latents(alone, steps)
+        want = _latents(alone, steps, lora=True)
     finally:
         alone.shutdown()
     assert all(whole), whole  # both experts ran
-    engine = DiffusionEngine(model=path, device="cpu", dtype="float32", **split)
+    engine = DiffusionEngine(model=path, device="cpu", dtype="float32", lora_modules=loras, **split)
     try:
         group = engine.executor.worker.group
         assert len(group.denoisers) == 2
         seen = [_block_tokens(denoiser) for denoiser in group.denoisers]
-        got = _latents(engine, steps)
+        got = _latents(engine, steps, lora=True)
         for a, b in zip(got, want, strict=True):
             assert a.shape == b.shape and float(np.abs(a - b).max()) <= TOL
         if "sequence_parallel_size" in split:  # each expert's tokens split: shared, not run whole by the worker
