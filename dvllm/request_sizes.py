@@ -2,6 +2,7 @@
 models: the scheduler, the models' capability specs and the request checks all read these)."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -19,3 +20,12 @@ def as_images(image: Any) -> tuple[Any, ...]:
 def image_sizes(image: Any) -> tuple[tuple[int, int], ...]:
     """(width, height) of each of a resolved request's images."""
     return tuple((i.width, i.height) for i in as_images(image))
+
+
+def aspect_size(area: int, multiple: int, sizes: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+    """(height, width) of about `area` pixels at the one image's aspect ratio (`sizes`: its (width, height)),
+    each a multiple of `multiple`: what Wan image-to-video makes of a request that names no size."""
+    (width, height), = sizes
+    ratio = height / width
+    return (max(multiple, round(math.sqrt(area * ratio)) // multiple * multiple),
+            max(multiple, round(math.sqrt(area / ratio)) // multiple * multiple))

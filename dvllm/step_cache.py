@@ -101,12 +101,21 @@ def check_served(config: CacheConfig | None, info: Any, what: str = "cache") -> 
     if config is None:
         return None
     if info.cache_layout is None:
-        raise ValueError(f"{what}: the {info.family} family serves no step caching (it is served for the "
-                         f"transformer families: flux, qwen-image, stable-diffusion-3, z-image)")
+        raise ValueError(f"{what}: {not_served_why(info)}")
     why = config.spec.unsupported(info)
     if why is not None:
         raise ValueError(why if what == "cache" else f"{what}: {why}")
     return config.spec.for_model(config, info)
+
+
+def not_served_why(info: Any) -> str:
+    """Why a model whose ModelInfo has no cache layout serves no step caching."""
+    if info.expert_boundary is not None:
+        return (f"step caching is not served with two experts (this {info.pipeline_class}, Wan 2.2 A14B): a "
+                "request's kept state is the output of one transformer's blocks, which the other expert's blocks "
+                "cannot reuse, and its hooks sit on one transformer (docs/video.md)")
+    return (f"the {info.family} family serves no step caching (it is served for the transformer families: flux, "
+            "qwen-image, stable-diffusion-3, z-image, and wan with one expert)")
 
 
 def _field(name: str) -> str:

@@ -34,6 +34,8 @@ class Family:
     image: bool = False  # requests edit an input image
     mask: bool = False   # ... inside a mask (inpainting)
     video: bool = False
+    text_row: bool = False  # r1 brings no image (the model takes one optionally: Wan 2.2 TI2V)
+    size: int | None = None  # its requests' height and width (None: 16 for a video, 32 for an image)
     cfg: bool = True  # guidance runs as CFG rows (Flux and Kontext embed it: one row an image)
     # The preempted request's steps: it must still run when the requests that preempt it are ready, which with an
     # encode stage or encode processes is once their texts (and an edit's image) are encoded: about a second here
@@ -47,7 +49,7 @@ class Family:
 
     @property
     def side(self) -> int:
-        return 16 if self.video else 32
+        return self.size or (16 if self.video else 32)
 
 
 def _inpainting():
@@ -81,12 +83,14 @@ def _families() -> dict[str, Family]:
         "z-image": Family(conftest.tiny_z_image_pipeline),
         "wan": Family(conftest.tiny_wan_pipeline, video=True, tile=None),
         "wan-i2v": Family(conftest.tiny_wan_i2v_pipeline, image=True, video=True, tile=None),
+        # sides of 32: the 2.2 VAE's 16x compression times the transformer's 2x2 patches
+        "wan-ti2v": Family(conftest.tiny_wan_ti2v_pipeline, image=True, video=True, text_row=True, size=32, tile=None),
         "inpaint": Family(_inpainting, image=True, mask=True),
     }
 
 
 FAMILY_NAMES = ["sd", "sdxl", "sd3", "flux", "kontext", "qwen-image", "qwen-image-edit", "z-image", "wan", "wan-i2v",
-                "inpaint"]
+                "wan-ti2v", "inpaint"]
 
 # The engine's documented modes, each a factor of the matrix; the first value is the plain engine's
 FACTORS: dict[str, list[Any]] = {
@@ -194,7 +198,7 @@ def jobs_for(row: dict[str, Any], family: Family) -> list[Job]:
     jobs = []
     for i, (name, prompt, own) in enumerate(specs):
         params = {**common, **own}
-        if family.image:
+        if family.image and not (family.text_row and i == 1):
             params["image"] = picture(10 + i, side)
         if family.mask:
             params["mask_image"] = inpaint_mask(side)

@@ -275,23 +275,31 @@ def z_image_path(tmp_path_factory) -> str:
     return _saved(tmp_path_factory, "tiny-z-image", tiny_z_image_pipeline())
 
 
-def _wan_parts(two_experts: bool, in_channels: int = 16, image_dim: int | None = None) -> dict:
+def _wan_parts(two_experts: bool, in_channels: int = 16, image_dim: int | None = None, wan22_vae: bool = False
+               ) -> dict:
     """The components every tiny Wan pipeline shares, at diffusers' test sizes, with the real checkpoints'
-    scheduler (UniPC over flow sigmas); two experts (A14B) where asked."""
+    scheduler (UniPC over flow sigmas); two experts (A14B) where asked; with wan22_vae, the Wan 2.2 VAE's shape
+    (TI2V-5B's: 48 channels, 2x2 pixel patches, 16x spatial compression) with uneven latents_mean and _std."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     from dvllm.models.byte_tokenizer import byte_t5_tokenizer
 
     torch.manual_seed(0)
-    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                           temperal_downsample=[False, True, True])
+    if wan22_vae:
+        vae = AutoencoderKLWan(base_dim=3, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+                               latents_mean=[0.1 * (i % 7) - 0.3 for i in range(48)],
+                               latents_std=[0.8 + 0.1 * (i % 5) for i in range(48)], dim_mult=[1, 1, 1, 1],
+                               num_res_blocks=1, scale_factor_spatial=16, temperal_downsample=[False, True, True])
+    else:
+        vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True])
     experts = []
     for seed in (1, 3) if two_experts else (1,):
         torch.manual_seed(seed)
         experts.append(WanTransformer3DModel(
             patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels,
-            out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+            out_channels=vae.config.z_dim, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
             # a rotary table that covers the pipeline's default 480x832 (52 patches a side; diffusers' tests use 32)
             qk_norm="rms_norm_across_heads", rope_max_seq_len=64, image_dim=image_dim))
     torch.manual_seed(2)
@@ -334,6 +342,19 @@ def tiny_wan_i2v_pipeline(two_experts: bool = False, image_encoder: bool = True)
         processor = CLIPImageProcessor(crop_size=32, size=32)
     pipe = WanImageToVideoPipeline(**parts, image_processor=processor, image_encoder=encoder,
                                    boundary_ratio=0.9 if two_experts else None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_wan_ti2v_pipeline(as_shipped: bool = False):
+    """Wan 2.2 TI2V-5B's shape (the 2.2 VAE, a transformer of 48 channels in and out, expand_timesteps, no image
+    encoder) as WanImageToVideoPipeline, how its model card runs image-to-video; as_shipped: as WanPipeline, the
+    class its checkpoint names."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    parts = _wan_parts(False, in_channels=48, wan22_vae=True)
+    pipe = WanPipeline(**parts, expand_timesteps=True) if as_shipped else \
+        WanImageToVideoPipeline(**parts, image_processor=None, image_encoder=None, expand_timesteps=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -32,7 +32,8 @@ FAMILIES = {
     "z-image": ("z_image_path", False, False),
 }
 # Video families (their requests name a frame count), apart from FAMILIES, which test_graph_replay.py replays
-VIDEO = {"wan": ("wan_path", False, False), "wan-i2v": ("wan_i2v_path", True, False)}
+VIDEO = {"wan": ("wan_path", False, False), "wan-i2v": ("wan_i2v_path", True, False),
+         "wan-ti2v": ("wan_ti2v_path", True, False)}
 SYNC_FAMILIES = {**FAMILIES, **VIDEO}
 CACHING = ("sd3", "flux", "qwen-image", "z-image", "wan")
 MAG = {"method": "mag", "mag_ratios": [1.0] * 4, "num_inference_steps": 4, "threshold": 0.5}
@@ -64,6 +65,13 @@ def wan_i2v_path(tmp_path_factory) -> str:
     from conftest import _saved, tiny_wan_i2v_pipeline
 
     return _saved(tmp_path_factory, "tiny-wan-i2v", tiny_wan_i2v_pipeline())
+
+
+@pytest.fixture(scope="module")
+def wan_ti2v_path(tmp_path_factory) -> str:
+    from conftest import _saved, tiny_wan_ti2v_pipeline
+
+    return _saved(tmp_path_factory, "tiny-wan-ti2v", tiny_wan_ti2v_pipeline())
 
 
 @pytest.fixture(scope="module")

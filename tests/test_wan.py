@@ -182,12 +182,6 @@ def test_two_experts_each_run_their_rows_with_their_own_guidance(tmp_path_factor
     assert float((other.images[0] - outs[0].images[0]).abs().max()) > 20 * LATENT_TOL
 
 
-def test_two_experts_in_a_worker_group_are_refused(tmp_path_factory):
-    path = _saved(tmp_path_factory, "tiny-wan-a14b-group", tiny_wan_pipeline(two_experts=True))
-    with pytest.raises(ValueError, match="two-expert model"):
-        DiffusionEngine(model=path, device="cpu", dtype="float32", sequence_parallel_size=2)
-
-
 def test_guidance_scale_2_is_refused_with_one_expert(wan):
     engine, _ = wan
     with pytest.raises(ValueError, match="guidance_scale_2: this model"):

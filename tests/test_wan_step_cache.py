@@ -73,8 +73,12 @@ def test_a_cached_video_equals_diffusers_alone_and_beside_others(wan_cache_path,
     assert engine.stats()["cache_skipped_rows"] > 0
 
 
-def test_two_experts_refuse_caching(tmp_path_factory):
+def test_two_experts_refuse_caching_naming_both(tmp_path_factory):
+    """Refused at start for default_cache, and per request, each message naming step caching and two experts."""
     path = _saved(tmp_path_factory, "tiny-wan-a14b-cache", tiny_wan_pipeline(two_experts=True))
+    with pytest.raises(ValueError, match="default_cache: step caching is not served with two experts"):
+        DiffusionEngine(model=path, device="cpu", dtype="float32", default_cache={"method": "first_block"})
     engine = DiffusionEngine(model=path, device="cpu", dtype="float32")
-    with pytest.raises(ValueError, match="serves no step caching"):
+    with pytest.raises(ValueError, match="cache: step caching is not served with two experts"):
         engine.add_request("c", "x", P(cache={"method": "first_block"}))
+    engine.shutdown()

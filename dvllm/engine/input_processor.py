@@ -31,7 +31,7 @@ from dvllm.samplers import SHORT_NAMES, PlanRefused, SamplerPlan, build_plan, hi
 from dvllm.samplers.probe import probe_plan
 from dvllm.request_sizes import as_images
 from dvllm.sampling_params import SamplingParams, check_text
-from dvllm.step_cache import check_served
+from dvllm.step_cache import check_served, not_served_why
 
 
 logger = logging.getLogger(__name__)
@@ -46,8 +46,8 @@ class InputProcessor:
         self.config, self.info, self.loras = config, info, loras
         self.model_key = model_key  # what identifies the served model in result-cache keys
         if config.default_cache is not None and info.cache_layout is None:
-            raise ValueError(f"default_cache: the {info.family} family serves no step caching, so every request "
-                             "would be refused; leave default_cache unset for this model")
+            raise ValueError(f"default_cache: {not_served_why(info)}, so every request would be refused; leave "
+                             "default_cache unset for this model")
         check_served(config.default_cache, info, "default_cache")
         self.block_numel = block_numel
         self.decode_budget = decode_budget or DecodeBudget()

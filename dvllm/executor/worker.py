@@ -12,7 +12,7 @@ from dvllm.config import EngineConfig
 from dvllm.core.scheduler_output import RunnerOutput, SchedulerOutput
 from dvllm.decode_budget import DecodeBudget
 from dvllm.lora.cache import lora_cache_for
-from dvllm.models.base import ModelAdapter, ModelInfo, denoiser_of
+from dvllm.models.base import ModelAdapter, ModelInfo, denoisers_of
 from dvllm.models.load_config import LoadConfig, LoadedModel
 from dvllm.models.loader import load_adapter
 from dvllm.parallel.group import WorkerGroup
@@ -54,10 +54,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _start_group(config: EngineConfig, adapter: ModelAdapter, device: torch.device,
                  parallel: ParallelConfig) -> WorkerGroup:
     """The worker's group, its every denoiser call shared with the members (and run again if the group fails)."""
-    if adapter.info.expert_boundary is not None:  # the members would hold and run only the first expert
-        raise ValueError(f"{adapter.name}: a two-expert model (Wan 2.2 A14B) is not served in a worker group yet: "
-                         "use sequence_parallel_size=1 and cfg_parallel_size=1")
-    group = WorkerGroup(parallel, config, denoiser_of(adapter.pipeline), device)
+    group = WorkerGroup(parallel, config, denoisers_of(adapter.pipeline), device)
     adapter.denoise = group.guard(adapter.denoise)  # the runner reads adapter.denoise per call
     return group
 

@@ -219,6 +219,11 @@ class ModelAdapter(ABC):
         """Batched VAE decode to [B, 3, H, W] images in [0, 1]; a video family's, of image_size (height, width,
         frames), to [B, frames, 3, H, W]."""
 
+    def follow_defaults(self, info: ModelInfo) -> ModelInfo:
+        """`info` with what depends on its request defaults made from them, once model_defaults.py's layers are
+        applied (the loader calls it): nothing for most families."""
+        return info
+
     def cache_spec(self) -> CacheSpec | None:
         """The transformer's parts step caching hooks; None: the family serves no step caching."""
         return None

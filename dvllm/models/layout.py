@@ -30,6 +30,7 @@ class BatchLayout:
     aesthetic_scores: tuple[tuple[float, float], ...] = ()  # per request: (prompt's, negative's) (SDXL refiner)
     pad: int = 0                                       # rows appended as copies of the last (bucketing)
     experts: tuple[int, ...] = ()                      # per request: its step's expert (two-expert models)
+    first_frames: tuple[bool, ...] = ()                # per request: its first latent frame is given (TI2V)
 
     # derived in __post_init__ (plain attributes, not cached properties: torch.compile traces reads of them)
     num_cond: int = field(init=False)

@@ -273,8 +273,8 @@ def _apply_defaults(adapter: ModelAdapter, source: ModelSource, layers: list[tup
     if defaults:
         info = adapter.info
         chosen = {DEFAULTS_FIELDS[k]: v for k, v in defaults.items() if k in DEFAULTS_FIELDS}
-        adapter.info = dataclasses.replace(info, defaults=dataclasses.replace(info.defaults, **chosen),
-                                           video=_video_defaults(info, defaults, where))
+        adapter.info = adapter.follow_defaults(dataclasses.replace(
+            info, defaults=dataclasses.replace(info.defaults, **chosen), video=_video_defaults(info, defaults, where)))
         logger.info("request defaults for %s: %s", source.name,
                     ", ".join(f"{k}={v} ({where[k]})" for k, v in sorted(defaults.items())))
 

@@ -174,6 +174,9 @@ class ImageInputs:
     # Image-to-video (Wan I2V): (height, width, frames) -> numbers per video of the state its image leaves (the
     # encoded condition frames, the image encoder's embedding); None: not an image-to-video model
     video_numel: Callable[[int, int, int], int] | None = None
+    # Wan 2.2 TI2V: the image's latents are the video's first latent frame (its input state), written over the
+    # latents at the start and after every step instead of read by the denoiser; the image is optional
+    first_frame: bool = False
 
 
 @dataclass(frozen=True)

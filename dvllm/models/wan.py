@@ -7,13 +7,15 @@ row's output depends on its own inputs only). The text is padded with zeros to m
 attended unmasked, as the pipeline does: every prompt has the one shape, so only the default length is served.
 
 Wan 2.2 TI2V (expand_timesteps) takes the timestep per latent token; it is the row's one timestep in text-to-
-video. Wan 2.2 A14B has two experts: `transformer` for timesteps at and above boundary_ratio * the training
-steps, `transformer_2` below, each with its guidance scale (guidance_scale_2). Rows on either side of the
-boundary in one step run one call per expert; both stay resident.
+video, and a request with an image is image-to-video (models/wan_ti2v.py), whichever Wan pipeline class holds
+the checkpoint. Wan 2.2 A14B has two experts: `transformer` for timesteps at and above boundary_ratio * the
+training steps, `transformer_2` below, each with its guidance scale (guidance_scale_2). Rows on either side of
+the boundary in one step run one call per expert; both stay resident.
 """
 from __future__ import annotations
 
-from functools import cached_property
+import dataclasses
+from functools import cached_property, partial
 from typing import Any
 
 import torch
@@ -21,6 +23,8 @@ import torch
 from dvllm.models.base import CacheSpec, Conditions, HookContext, ModelAdapter, transformer_cache_spec
 from dvllm.models.layout import BatchLayout
 from dvllm.models.model_info import Defaults, Latents, ModelInfo, Schedule, Text, Video
+from dvllm.models.wan_ti2v import first_frame_inputs, prepare_first_frame, timestep_mask
+from dvllm.request_sizes import aspect_size
 
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s max_sequence_length
 WAN21_FPS, WAN22_FPS = 16.0, 24.0  # the rates the models' cards export their videos at (TI2V-5B: 24)
@@ -53,7 +57,7 @@ class WanAdapter(ModelAdapter):
         # The rotary table has rope_max_seq_len positions along each of frames, height and width (in patches):
         # a video longer or larger than it fails in the forward (both experts must hold it)
         positions = min(expert.config.rope_max_seq_len for expert in self.experts)
-        return ModelInfo(
+        info = ModelInfo(
             family="wan", pipeline_class=type(pipe).__name__,
             # WanPipeline.__call__'s defaults
             defaults=Defaults(steps=50, guidance=5.0, height=480, width=832),
@@ -69,6 +73,16 @@ class WanAdapter(ModelAdapter):
             pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps,
             cache_layout=self.cache_layout(),
         )
+        return dataclasses.replace(info, images=first_frame_inputs(info)) if expand else info
+
+    def follow_defaults(self, info: ModelInfo) -> ModelInfo:
+        # an image request that names no size gets the default area at its image's aspect ratio: the area of the
+        # defaults in force (TI2V-5B's card: 704x1280), not the pipeline's
+        if info.images.edit_size is None:
+            return info
+        area = info.defaults.height * info.defaults.width
+        return dataclasses.replace(info, images=dataclasses.replace(
+            info.images, edit_size=partial(aspect_size, area, info.latents.size_factor)))
 
     def probe_condition_shapes(self) -> dict[str, tuple[int, ...]]:
         # every prompt is padded to the one length with the encoder's width: known without running it (which
@@ -89,19 +103,33 @@ class WanAdapter(ModelAdapter):
 
     def prepare_video_latents(self, n: int, height: int, width: int, frames: int, generator: torch.Generator,
                               init_noise_sigma: float) -> torch.Tensor:
+        from diffusers import WanPipeline
+
         channels = self.pipeline.vae.config.z_dim  # the transformer may take more: an image's condition (I2V)
-        latents = self.pipeline.prepare_latents(n, channels, height, width, frames, torch.float32, self.device,
-                                                generator)
+        # WanPipeline's draw, also where WanImageToVideoPipeline holds the model (TI2V's text-to-video)
+        latents = WanPipeline.prepare_latents(self.pipeline, n, channels, height, width, frames, torch.float32,
+                                              self.device, generator)
         return latents * init_noise_sigma
+
+    def prepare_image_to_video(self, image: Any, n: int, height: int, width: int, frames: int,
+                               generator: torch.Generator, init_noise_sigma: float
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.pipeline.config.expand_timesteps:
+            return super().prepare_image_to_video(image, n, height, width, frames, generator, init_noise_sigma)
+        return prepare_first_frame(self.pipeline, image, n, height, width, frames, generator, init_noise_sigma,
+                                   self.device)
+
+    def step_conditions(self, layout: BatchLayout, dtype: torch.dtype) -> Conditions:
+        if not self.pipeline.config.expand_timesteps:
+            return {}
+        return {"timestep_mask": timestep_mask(layout, self.info.latents, self.pipeline.transformer.config.patch_size)}
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                 guidance: torch.Tensor, layout: BatchLayout, context: HookContext | None = None
                 ) -> torch.Tensor:
         timestep, embeds = timesteps.to(torch.float32), conditions["prompt_embeds"]
-        if self.pipeline.config.expand_timesteps:  # one timestep per latent token (TI2V): here all the row's
-            _, p_h, p_w = self.pipeline.transformer.config.patch_size
-            tokens = latents.shape[2] * (latents.shape[3] // p_h) * (latents.shape[4] // p_w)
-            timestep = timestep[:, None].expand(-1, tokens)
+        if self.pipeline.config.expand_timesteps:  # one timestep per latent token (TI2V): 0 on a given first frame
+            timestep = conditions["timestep_mask"] * timestep[:, None]
         experts = layout.row_experts or (0,) * len(latents)
         hidden, extra = self.transformer_inputs(latents, conditions)
 
@@ -123,8 +151,8 @@ class WanAdapter(ModelAdapter):
         # The pipeline calls cond and uncond apart, each in its own cache_context: each branch decides alone.
         # A block's output is its hidden stream, the video's tokens; both its attentions (self and cross) give
         # video tokens, and TaylorSeer predicts both (diffusers' default patterns, "^blocks.*attn" matched whole,
-        # match neither attn1 nor attn2: there it predicts nothing). Two experts are not cached: the hooks sit on
-        # one transformer's blocks.
+        # match neither attn1 nor attn2: there it predicts nothing). Two experts are not cached (docs/video.md):
+        # a row's kept state is one transformer's block outputs, and the hooks sit on one transformer's blocks.
         if len(self.experts) > 1:
             return None
         t, pipe = self.pipeline.transformer, self.pipeline

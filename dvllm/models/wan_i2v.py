@@ -8,6 +8,9 @@ pipeline has one. Both are the request's private input state in the pool, flatte
 transformer gets them as the pipeline passes them: concatenated to the latents' channels, and as
 encoder_hidden_states_image. A request that names no size gets the model's default area at its image's
 aspect ratio, in multiples of the size factor, as diffusers' Wan I2V examples size it.
+
+Wan 2.2 TI2V (expand_timesteps) conditions no channel: its image is the video's first latent frame, and the
+image is optional. WanAdapter serves it, as it does the same checkpoint under WanPipeline (models/wan_ti2v.py).
 """
 from __future__ import annotations
 
@@ -19,16 +22,9 @@ from typing import Any
 import torch
 
 from dvllm.models.base import Conditions
-from dvllm.models.model_info import ImageInputs, ImageSizes, ModelInfo, latent_frames
+from dvllm.models.model_info import ImageInputs, ModelInfo, latent_frames
 from dvllm.models.wan import WanAdapter
-
-
-def aspect_size(area: int, multiple: int, sizes: ImageSizes) -> tuple[int, int]:
-    """(height, width) of about `area` pixels at the image's aspect ratio, each a multiple of `multiple`."""
-    (width, height), = sizes
-    ratio = height / width
-    return (max(multiple, round(math.sqrt(area * ratio)) // multiple * multiple),
-            max(multiple, round(math.sqrt(area / ratio)) // multiple * multiple))
+from dvllm.request_sizes import aspect_size
 
 
 def condition_numel(mask_channels: int, channels: int, scale: int, temporal: int, embed_numel: int,
@@ -41,15 +37,11 @@ def condition_numel(mask_channels: int, channels: int, scale: int, temporal: int
 class WanImageToVideoAdapter(WanAdapter):
     pipeline_classes = ("WanImageToVideoPipeline",)
 
-    def __init__(self, pipeline: Any, name: str, device: torch.device, dtype: torch.dtype) -> None:
-        if pipeline.config.expand_timesteps:
-            raise ValueError(f"{name}: Wan 2.2 TI2V's image-to-video (expand_timesteps) is not served yet; its "
-                             "text-to-video is (WanPipeline)")
-        super().__init__(pipeline, name, device, dtype)
-
     @cached_property
     def info(self) -> ModelInfo:
         info, pipe = super().info, self.pipeline
+        if pipe.config.expand_timesteps:  # TI2V: WanAdapter's rule
+            return info
         latents = info.latents
         embed = self._embed_shape()
         images = ImageInputs(
@@ -70,6 +62,8 @@ class WanImageToVideoAdapter(WanAdapter):
     def prepare_image_to_video(self, image: Any, n: int, height: int, width: int, frames: int,
                                generator: torch.Generator, init_noise_sigma: float) -> tuple[torch.Tensor, torch.Tensor]:
         pipe = self.pipeline
+        if pipe.config.expand_timesteps:
+            return super().prepare_image_to_video(image, n, height, width, frames, generator, init_noise_sigma)
         pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(self.device, torch.float32)
         # the noise is the generator's first draw, as in the pipeline (the encoders draw nothing)
         latents, condition = pipe.prepare_latents(pixels, n, pipe.vae.config.z_dim, height, width, frames,
@@ -81,6 +75,8 @@ class WanImageToVideoAdapter(WanAdapter):
 
     def transformer_inputs(self, latents: torch.Tensor, conditions: Conditions
                            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.pipeline.config.expand_timesteps:  # TI2V reads no input state: the first frame is in the latents
+            return latents, {}
         rows, state = len(latents), conditions["image_inputs"]
         mask_and_frames = (self.pipeline.vae_scale_factor_temporal + latents.shape[1], *latents.shape[2:])
         split = math.prod(mask_and_frames)

@@ -100,9 +100,10 @@ def member_devices(config: ParallelConfig, device: torch.device) -> list[str]:
 class WorkerGroup:
     """The leader's side of a group: its members, the process group, and the hook that shares each call."""
 
-    def __init__(self, config: ParallelConfig, engine_config: Any, denoiser: torch.nn.Module,
+    def __init__(self, config: ParallelConfig, engine_config: Any, denoisers: list[torch.nn.Module],
                  device: torch.device) -> None:
-        """`engine_config`: the flat EngineConfig the members load the model from."""
+        """`engine_config`: the flat EngineConfig the members load the model from; `denoisers`: the worker's
+        (a two-expert model's both, each call shared with the expert it runs)."""
         self.size, self.ring = config.size, config.ring_degree
         self.splits_tokens = config.sequence_parallel_size > 1  # the denoiser has the context-parallel plan on
         self.elastic = config.elastic  # the split chosen per step (choose_split)
@@ -117,7 +118,8 @@ class WorkerGroup:
         self.context: ForwardContext | None = None
         self._alone = False
         if self.splits_tokens:
-            check_context_parallel(denoiser, config.sequence_parallel_size // self.ring, self.ring, device)
+            for denoiser in denoisers:
+                check_context_parallel(denoiser, config.sequence_parallel_size // self.ring, self.ring, device)
         devices = member_devices(config, device)
         if len(devices) != self.size - 1:
             raise ValueError(f"a group of {self.size} needs {self.size - 1} member devices, got {devices}")
@@ -125,7 +127,8 @@ class WorkerGroup:
         if dist.is_initialized():
             raise ValueError("this process already belongs to a torch.distributed group; a process leads one worker "
                              "group (run another engine in a process of its own)")
-        self.config, self.denoiser, self.device = config, denoiser, device
+        self.config, self.denoisers, self.device = config, denoisers, device
+        self.denoiser = denoisers[0]
         self.restarts = 0  # times the group was formed anew
         # One exchange with the members at a time: the step loop's forwards and the decode stage's decodes
         self.lock = threading.Lock()
@@ -145,8 +148,9 @@ class WorkerGroup:
         except BaseException:
             self.close()
             raise
-        self._hooks = [denoiser.register_forward_pre_hook(self._share_call, with_kwargs=True),
-                       denoiser.register_forward_hook(self._call_done)]
+        self._hooks = [hook for denoiser in denoisers for hook in (
+            denoiser.register_forward_pre_hook(self._share_call, with_kwargs=True),
+            denoiser.register_forward_hook(self._call_done))]
 
     def load_lora(self, slot: int, ref: LoraRef | None) -> None:
         """The members' slot made the worker's (after the worker loaded it; None: emptied): each member reads the
@@ -185,7 +189,10 @@ class WorkerGroup:
     def _run(self, fn: Callable[..., torch.Tensor], args: tuple, kwargs: dict, alone: bool) -> torch.Tensor:
         # the worker's split off: a forward alone, or (elastic) a rows step
         paused = self.splits_tokens and (alone or self.row_groups == self.size)
-        with context_parallel_paused(self.denoiser) if paused else contextlib.nullcontext():
+        with contextlib.ExitStack() as split_off:
+            if paused:
+                for denoiser in self.denoisers:
+                    split_off.enter_context(context_parallel_paused(denoiser))
             self._alone = alone
             try:
                 return fn(*args, **kwargs)
@@ -285,11 +292,12 @@ class WorkerGroup:
             member.send(JoinOrder(member.index, self.size, init_file, self.config.timeout_s))
         dist.init_process_group(backend(self.device), init_method=f"file://{init_file}", rank=0,
                                 world_size=self.size, timeout=timedelta(seconds=self.config.timeout_s))
-        if self.splits_tokens and first:
-            span = self.size // self.cfg_groups
-            enable_context_parallel(self.denoiser, span // self.ring, self.ring, self.device, self.cfg_groups)
-        elif self.splits_tokens:
-            rejoin_context_parallel(self.denoiser)
+        for denoiser in self.denoisers if self.splits_tokens else ():  # in the members' order
+            if first:
+                span = self.size // self.cfg_groups
+                enable_context_parallel(denoiser, span // self.ring, self.ring, self.device, self.cfg_groups)
+            else:
+                rejoin_context_parallel(denoiser)
         for member in self.members:
             member.done()
 
@@ -318,8 +326,9 @@ class WorkerGroup:
         skeleton = pack((args, kwargs), tensors)
         loras = self._call_loras()
         groups = self.row_groups
+        expert = next(i for i, denoiser in enumerate(self.denoisers) if denoiser is module)
         for member in self.members:
-            member.send(SharedCall(groups, skeleton, loras))
+            member.send(SharedCall(groups, skeleton, loras, expert))
         send_tensors(tensors)
         self.forwards["rows" if groups > 1 else "tokens"] += 1
         if groups == 1:

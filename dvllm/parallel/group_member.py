@@ -1,9 +1,10 @@
 """A worker group's member: a process of dvllm's runtime (runtime/spawn.py), started by the
 group's leader (parallel/group.py). It joins the group's process group, loads the model as the leader did and keeps
-its denoiser alone; then, for each denoiser call the leader makes, it receives the call's arguments and runs it
-with the leader. Sequence parallel: the whole call, split inside the forward by the same context-parallel plan
-(the output is the leader's; a member's is dropped). CFG-parallel: its own slice of the rows, whose output it
-sends to the leader. It also decodes its share of the leader's VAE decodes (parallel/group_decode.py).
+its denoisers alone (a two-expert model's both: a call names its expert); then, for each denoiser call the leader
+makes, it receives the call's arguments and runs it with the leader. Sequence parallel: the whole call, split
+inside the forward by the same context-parallel plan (the output is the leader's; a member's is dropped).
+CFG-parallel: its own slice of the rows, whose output it sends to the leader. It also decodes its share of the
+leader's VAE decodes (parallel/group_decode.py).
 
 LoRA: a member holds the same adapter slots as the leader (their denoiser layers only: the leader encodes), each
 load sent to it as the leader loads (`LoraSlot`, the adapter's id: the member reads the file itself), and each call
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from dvllm.lora.cache import LoraCache, lora_cache_for
 from dvllm.lora.ref import LoraRef
 from dvllm.lora.weights import LoraWeights
-from dvllm.models.base import denoiser_component
+from dvllm.models.base import denoiser_component, denoisers_of
 from dvllm.models.load_config import LoadConfig
 from dvllm.parallel.call_broadcast import receive
 from dvllm.parallel.group_decode import DecodeCalls
@@ -58,6 +59,7 @@ class SharedCall:
     row_groups: int
     skeleton: Any
     lora_rows: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    expert: int = 0  # which denoiser: a two-expert model's (Wan 2.2 A14B) second is 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +70,9 @@ class LoraSlot:
     ref: LoraRef | None
 
 
-def denoiser_lora(weights: LoraWeights, component: str) -> LoraWeights:
-    """The adapter's layers in the denoiser `component` only: what a member applies."""
-    return dataclasses.replace(weights, layers={c: v for c, v in weights.layers.items() if c == component})
+def denoiser_lora(weights: LoraWeights, components: tuple[str, ...]) -> LoraWeights:
+    """The adapter's layers in the denoiser `components` only (a two-expert model's both): what a member applies."""
+    return dataclasses.replace(weights, layers={c: v for c, v in weights.layers.items() if c in components})
 
 
 def backend(device: torch.device) -> str:
@@ -79,16 +81,16 @@ def backend(device: torch.device) -> str:
 
 @dataclasses.dataclass
 class Member:
-    """What a member holds: the denoiser, the group's config, the VAE decoder when the group shares its decodes
-    (parallel/group_decode.py), and the LoRA slots over its denoiser (named `component` in the pipeline) with the
-    adapters it read, when LoRA is on."""
+    """What a member holds: the denoisers (a two-expert model's both), the group's config, the VAE decoder when
+    the group shares its decodes (parallel/group_decode.py), and the LoRA slots over its denoisers (named
+    `components` in the pipeline) with the adapters it read, when LoRA is on."""
 
-    denoiser: torch.nn.Module
+    denoisers: list[torch.nn.Module]
     parallel: ParallelConfig
     decoder: torch.nn.Module | None = None
     lora: LoraLayers | None = None
     lora_cache: LoraCache | None = None
-    component: str = "transformer"
+    components: tuple[str, ...] = ("transformer",)
 
     def load_lora(self, slot: int, ref: LoraRef | None) -> None:
         """The adapter's denoiser layers, read from its file (or the member's cache), into the slot; None: emptied."""
@@ -97,7 +99,7 @@ class Member:
         if ref is None:
             self.lora.evict(slot)
         else:
-            self.lora.load(slot, denoiser_lora(self.lora_cache.weights(ref), self.component))
+            self.lora.load(slot, denoiser_lora(self.lora_cache.weights(ref), self.components))
 
     def with_loras(self, rows: tuple | None) -> ContextManager[None]:
         """The call's rows' adapters, as a plan over the member's slots, given to its LoRA layers for the span."""
@@ -107,7 +109,7 @@ class Member:
 
 
 def load_denoiser(config: Any, device: torch.device) -> Member:
-    """The model loaded as the leader loaded it (same weights, dummy ones from the same seed), the denoiser kept."""
+    """The model loaded as the leader loaded it (same weights, dummy ones from the same seed), the denoisers kept."""
     from dvllm.models.loader import load_adapter
 
     if device.type == "cuda":
@@ -119,30 +121,31 @@ def load_denoiser(config: Any, device: torch.device) -> Member:
     from dvllm.parallel.group_decode import decodes_in_group
 
     parallel = ParallelConfig.of(config)  # the member's part of the engine's settings, resolved once
-    component, vae = denoiser_component(adapter.pipeline), adapter.pipeline.vae
-    denoiser = getattr(adapter.pipeline, component)
+    vae, denoisers = adapter.pipeline.vae, denoisers_of(adapter.pipeline)
+    components = (denoiser_component(adapter.pipeline), "transformer_2")[:len(denoisers)]
     decoder = vae.decoder if decodes_in_group(parallel, vae) else None
     lora = None
-    if config.enable_lora:  # slots over the denoiser alone, as many and as wide as the leader's
-        lora = LoraLayers(types.SimpleNamespace(**{component: denoiser}), config.max_loras, config.max_lora_rank,
-                          ForwardHooks())
+    if config.enable_lora:  # slots over the denoisers alone, as many and as wide as the leader's
+        lora = LoraLayers(types.SimpleNamespace(**dict(zip(components, denoisers))), config.max_loras,
+                          config.max_lora_rank, ForwardHooks())
     del adapter, vae
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return Member(denoiser, parallel, decoder, lora, lora_cache_for(config), component)
+    return Member(denoisers, parallel, decoder, lora, lora_cache_for(config), components)
 
 
 def join(member: Member, order: JoinOrder, device: torch.device) -> None:
-    """Into the process group, then (sequence parallel) the denoiser split as the leader splits its own."""
+    """Into the process group, then (sequence parallel) each denoiser split as the leader splits its own."""
     from dvllm.parallel.context_parallel import enable_context_parallel
 
     config = member.parallel
     dist.init_process_group(backend(device), init_method=f"file://{order.init_file}", rank=order.rank,
                             world_size=order.world_size, timeout=timedelta(seconds=order.timeout_s))
     if config.sequence_parallel_size > 1:
-        enable_context_parallel(member.denoiser, config.sequence_parallel_size // config.ring_degree,
-                                config.ring_degree, device, config.cfg_parallel_size)
+        for denoiser in member.denoisers:  # in the leader's order: each makes its mesh with collectives
+            enable_context_parallel(denoiser, config.sequence_parallel_size // config.ring_degree,
+                                    config.ring_degree, device, config.cfg_parallel_size)
 
 
 def run(member: Member, message: Any, device: torch.device) -> list[torch.Tensor] | None:
@@ -176,7 +179,7 @@ def shared_call(member: Member, message: SharedCall, device: torch.device) -> No
     from dvllm.parallel.context_parallel import context_parallel_paused
 
     args, kwargs = receive(message.skeleton, device)
-    denoiser = member.denoiser
+    denoiser = member.denoisers[message.expert]
     groups = message.row_groups
     if groups == 1:  # the same call: the split is inside the forward
         with member.with_loras(message.lora_rows):

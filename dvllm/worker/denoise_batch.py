@@ -21,6 +21,7 @@ from dvllm.profiler import PhaseTimer
 from dvllm.samplers import StepRow
 from dvllm.worker.conditions import unflatten
 from dvllm.worker.denoiser import Denoiser, Forward, ForwardInputs
+from dvllm.worker.first_frame import hold_first_frame
 from dvllm.worker.forward_context import ForwardHooks
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.model_dtype_product import x0_terms
@@ -107,6 +108,7 @@ def denoise_step(parts: StepParts, states: list[RequestState]) -> StepResult:
     with timer.phase("update_scatter"):
         update(pool, batch, guide(adapter, batch, out), result.errors, result.previews)
         renoise_known_region(adapter, pool, batch.states, result.errors)
+        hold_first_frame(adapter, pool, batch.states, result.errors)
         if caching is not None:
             ids = {id(s.cache): s.request_id for s in batch.states if s.cache is not None}
             for state, skipped, computed in caching.commit(pool.write):
@@ -122,6 +124,7 @@ def batch_layout(adapter: ModelAdapter, states: list[RequestState], rows: list[S
         num_cfg_requests=sum(1 for s in states if s.data.cfg),
         guidance=tuple(_guidance(info, s, row) for s, row in zip(states, rows)),
         experts=tuple(info.expert(row.timestep) for row in rows) if info.expert_boundary is not None else (),
+        first_frames=tuple(s.input_numel > 0 for s in states) if info.images.first_frame else (),
         text_lengths=tuple(s.text_lengths for s in states) if states[0].text_lengths is not None else None,
         image_grids=tuple(tuple(x for grid in s.data.input_grids for x in grid) for s in states)
         if info.images.edit_grids is not None else (),
