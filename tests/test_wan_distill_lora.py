@@ -1,8 +1,9 @@
 """A step-distill LoRA mixed with undistilled requests of the same Wan base, in one batch.
 
 LightX2V's 4-step LoRAs (Wan2.1 "lightx2v" / CausVid, Wan2.2-Lightning, Wan2.2-Distill-Loras) ship in the
-original Wan checkpoint's key names (`diffusion_model.blocks.N.self_attn.q.lora_down.weight`, `.alpha`), which
-diffusers' Wan loader converts; a distilled request runs a few steps at guidance 1.0 (no CFG rows) beside
+original Wan checkpoint's key names (`diffusion_model.blocks.N.self_attn.q.lora_down.weight`, `.alpha`), with
+bias deltas (`.diff_b`: a bias of B, peft's lora_bias) and the output head as a full delta (`head.head.diff`),
+which diffusers' Wan loader converts; a distilled request runs a few steps at guidance 1.0 (no CFG rows) beside
 undistilled ones at many steps with CFG. Each video must equal WanPipeline's run alone with the same seed,
 steps, guidance and adapter weight (set_adapters), as frames and as latents."""
 from __future__ import annotations
@@ -31,10 +32,12 @@ BATCH = [("a red circle moving to the right", P(num_inference_steps=4, guidance_
 
 
 def lightx2v_style_lora(pipe: WanPipeline, path: str, seed: int, rank: int = 4, alpha: float = 8.0,
-                        std: float = 0.2) -> str:
+                        std: float = 0.2, biases: bool = True) -> str:
     """A random adapter for every attention and FFN Linear of `pipe`'s transformer blocks, written as LightX2V
     writes its distill LoRAs: the original Wan module names under `diffusion_model.`, lora_down / lora_up with an
-    `.alpha` per layer."""
+    `.alpha` per layer, and the head's weight delta as a full-rank layer; with `biases`, a `.diff_b` per layer and
+    the head's as `head.head.diff` and `head.head.diff_b`, as in lightx2v/Wan2.2-Distill-Loras (without, the head
+    as lora_down / lora_up of its full rank: what diffusers makes of the `.diff`, without the bias)."""
     generator = torch.Generator().manual_seed(seed)
     original = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
                 "attn1.to_out.0": "self_attn.o", "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k",
@@ -48,6 +51,16 @@ def lightx2v_style_lora(pipe: WanPipeline, path: str, seed: int, rank: int = 4, 
             tensors[f"{key}.lora_down.weight"] = torch.randn(rank, layer.in_features, generator=generator) * std
             tensors[f"{key}.lora_up.weight"] = torch.randn(layer.out_features, rank, generator=generator) * std
             tensors[f"{key}.alpha"] = torch.tensor(alpha)
+            if biases:
+                tensors[f"{key}.diff_b"] = torch.randn(layer.out_features, generator=generator) * std
+    head = pipe.transformer.proj_out
+    delta = torch.randn(head.out_features, head.in_features, generator=generator) * std
+    if biases:
+        tensors["diffusion_model.head.head.diff"] = delta
+        tensors["diffusion_model.head.head.diff_b"] = torch.randn(head.out_features, generator=generator) * std
+    else:
+        tensors["diffusion_model.head.head.lora_down.weight"] = delta
+        tensors["diffusion_model.head.head.lora_up.weight"] = torch.eye(head.out_features)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     save_file(tensors, path)
     return path
@@ -97,12 +110,71 @@ def test_distilled_and_undistilled_requests_share_forwards_and_each_equals_the_p
         assert float(np.abs(outs[0].images[0].numpy() - other).max()) > 20 * LATENT_TOL, change
 
 
-def test_a_distilled_request_alone_equals_itself_in_the_mix(distill):
-    """Batching changes nothing: the 2-step half-weight request run alone gives the video it gave beside others."""
+def test_distilled_requests_alone_and_without_undistilled_rows_equal_the_pipeline(distill):
+    """The layers' other paths: one row with its adapter (every row adapted, one set), and A and C without B
+    (every row adapted, each its own weight)."""
     engine, pipe = distill
-    prompt, c = BATCH[2]
-    params = P(**{**vars(c), "output_type": "latent"})
-    alone = engine.generate(prompt, params, use_tqdm=False)[0]
-    assert alone.error is None, alone.error
-    want = reference(pipe, prompt, params, "latent")[0]
-    assert float(np.abs(alone.images[0].numpy() - want).max()) <= LATENT_TOL
+    for batch in ([BATCH[2]], [BATCH[0], BATCH[2]]):
+        params = [P(**{**vars(p), "output_type": "latent"}) for _, p in batch]
+        outs = engine.generate([q for q, _ in batch], params, use_tqdm=False)
+        for (prompt, _), p, out in zip(batch, params, outs):
+            assert out.error is None, out.error
+            want = reference(pipe, prompt, p, "latent")[0]
+            assert float(np.abs(out.images[0].numpy() - want).max()) <= LATENT_TOL, (prompt, len(batch))
+
+
+def test_biased_adapters_replay_captured_graphs_with_the_eager_videos(distill, tmp_path):
+    """A forward whose adapters add biases is captured as its own graph (the layers' bias is part of its key: an
+    adapter without biases on the same layers, run first, captures graphs that add none) and replayed by a batch
+    with another biased adapter, other weights and seeds (graph_emulator.py)."""
+    from graph_emulator import emulated_capture
+
+    from dvllm.worker.denoiser import Denoiser
+
+    engine, pipe = distill
+    added = {name: lightx2v_style_lora(pipe, str(tmp_path / name / "lora.safetensors"), seed=seed, biases=biased)
+             for name, seed, biased in (("plain", 9, False), ("other", 8, True))}
+    for name, path in added.items():
+        engine.load_lora(name, path)
+    graphed = DiffusionEngine(model=engine.config.model, device="cpu", dtype="float32",
+                              lora_modules={NAME: engine.loras.list()[0]["file"], **added})
+    runner = graphed.executor.worker.runner
+    runner.denoiser = Denoiser(runner.adapter, graphed.config, capture=emulated_capture)
+    latents = [(q, P(**{**vars(p), "output_type": "latent"})) for q, p in BATCH]
+    batches = [[(q[::-1], P(**{**vars(p), "seed": p.seed + 10 * n, "loras": p.loras and {name: 0.8 - 0.6 * i}}))
+                for i, (q, p) in enumerate(latents)] for n, name in enumerate(("plain", NAME, "other"))]
+    try:
+        for batch in batches:
+            prompts, params = [q for q, _ in batch], [p for _, p in batch]
+            want = engine.generate(prompts, params, use_tqdm=False)
+            got = graphed.generate(prompts, params, use_tqdm=False)
+            for w, g in zip(want, got):
+                assert g.error is None, g.error
+                np.testing.assert_allclose(g.images[0].numpy(), w.images[0].numpy(), atol=1e-5, rtol=0)
+    finally:
+        for name in added:
+            engine.unload_lora(name)
+    graphs = runner.denoiser.graphs
+    assert graphs and all(g is not None for g in graphs.values()), "a capture failed"
+    # Two LoRA structures (steps 1-2: A and C adapted beside B; steps 3-4: A beside B), each once without biases
+    # (2 steps) and once with them, captured by the second batch and replayed by the third (2 steps x 2 batches)
+    assert sorted(g.graph.replays for g in graphs.values() if g.lora is not None) == [2, 2, 4, 4]
+    graphed.shutdown()
+
+
+def test_a_step_with_biased_adapters_reads_nothing_back(distill):
+    """Which layers add a bias is known on the host: the mixed step (A and C adapted, each its own weight, beside
+    B's CFG rows) waits on nothing (flow_euler: Wan's UniPC is still stepped by diffusers, which reads back)."""
+    from host_syncs import HostSyncs
+    from test_host_syncs import VIDEO_SAMPLER, _own_sites
+
+    engine, _ = distill
+    for i, (prompt, p) in enumerate(BATCH):
+        engine.add_request(f"sync-{i}", prompt, P(**{**vars(p), "sampler": VIDEO_SAMPLER}))
+    engine.step()  # admission (encoding reads the texts' lengths once) and the first step
+    with HostSyncs() as syncs:
+        outputs = engine.step()
+    assert not [o.error for o in outputs if o.error], outputs
+    assert not _own_sites(syncs), syncs.report()
+    while engine.has_unfinished_requests():
+        engine.step()

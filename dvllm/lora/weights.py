@@ -1,5 +1,7 @@
 """One LoRA adapter as dvllm applies it: per adapted Linear layer, A [r, in] and B [out, r] already
-multiplied by the layer's alpha / r (per Conv2d layer, A [r, in, kh, kw] and B [out, r]).
+multiplied by the layer's alpha / r (per Conv2d layer, A [r, in, kh, kw] and B [out, r]), and where the adapter
+has one, the bias of B (peft's lora_bias: LightX2V's and CausVid's Wan LoRAs carry `diff_b` keys, which diffusers
+loads as such), times alpha / r as well.
 
 The file (already located and checked: files.py) is read the way `pipe.load_lora_weights(path)` reads it
 (diffusers' key conversions for every format it knows, alpha from the adapter metadata, else from `.alpha`
@@ -38,6 +40,8 @@ class LoraWeights:
     rank: int   # the largest rank of its layers
     # component ("unet", "transformer", "text_encoder"...) -> module name -> (A, B * alpha / r), on the CPU
     layers: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(repr=False)
+    # component -> module name -> B's bias [out] * alpha / r, for the Linear layers that have one
+    biases: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def has_text_encoder(self) -> bool:
@@ -55,7 +59,7 @@ def read_lora(skeleton: Any, name: str, file: LoraFile, max_rank: int, digest: s
         # file, no Hub lookup.
         skeleton.load_lora_weights(path, adapter_name=key, low_cpu_mem_usage=True,
                                    use_safetensors=file.is_safetensors, local_files_only=True)
-        layers = _take_layers(skeleton, key, path)
+        layers, biases = _take_layers(skeleton, key, path)
     except _Refused:
         raise
     except Exception as e:  # a missing file, a file that is no LoRA, shapes of another model...
@@ -70,13 +74,15 @@ def read_lora(skeleton: Any, name: str, file: LoraFile, max_rank: int, digest: s
     if rank > max_rank:
         raise ValueError(f"LoRA adapter {name!r} has rank {rank}, more than max_lora_rank={max_rank}: "
                          "raise max_lora_rank")
-    return LoraWeights(name=name, digest=digest, path=path, rank=rank, layers=layers)
+    return LoraWeights(name=name, digest=digest, path=path, rank=rank, layers=layers, biases=biases)
 
 
-def _take_layers(skeleton: Any, key: str, path: str) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+def _take_layers(skeleton: Any, key: str, path: str) -> tuple[dict, dict]:
+    """The adapter's layers ({component: {module: (A, B)}}) and B's biases ({component: {module: bias}})."""
     from peft.tuners.lora import LoraLayer
 
     layers: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    biases: dict[str, dict[str, torch.Tensor]] = {}
     for component, model in _components(skeleton):
         placed = set()
         for module_name, module in model.named_modules():
@@ -84,13 +90,16 @@ def _take_layers(skeleton: Any, key: str, path: str) -> dict[str, dict[str, tupl
                 continue
             placed.add(module_name)
             where = f"{component}.{module_name}"
-            if module.use_dora.get(key) or getattr(module, "lora_bias", {}).get(key) \
-                    or key in getattr(module, "lora_variant", {}):
-                raise _Refused(f"{path!r}: {where} is a DoRA / biased LoRA layer, which dvllm does not serve")
+            if module.use_dora.get(key) or key in getattr(module, "lora_variant", {}):
+                raise _Refused(f"{path!r}: {where} is a DoRA LoRA layer, which dvllm does not serve")
             base = module.get_base_layer()
             if key not in module.lora_A or not servable(base):
                 raise _Refused(f"{path!r}: {where} is a {type(base).__name__}; dvllm applies LoRA to Linear and "
                                "Conv2d (groups=1) layers only")
+            bias = module.lora_B[key].bias if getattr(module, "lora_bias", {}).get(key) else None
+            if bias is not None and not isinstance(base, torch.nn.Linear):
+                raise _Refused(f"{path!r}: {where} is a biased LoRA layer on a {type(base).__name__}; dvllm serves "
+                               "LoRA biases on Linear layers only")
             a, b = module.lora_A[key].weight, module.lora_B[key].weight
             scale = module.scaling[key]
             if not math.isfinite(scale):
@@ -100,8 +109,12 @@ def _take_layers(skeleton: Any, key: str, path: str) -> dict[str, dict[str, tupl
             _check_values(path, f"{where}.lora_A", a)
             _check_values(path, f"{where}.lora_B (times alpha / rank)", b)
             layers.setdefault(component, {})[module_name] = (a, b)
+            if bias is not None:
+                bias = (bias.detach().float() * scale).contiguous()
+                _check_values(path, f"{where}.lora_B.bias (times alpha / rank)", bias)
+                biases.setdefault(component, {})[module_name] = bias
         _check_placed(path, component, getattr(model, EXPECTED_LAYERS, None), placed)
-    return layers
+    return layers, biases
 
 
 def _components(skeleton: Any) -> list[tuple[str, torch.nn.Module]]:

@@ -72,7 +72,8 @@ class LoraSlot:
 
 def denoiser_lora(weights: LoraWeights, components: tuple[str, ...]) -> LoraWeights:
     """The adapter's layers in the denoiser `components` only (a two-expert model's both): what a member applies."""
-    return dataclasses.replace(weights, layers={c: v for c, v in weights.layers.items() if c in components})
+    return dataclasses.replace(weights, layers={c: v for c, v in weights.layers.items() if c in components},
+                               biases={c: v for c, v in weights.biases.items() if c in components})
 
 
 def backend(device: torch.device) -> str:

@@ -2,11 +2,12 @@
 
 Resident adapters live in a bounded slot table (max_loras slots), one table per adapted Linear or Conv2d
 layer: A [slots, max_rank, in] and B transposed [slots, max_rank, out], zero-padded to the largest rank,
-B already multiplied by alpha / r. A slot table rather than pages of the state pool: every layer reads
-whole adapters every step, and one contiguous table per layer makes a row's adapters one index away.
+B already multiplied by alpha / r; a Linear layer that an adapter gives B a bias (LightX2V's Wan LoRAs) also gets
+a table of biases [slots, out], times alpha / r. A slot table rather than pages of the state pool: every layer
+reads whole adapters every step, and one contiguous table per layer makes a row's adapters one index away.
 
 Each wrapped layer computes base(x) for the whole batch, then, for the rows with adapters only, adds
-    sum over the row's adapters (slot s, weight w) of w * B_s @ A_s @ x[row]
+    sum over the row's adapters (slot s, weight w) of w * (B_s @ A_s @ x[row] + bias_s)
 in place, as two batched matmuls over the rows' gathered adapters (the ranks of a row's adapters side by
 side; the second one accumulates into the output), so rows with different adapter sets share the forward
 and a row pays for its own adapters' ranks only. Rows without adapters pay nothing past the base layer.
@@ -50,12 +51,24 @@ class _Table:
             self.a = torch.zeros(num_slots, rank, module.in_features, **kw)
             self.bt = torch.zeros(num_slots, rank, module.out_features, **kw)
         self.filled: set[int] = set()
+        # B's biases [slots, out], made when the first adapter with one is loaded (zeros for the others)
+        self.bias: torch.Tensor | None = None
+        self.biased: set[int] = set()
+
+    def set_bias(self, slot: int, bias: torch.Tensor) -> None:
+        if self.bias is None:
+            self.bias = self.bt.new_zeros(self.bt.shape[0], self.bt.shape[2])
+        self.bias[slot].copy_(bias)
+        self.biased.add(slot)
 
 
-def _fits(module: Any, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether an adapter layer's A and B are made for this module."""
+def _fits(module: Any, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether an adapter layer's A, B and B's bias (Linear layers only) are made for this module."""
     if isinstance(module, torch.nn.Linear):
-        return a.dim() == 2 and a.shape[1] == module.in_features and b.shape[0] == module.out_features
+        return a.dim() == 2 and a.shape[1] == module.in_features and b.shape[0] == module.out_features \
+            and (bias is None or tuple(bias.shape) == (module.out_features,))
+    if bias is not None:
+        return False
     if isinstance(module, torch.nn.Conv2d):
         return tuple(a.shape[1:]) == (module.in_channels, *module.kernel_size) and b.shape[0] == module.out_channels
     return False
@@ -78,18 +91,21 @@ class LoraLayers:
         targets = []
         for component, layers in weights.layers.items():
             modules = self._named(component)
+            biases = weights.biases.get(component, {})
             for name, (a, b) in layers.items():
-                module = modules.get(name)
-                if not _fits(module, a, b):
+                module, bias = modules.get(name), biases.get(name)
+                if not _fits(module, a, b, bias):
                     raise ValueError(f"LoRA adapter {weights.name!r} does not fit {component}.{name} of this model")
-                targets.append((component, name, module, a, b))
+                targets.append((component, name, module, a, b, bias))
         self.evict(slot)
-        for component, name, module, a, b in targets:
+        for component, name, module, a, b, bias in targets:
             table = self._table(component, name, module)
             r = a.shape[0]
             table.a[slot, :r].copy_(a)
             table.bt[slot, :r].copy_(b.T)
             table.filled.add(slot)
+            if bias is not None:
+                table.set_bias(slot, bias)
         self.slot_digest[slot], self.slot_rank[slot] = weights.digest, weights.rank
 
     def evict(self, slot: int) -> None:
@@ -98,6 +114,9 @@ class LoraLayers:
                 table.a[slot].zero_()
                 table.bt[slot].zero_()
                 table.filled.discard(slot)
+            if slot in table.biased:
+                table.bias[slot].zero_()
+                table.biased.discard(slot)
         self.slot_digest[slot], self.slot_rank[slot] = None, 0
 
     def slot_of(self, digest: str) -> int:
@@ -120,11 +139,12 @@ class LoraLayers:
             yield
 
     def coverage(self, slots: set[int]) -> tuple[int, ...]:
-        """Which layers the adapters in `slots` change, as a short key: adapters made for one model mostly
-        change the same layers, so forwards with different adapters share a captured graph."""
+        """Which layers the adapters in `slots` change, and where they add a bias, as a short key: adapters made
+        for one model mostly change the same layers, so forwards with different adapters share a captured graph."""
         ids = set()
         for slot in slots:
-            layers = frozenset(key for key, table in self.tables.items() if slot in table.filled)
+            layers = frozenset((key, slot in table.biased) for key, table in self.tables.items()
+                               if slot in table.filled)
             ids.add(self._coverage_ids.setdefault(layers, len(self._coverage_ids)))
         return tuple(sorted(ids))
 
@@ -247,24 +267,40 @@ class LoraPlan:
 
     def _add_linear(self, table: _Table, xs: torch.Tensor, out: torch.Tensor, view: _View) -> None:
         r, width = self.rank, xs.shape[-1]
+        # the plan's adapters add a bias here (known on the host: graph_key's coverage says so too)
+        biased = table.bias is not None and not self.slots.isdisjoint(table.biased)
         if view.shared:  # [k * r, in] and [k * r, out] for every row: two plain matmuls
             a, bt = table.a[view.slots[0], :r].flatten(0, 1), table.bt[view.slots[0], :r].flatten(0, 1)
             h = xs.reshape(-1, width) @ a.T
             h *= view.scale[0]
+            bias = view.scale[0, ::r] @ table.bias[view.slots[0]] if biased else None  # [out]: sum of w * bias
             if view.local is None:
                 out.view(-1, bt.shape[1]).addmm_(h, bt)
+                if bias is not None:
+                    out += bias
             else:
-                out.index_add_(0, view.local, (h @ bt).view(*xs.shape[:-1], -1))
+                delta = (h @ bt).view(*xs.shape[:-1], -1)
+                if bias is not None:
+                    delta += bias
+                out.index_add_(0, view.local, delta)
             return
         rows, k = view.slots.shape  # per row: [rows, k * r, in] and [rows, k * r, out], batched matmuls
         a = table.a[view.slots, :r].reshape(rows, k * r, width)
         bt = table.bt[view.slots, :r].reshape(rows, k * r, -1)
         h = torch.bmm(xs.reshape(rows, -1, width), a.transpose(1, 2))
         h *= view.scale.unsqueeze(1)
+        # [rows, 1, out]: each row's sum of w * bias over its adapters
+        bias = torch.bmm(view.scale[:, ::r].unsqueeze(1), table.bias[view.slots]) if biased else None
         if view.local is None:
-            out.view(rows, -1, bt.shape[2]).baddbmm_(h, bt)
+            delta = out.view(rows, -1, bt.shape[2])
+            delta.baddbmm_(h, bt)
+            if bias is not None:
+                delta += bias
         else:
-            out.index_add_(0, view.local, torch.bmm(h, bt).view(*xs.shape[:-1], -1))
+            delta = torch.bmm(h, bt)
+            if bias is not None:
+                delta += bias
+            out.index_add_(0, view.local, delta.view(*xs.shape[:-1], -1))
 
     def _add_conv(self, table: _Table, xs: torch.Tensor, out: torch.Tensor, view: _View) -> None:
         r, (rows, k) = self.rank, view.slots.shape

@@ -235,17 +235,19 @@ def step_cache_bytes(info: ModelInfo, rows: int, size: tuple[int, ...], dtype: t
 
 def lora_table_bytes(adapter: ModelAdapter, config: EngineConfig) -> int:
     """The most the LoRA slot tables can grow to: A and B of max_lora_rank for every Linear and Conv2d layer
-    an adapter may change (worker/lora_layers.py), in every LoRA-loadable component, in each of max_loras slots
-    (0 without LoRA serving)."""
+    an adapter may change (worker/lora_layers.py), and a bias of B for every Linear one, in every LoRA-loadable
+    component, in each of max_loras slots (0 without LoRA serving)."""
     if not config.enable_lora:
         return 0
-    per_rank = 0
+    per_rank = biases = 0
     for name in getattr(type(adapter.pipeline), "_lora_loadable_modules", ()):
         model = getattr(adapter.pipeline, name, None)
         if isinstance(model, torch.nn.Module):
-            per_rank += sum(_table_numel_per_rank(m) * m.weight.element_size() for m in model.modules()
-                            if servable(m))
-    return per_rank * config.max_lora_rank * config.max_loras
+            layers = [m for m in model.modules() if servable(m)]
+            per_rank += sum(_table_numel_per_rank(m) * m.weight.element_size() for m in layers)
+            biases += sum(m.out_features * m.weight.element_size() for m in layers
+                          if isinstance(m, torch.nn.Linear))
+    return (per_rank * config.max_lora_rank + biases) * config.max_loras
 
 
 def _table_numel_per_rank(module: torch.nn.Module) -> int:
