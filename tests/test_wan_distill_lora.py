@@ -178,3 +178,58 @@ def test_a_step_with_biased_adapters_reads_nothing_back(distill):
     assert not _own_sites(syncs), syncs.report()
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_an_adapters_folder_defaults_steps_and_guidance_for_the_requests_naming_it(distill, tmp_path):
+    """`dvllm_defaults.json` beside a distill LoRA: a request naming it and setting neither steps nor guidance runs
+    the adapter's 4 steps without CFG (and equals the pipeline so run); what a request sets, and requests without
+    the adapter, keep their own. Two adapters that disagree on a field the request leaves unset are refused."""
+    import json
+    import shutil
+
+    engine, pipe = distill
+    folder = tmp_path / "lightning-4step"
+    folder.mkdir()
+    shutil.copy(engine.loras.list()[0]["file"], folder)
+    (folder / "dvllm_defaults.json").write_text(json.dumps({"num_inference_steps": 4, "guidance_scale": 1.0}))
+    engine.load_lora("distilled", str(folder))
+    engine.load_lora("plain-file", str(next(folder.glob("*.safetensors"))))  # a file path: its folder's file unread
+    try:
+        process = engine.processor.process
+        request = process("r", "x", P(loras={"distilled": 1.0}, **COMMON))
+        assert (request.params.num_inference_steps, request.params.guidance_scale, request.cfg) == (4, 1.0, False)
+        own = process("r", "x", P(loras={"distilled": 1.0}, num_inference_steps=6, **COMMON)).params
+        assert (own.num_inference_steps, own.guidance_scale) == (6, 1.0)
+        model = engine.model_info.defaults
+        for params in (P(**COMMON), P(loras={"plain-file": 1.0}, **COMMON)):
+            resolved = process("r", "x", params).params
+            assert (resolved.num_inference_steps, resolved.guidance_scale) == (model.steps, model.guidance)
+        (folder / "dvllm_defaults.json").write_text(json.dumps({"num_inference_steps": 8}))
+        engine.load_lora("eight", str(folder))
+        with pytest.raises(ValueError, match="adapters 'distilled' and 'eight' default num_inference_steps to 4 "
+                                             "and 8; set num_inference_steps in the request"):
+            process("r", "x", P(loras={"distilled": 1.0, "eight": 1.0}, **COMMON))
+        prompt = "a red circle moving to the right"
+        params = P(loras={"distilled": 1.0}, seed=1, output_type="latent", **COMMON)
+        out = engine.generate(prompt, params, use_tqdm=False)[0]
+        assert out.error is None, out.error
+        pipe.load_lora_weights(str(folder / next(folder.glob("*.safetensors")).name), adapter_name="distilled")
+        want = reference(pipe, prompt, P(**{**vars(params), "num_inference_steps": 4, "guidance_scale": 1.0}),
+                         "latent")[0]
+        assert float(np.abs(out.images[0].numpy() - want).max()) <= LATENT_TOL
+    finally:
+        for name in ("distilled", "plain-file", "eight"):
+            if any(entry["name"] == name for entry in engine.loras.list()):
+                engine.unload_lora(name)
+
+
+def test_an_adapters_defaults_file_may_set_only_what_a_request_sets(distill, tmp_path):
+    import json
+    import shutil
+
+    engine, _ = distill
+    shutil.copy(engine.loras.list()[0]["file"], tmp_path)
+    (tmp_path / "dvllm_defaults.json").write_text(json.dumps({"num_inference_steps": 4, "height": 32}))
+    with pytest.raises(ValueError, match=r"may set num_inference_steps, guidance_scale, sampler only, not "
+                                         r"\['height'\]"):
+        engine.load_lora("sized", str(tmp_path))

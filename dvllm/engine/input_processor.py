@@ -23,6 +23,7 @@ from dvllm.config import EngineConfig
 from dvllm.core.request import Request, check_fits
 from dvllm.decode_budget import DecodeBudget
 from dvllm.engine.result_cache import result_key
+from dvllm.lora.adapter_defaults import with_adapter_defaults
 from dvllm.lora.ref import LoraRef
 from dvllm.lora.registry import LoraRegistry
 from dvllm.models.base import ModelInfo
@@ -66,6 +67,8 @@ class InputProcessor:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         check_text("prompt", prompt, self.config.max_prompt_chars)
+        if params is not None and params.loras and self.loras is not None:
+            params = self._with_adapter_defaults(params)
         resolved = (params or SamplingParams()).resolve(self.info, self.config)
         info = self.info
         plan = self.plan(resolved)
@@ -106,6 +109,17 @@ class InputProcessor:
                     "(%.0f MiB)", request_id, images, "x".join(map(str, params.size)),
                     budget.estimate(params.size, images) / 2**20, budget.limit_bytes / 2**20)
         return True
+
+    def _with_adapter_defaults(self, params: SamplingParams) -> SamplingParams:
+        """The request's unset steps, guidance and sampler from its adapters' own defaults, where they have any."""
+        params.validate()  # (the adapters' names checked before they are looked up)
+        return with_adapter_defaults(params, self._adapter_defaults)
+
+    def _adapter_defaults(self, name: str) -> dict:
+        try:
+            return self.loras.defaults(name)
+        except ValueError:  # an unknown adapter: refused with the request's other checks, in their order
+            return {}
 
     def _loras(self, loras: dict[str, float] | None) -> tuple[tuple[LoraRef, float], ...]:
         """Each named adapter's id, with its weight (its file checked unchanged since it was loaded: a stat)."""

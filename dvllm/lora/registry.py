@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from dvllm.lora.adapter_defaults import read_adapter_defaults
 from dvllm.lora.files import LoraFile, LoraFilePolicy, check_lora_name, locate_lora
 from dvllm.lora.reader import LoraReader, file_changed
 from dvllm.lora.ref import LoraRef, file_digest
@@ -26,6 +27,7 @@ class _Entry:
     ref: LoraRef
     path: str       # as the operator named it
     file: LoraFile  # the weights file it resolved to, as it was when loaded
+    defaults: dict[str, Any]  # its folder's request defaults (adapter_defaults.py), read when it was loaded
 
 
 class LoraRegistry:
@@ -50,11 +52,12 @@ class LoraRegistry:
         file = locate_lora(path, self.policy)
         digest = file_digest(file.path)
         weights = self.reader.read(name, file, digest)  # (a file changed after the digest is refused here)
+        defaults = read_adapter_defaults(path, file.path)
         ref = LoraRef(name, uid, file.path, digest, weights.rank, weights.has_text_encoder)
         with self._lock:
             if name in self._entries:  # another load of this name finished first
                 raise ValueError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
-            self._entries[name] = _Entry(ref, path, file)
+            self._entries[name] = _Entry(ref, path, file, defaults)
         return ref
 
     def unload(self, name: str) -> None:
@@ -70,6 +73,10 @@ class LoraRegistry:
         if why is not None:
             raise file_changed(name, why)
         return entry.ref
+
+    def defaults(self, name: str) -> dict[str, Any]:
+        """A loaded adapter's request defaults ({} for most: adapter_defaults.py)."""
+        return dict(self._entry(name).defaults)
 
     def get(self, name: str) -> LoraWeights:
         """The weights of a loaded adapter, read again from its file (to inspect them: serving reads its own)."""
