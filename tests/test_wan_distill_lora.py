@@ -233,3 +233,23 @@ def test_an_adapters_defaults_file_may_set_only_what_a_request_sets(distill, tmp
     with pytest.raises(ValueError, match=r"may set num_inference_steps, guidance_scale, sampler only, not "
                                          r"\['height'\]"):
         engine.load_lora("sized", str(tmp_path))
+
+
+def test_a_lightning_merged_wan_runs_its_cards_four_steps_without_cfg(tmp_path, monkeypatch):
+    """The known table's Lightning-merged Wan 2.2 A14B (models/model_defaults.py): a request that sets nothing runs
+    4 steps at guidance 1.0 for both experts, so no CFG rows, where Wan-AI's own A14B runs 40 with CFG. A tiny
+    two-expert Wan stands in for the repo, under its Hub id (as in test_model_defaults.py)."""
+    from dvllm.models import model_defaults
+
+    hub_id = "FastDM/Wan2.2-T2V-A14B-Merge-Lightning-V1.0-Diffusers"
+    assert model_defaults.known_defaults(hub_id) == {"height": 720, "width": 1280, "num_inference_steps": 4,
+                                                     "guidance_scale": 1.0, "guidance_scale_2": 1.0}
+    folder = tmp_path / "lightning-merge"
+    tiny_wan_pipeline(two_experts=True).save_pretrained(folder)
+    monkeypatch.setitem(model_defaults.KNOWN_DEFAULTS, str(folder).lower(),
+                        {**model_defaults.known_defaults(hub_id), "height": 16, "width": 16})  # (CPU-sized)
+    merged = DiffusionEngine(model=str(folder), device="cpu", dtype="float32")
+    params = merged.processor.process("r", "x", P(num_frames=5)).params
+    assert (params.num_inference_steps, params.guidance_scale, params.guidance_scale_2) == (4, 1.0, 1.0)
+    assert not merged.processor.process("r", "x", P(num_frames=5)).cfg
+    merged.shutdown()

@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 _TURBO_512 = {"num_inference_steps": 1, "guidance_scale": 0.0, "height": 512, "width": 512}
+_WAN22_LIGHTNING_MERGE = {"height": 720, "width": 1280, "num_inference_steps": 4, "guidance_scale": 1.0,
+                          "guidance_scale_2": 1.0}
 # By Hub id, lower case. Each from the model card's own example call.
 KNOWN_DEFAULTS: dict[str, dict[str, Any]] = {
     "tongyi-mai/z-image-turbo": {"num_inference_steps": 9, "guidance_scale": 0.0},  # 9 steps: 8 DiT forwards
@@ -25,6 +27,11 @@ KNOWN_DEFAULTS: dict[str, dict[str, Any]] = {
     # low- and high-noise experts)
     "wan-ai/wan2.2-t2v-a14b-diffusers": {"height": 720, "width": 1280, "num_inference_steps": 40,
                                          "guidance_scale": 4.0, "guidance_scale_2": 3.0},
+    # Wan2.2-T2V-A14B with the Wan2.2-Lightning 4-step LoRA merged in, no CFG (guidance 1.0 for both experts):
+    # the card's command, https://huggingface.co/rockapaper/Wan2.2-T2V-A14B-Merge-Lightning-V1.0-Diffusers
+    # (a copy of FastDM's repo and card): --guidance-scale 1.0 --height 720 --width 1280 --steps 4
+    "fastdm/wan2.2-t2v-a14b-merge-lightning-v1.0-diffusers": _WAN22_LIGHTNING_MERGE,
+    "rockapaper/wan2.2-t2v-a14b-merge-lightning-v1.0-diffusers": _WAN22_LIGHTNING_MERGE,
 }
 # dvllm's presets of those architectures (random weights, for timing) time what the model would run
 PRESET_HUB_IDS = {"z-image-turbo": "tongyi-mai/z-image-turbo", "sd-turbo": "stabilityai/sd-turbo",
