@@ -186,6 +186,9 @@ def test_an_adapters_folder_defaults_steps_and_guidance_for_the_requests_naming_
     the adapter, keep their own. Two adapters that disagree on a field the request leaves unset are refused."""
     import json
     import shutil
+    from types import SimpleNamespace
+
+    from dvllm.entrypoints.api_server import _model_cards
 
     engine, pipe = distill
     folder = tmp_path / "lightning-4step"
@@ -200,6 +203,10 @@ def test_an_adapters_folder_defaults_steps_and_guidance_for_the_requests_naming_
         assert (request.params.num_inference_steps, request.params.guidance_scale, request.cfg) == (4, 1.0, False)
         own = process("r", "x", P(loras={"distilled": 1.0}, num_inference_steps=6, **COMMON)).params
         assert (own.num_inference_steps, own.guidance_scale) == (6, 1.0)
+        cards = _model_cards(SimpleNamespace(engine=engine, created=0, model_name="wan", model_facts={}), False)
+        shown = {card.id: card.model_dump(exclude_none=True).get("dvllm") for card in cards[1:]}
+        assert shown["distilled"] == {"num_inference_steps": 4, "guidance_scale": 1.0}  # what /v1/models says
+        assert shown["plain-file"] is None and shown[NAME] is None
         model = engine.model_info.defaults
         for params in (P(**COMMON), P(loras={"plain-file": 1.0}, **COMMON)):
             resolved = process("r", "x", params).params

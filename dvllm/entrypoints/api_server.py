@@ -219,10 +219,11 @@ def _served_model_facts(engine: AsyncDiffusionEngine) -> dict[str, Any] | None:
 
 
 def _model_cards(ctx: ServerContext, show_lora_paths: bool) -> list[ModelCard]:
-    """The served model, then each loaded LoRA adapter with the base model (vLLM's shape), and its path as `root`
-    only where the operator chose to show the server's paths (--show-lora-paths)."""
+    """The served model, then each loaded LoRA adapter with the base model (vLLM's shape), its own request
+    defaults where it has any (lora/adapter_defaults.py), and its path as `root` only where the operator chose to
+    show the server's paths (--show-lora-paths)."""
     adapters = [ModelCard(id=lora["name"], created=ctx.created, root=lora["path"] if show_lora_paths else None,
-                          parent=ctx.model_name)
+                          parent=ctx.model_name, dvllm=lora.get("defaults") or None)
                 for lora in ctx.engine.list_loras()]
     return [ModelCard(id=ctx.model_name, created=ctx.created, dvllm=ctx.model_facts), *adapters]
 

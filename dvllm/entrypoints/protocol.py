@@ -265,7 +265,8 @@ class ModelCard(BaseModel):
     owned_by: str = "dvllm"
     root: str | None = None
     parent: str | None = None
-    dvllm: dict[str, Any] | None = None  # the served model's defaults, sizes and samplers (model_facts.py)
+    # the served model's defaults, sizes and samplers (model_facts.py); an adapter's own defaults, if it has any
+    dvllm: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):

@@ -85,8 +85,8 @@ class LoraRegistry:
 
     def list(self) -> list[dict[str, Any]]:
         with self._lock:
-            return [{"name": name, "path": e.path, "file": e.file.path, "digest": e.ref.digest}
-                    for name, e in self._entries.items()]
+            return [{"name": name, "path": e.path, "file": e.file.path, "digest": e.ref.digest,
+                     "defaults": dict(e.defaults)} for name, e in self._entries.items()]
 
     def _entry(self, name: str) -> _Entry:
         with self._lock:
