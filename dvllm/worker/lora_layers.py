@@ -292,10 +292,10 @@ class LoraPlan:
         # [rows, 1, out]: each row's sum of w * bias over its adapters
         bias = torch.bmm(view.scale[:, ::r].unsqueeze(1), table.bias[view.slots]) if biased else None
         if view.local is None:
-            delta = out.view(rows, -1, bt.shape[2])
-            delta.baddbmm_(h, bt)
+            by_row = out.view(rows, -1, bt.shape[2])
+            by_row.baddbmm_(h, bt)
             if bias is not None:
-                delta += bias
+                by_row += bias
         else:
             delta = torch.bmm(h, bt)
             if bias is not None:
