@@ -260,3 +260,27 @@ def test_a_lightning_merged_wan_runs_its_cards_four_steps_without_cfg(tmp_path, 
     assert (params.num_inference_steps, params.guidance_scale, params.guidance_scale_2) == (4, 1.0, 1.0)
     assert not merged.processor.process("r", "x", P(num_frames=5)).cfg
     merged.shutdown()
+
+
+def test_on_two_experts_an_adapter_changes_the_high_noise_expert_as_diffusers_loads_it(tmp_path_factory):
+    """Wan 2.2 A14B: `load_lora_weights` without `load_into_transformer_2` loads into `transformer` only, and so does
+    dvllm (a Lightning LoRA's low-noise half is not served: docs/lora.md). A distilled row beside a two-scale CFG
+    row equals the pipeline's."""
+    from conftest import _saved
+
+    path = _saved(tmp_path_factory, "tiny-wan-a14b-distill", tiny_wan_pipeline(two_experts=True))
+    pipe = WanPipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    lora = lightx2v_style_lora(pipe, str(tmp_path_factory.mktemp("high") / "high_noise_model.safetensors"), seed=5)
+    engine = DiffusionEngine(model=path, device="cpu", dtype="float32", lora_modules={NAME: lora})
+    pipe.load_lora_weights(lora, adapter_name=NAME)
+    batch = [BATCH[0], ("a blue square", P(**{**vars(BATCH[1][1]), "guidance_scale_2": 3.0}))]
+    outs = engine.generate([q for q, _ in batch], [P(**{**vars(p), "output_type": "latent"}) for _, p in batch],
+                           use_tqdm=False)
+    for (prompt, p), out in zip(batch, outs):
+        assert out.error is None, out.error
+        want = reference(pipe, prompt, p, "latent")[0]
+        assert float(np.abs(out.images[0].numpy() - want).max()) <= LATENT_TOL, prompt
+    # the adapter's layers are the high-noise expert's only (the second expert ran its rows unadapted)
+    assert {component for component, _ in engine.executor.worker.runner.lora.tables} == {"transformer"}
+    engine.shutdown()
