@@ -284,3 +284,21 @@ def test_on_two_experts_an_adapter_changes_the_high_noise_expert_as_diffusers_lo
     # the adapter's layers are the high-noise expert's only (the second expert ran its rows unadapted)
     assert {component for component, _ in engine.executor.worker.runner.lora.tables} == {"transformer"}
     engine.shutdown()
+
+
+@pytest.mark.slow
+def test_a_sequence_parallel_group_gives_one_workers_videos_with_biased_adapters(distill):
+    """Each member reads its own copy of the adapter's denoiser layers, biases with them (parallel/group_member.py);
+    the group's videos are the single worker's within the group's bound on the CPU (test_wan_group.py's)."""
+    engine, _ = distill
+    batch = [(q, P(**{**vars(p), "output_type": "latent"})) for q, p in BATCH]
+    want = engine.generate([q for q, _ in batch], [p for _, p in batch], use_tqdm=False)
+    group = DiffusionEngine(model=engine.config.model, device="cpu", dtype="float32", sequence_parallel_size=2,
+                            lora_modules={NAME: engine.loras.list()[0]["file"]})
+    try:
+        got = group.generate([q for q, _ in batch], [p for _, p in batch], use_tqdm=False)
+        for g, w in zip(got, want):
+            assert g.error is None, g.error
+            assert float(np.abs(g.images[0].numpy() - w.images[0].numpy()).max()) <= 1e-5
+    finally:
+        group.shutdown()

@@ -161,9 +161,23 @@ class LoraLayers:
         if key not in self.tables:
             table = self.tables[key] = _Table(module, self.num_slots, self.max_rank)
             hook = _LoraHook(table)
-            HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, HOOK_NAME)
+            _register_innermost(module, hook)
             self.hooks.add(part_of(component), hook)
         return self.tables[key]
+
+
+def _register_innermost(module: torch.nn.Module, hook: "_LoraHook") -> None:
+    """The LoRA hook adds to the layer's own output, computed from its own input: hooks already on the layer are
+    put back around it (as around peft's LoRA layer, which replaces the module they hook). A group member's sequence-parallel plan gathers Wan's proj_out output over the members'
+    tokens in a hook of that layer (parallel/uneven_split.py); outside it, the LoRA update of the member's tokens
+    met the gathered output (a LoRA on the head, as LightX2V's, failed every row)."""
+    registry = HookRegistry.check_if_exists_or_initialize(module)
+    outer = list(registry.hooks.items())  # in registration order, innermost first
+    for name, _ in reversed(outer):
+        registry.remove_hook(name, recurse=False)
+    registry.register_hook(hook, HOOK_NAME)
+    for name, other in outer:
+        registry.register_hook(other, name)
 
 
 class _LoraHook(ModelHook):
