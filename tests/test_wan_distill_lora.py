@@ -164,13 +164,13 @@ def test_biased_adapters_replay_captured_graphs_with_the_eager_videos(distill, t
 
 def test_a_step_with_biased_adapters_reads_nothing_back(distill):
     """Which layers add a bias is known on the host: the mixed step (A and C adapted, each its own weight, beside
-    B's CFG rows) waits on nothing (flow_euler: Wan's UniPC is still stepped by diffusers, which reads back)."""
+    B's CFG rows, Wan's own UniPC for all three) waits on nothing."""
     from host_syncs import HostSyncs
-    from test_host_syncs import VIDEO_SAMPLER, _own_sites
+    from test_host_syncs import _own_sites
 
     engine, _ = distill
     for i, (prompt, p) in enumerate(BATCH):
-        engine.add_request(f"sync-{i}", prompt, P(**{**vars(p), "sampler": VIDEO_SAMPLER}))
+        engine.add_request(f"sync-{i}", prompt, p)
     engine.step()  # admission (encoding reads the texts' lengths once) and the first step
     with HostSyncs() as syncs:
         outputs = engine.step()
