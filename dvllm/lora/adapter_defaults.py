@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, TypeVar
 
 from dvllm.param_defaults import DEFAULTS_FILE, read_defaults_file
 
-if TYPE_CHECKING:
-    from dvllm.sampling_params import SamplingParams
+# a request's SamplingParams (not imported: sampling_params imports this package, which sits above it)
+Params = TypeVar("Params")
 
 # what a request sets per se (a size or frame count belongs to the model, not to an adapter)
 ADAPTER_KEYS = ("num_inference_steps", "guidance_scale", "sampler")
@@ -37,8 +37,7 @@ def read_adapter_defaults(path: str, weights_file: str) -> dict[str, Any]:
     return defaults
 
 
-def with_adapter_defaults(params: "SamplingParams",
-                          defaults_of: Callable[[str], dict[str, Any]]) -> "SamplingParams":
+def with_adapter_defaults(params: Params, defaults_of: Callable[[str], dict[str, Any]]) -> Params:
     """`params` with the unset ADAPTER_KEYS filled from its adapters' defaults (`defaults_of(name)`); ValueError
     when two of its adapters set different values for a field the request leaves unset."""
     if not params.loras:
