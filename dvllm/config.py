@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dvllm.config_checks import check_config, parse_lora_modules
+from dvllm.config_checks import check_config, parse_named_paths
 from dvllm.param_defaults import DEFAULT_PIXELS_FACTOR
 
 CPU_STATE_POOL_MB = 1024  # the state pool off CUDA, where no memory profile sizes it
@@ -182,6 +182,13 @@ class EngineConfig:
         default=None,
         metadata={"help": "LoRA adapters to load at start, as name=path (a folder or .safetensors file in "
                           "diffusers' LoRA format).", "nargs": "+"},
+    )
+    controlnets: Any = field(
+        default=None,
+        metadata={"help": "ControlNets to load at start, as name=path (a diffusers ControlNetModel folder or Hub id), "
+                          "in the denoiser's dtype; requests name them in `controls` (SD 1.x/2.x and SDXL). "
+                          "--controlnet NAME=PATH, repeated, says the same.",
+                  "nargs": "+", "aliases": ("--controlnet",), "repeatable": True},
     )
     max_loras: int = field(
         default=4, metadata={"help": "LoRA adapters resident per worker at once (slots); a request may use this "
@@ -489,7 +496,8 @@ class EngineConfig:
             from dvllm.param_defaults import parse_defaults
 
             self.default_params = parse_defaults(self.default_params, "default_params")
-        self.lora_modules = parse_lora_modules(self.lora_modules)
+        self.lora_modules = parse_named_paths(self.lora_modules)
+        self.controlnets = parse_named_paths(self.controlnets, "controlnets")
         if self.lora_modules:
             self.enable_lora = True
         if self.encode_stage is None:

@@ -17,8 +17,8 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 EXECUTORS = ("uniproc", "ray")
 
 
-def parse_lora_modules(value: Any) -> dict[str, str]:
-    """{name: path}, or the flag's ["name=path", ...]."""
+def parse_named_paths(value: Any, field: str = "lora_modules") -> dict[str, str]:
+    """{name: path}, or the flag's ["name=path", ...] (`field`: the setting's name, for its errors)."""
     if value is None:
         return {}
     if isinstance(value, str):
@@ -28,14 +28,14 @@ def parse_lora_modules(value: Any) -> dict[str, str]:
         for item in value:
             name, sep, path = item.partition("=") if isinstance(item, str) else ("", "", "")
             if not (sep and name and path):
-                raise ValueError(f"lora_modules: expected name=path, got {item!r}")
+                raise ValueError(f"{field}: expected name=path, got {item!r}")
             if name in pairs:
-                raise ValueError(f"lora_modules: {name!r} is given twice")
+                raise ValueError(f"{field}: {name!r} is given twice")
             pairs[name] = path
         return pairs
     if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         return dict(value)
-    raise ValueError(f"lora_modules must map adapter names to paths, got {value!r}")
+    raise ValueError(f"{field} must map names to paths, got {value!r}")
 
 
 def choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -20,8 +20,9 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         helptext = _help_with_default(f.metadata.get("help", ""), f.default)
         if kind is bool:
             group.add_argument(flag, action=_BooleanFlag, default=f.default, help=helptext)
-        elif "nargs" in f.metadata:
-            group.add_argument(flag, nargs=f.metadata["nargs"], default=f.default, help=helptext)
+        elif "nargs" in f.metadata:  # "repeatable": each use of the flag (or an alias) adds to the list
+            group.add_argument(flag, *f.metadata.get("aliases", ()), nargs=f.metadata["nargs"], default=f.default,
+                               action="extend" if f.metadata.get("repeatable") else "store", help=helptext)
         else:
             base = int if kind is int else float if kind is float else str
             group.add_argument(flag, type=base, default=f.default, help=helptext)

@@ -7,9 +7,11 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dvllm.controls import Control, parse_controls
 from dvllm.lora.files import check_lora_name
 from dvllm.param_defaults import AESTHETIC_SCORE, FPS_RANGE, MAX_FPS, MIN_FPS, NEGATIVE_AESTHETIC_SCORE
 from dvllm.request_sizes import image_sizes, size_of
+from dvllm.sampler_names import did_you_mean
 from dvllm.step_cache import USE_DEFAULT, check_served, parse_cache, show_value
 
 if TYPE_CHECKING:
@@ -86,6 +88,10 @@ class SamplingParams:
     # request's guidance_scale where it names one (as the pipeline), else the model's default (Defaults.guidance_2,
     # else its guidance default). Other models take none.
     guidance_scale_2: float | None = None
+    # ControlNet: [{"name": <a controlnet the engine loaded>, "image": <its conditioning image>, "scale": 1.0,
+    # "start": 0.0, "end": 1.0}, ...] (dvllm/controls.py), as diffusers' ControlNet pipelines take them; resolved
+    # to a tuple of Controls with RGB PIL images. Without a size, the first control image's gives it (as there).
+    controls: Any = None
 
     @property
     def size(self) -> tuple[int, ...]:
@@ -155,6 +161,7 @@ class SamplingParams:
             raise ValueError("mask_image needs an image (inpainting repaints the image where the mask is white)")
         if isinstance(self.image, (list, tuple)) and not self.image:
             raise ValueError("image: an empty list of images")
+        parse_controls(self.controls)
 
     def resolve(self, info: "ModelInfo", config: "EngineConfig") -> "SamplingParams":
         """A copy with every default filled from the model, checked against the engine's limits."""
@@ -186,7 +193,11 @@ class SamplingParams:
         mask = None if self.mask_image is None else _load_mask(self.mask_image, image, info, max_pixels)
         if info.images.requires_mask and mask is None:
             raise ValueError(f"mask_image: this model ({info.pipeline_class}) only inpaints: send an image and a mask")
-        image_h, image_w = default_size(info, image, mask is not None)
+        controls = _load_controls(self.controls, config, info, max_pixels)
+        if controls and image is not None:
+            raise ValueError("controls: not served with image-to-image, inpainting or edits yet (text-to-image only)")
+        image_h, image_w = default_size(info, image, mask is not None) if image is not None or not controls else \
+            control_size(controls[0].image, info.latents.size_factor)
         guidance = info.defaults.guidance if self.guidance_scale is None else float(self.guidance_scale)
         default_strength = info.defaults.inpaint_strength if mask is not None else info.defaults.strength
         resolved = dataclasses.replace(
@@ -210,6 +221,7 @@ class SamplingParams:
             fps=None if info.video is None else float(self.fps or info.video.fps),
             aesthetic_score=_score(self.aesthetic_score, AESTHETIC_SCORE, info),
             negative_aesthetic_score=_score(self.negative_aesthetic_score, NEGATIVE_AESTHETIC_SCORE, info),
+            controls=controls,
         )
         if resolved.loras and not config.enable_lora:
             raise ValueError("loras: this engine serves no LoRA adapters (start it with enable_lora or lora_modules)")
@@ -240,6 +252,33 @@ class SamplingParams:
         if resolved.n > config.max_images_per_prompt:
             raise ValueError(f"n must be in [1, {config.max_images_per_prompt}], got {resolved.n}")
         return resolved
+
+
+def _load_controls(value: Any, config: "EngineConfig", info: "ModelInfo", max_pixels: int) -> tuple[Control, ...] | None:
+    """The request's controls, each naming a controlnet this engine loaded, with its image as an RGB PIL image."""
+    controls = parse_controls(value)
+    if not controls:
+        return None
+    served = config.controlnets or {}
+    if not served:
+        raise ValueError("controls: this engine serves no controlnets (start it with --controlnet NAME=PATH)")
+    for i, control in enumerate(controls):
+        if control.name not in served:
+            raise ValueError(f"controls[{i}].name: no controlnet {control.name!r} is loaded; this engine serves "
+                             f"{sorted(served)}{did_you_mean(control.name, served)}")
+    return tuple(dataclasses.replace(c, image=_load_image(c.image, info, max_pixels, f"controls[{i}].image"))
+                 for i, c in enumerate(controls))
+
+
+def control_size(image: Any, factor: int) -> tuple[int, int]:
+    """(height, width) a request without a size takes from its first control image, as diffusers' ControlNet
+    pipelines take it from the image they prepare: its own, rounded down to the model's size factor (the VAE's
+    scale factor there, the same for SD's and SDXL's 8)."""
+    height, width = image.height - image.height % factor, image.width - image.width % factor
+    if not height or not width:
+        raise ValueError(f"controls[0].image: {image.width}x{image.height} is smaller than the model's size factor "
+                         f"({factor}x{factor}); send a larger image, or a height and width")
+    return height, width
 
 
 def _guidance_2(params: SamplingParams, info: "ModelInfo", guidance: float) -> float | None:

@@ -77,6 +77,7 @@ class Request:
     failed_workers: set[int] = field(default_factory=set)  # workers that died while holding it
     pace: StepPace = field(default_factory=StepPace)  # its recent step times: the ETA of its progress outputs
     decode_tiled: bool = False  # its decode runs in tiles: untiled, it would pass max_decode_mb (decode_budget.py)
+    controls: tuple = ()  # its ControlNet controls, each image prepared at admission (engine/control_images.py)
 
     def reset(self) -> None:
         """Its worker died: start over from the seed (the images come out the same)."""
@@ -197,7 +198,7 @@ class Request:
             max_sequence_length=p.max_sequence_length, cache=p.cache,
             loras=request.row_loras, text_loras=request.text_loras,
             aesthetic_scores=None if p.aesthetic_score is None else (p.aesthetic_score, p.negative_aesthetic_score),
-            decode_tiled=request.decode_tiled,
+            decode_tiled=request.decode_tiled, controls=request.controls,
         )
 
     def output(self, previews: list[Any] | None = None, preview_step: int | None = None) -> RequestOutput:

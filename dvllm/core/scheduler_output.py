@@ -76,6 +76,7 @@ class NewRequestData:
     num_frames: int | None = None  # a video's frames (None: an image)
     guidance_scale_2: float | None = None  # a two-expert model's scale while its second expert runs
     decode_tiled: bool = False  # its VAE decodes (previews too) run in tiles (admission chose: decode_budget.py)
+    controls: tuple = ()  # dvllm.controls.Control with the image prepared at admission ([1, 3, H, W] float32)
 
     @property
     def size(self) -> tuple[int, ...]:

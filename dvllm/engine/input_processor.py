@@ -23,6 +23,7 @@ from dvllm.config import EngineConfig
 from dvllm.core.request import Request, check_fits
 from dvllm.decode_budget import DecodeBudget
 from dvllm.engine.result_cache import result_key
+from dvllm.engine.control_images import prepare_controls
 from dvllm.lora.adapter_defaults import with_adapter_defaults
 from dvllm.lora.ref import LoraRef
 from dvllm.lora.registry import LoraRegistry
@@ -90,8 +91,10 @@ class InputProcessor:
         )
         check_fits(request, self.config.max_batch_size, self.pool_blocks)
         request.decode_tiled = self._decode_tiled(request_id, resolved)
-        # Only a seed the user chose can repeat: a drawn one would never hit, so it is not stored either.
-        if self.config.result_cache_mb and params is not None and params.seed is not None:
+        request.controls = prepare_controls(resolved.controls, resolved.height, resolved.width, info.latents.scale)
+        # Only a seed the user chose can repeat: a drawn one would never hit, so it is not stored either; nor a
+        # controlled request (its images would have to be part of the key).
+        if self.config.result_cache_mb and params is not None and params.seed is not None and not resolved.controls:
             request.result_key = result_key(
                 self.model_key, prompt, resolved, request.lora_load_ids,
                 request.image_key or image_digest(resolved.image),

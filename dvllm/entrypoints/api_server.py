@@ -214,8 +214,9 @@ def _served_model_facts(engine: AsyncDiffusionEngine) -> dict[str, Any] | None:
     if config is None:
         return None
     info = engine.model_info
-    return model_facts(info, info.pixel_limit(config.max_image_pixels),
-                       engine.valid_samplers(), engine.loaded_model, max_num_frames=config.max_num_frames)
+    facts = model_facts(info, info.pixel_limit(config.max_image_pixels),
+                        engine.valid_samplers(), engine.loaded_model, max_num_frames=config.max_num_frames)
+    return {**facts, "controlnets": sorted(config.controlnets)} if config.controlnets else facts
 
 
 def _model_cards(ctx: ServerContext, show_lora_paths: bool) -> list[ModelCard]:

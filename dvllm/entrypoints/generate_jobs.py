@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 # JSONL keys accepted in --prompts-file, besides "prompt" and "output"
 _JSONL_KEYS = {"num_inference_steps", "steps", "guidance_scale", "guidance", "negative_prompt", "seed", "size",
                "height", "width", "n", "sampler", "cache", "loras", "strength", "aesthetic_score",
-               "negative_aesthetic_score", "num_frames", "fps"}
+               "negative_aesthetic_score", "num_frames", "fps", "controls"}
 _INPUT_KEYS = ("image", "mask")  # input files: relative paths are under the prompts file's folder
 _NULLABLE_KEYS = {"cache", "loras"}  # a line's null means none: no step cache, no adapters (not the flag's)
 
@@ -327,12 +327,23 @@ def _jsonl_job(line: str, where: str, defaults: dict[str, Any], args: argparse.N
             except ValueError as e:
                 raise ValueError(f"{where}: {key}: {e}") from None
     fields = _job_inputs(paths, where, inputs)
+    if isinstance(record.get("controls"), list):  # their image paths, as the line's own, under the file's folder
+        record = dict(record, controls=[_control_paths(c, os.path.dirname(args.prompts_file))
+                                        for c in record["controls"]])
+        paths["controls"] = [c.get("image") if isinstance(c, dict) else None for c in record["controls"]]
     try:
         params = _params({k: record[k] for k in _JSONL_KEYS & set(record)}, defaults, fields)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{where}: {e}") from None
     output = _output_path(record["output"], where, args.output_dir) if "output" in record else None
     return Job(record["prompt"], params, output, where, paths)
+
+
+def _control_paths(control: Any, folder: str) -> Any:
+    """A line's control with a relative image path made the prompts file folder's (the rest is checked later)."""
+    if isinstance(control, dict) and isinstance(control.get("image"), str):
+        return dict(control, image=os.path.join(folder, os.path.expanduser(control["image"])))
+    return control
 
 
 def check_lora_names(args: argparse.Namespace, jobs: list[Job], modules: dict[str, str]) -> None:

@@ -52,7 +52,10 @@ def image_parameters(params: SamplingParams, model: str, inputs: dict[str, Any] 
                      sampler: str | None = None) -> dict[str, Any]:
     """What made an image, besides its prompt, seed and index: the resolved request parameters (under the
     names HTTP requests use; `sampler`: the one that ran when the request named none), and for an image
-    request its input files' paths (`inputs`: "image", "mask") and strength."""
+    request its input files' paths (`inputs`: "image", "mask", and "controls": each control's image path) and
+    strength."""
+    inputs = dict(inputs or {})
+    control_paths = inputs.pop("controls", None) or [None] * len(params.controls or ())
     return {"num_inference_steps": params.num_inference_steps, "guidance_scale": params.guidance_scale,
             "size": f"{params.width}x{params.height}", "sampler": params.sampler or sampler,
             "negative_prompt": params.negative_prompt, "n": params.n, "model": model,
@@ -61,7 +64,9 @@ def image_parameters(params: SamplingParams, model: str, inputs: dict[str, Any] 
             **({"aesthetic_score": params.aesthetic_score, "negative_aesthetic_score": params.negative_aesthetic_score}
                if params.aesthetic_score is not None else {}),
             **({"num_frames": params.num_frames, "fps": params.fps} if params.num_frames is not None else {}),
-            **({"cache": params.cache.as_dict()} if isinstance(params.cache, CacheConfig) else {})}
+            **({"cache": params.cache.as_dict()} if isinstance(params.cache, CacheConfig) else {}),
+            **({"controls": [{"name": c.name, "image": path, "scale": c.scale, "start": c.start, "end": c.end}
+                             for c, path in zip(params.controls, control_paths)]} if params.controls else {})}
 
 
 class ImageWriter:

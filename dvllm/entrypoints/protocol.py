@@ -103,6 +103,9 @@ class ImageGenerationRequest(BaseModel):
     # SDXL models trained with an aesthetic score (the refiner): the prompt's and the negative rows' scores
     aesthetic_score: float | None = Field(None, allow_inf_nan=False)
     negative_aesthetic_score: float | None = Field(None, allow_inf_nan=False)
+    # ControlNet: [{"name", "image" (base64 or a data: URL), "scale", "start", "end"}]; the images are opened by the
+    # server (entrypoints/control_uploads.py), the rest checked by the engine (dvllm/controls.py)
+    controls: list[Any] | None = None
 
     @field_validator("*")
     @classmethod
@@ -146,7 +149,7 @@ class ImageGenerationRequest(BaseModel):
             max_sequence_length=self.max_sequence_length,
             cache=self.cache if "cache" in self.model_fields_set else USE_DEFAULT,
             loras=self.loras, aesthetic_score=self.aesthetic_score,
-            negative_aesthetic_score=self.negative_aesthetic_score, deadline_s=self.deadline,
+            negative_aesthetic_score=self.negative_aesthetic_score, deadline_s=self.deadline, controls=self.controls,
         )
 
 
@@ -182,8 +185,9 @@ _ENGINE_FIELDS = {"height": "size", "width": "size", "height*width": "size", "nu
 def engine_value_error(error: ValueError) -> APIError:
     """The engine's ValueErrors start with the field name ("height must be ..."): name it in `param`."""
     message = str(error)
+    control = re.match(r"controls(\[[0-9]+\](\.[a-z]+)?)?", message)  # a control's own field, as the engine names it
     match = re.match(r"[A-Za-z_*]+", message)
-    param = _ENGINE_FIELDS.get(match.group(0)) if match else None
+    param = control.group(0) if control else _ENGINE_FIELDS.get(match.group(0)) if match else None
     return APIError(400, message, param=param, code="invalid_value")
 
 

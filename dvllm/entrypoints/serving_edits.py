@@ -15,15 +15,15 @@ and converted in a worker thread (mask_upload.py), the images by the engine's in
 from __future__ import annotations
 
 import asyncio
-import io
 from typing import TYPE_CHECKING, Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response
 
 from dvllm.entrypoints.form_fields import typed_form
+from dvllm.entrypoints.image_upload import open_image
 from dvllm.entrypoints.mask_upload import mask_from_upload
 from dvllm.entrypoints.protocol import APIError, ImageEditRequest
 from dvllm.entrypoints.request_body import read_body
@@ -104,20 +104,5 @@ def _convert_mask(mask: Image.Image) -> Image.Image:
     except (OSError, ValueError, Image.DecompressionBombError) as e:  # e.g. a truncated PNG
         raise APIError(400, f"Invalid value for 'mask': not a readable image ({e}).", param="mask",
                        code="invalid_image") from None
-
-
-def open_image(data: bytes, max_pixels: int, param: str = "image") -> Image.Image:
-    """The upload, opened lazily: only its header is read here, on the event loop. Its size is checked
-    before anything is decoded; an image is decoded by the engine's input processor, off the loop, once
-    the request is past the queue check (a mask by _mask, in a thread)."""
-    try:
-        image = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
-        raise APIError(400, f"Invalid value for '{param}': not a readable image ({e}).", param=param,
-                       code="invalid_image") from None
-    if image.width * image.height > max_pixels:
-        raise APIError(400, f"Invalid value for '{param}': {image.width}x{image.height} is over this server's "
-                            f"limit of {max_pixels} pixels (max_image_pixels).", param=param, code="invalid_image")
-    return image
 
 

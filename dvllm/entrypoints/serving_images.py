@@ -24,6 +24,7 @@ from dvllm.engine.async_engine import (
     EngineShuttingDownError,
     EngineUnresponsiveError,
 )
+from dvllm.entrypoints.control_uploads import open_controls
 from dvllm.entrypoints.image_store import ImageStore, encode_b64, encode_image
 from dvllm.entrypoints.metrics import ServerMetrics
 from dvllm.entrypoints.protocol import (
@@ -134,6 +135,7 @@ async def _serve(request: Request, ctx: ServerContext,
     check_client_order(req, ctx)
     params = req.sampling_params()
     params.loras = loras
+    params.controls = open_controls(req.controls, ctx.engine.model_info.pixel_limit(ctx.engine.config.max_image_pixels))
     await check_in_flight(ctx)
 
     slot = Slot(ctx)

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from dvllm.entrypoints.form_fields import typed_form
 from dvllm.entrypoints.protocol import MAX_NAME_CHARS, APIError, long_names, parse_size, valid_unicode, validation_error
 from dvllm.entrypoints.request_body import BodyLimits, read_body, read_json_body
-from dvllm.entrypoints.serving_edits import open_image
+from dvllm.entrypoints.image_upload import open_image
 from dvllm.sampling_params import PARAM_ALIASES, PRIORITY_LIMIT, SEED_LIMIT, SamplingParams
 from dvllm.step_cache import USE_DEFAULT
 from dvllm.video.mp4 import MAX_CRF

@@ -86,6 +86,8 @@ class ModelAdapter(ABC):
     # The pipeline's own code runs the VAE in the denoiser's dtype (FluxKontextPipeline.prepare_latents): no
     # vae_dtype of its own
     vae_follows_dtype: ClassVar[bool] = False
+    # The diffusers class of the controlnets its denoiser takes (EngineConfig.controlnets); None: none yet
+    controlnet_class: ClassVar[str | None] = None
 
     def __init__(self, pipeline: Any, name: str, device: torch.device, dtype: torch.dtype) -> None:
         self.pipeline = pipeline

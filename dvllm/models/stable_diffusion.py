@@ -26,6 +26,7 @@ class StableDiffusionAdapter(ModelAdapter):
     default_guidance = 7.5  # the pipeline's __call__ defaults
     default_strength = 0.8  # StableDiffusionImg2ImgPipeline's
     default_inpaint_strength = 1.0  # StableDiffusionInpaintPipeline's
+    controlnet_class = "ControlNetModel"  # SD's and SDXL's (StableDiffusion[XL]ControlNetPipeline)
 
     @cached_property
     def info(self) -> ModelInfo:

@@ -72,7 +72,9 @@ def check(config: Any) -> None:
     # (fast, compile and cuda_graph are the denoiser's settings: read here only to refuse them in a group)
     unserved = [name for name, on in (("fast (its compile and CUDA graphs)", config.fast),
                                       ("compile", config.compile not in (None, "off")),
-                                      ("cuda_graph", config.cuda_graph)) if on]
+                                      ("cuda_graph", config.cuda_graph),
+                                      # the leader runs the controlnets, but the members' UNets never add them
+                                      ("controlnets", bool(config.controlnets))) if on]
     if unserved:
         raise ValueError(f"a worker group (sequence_parallel_size or cfg_parallel_size > 1) does not serve "
                          f"{', '.join(unserved)} yet: every member's denoiser would have to run them alike")

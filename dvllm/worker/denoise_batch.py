@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,6 +21,7 @@ from dvllm.ops import AM, CLIP
 from dvllm.profiler import PhaseTimer
 from dvllm.samplers import StepRow
 from dvllm.worker.conditions import unflatten
+from dvllm.worker.controlnets import control_plan
 from dvllm.worker.denoiser import Denoiser, Forward, ForwardInputs
 from dvllm.worker.first_frame import hold_first_frame
 from dvllm.worker.forward_context import ForwardHooks
@@ -70,6 +72,7 @@ class StepParts:
     lora: LoraLayers
     forward_hooks: ForwardHooks     # every hook on the pipeline's modules, given each forward's context
     hooks: CacheHooks | None = None  # step caching (installed with the first caching request)
+    controlnets: dict[str, Any] = field(default_factory=dict)  # the engine's, by name (controlnets.py)
 
 
 @dataclass
@@ -97,7 +100,9 @@ def denoise_step(parts: StepParts, states: list[RequestState]) -> StepResult:
         caching = None
         if hooks is not None and any(s.cache is not None for s in batch.states):
             caching = forward_cache(hooks.spec, pool, batch.states, batch.layout)
-        forward = parts.denoiser.plan(batch.layout, input_shapes(batch), parts.lora, cache=caching)
+        control = None if not parts.controlnets else \
+            control_plan(batch.states, batch.layout, parts.controlnets, pool.device)
+        forward = parts.denoiser.plan(batch.layout, input_shapes(batch), parts.lora, cache=caching, control=control)
         inputs = model_inputs(adapter, pool, batch, forward)
     # 2. forward
     with timer.phase("forward"):

@@ -106,12 +106,13 @@ class Forward:
     key: tuple | None = None       # its graph's key (None: not run from a graph)
     graph: _Graph | None = None    # a captured graph for it
     cache: Any = None              # step caching's groups (step_cache_hooks.ForwardCache; None: no row caches)
+    control: Any = None            # its controls (controlnets.ControlPlan; None: none acts in it)
 
     def context(self) -> ForwardContext | None:
         """A new context for one run of it, given to its hooks (None: no hook has anything to do in it)."""
-        if self.lora is None and self.cache is None:
+        if self.lora is None and self.cache is None and self.control is None:
             return None
-        return ForwardContext(layout=self.layout, lora=self.lora, cache=self.cache)
+        return ForwardContext(layout=self.layout, lora=self.lora, cache=self.cache, control=self.control)
 
     @property
     def buffers(self) -> ForwardInputs | None:
@@ -145,12 +146,14 @@ class Denoiser:
     def fn(self) -> Any:
         return self.compiled or self.adapter.denoise  # looked up per call: the adapter's own, as it is now
 
-    def plan(self, layout: BatchLayout, shapes: tuple, lora: LoraLayers, cache: Any = None) -> Forward:
+    def plan(self, layout: BatchLayout, shapes: tuple, lora: LoraLayers, cache: Any = None,
+             control: Any = None) -> Forward:
         """How `layout`'s forward runs. `shapes`: its inputs' shapes past the rows (part of a graph's key).
-        `cache`: its step caching's groups, which decide inside the adapter's own forward: eager, unpadded."""
+        `cache`: its step caching's groups, which decide inside the adapter's own forward, and `control`: its
+        controls, whose controlnets run per group in a hook: both eager, unpadded."""
         rows = layout.num_rows
-        if cache is not None or not self.pad:
-            return Forward(layout, rows, lora.plan(layout.row_loras), cache=cache)
+        if cache is not None or control is not None or not self.pad:
+            return Forward(layout, rows, lora.plan(layout.row_loras), cache=cache, control=control)
         padded = layout.padded(next((b for b in self.buckets if b >= rows), rows))
         plan = lora.plan(padded.row_loras)
         if self.graphs is None:

@@ -30,11 +30,12 @@ def part_of(component: str) -> str:
 @dataclass
 class ForwardContext:
     """What the hooked modules of one forward are given: its layout, its LoRA plan, its step caching's groups,
-    the rows a module runs on now (step caching and per-shape calls narrow them), and the per-forward memo."""
+    its controls, the rows a module runs on now (step caching and per-shape calls narrow them), and the per-forward memo."""
 
     layout: Any = None  # models.layout.BatchLayout (None: a text encoder's call)
     lora: Any = None    # lora_layers.LoraPlan (None: no row has adapters)
     cache: Any = None   # step_cache_hooks.ForwardCache (None: no row caches)
+    control: Any = None  # controlnets.ControlPlan (None: no row has a control acting now)
     rows: RowScope = field(default_factory=RowScope)
     memo: dict = field(default_factory=dict)
 

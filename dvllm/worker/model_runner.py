@@ -23,6 +23,7 @@ from dvllm.worker.decode_stage import DecodeJob, DecodeStage
 from dvllm.worker.denoise_batch import StepParts, denoise_step
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage, start_key
+from dvllm.worker.controlnets import ControlResiduals
 from dvllm.worker.forward_context import ForwardHooks
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.output_types import to_output_type
@@ -44,7 +45,8 @@ _AWAIT_STAGE_S = 0.02
 class ModelRunner:
     def __init__(self, adapter: ModelAdapter, pool: StatePool, denoiser: Denoiser, timer: PhaseTimer,
                  max_decode_batch: int = 4, max_loras: int = 4, max_lora_rank: int = 64,
-                 decode_stage: DecodeStage | None = None, lora_cache: LoraCache | None = None) -> None:
+                 decode_stage: DecodeStage | None = None, lora_cache: LoraCache | None = None,
+                 controlnets: dict[str, Any] | None = None) -> None:
         self.adapter = adapter
         self.max_decode_batch = max_decode_batch
         self.decode_stage = decode_stage  # None: the loop decodes
@@ -55,6 +57,9 @@ class ModelRunner:
         self._cache_hooks: CacheHooks | None = None  # installed on the transformer with the first caching request
         self.hooks = ForwardHooks()  # every hook on the pipeline's modules that takes a forward's context
         self.lora = LoraLayers(adapter.pipeline, max_loras, max_lora_rank, self.hooks)
+        self.controlnets = controlnets or {}  # by name: requests' controls run them (worker/controlnets.py)
+        if self.controlnets:
+            ControlResiduals(adapter.pipeline.unet, self.hooks)
         self.lora_cache = lora_cache  # the adapters' weights, read from the ids the loads name (None: no LoRA)
         self.prompts = PromptWriter(adapter, pool, self.lora)
         # The last step's prompt-cache blocks left unwritten and adapter loads that failed: with async scheduling
@@ -166,7 +171,7 @@ class ModelRunner:
 
     def _denoise(self, work: StepWork, group: list[RequestState]) -> None:
         parts = StepParts(self.adapter, self.denoiser, self.pool, self.timer, self.lora, self.hooks,
-                          self.cache_hooks if any(s.cache is not None for s in group) else None)
+                          self.cache_hooks if any(s.cache is not None for s in group) else None, self.controlnets)
         result = denoise_step(parts, group)
         work.errors.update(result.errors)
         work.x0.update(result.previews)
