@@ -10,7 +10,7 @@ import torch
 from diffusers import DPMSolverMultistepScheduler, UniPCMultistepScheduler
 
 from dvllm.samplers import build_plan
-from tests.test_samplers import dvllm_trajectory, fake_denoiser
+from test_samplers import dvllm_trajectory, fake_denoiser
 
 
 def _config(cls, **options) -> dict:

@@ -135,7 +135,9 @@ async def _serve(request: Request, ctx: ServerContext,
     check_client_order(req, ctx)
     params = req.sampling_params()
     params.loras = loras
-    params.controls = open_controls(req.controls, ctx.engine.model_info.pixel_limit(ctx.engine.config.max_image_pixels))
+    if req.controls is not None:
+        info = ctx.engine.model_info
+        params.controls = open_controls(req.controls, info.pixel_limit(ctx.engine.config.max_image_pixels))
     await check_in_flight(ctx)
 
     slot = Slot(ctx)
