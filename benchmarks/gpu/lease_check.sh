@@ -11,6 +11,9 @@
 #   0a. Wan's host syncs on CUDA (tests/test_host_syncs.py -k "cuda_step and [wan": the bracket, as "allowance"
 #      holds "wan"): Wan 2.1 and its I2V, with and without LoRA and each step cache, their rows on Wan's own UniPC
 #      (vectorized in the fused update: no step of it may wait on the device)
+#   0b. ControlNet per request (issue 52): sdxl (dummy weights, fp16) at 1024x1024, 4 requests with CFG, a step with
+#      a dummy ControlNetModel of SDXL's UNet architecture acting on 2 of them against the same step without
+#      (dvllm.benchmarks.control_step): the ratio is what the controls cost
 #   1. MLPerf LoadGen (issue 49): sdxl (dummy weights, bf16) at MLPerf's settings (1024x1024, 20 Euler steps,
 #      guidance 8.0), Offline then Server, short runs: their summaries' samples/s, queries/s and p99 beside MLPerf
 #      v5.0's published 2.37 samples/s and 2.29 queries/s a GPU (8x H200, TensorRT). Needs mlcommons-loadgen in
@@ -39,8 +42,8 @@
 #
 #   benchmarks/gpu/lease_check.sh [--out DIR] [--budget SECONDS] [--only STEP,STEP] [--dry-run]
 #
-# --only runs just the named steps (mlperf_clip, wan_sync, loadgen, loadgen_fast, loras, cache, fast_flux, fast_bound,
-# video, video_turns, kernel_errors, graphs, kernels, sd, group), in the order above.
+# --only runs just the named steps (mlperf_clip, wan_sync, controlnet, loadgen, loadgen_fast, loras, cache,
+# fast_flux, fast_bound, video, video_turns, kernel_errors, graphs, kernels, sd, group), in the order above.
 #
 # Wheels the machine lacks (diffusers and its small needs) travel in .whl/ as run_suite.sh says.
 # --dry-run runs the same steps on the CPU at tiny sizes (the presets' CPU cousins).
@@ -102,6 +105,7 @@ if [ $dry = 1 ]; then
     --output-json "$out/mlperf_clip.json"
   step wan_sync 120 $python -m pytest -q -x tests/test_host_syncs.py -k "a_step_reads and [wan" \
     -p no:cacheprovider
+  step controlnet 90 $python -m dvllm.benchmarks.control_step --dry-run --output-json "$out/controlnet.json"
   step loadgen 90 $python -m dvllm.entrypoints.cli bench loadgen --model tiny-sd --load-format dummy --device cpu \
     --dtype float32 --size 32x32 --steps 4 --num-samples 64 --scenario Offline --min-duration-s 5 \
     --offline-expected-qps 40 --output-dir "$out/loadgen" --output-json "$out/loadgen.json"
@@ -142,6 +146,8 @@ step mlperf_clip 330 env DVLLM_USE_CUSTOM_OPS=0 $python -m dvllm.benchmarks.clip
   --device cuda --dtype bfloat16 --warmup 1 --timed 2 --decode --vae-tiling --output-json "$out/mlperf_clip.json"
 step wan_sync 150 $python -m pytest -v --tb=short --maxfail=4 -p no:cacheprovider tests/test_host_syncs.py \
   -k "cuda_step and [wan"
+step controlnet 120 $python -m dvllm.benchmarks.control_step --model sdxl --device cuda --dtype float16 --size 1024 \
+  --rows 4 --controlled 2 --timed 3 --output-json "$out/controlnet.json"
 # One engine, Offline then Server, 45 s each: Offline at an expected 2 samples/s; Server Poisson at 1.5 queries/s,
 # p99 <= 20 s (too few queries for LoadGen's early stopping to vouch for a p99: that run may say INVALID for that
 # alone, and says why)
