@@ -212,7 +212,10 @@ def trickle_until_closed(sock: socket.socket, every: float = 0.2) -> bytes:
     received = b""
     for _ in range(int(WAIT / every)):
         if select.select([sock], [], [], every)[0]:
-            chunk = sock.recv(65536)
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:  # closed with trickled bytes unread: a reset instead of an end of stream
+                return received
             if not chunk:
                 return received
             received += chunk
