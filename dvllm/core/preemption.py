@@ -28,11 +28,12 @@ def choose_victims(wanted: Request, candidates: list[Request], need_rows: int, n
 
 
 def _shared_blocks_freed(victim: Request, chosen: list[Request], wanted: Request, blocks: BlockManager) -> int:
-    """Blocks of victim's prompt entries that no one else holds (and `wanted` will not reuse)."""
-    freed = 0
-    for entry in (victim.cond_entry, victim.uncond_entry):
-        if entry is not None and entry.key not in wanted.cond_keys:
-            holders = sum(1 for r in chosen for e in (r.cond_entry, r.uncond_entry) if e is entry)
+    """Blocks of victim's shared entries (prompts, control images) that no one else holds (and `wanted` will not
+    reuse)."""
+    freed, reused = 0, {*wanted.cond_keys, *wanted.control_keys}
+    for entry in dict.fromkeys(victim.shared_entries):  # (two controls of one request may hold one entry)
+        if entry.key not in reused:
+            holders = sum(1 for r in chosen for e in r.shared_entries if e is entry)
             freed += blocks.blocks_freed_by(entry, holders)
     return freed
 

@@ -78,12 +78,16 @@ class Request:
     pace: StepPace = field(default_factory=StepPace)  # its recent step times: the ETA of its progress outputs
     decode_tiled: bool = False  # its decode runs in tiles: untiled, it would pass max_decode_mb (decode_budget.py)
     controls: tuple = ()  # its ControlNet controls, each image prepared at admission (engine/control_images.py)
+    control_keys: tuple[bytes, ...] = ()  # their prepared images' digests: pool entries shared when identical
+    control_blocks: int = 0   # state-pool blocks per control image
+    control_entries: tuple[CachedEntry, ...] = ()
 
     def reset(self) -> None:
         """Its worker died: start over from the seed (the images come out the same)."""
         self.status, self.num_steps_done, self.last_scheduled = RequestStatus.WAITING, 0, -1
         self.steps_in_flight = 0
         self.blocks = self.cond_entry = self.uncond_entry = None
+        self.control_entries = ()
         self.swapped, self.images, self.cached_steps = False, [], 0
         self.pace.reset()
 
@@ -105,8 +109,18 @@ class Request:
 
     @property
     def max_blocks(self) -> int:
-        """Blocks it needs when no prompt embedding is shared: must fit the pool alone."""
-        return self.private_blocks + self.cond_blocks * (2 if self.cfg else 1)
+        """Blocks it needs when no prompt embedding or control image is shared: must fit the pool alone."""
+        return self.private_blocks + self.cond_blocks * (2 if self.cfg else 1) + self.shared_control_blocks
+
+    @property
+    def shared_control_blocks(self) -> int:
+        """Blocks its distinct control images take (two controls with one image share one copy)."""
+        return len(set(self.control_keys)) * self.control_blocks
+
+    @property
+    def shared_entries(self) -> list[CachedEntry]:
+        """The pool entries it holds that others may share: its texts' conditions and its control images."""
+        return [e for e in (self.cond_entry, self.uncond_entry, *self.control_entries) if e is not None]
 
     @cached_property
     def cond_keys(self) -> tuple[bytes, bytes | None]:

@@ -2,7 +2,9 @@
 
 Private blocks (latents, a sampler's history, input images' state, step caching's state) are the request's own;
 its texts' conditions are prompt-cache entries, shared by every request with the same key and filled by the first
-one admitted (the one whose step writes them).
+one admitted (the one whose step writes them). Its control images are entries of the same cache, keyed by their
+digest: requests (or controls of one request) with the same prepared image hold one copy. The worker writes a
+control image before anything of its step can fail, so an entry is never left unwritten.
 """
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from dvllm.core.scheduler_output import BlockTables
 def blocks_needed(blocks: BlockManager, request: Request) -> int:
     """Blocks admission takes out of the free and reclaimable ones: a prompt-cache miss needs new blocks, and a
     hit on an idle cached entry makes that entry's blocks unreclaimable."""
-    return request.private_blocks + sum(blocks.blocks_to_claim(key, request.cond_blocks)
-                                        for key in request.cond_keys if key is not None)
+    texts = sum(blocks.blocks_to_claim(key, request.cond_blocks) for key in request.cond_keys if key is not None)
+    images = sum(blocks.blocks_to_claim(key, request.control_blocks) for key in dict.fromkeys(request.control_keys))
+    return request.private_blocks + texts + images
 
 
 def can_allocate(blocks: BlockManager, request: Request, extra_blocks: int = 0) -> bool:
@@ -28,7 +31,8 @@ def can_allocate(blocks: BlockManager, request: Request, extra_blocks: int = 0) 
 
 
 def allocate_blocks(blocks: BlockManager, request: Request) -> tuple[BlockTables, list[Any]]:
-    """Its tables (also kept on the request), and the prompt-cache entries it is the first to fill."""
+    """Its tables (also kept on the request), and the shared entries (texts, control images) it is the first to
+    fill."""
     n, nb, per_row = request.params.n, request.latent_blocks, request.cache_blocks
     cache = None
     if per_row:  # first, while the run admission found is still free: row r is the run's r-th part
@@ -51,9 +55,19 @@ def allocate_blocks(blocks: BlockManager, request: Request) -> tuple[BlockTables
             filled.append(entry)
         entries.append(entry)
     request.cond_entry, request.uncond_entry = entries
+    controls, control_writes = [], []
+    for key in request.control_keys:
+        entry = blocks.lookup(key)
+        control_writes.append(entry is None)
+        if entry is None:
+            entry = blocks.insert(key, request.control_blocks)
+            filled.append(entry)
+        controls.append(entry)
+    request.control_entries = tuple(controls)
     request.blocks = BlockTables(
         latents=latents, history=history, cache=cache, inputs=inputs, cond=entries[0].blocks,
         uncond=entries[1].blocks if entries[1] else None, write_cond=writes[0], write_uncond=writes[1],
+        controls=tuple(tuple(e.blocks) for e in controls), write_controls=tuple(control_writes),
     )
     return request.blocks, filled
 
@@ -63,7 +77,7 @@ def free_blocks(blocks: BlockManager, request: Request) -> None:
     tables = request.blocks
     for run in tables.latents + (tables.history or []) + (tables.cache or []) + (tables.inputs or []):
         blocks.free(run)
-    for entry in (request.cond_entry, request.uncond_entry):
-        if entry is not None:
-            blocks.release(entry)
+    for entry in request.shared_entries:
+        blocks.release(entry)
     request.blocks = request.cond_entry = request.uncond_entry = None
+    request.control_entries = ()

@@ -337,7 +337,7 @@ class Scheduler:
 
     def _admit_one(self, request: Request, out: SchedulerOutput) -> None:
         tables, filled = allocate_blocks(self.blocks, request)
-        if filled:  # prompt-cache entries this request's step writes
+        if filled:  # shared entries (texts, control images) this request's step writes
             self._writers.setdefault(self.iteration, {})[request.request_id] = filled
         out.lora_loads += self.lora_slots.acquire(request.lora_adapters, self.iteration)
         self.waiting.remove(request)

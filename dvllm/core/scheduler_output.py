@@ -21,6 +21,10 @@ class BlockTables:
     inputs: list[list[int]] | None = None  # what its input image(s) left (inpainting, edits), one list per image
     write_cond: bool = True                # the worker must fill cond (a cache miss)
     write_uncond: bool = True
+    # its controls' prepared images, one entry per control (shared like prompts: identical images, one copy),
+    # and which of them the worker must fill
+    controls: tuple[tuple[int, ...], ...] = ()
+    write_controls: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ images past max_image_pixels before this runs."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 
 import torch
 from diffusers.image_processor import VaeImageProcessor
@@ -20,3 +22,17 @@ def prepare_controls(controls: tuple[Control, ...] | None, height: int, width: i
     processor = VaeImageProcessor(vae_scale_factor=vae_scale_factor, do_convert_rgb=True, do_normalize=False)
     return tuple(dataclasses.replace(c, image=processor.preprocess(c.image, height=height, width=width)
                                      .to(torch.float32)) for c in controls)
+
+
+def control_key(image: torch.Tensor) -> bytes:
+    """What identifies a prepared control image in the pool's shared entries: its shape and numbers (requests
+    that send the same picture at the same size share one copy)."""
+    digest = hashlib.blake2b(b"control", digest_size=16)
+    digest.update(repr(tuple(image.shape)).encode())
+    digest.update(image.contiguous().numpy().tobytes())
+    return digest.digest()
+
+
+def control_numel(height: int, width: int) -> int:
+    """Numbers a prepared control image keeps in the pool."""
+    return math.prod((3, height, width))

@@ -23,7 +23,7 @@ from dvllm.config import EngineConfig
 from dvllm.core.request import Request, check_fits
 from dvllm.decode_budget import DecodeBudget
 from dvllm.engine.result_cache import result_key
-from dvllm.engine.control_images import prepare_controls
+from dvllm.engine.control_images import control_key, control_numel, prepare_controls
 from dvllm.lora.adapter_defaults import with_adapter_defaults
 from dvllm.lora.ref import LoraRef
 from dvllm.lora.registry import LoraRegistry
@@ -89,16 +89,20 @@ class InputProcessor:
                 resolved.cache, resolved.height, resolved.width, resolved.max_sequence_length,
                 (prompt, resolved.negative_prompt), resolved.num_frames)[1]),
         )
+        request.controls = prepare_controls(resolved.controls, resolved.height, resolved.width, info.latents.scale)
+        if request.controls:  # their images are pool state, shared when identical (core/request_blocks.py)
+            request.control_keys = tuple(control_key(c.image) for c in request.controls)
+            request.control_blocks = self.blocks(control_numel(resolved.height, resolved.width))
         check_fits(request, self.config.max_batch_size, self.pool_blocks)
         request.decode_tiled = self._decode_tiled(request_id, resolved)
-        request.controls = prepare_controls(resolved.controls, resolved.height, resolved.width, info.latents.scale)
-        # Only a seed the user chose can repeat: a drawn one would never hit, so it is not stored either; nor a
-        # controlled request (its images would have to be part of the key).
-        if self.config.result_cache_mb and params is not None and params.seed is not None and not resolved.controls:
+        # Only a seed the user chose can repeat: a drawn one would never hit, so it is not stored either.
+        if self.config.result_cache_mb and params is not None and params.seed is not None:
             request.result_key = result_key(
                 self.model_key, prompt, resolved, request.lora_load_ids,
                 request.image_key or image_digest(resolved.image),
-                None if resolved.mask_image is None else image_digest(resolved.mask_image))
+                None if resolved.mask_image is None else image_digest(resolved.mask_image),
+                tuple((c.name, key.hex(), c.scale, c.start, c.end) for c, key in zip(request.controls,
+                                                                                    request.control_keys)))
         return request
 
     def _decode_tiled(self, request_id: str, params: SamplingParams) -> bool:

@@ -23,8 +23,10 @@ import torch
 from dvllm.host_copy import device_index
 from dvllm.models.base import ModelAdapter
 from dvllm.models.layout import BatchLayout
+from dvllm.worker.control_state import control_image_shape, read_control_images
 from dvllm.worker.forward_context import DENOISER, ForwardContext, ForwardHooks
 from dvllm.worker.request_state import RequestState
+from dvllm.worker.state_pool import StatePool
 
 
 def load_controlnets(paths: dict[str, str], adapter: ModelAdapter) -> dict[str, Any]:
@@ -53,7 +55,7 @@ class ControlGroup:
 
     controlnet: Any
     index: torch.Tensor   # the rows, on the device
-    images: torch.Tensor  # [rows, 3, H, W] their requests' prepared images
+    images: torch.Tensor  # [rows, 3, H, W] their requests' prepared images (read from the pool)
     scale: float
     guess: bool
 
@@ -64,40 +66,35 @@ class ControlPlan:
 
 
 def control_plan(states: list[RequestState], layout: BatchLayout, controlnets: dict[str, Any],
-                 device: torch.device) -> ControlPlan | None:
-    """This step's groups (None: no row has a control acting now). `states` in the layout's request order."""
-    members: dict[tuple[int, str, float], list[tuple[int, torch.Tensor]]] = {}
+                 pool: StatePool) -> ControlPlan | None:
+    """This step's groups (None: no row has a control acting now). `states` in the layout's request order, of one
+    size (a forward's requests share it)."""
+    members: dict[tuple[int, str, float], list[tuple[int, tuple[int, ...]]]] = {}
     guess_of: dict[tuple[int, str, float], bool] = {}
+    shape = None
     for request, state in enumerate(states):
         controls = state.data.controls
         if not controls:
             continue
-        images = _device_images(state, controlnets, device)
+        shape = control_image_shape(state)
         guess = bool(controlnets[controls[0].name].config.global_pool_conditions)
         cond, uncond = layout.request_rows(request)
         rows = cond if guess else cond + uncond
-        for place, (control, image) in enumerate(zip(controls, images)):
+        for place, (control, blocks) in enumerate(zip(controls, state.blocks.controls)):
             if not control.acts_at(state.step, state.plan.num_steps):
                 continue
             key = (place, control.name, control.scale)
-            members.setdefault(key, []).extend((row, image) for row in rows)
+            members.setdefault(key, []).extend((row, blocks) for row in rows)
             guess_of[key] = guess_of.get(key, guess)
     if not members:
         return None
     groups = []
     for key in sorted(members, key=lambda k: k[0]):  # place by place: each row sums in its request's order
-        rows = members[key]
-        groups.append(ControlGroup(controlnets[key[1]], device_index([r for r, _ in rows], device),
-                                   torch.cat([image for _, image in rows]), key[2], guess_of[key]))
+        rows, controlnet = members[key], controlnets[key[1]]
+        images = read_control_images(pool, [b for _, b in rows], shape, controlnet.dtype)
+        groups.append(ControlGroup(controlnet, device_index([r for r, _ in rows], pool.device), images, key[2],
+                                   guess_of[key]))
     return ControlPlan(groups)
-
-
-def _device_images(state: RequestState, controlnets: dict[str, Any], device: torch.device) -> list[torch.Tensor]:
-    """The request's prepared control images on the device, in its controlnets' dtype (copied once)."""
-    if state.control_images is None:
-        state.control_images = [control.image.to(device=device, dtype=controlnets[control.name].dtype,
-                                                 non_blocking=True) for control in state.data.controls]
-    return state.control_images
 
 
 class ControlResiduals:

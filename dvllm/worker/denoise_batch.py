@@ -101,7 +101,7 @@ def denoise_step(parts: StepParts, states: list[RequestState]) -> StepResult:
         if hooks is not None and any(s.cache is not None for s in batch.states):
             caching = forward_cache(hooks.spec, pool, batch.states, batch.layout)
         control = None if not parts.controlnets else \
-            control_plan(batch.states, batch.layout, parts.controlnets, pool.device)
+            control_plan(batch.states, batch.layout, parts.controlnets, pool)
         forward = parts.denoiser.plan(batch.layout, input_shapes(batch), parts.lora, cache=caching, control=control)
         inputs = model_inputs(adapter, pool, batch, forward)
     # 2. forward

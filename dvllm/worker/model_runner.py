@@ -23,6 +23,8 @@ from dvllm.worker.decode_stage import DecodeJob, DecodeStage
 from dvllm.worker.denoise_batch import StepParts, denoise_step
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage, start_key
+from dvllm.worker.control_state import write_control_images
+from dvllm.worker.shared_entries import fail_readers, written_entries
 from dvllm.worker.controlnets import ControlResiduals
 from dvllm.worker.forward_context import ForwardHooks
 from dvllm.worker.lora_layers import LoraLayers
@@ -240,6 +242,7 @@ class ModelRunner:
     def _encode_prompts(self, work: StepWork) -> None:
         """Writes the new requests' prompt embeddings; a request fails with the embedding it reads, whoever was
         to write it."""
+        write_control_images(self.pool, work.out.new_requests)
         work.admitting = work.live(work.out.new_requests, lambda d: d.request_id)
         work.stats.add("encode", 0.0, len(work.out.new_requests))
         if not work.admitting:
@@ -283,11 +286,11 @@ class ModelRunner:
             self.encode_stage.drop([start_key(d.request_id) for d in work.admitting])
         for resumed in out.resumed_requests:  # a failed swap-in was to refill shared entries: they hold nothing
             if resumed.request_id in errors:
-                work.unwritten.update(dict.fromkeys(_written_conditions(resumed.blocks), errors[resumed.request_id]))
+                work.unwritten.update(dict.fromkeys(written_entries(resumed.blocks), errors[resumed.request_id]))
         admitted = [*out.new_requests, *out.resumed_requests]
-        written = {b for d in admitted for b in _written_conditions(d.blocks)}
+        written = {b for d in admitted for b in written_entries(d.blocks)}
         stale = {b: why for b, why in self._last_unwritten.items() if b not in written}
-        _fail_readers(admitted, {**stale, **work.unwritten}, errors)
+        fail_readers(admitted, {**stale, **work.unwritten}, errors)
         self._last_unwritten = work.unwritten
 
     def _started_ahead(self, d: NewRequestData) -> Start | None:
@@ -412,29 +415,8 @@ def _fail_lora_users(out: SchedulerOutput, states: dict[str, RequestState], fail
         bad = next((digest for digest, _ in loras if digest in failed), None)
         if bad is not None:
             errors[data.request_id] = failed[bad][1]
-            unwritten.update(dict.fromkeys(_written_conditions(data.blocks), errors[data.request_id]))
+            unwritten.update(dict.fromkeys(written_entries(data.blocks), errors[data.request_id]))
     return unwritten
-
-
-def _written_conditions(blocks: Any) -> list[tuple[int, ...]]:
-    """The condition blocks a request was to fill this iteration (prompt-cache misses)."""
-    out = [tuple(blocks.cond)] if blocks.write_cond else []
-    if blocks.uncond is not None and blocks.write_uncond:
-        out.append(tuple(blocks.uncond))
-    return out
-
-
-def _fail_readers(admitted: list[Any], unwritten: dict[tuple[int, ...], str], errors: dict[str, str]) -> None:
-    """A request admitted this iteration may share a prompt-cache entry that another one was to fill and
-    did not (its encoding or its swap-in failed): it fails too, rather than denoise from unwritten blocks."""
-    if not unwritten:
-        return
-    for data in admitted:
-        tables = data.blocks
-        reads = [tuple(tables.cond)] + ([tuple(tables.uncond)] if tables.uncond is not None else [])
-        bad = next((b for b in reads if b in unwritten), None)
-        if bad is not None and data.request_id not in errors:
-            errors[data.request_id] = f"its prompt embedding could not be written: {unwritten[bad]}"
 
 
 def _rng_checkpoint(states: list[RequestState]) -> Callable[[], None]:

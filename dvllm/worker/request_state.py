@@ -23,9 +23,6 @@ class RequestState:
     cache: CacheState | None = None  # step caching: what its decisions carry between steps
     # (prompt, negative prompt) real text tokens, read once at admission where the family masks its text
     text_lengths: tuple[int, int] | None = None
-    # its controls' prepared images on the device, in their controlnets' dtype (worker/controlnets.py; None: not
-    # copied yet)
-    control_images: list[torch.Tensor] | None = None
 
     @property
     def request_id(self) -> str:

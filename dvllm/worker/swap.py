@@ -1,5 +1,6 @@
 """Preemption's swap: a request's pool contents go to host memory, and come back unchanged into the blocks it
-is given on resuming (its latents, sampler history, step-cache state, input latents and conditions)."""
+is given on resuming (its latents, sampler history, step-cache state, input latents, conditions and control
+images)."""
 from __future__ import annotations
 
 from typing import Any
@@ -20,6 +21,8 @@ def swap_out(state: RequestState, pool: StatePool, info: ModelInfo) -> None:
     if blocks.inputs is not None:
         host["inputs"] = pool.read(blocks.inputs, state.input_numel)
     host["cond"] = pool.read([blocks.cond], info.text.condition_numel)
+    for i, (entry, control) in enumerate(zip(blocks.controls, state.data.controls)):
+        host[f"control{i}"] = pool.read([list(entry)], control.image.numel())
     if blocks.uncond is not None:
         host["uncond"] = pool.read([blocks.uncond], info.text.condition_numel)
     state.host = {k: v.to("cpu") for k, v in host.items()}
@@ -40,4 +43,7 @@ def swap_in(state: RequestState, blocks: Any, pool: StatePool) -> None:
         pool.write([blocks.cond], host["cond"])
     if blocks.uncond is not None and blocks.write_uncond:
         pool.write([blocks.uncond], host["uncond"])
+    for i, (entry, write) in enumerate(zip(blocks.controls, blocks.write_controls)):
+        if write:  # the same: its control image was evicted
+            pool.write([list(entry)], host[f"control{i}"])
     state.blocks, state.host = blocks, None
