@@ -126,7 +126,9 @@ def test_profile_splits_the_step(sd_eps_path):
 @pytest.mark.slow
 def test_compiled_denoiser_with_lora_layers_loaded_keeps_fidelity(sd_eps_path, tmp_path):
     """LoRA batches run eagerly; once adapters are loaded, batches without any still take the compiled
-    forward through the wrapped layers. Both give the eager engine's images."""
+    forward through the wrapped layers. Both give the eager engine's images. What is tested is which forward
+    each batch takes and dynamo's trace through the wrapped layers, so the eager backend (no inductor build, a
+    third of the CPU time: test_compiled_denoiser_keeps_fidelity compiles this UNet with inductor)."""
     from conftest import tiny_sd_pipeline
     from lora_utils import make_lora
 
@@ -136,10 +138,21 @@ def test_compiled_denoiser_with_lora_layers_loaded_keeps_fidelity(sd_eps_path, t
     prompts = ["a", "b", "c"]
     results = []
     for compile_mode in ("off", "dynamic"):
+        backend = {} if compile_mode == "off" else {"compile_backend": "eager"}
         engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", compile=compile_mode,
-                                 lora_modules=adapters)
+                                 lora_modules=adapters, **backend)
+        denoiser, compiled_rows = engine.executor.worker.runner.denoiser, []
+        if compile_mode == "dynamic":
+            compiled = denoiser.compiled
+
+            def spy(latents, *args, _compiled=compiled, **kwargs):
+                compiled_rows.append(len(latents))
+                return _compiled(latents, *args, **kwargs)
+            denoiser.compiled = spy
         mixed = engine.generate(prompts, params, use_tqdm=False)
         plain = engine.generate(prompts[1], params[1], use_tqdm=False)  # no adapter: the compiled path
+        if compile_mode == "dynamic":  # only batches without a LoRA row took it: the lone plain request's two rows
+            assert compiled_rows and set(compiled_rows) == {2}, compiled_rows
         results.append(mixed + plain)
     for want, got in zip(*results):
         assert got.error is None, got.error
