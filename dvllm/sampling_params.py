@@ -194,8 +194,9 @@ class SamplingParams:
         if info.images.requires_mask and mask is None:
             raise ValueError(f"mask_image: this model ({info.pipeline_class}) only inpaints: send an image and a mask")
         controls = _load_controls(self.controls, config, info, max_pixels)
-        if controls and image is not None:
-            raise ValueError("controls: not served with image-to-image, inpainting or edits yet (text-to-image only)")
+        if controls and image is not None and not info.images.controls:
+            raise ValueError(f"controls: {info.pipeline_class} takes controls with text-to-image only, not beside "
+                             "input images")
         image_h, image_w = default_size(info, image, mask is not None) if image is not None or not controls else \
             control_size(controls[0].image, info.latents.size_factor)
         guidance = info.defaults.guidance if self.guidance_scale is None else float(self.guidance_scale)

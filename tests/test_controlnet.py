@@ -7,6 +7,7 @@ seed, and so do its latents. The tiny controlnets are made from the tests' tiny 
 zero convolutions too, or every residual would be zero) and loaded through dvllm's loader from folders.
 """
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -159,10 +160,15 @@ def test_an_engine_without_controlnets_refuses_controls(sd_eps_path):
         engine.shutdown()
 
 
-def test_controls_with_an_input_image_are_refused(family):
-    with pytest.raises(ValueError, match="controls: not served with image-to-image"):
-        family[0].add_request("r", "a cat", P(image=control_image(1, (16, 16)), strength=0.5,
-                                              controls=[control("edges", control_image(2))]))
+def test_controls_beside_an_input_image_are_refused_where_the_family_has_no_such_pipeline(family):
+    """(SD and SDXL have ControlNet img2img and inpainting pipelines: test_controlnet_inputs.py. A family
+    without them refuses the pair per request.)"""
+    engine = family[0]
+    info = engine.model_info
+    info = dataclasses.replace(info, images=dataclasses.replace(info.images, controls=False))
+    p = P(image=control_image(1, (16, 16)), strength=0.5, controls=[control("edges", control_image(2))])
+    with pytest.raises(ValueError, match="takes controls with text-to-image only, not beside input images"):
+        p.resolve(info, engine.config)
 
 
 def test_controls_through_the_core_process_async_and_both_stages_equal_in_process(family, sd_eps_path):

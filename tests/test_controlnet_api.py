@@ -115,3 +115,32 @@ def test_generate_reads_controls_from_a_prompts_file(sd_eps_path, edges, tmp_pat
         assert_same_pixels(np.asarray(image.convert("RGB")), want.images[0])
         assert json.loads(image.text["parameters"])["controls"] == [
             {"name": "edges", "image": str(tmp_path / "edges.png"), "scale": 0.5, "start": 0.0, "end": 1.0}]
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    return base64.b64decode(b64_png(image))
+
+
+def test_edits_take_controls_as_json_with_control_image_files(http, sd_eps_path, edges):
+    """Image-to-image with controls over the edits form: `controls` as JSON text, a control without an image takes
+    the next `control_image[]` file, another carries its own base64; the Python API's pixels."""
+    from test_inpaint import picture
+
+    start, first, second = picture(4), control_image(5), control_image(6)
+    controls = [{"name": "edges", "scale": 0.8}, {"name": "edges", "image": b64_png(second), "start": 0.5}]
+    data = {"prompt": "a boat", "seed": 7, "num_inference_steps": 5, "guidance_scale": 4.0, "strength": 0.8,
+            "controls": json.dumps(controls)}
+    files = [("image", ("start.png", png_bytes(start), "image/png")),
+             ("control_image[]", ("edges.png", png_bytes(first), "image/png"))]
+    r = http.post("/v1/images/edits", data=data, files=files)
+    assert r.status_code == 200, r.text
+    want = offline(sd_eps_path, edges, [("a boat", SamplingParams(
+        num_inference_steps=5, seed=7, guidance_scale=4.0, strength=0.8, image=start, output_type="np",
+        controls=[{"name": "edges", "image": first, "scale": 0.8}, {"name": "edges", "image": second, "start": 0.5}]))])
+    assert want[0].error is None, want[0].error
+    assert_same_pixels(png_pixels(r.json()["data"][0]["b64_json"]), want[0].images[0])
+    extra = files + [("control_image[]", ("more.png", png_bytes(second), "image/png"))]
+    bad = http.post("/v1/images/edits", data=data, files=extra)
+    assert_error(bad, 400, "control_image")
+    bad = http.post("/v1/images/edits", data=dict(data, controls="[{"), files=files)
+    assert_error(bad, 400, "controls")

@@ -1,11 +1,15 @@
 """An images request's `controls` as JSON carries them: each image a base64 string (or a data: URL), opened
 lazily here (its header read, its size checked against the server's pixel limit); the engine's input processor
-decodes and prepares it at admission, off the event loop. The body's own size limit bounds the bytes."""
+decodes and prepares it at admission, off the event loop. The body's own size limit bounds the bytes. In an edit's
+multipart form, `controls` is JSON text, and a control without an image takes the next `control_image[]` file
+(attach_control_files)."""
 from __future__ import annotations
 
 import base64
 import binascii
 from typing import Any
+
+from PIL import Image
 
 from dvllm.controls import MAX_CONTROLS
 from dvllm.entrypoints.protocol import APIError
@@ -28,7 +32,25 @@ def open_controls(controls: list[Any] | None, max_pixels: int) -> list[dict[str,
     return opened
 
 
+def attach_control_files(controls: Any, files: list[Image.Image]) -> Any:
+    """The form's controls with the uploaded control images (opened, in the order sent) given, in order, to the
+    controls that carry no image of their own; APIError 400 naming `control_image` when the counts differ."""
+    missing = [i for i, c in enumerate(controls or []) if isinstance(c, dict) and c.get("image") is None]
+    if not files and not missing:
+        return controls
+    if len(files) != len(missing):
+        raise APIError(400, f"Invalid value for 'control_image': {len(files)} control image file(s) for "
+                            f"{len(missing)} control(s) without an image; send one file per such control, in order.",
+                       param="control_image", code="invalid_value")
+    controls = list(controls)
+    for i, image in zip(missing, files):
+        controls[i] = dict(controls[i], image=image)
+    return controls
+
+
 def _open(image: Any, max_pixels: int, param: str) -> Any:
+    if isinstance(image, Image.Image):  # an edit form's file, opened and bounded already
+        return image
     if not isinstance(image, str) or not image:
         raise APIError(400, f"Invalid value for '{param}': send the control image as a base64 string or a "
                             "data:image/...;base64 URL (this server fetches no URLs).", param=param,

@@ -9,7 +9,7 @@ from typing import Any
 
 from dvllm.entrypoints.protocol import APIError
 
-JSON_FIELDS = ("cache", "loras")  # objects in a JSON body: JSON text in a form
+JSON_FIELDS = ("cache", "loras", "controls")  # objects and lists in a JSON body: JSON text in a form
 
 
 def typed_form(fields: dict[str, Any], model: type, aliases: dict[str, str] | None = None) -> dict[str, Any]:
@@ -37,7 +37,8 @@ def _parse_json_field(key: str, value: str) -> Any:
     try:  # as a JSON body is read: NaN and Infinity are no JSON; 5000 digits or 10**5 brackets are ValueErrors too
         return json.loads(value, parse_constant=_no_constant)
     except (ValueError, RecursionError):
-        raise APIError(400, f"Invalid value for '{key}': expected a JSON object or null, got {value[:80]!r}.",
+        raise APIError(400, f"Invalid value for '{key}': expected JSON text (an object, a list or null), got "
+                            f"{value[:80]!r}.",
                        param=key, code="invalid_value") from None
 
 

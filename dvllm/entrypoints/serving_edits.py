@@ -1,8 +1,9 @@
 """POST /v1/images/edits: OpenAI's multipart form, served as image-to-image, or as inpainting with a mask.
 
 The form's fields are the generation request's (strings, converted by their declared types;
-the objects `cache` and `loras` as JSON text) plus the files: one image, or several (`image[]`, in the
-order sent) for models that take several (`model_info.images.max_images`), and an optional `mask`.
+the objects `cache`, `loras` and `controls` as JSON text) plus the files: one image, or several (`image[]`, in the
+order sent) for models that take several (`model_info.images.max_images`), an optional `mask`, and the images of
+the controls that carry none in their JSON (`control_image[]`, in the order of those controls).
 
 The mask follows OpenAI: a PNG of the image's size whose transparent pixels mark where to edit. With an
 alpha channel (RGBA, LA, or a palette or grey PNG with transparency info) the grey mask diffusers gets is
@@ -22,6 +23,8 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response
 
+from dvllm.controls import MAX_CONTROLS
+from dvllm.entrypoints.control_uploads import attach_control_files
 from dvllm.entrypoints.form_fields import typed_form
 from dvllm.entrypoints.image_upload import open_image
 from dvllm.entrypoints.mask_upload import mask_from_upload
@@ -33,7 +36,8 @@ if TYPE_CHECKING:
     from dvllm.models.base import ModelInfo
 
 _IMAGE_FIELDS = ("image", "image[]")
-_FILE_FIELDS = (*_IMAGE_FIELDS, "mask")
+_CONTROL_FIELDS = ("control_image", "control_image[]")  # files for the controls that carry no image, in order
+_FILE_FIELDS = (*_IMAGE_FIELDS, "mask", *_CONTROL_FIELDS)
 _MAX_FILES = 64  # however many images a model takes: each file part costs a spooled file while parsing
 
 
@@ -46,7 +50,8 @@ async def create_edit(request: Request, ctx: ServerContext) -> Response:
         request._body = await read_body(request, ctx.body_limits)  # bounded, then parsed from memory
         info = ctx.engine.model_info
         try:  # room for the images the model takes, a mask, and one file more, which _check_files names
-            form = await request.form(max_files=min(info.images.max_images + 2, _MAX_FILES), max_fields=64)
+            form = await request.form(max_files=min(info.images.max_images + 2 + MAX_CONTROLS, _MAX_FILES),
+                                      max_fields=64)
         except Exception as e:  # a malformed multipart body, or too many files
             if "Too many files" in str(getattr(e, "detail", e)):
                 raise _too_many_images(info, "too many files;") from None
@@ -61,6 +66,13 @@ async def create_edit(request: Request, ctx: ServerContext) -> Response:
         req.image = opened[0] if len(opened) == 1 else opened
         if masks:
             req.mask = await _mask(await masks[0].read(), opened[0], max_pixels)
+        control_files = [value for key, value in form.multi_items() if key in _CONTROL_FIELDS]
+        if not all(isinstance(f, UploadFile) for f in control_files):
+            raise APIError(400, "Invalid value for 'control_image': send image files.", param="control_image",
+                           code="invalid_value")
+        req.controls = attach_control_files(req.controls, [open_image(await f.read(), max_pixels,
+                                                                      f"control_image[{i}]")
+                                                           for i, f in enumerate(control_files)])
         return req
 
     return await serve_request(request, ctx, parse)

@@ -177,6 +177,9 @@ class ImageInputs:
     # Wan 2.2 TI2V: the image's latents are the video's first latent frame (its input state), written over the
     # latents at the start and after every step instead of read by the denoiser; the image is optional
     first_frame: bool = False
+    # ControlNet controls served beside the input image (image-to-image and inpainting: diffusers' ControlNet
+    # img2img and inpainting pipelines); False: controls are text-to-image only
+    controls: bool = False
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ class StableDiffusionAdapter(ModelAdapter):
             # LCM-distilled UNets embed the guidance scale instead of running CFG rows.
             guidance=Guidance(supported=pipe.unet.config.time_cond_proj_dim is None),
             images=ImageInputs(img2img=True, inpaint_channels=self._inpaint_channels,
-                               requires_mask=self.inpainting_unet, denoiser_takes_inputs=self.inpainting_unet),
+                               requires_mask=self.inpainting_unet, denoiser_takes_inputs=self.inpainting_unet,
+                               controls=True),
         )
 
     def encode_prompt(self, texts: list[tuple[str | None, bool]],

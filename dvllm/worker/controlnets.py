@@ -118,7 +118,9 @@ class ControlResiduals:
         for group in plan.groups:
             index = group.index
             group_down, group_mid = group.controlnet(
-                sample[index], timestep[index] if timestep.dim() else timestep, encoder_hidden_states=text[index],
+                # the latents alone: an inpainting UNet's mask and masked-image channels are its own, as in
+                # diffusers' ControlNet inpainting pipelines
+                sample[index, :group.controlnet.config.in_channels], timestep[index] if timestep.dim() else timestep, encoder_hidden_states=text[index],
                 controlnet_cond=group.images, conditioning_scale=group.scale, guess_mode=group.guess,
                 added_cond_kwargs=None if added is None else {k: v[index] for k, v in added.items()},
                 return_dict=False)
