@@ -29,7 +29,8 @@ PARAMS = [SamplingParams(num_inference_steps=4, seed=s, height=32, width=32, out
 BOUNDS = {("flux", "torchao:int8wo"): 0.006, ("sd", "torchao:int8wo"): 0.004,
           ("flux", "torchao:float8wo"): 0.036, ("sd", "torchao:float8wo"): 0.016,
           ("flux", "quanto:int8"): 0.005, ("sd", "quanto:int8"): 0.0035,
-          ("flux lora", "torchao:int8wo"): 0.009, ("flux lora", "quanto:int8"): 0.011, ("flux", "gguf:Q8_0"): 0.004}
+          ("flux lora", "torchao:int8wo"): 0.009, ("flux lora", "quanto:int8"): 0.011, ("flux", "gguf:Q8_0"): 0.004,
+          ("sd controlnet", "torchao:int8wo"): 0.004}
 WEIGHT_TYPES = {"torchao:int8wo": "Int8Tensor", "torchao:float8wo": "Float8Tensor", "quanto:int8": "WeightQBytesTensor"}
 PACKAGES = {"torchao": "torchao", "quanto": "optimum.quanto"}
 
@@ -275,3 +276,31 @@ def test_a_gguf_model_serves_within_its_bound(flux_gguf, flux_path, unquantized)
     diff = max_diff(images(eng), unquantized["flux"])
     print(f"\nflux Q8_0 GGUF: max abs difference from the unquantized images {diff:.4f}")
     assert 0 < diff < BOUNDS["flux", "gguf:Q8_0"]
+
+
+@pytest.fixture(scope="module")
+def edges(sd_eps_path, tmp_path_factory) -> dict[str, str]:
+    from diffusers import UNet2DConditionModel
+    from test_controlnet import tiny_controlnet
+
+    folder = tmp_path_factory.mktemp("controlnet-edges")
+    tiny_controlnet(UNet2DConditionModel.from_pretrained(sd_eps_path, subfolder="unet"), 10).save_pretrained(folder)
+    return {"edges": str(folder)}
+
+
+@pytest.mark.slow
+def test_controlnets_are_quantized_as_the_denoiser(sd_eps_path, edges, unquantized):
+    """A controlnet runs beside the UNet: quantized as it is (and not when the spec names other components)."""
+    from test_controlnet import control, control_image
+
+    controls = [control("edges", control_image(1), scale=0.8)]
+    eng = engine(sd_eps_path, quantization="torchao:int8wo", controlnets=edges)
+    assert linear_weights(eng.executor.worker.controlnets["edges"]) == {"Int8Tensor"}
+    exact = engine(sd_eps_path, controlnets=edges)
+    diff = max_diff(images(eng, controls=controls), images(exact, controls=controls))
+    print(f"\nsd controlnet torchao:int8wo: max abs difference from the unquantized images {diff:.4f}")
+    assert 0 < diff < BOUNDS["sd controlnet", "torchao:int8wo"]
+    assert max_diff(images(exact, controls=controls), unquantized["sd"]) > 0.01  # the control acts
+    text_only = '{"backend": "torchao", "options": {"quant_type": "int8wo"}, "components": ["text_encoder"]}'
+    other = engine(sd_eps_path, quantization=text_only, controlnets=edges)
+    assert linear_weights(other.executor.worker.controlnets["edges"]) == {"Parameter"}

@@ -73,7 +73,8 @@ class Worker:
         adapter = load_adapter(config.model, config.load_format, self.device, config.dtype,
                                seed=config.dummy_weight_seed, default_params=config.default_params, load=load)
         self.dtype = adapter.dtype  # "auto" resolved for the model's family
-        self.controlnets = load_controlnets(config.controlnets, adapter)  # before the memory profile: it counts them
+        # before the memory profile, which counts them; quantized as the denoiser
+        self.controlnets = load_controlnets(config.controlnets, adapter, load.quantization)
         # fast mode's choices (and the other speed settings' defaults) made concrete for this device and denoiser
         self.config = config = settle(config, adapter)
         self.quantization = load.quantization

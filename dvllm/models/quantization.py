@@ -248,6 +248,25 @@ def finish_quantization(pipeline: Any, spec: QuantizationSpec, model_index: dict
         logger.info("quantization %s: %d of %d Linear layers of %s quantized", spec, done, len(linears), name)
 
 
+def quantizes_denoiser(spec: QuantizationSpec | None) -> bool:
+    """Whether the spec quantizes the denoiser (it names no components, or names it): the modules that run beside
+    it (controlnets) are then quantized as it is."""
+    return spec is not None and (spec.components is None or bool({"transformer", "unet"} & set(spec.components)))
+
+
+def quantize_loaded(module: torch.nn.Module, spec: QuantizationSpec, name: str) -> None:
+    """A module loaded beside the pipeline (a controlnet) quantized as its denoiser: from_pretrained was given
+    backend_config(spec); torchao quantizes what it could not (and must leave some Linear layer quantized)."""
+    check_device(spec, next(module.parameters()).device)
+    linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
+    if not any(map(is_quantized, linears)) and spec.backend == "torchao":
+        _torchao_quantize(module, spec)
+    done = sum(map(is_quantized, linears))
+    if linears and not done:
+        raise ValueError(f"quantization {spec} left no Linear layer of {name} quantized here")
+    logger.info("quantization %s: %d of %d Linear layers of %s quantized", spec, done, len(linears), name)
+
+
 def _torchao_quantize(module: torch.nn.Module, spec: QuantizationSpec) -> None:
     from torchao.quantization import quantize_
 

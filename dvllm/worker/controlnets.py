@@ -23,15 +23,18 @@ import torch
 from dvllm.host_copy import device_index
 from dvllm.models.base import ModelAdapter
 from dvllm.models.layout import BatchLayout
+from dvllm.models.quantization import QuantizationSpec, backend_config, quantize_loaded, quantizes_denoiser
 from dvllm.worker.control_state import control_image_shape, read_control_images
 from dvllm.worker.forward_context import DENOISER, ForwardContext, ForwardHooks
 from dvllm.worker.request_state import RequestState
 from dvllm.worker.state_pool import StatePool
 
 
-def load_controlnets(paths: dict[str, str], adapter: ModelAdapter) -> dict[str, Any]:
-    """{name: controlnet} from diffusers' folders or Hub ids, in the denoiser's dtype on its device;
-    ValueError naming the one that does not load, or the family that takes none."""
+def load_controlnets(paths: dict[str, str], adapter: ModelAdapter,
+                     quantization: QuantizationSpec | None = None) -> dict[str, Any]:
+    """{name: controlnet} from diffusers' folders or Hub ids, in the denoiser's dtype on its device, quantized as
+    the denoiser is (`--quantization` without components, or naming it); ValueError naming the one that does not
+    load, or the family that takes none."""
     if not paths:
         return {}
     if adapter.controlnet_class is None:
@@ -40,12 +43,17 @@ def load_controlnets(paths: dict[str, str], adapter: ModelAdapter) -> dict[str, 
     import diffusers
 
     cls = getattr(diffusers, adapter.controlnet_class)
+    quantized = quantizes_denoiser(quantization)
+    options = {"quantization_config": backend_config(quantization)} if quantized else {}
     loaded = {}
     for name, path in paths.items():
         try:
-            loaded[name] = cls.from_pretrained(path, torch_dtype=adapter.dtype).to(adapter.device).eval()
+            net = cls.from_pretrained(path, torch_dtype=adapter.dtype, **options)
         except Exception as e:  # a missing folder, another model's weights: the operator's to fix
             raise ValueError(f"controlnets: {name}={path} does not load as a {cls.__name__}: {e}") from e
+        loaded[name] = net = net.to(adapter.device).eval()
+        if quantized:
+            quantize_loaded(net, quantization, f"controlnet {name}")
     return loaded
 
 
