@@ -23,8 +23,8 @@ class RequestState:
     cache: CacheState | None = None  # step caching: what its decisions carry between steps
     # (prompt, negative prompt) real text tokens, read once at admission where the family masks its text
     text_lengths: tuple[int, int] | None = None
-    # its controls' prepared images on the device, in their controlnets' dtype (worker/controlnets.py; None: not
-    # copied yet)
+    # its controls' inputs on the device, in their controlnets' dtype, made at its start (worker/start_latents.py:
+    # SD's prepared images, Flux's packed latents, one per image); None: it has no controls
     control_images: list[torch.Tensor] | None = None
 
     @property

@@ -1,0 +1,124 @@
+"""ControlNet per request on Flux, inside one forward, against FluxControlNetPipeline request by request.
+
+One batch mixes rows without a control, with one controlnet at two scales and different images, with two
+controlnets on one request (FluxMultiControlNetModel), and with a window that starts mid-way on a request of two
+images: each request's images equal FluxControlNetPipeline's (FluxPipeline's without a control) with the same
+seed, and so do its latents. That also checks the draws: each control image's VAE sample, then the start noise,
+from the request's generator. The tiny transformer has two double and two single blocks; "edges" has one of each
+(its samples span two blocks), "depth" two double blocks and no single ones (on one request with "edges" the
+lists sum as the multi-controlnet sums them). Their zero-initialized projections are random, or every sample would
+be zero; they are loaded through dvllm's loader from folders.
+"""
+import numpy as np
+import pytest
+import torch
+from diffusers import FluxControlNetModel, FluxControlNetPipeline, FluxMultiControlNetModel, FluxPipeline
+from test_controlnet import control, control_image
+
+from dvllm import DiffusionEngine, SamplingParams
+
+TOL, LATENT_TOL = 1e-3, 1e-4
+P = SamplingParams
+NETS = {"edges": (1, 1, 20), "depth": (2, 0, 21)}  # name: double blocks, single blocks, seed
+
+
+def tiny_flux_controlnet(num_layers: int, num_single_layers: int, seed: int) -> FluxControlNetModel:
+    torch.manual_seed(seed)
+    net = FluxControlNetModel(patch_size=1, in_channels=16, num_layers=num_layers, num_single_layers=num_single_layers,
+                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                              pooled_projection_dim=24, axes_dims_rope=[4, 4, 8], guidance_embeds=True)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in [*net.controlnet_blocks, *net.controlnet_single_blocks, net.controlnet_x_embedder]:
+            for p in module.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return net
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    from conftest import tiny_flux_pipeline
+
+    path = tmp_path_factory.mktemp("flux-2x2")
+    tiny_flux_pipeline(num_layers=2, num_single_layers=2).save_pretrained(path)
+    pipe = FluxPipeline.from_pretrained(path)  # as saved (the byte tokenizers come back as the engine reads them)
+    pipe.set_progress_bar_config(disable=True)
+    nets = {}
+    for name, (double, single, seed) in NETS.items():
+        folder = tmp_path_factory.mktemp(f"flux-controlnet-{name}")
+        tiny_flux_controlnet(double, single, seed).save_pretrained(folder)
+        nets[name] = str(folder)
+    engine = DiffusionEngine(model=str(path), device="cpu", dtype="float32", controlnets=nets)
+    loaded = {name: FluxControlNetModel.from_pretrained(folder) for name, folder in nets.items()}
+    yield engine, pipe, loaded
+    engine.shutdown()
+
+
+def reference(flux, prompt: str, p: SamplingParams, output_type: str) -> np.ndarray:
+    _, pipe, nets = flux
+    common = dict(num_inference_steps=p.num_inference_steps, height=p.height, width=p.width,
+                  num_images_per_prompt=p.n, guidance_scale=p.guidance_scale,
+                  generator=torch.Generator("cpu").manual_seed(p.seed), output_type=output_type)
+    if not p.controls:
+        return pipe(prompt, **common).images
+    controls = p.controls
+    single = len(controls) == 1  # one FluxControlNetModel, else a FluxMultiControlNetModel of them in order
+    controlnet = nets[controls[0]["name"]] if single else FluxMultiControlNetModel([nets[c["name"]] for c in controls])
+    components = {k: v for k, v in pipe.components.items() if k not in ("image_encoder", "feature_extractor")}
+    control_pipe = FluxControlNetPipeline(**components, controlnet=controlnet)
+    control_pipe.set_progress_bar_config(disable=True)
+    field = (lambda key: controls[0][key]) if single else (lambda key: [c[key] for c in controls])
+    return control_pipe(prompt, control_image=field("image"), controlnet_conditioning_scale=field("scale"),
+                        control_guidance_start=field("start"), control_guidance_end=field("end"), **common).images
+
+
+def mixed() -> list[tuple[str, SamplingParams]]:
+    one, two = control_image(1), control_image(2)
+    size = dict(height=16, width=16)
+    return [
+        ("a red circle", P(num_inference_steps=4, guidance_scale=3.5, seed=1, **size)),
+        ("a blue square", P(num_inference_steps=5, guidance_scale=3.5, seed=2, controls=[control("edges", one)],
+                            **size)),
+        ("a blue square", P(num_inference_steps=4, guidance_scale=5.0, seed=3,
+                            controls=[control("edges", two, scale=0.5)], **size)),
+        ("a green star", P(num_inference_steps=5, guidance_scale=4.0, seed=4,
+                           controls=[control("edges", one, 0.8), control("depth", two, 1.2)], **size)),
+        ("two triangles", P(num_inference_steps=6, guidance_scale=3.0, seed=5, n=2,
+                            controls=[control("depth", one, start=0.5)], **size)),
+    ]
+
+
+def test_a_mixed_batch_equals_the_flux_controlnet_pipelines(flux):
+    engine = flux[0]
+    batch = mixed()
+    for output_type, tol in (("np", TOL), ("latent", LATENT_TOL)):
+        params = [P(**{**vars(p), "output_type": output_type}) for _, p in batch]
+        outs = engine.generate([q for q, _ in batch], params, use_tqdm=False)
+        for (prompt, p), out in zip(batch, outs):
+            assert out.error is None, out.error
+            want = np.asarray(reference(flux, prompt, p, output_type))
+            got = np.stack([np.asarray(image) for image in out.images])
+            assert got.shape == want.shape
+            diff = float(np.abs(got - want).max())
+            assert diff <= tol, f"{prompt!r} {output_type}: max abs diff {diff}"
+
+
+def test_a_control_changes_the_image_and_its_draw_comes_first(flux):
+    """The comparison above could pass with controls ignored if the tiny controlnets did nothing, or with the
+    VAE sample drawn after the noise if it changed nothing: neither holds."""
+    engine = flux[0]
+    base = dict(num_inference_steps=4, guidance_scale=3.5, seed=9, height=16, width=16, output_type="latent")
+    plain, controlled, zero = engine.generate(["a cat"] * 3, [
+        P(**base), P(**base, controls=[control("edges", control_image(3))]),
+        P(**base, controls=[control("edges", control_image(3), scale=0.0)])], use_tqdm=False)
+    assert np.abs(np.asarray(plain.images[0]) - np.asarray(controlled.images[0])).max() > 0.05
+    # scale 0 adds zeros, but the control's VAE sample still came first: the start noise is not plain's
+    assert np.abs(np.asarray(plain.images[0]) - np.asarray(zero.images[0])).max() > 0.05
+
+
+def test_without_a_size_a_flux_request_takes_the_models_default(flux):
+    engine = flux[0]
+    out = engine.generate("a cat", P(num_inference_steps=1, seed=1, controls=[control("edges", control_image(4))]),
+                          use_tqdm=False)[0]
+    info = engine.processor.info
+    assert out.images[0].size == (info.defaults.width, info.defaults.height)  # not the control image's 30x26
