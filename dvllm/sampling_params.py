@@ -196,6 +196,10 @@ class SamplingParams:
         controls = _load_controls(self.controls, config, info, max_pixels)
         if controls and image is not None:
             raise ValueError("controls: not served with image-to-image, inpainting or edits yet (text-to-image only)")
+        if controls and cache is not None:  # the engine's default cache leaves a controlled request uncached
+            if not _is_default(self.cache):
+                raise ValueError("controls: not served with step caching (cache) yet")
+            cache = None
         image_h, image_w = control_size(controls[0].image, info.latents.size_factor) \
             if controls and image is None and info.images.control_sets_size else \
             default_size(info, image, mask is not None)

@@ -118,7 +118,21 @@ def test_a_control_changes_the_image_and_its_draw_comes_first(flux):
 
 def test_without_a_size_a_flux_request_takes_the_models_default(flux):
     engine = flux[0]
-    out = engine.generate("a cat", P(num_inference_steps=1, seed=1, controls=[control("edges", control_image(4))]),
-                          use_tqdm=False)[0]
+    resolved = engine.processor.process("r", "a cat", P(controls=[control("edges", control_image(4))])).params
     info = engine.processor.info
-    assert out.images[0].size == (info.defaults.width, info.defaults.height)  # not the control image's 30x26
+    assert (resolved.height, resolved.width) == (info.defaults.height, info.defaults.width)  # not the image's 26x30
+
+
+def test_controls_with_step_caching_are_refused_naming_the_pair(flux):
+    with pytest.raises(ValueError, match=r"controls: not served with step caching \(cache\)"):
+        flux[0].add_request("r", "a cat", P(cache={"method": "teacache", "rel_l1_thresh": 0.4},
+                                            controls=[control("edges", control_image(1))]))
+
+
+def test_kontext_takes_no_controlnet(flux, tmp_path_factory):
+    from test_flux_kontext import tiny_flux_kontext_pipeline
+
+    path = tmp_path_factory.mktemp("kontext")
+    tiny_flux_kontext_pipeline().save_pretrained(path)
+    with pytest.raises(ValueError, match="controlnets: the flux-kontext family takes no ControlNet"):
+        DiffusionEngine(model=str(path), device="cpu", dtype="float32", controlnets=flux[0].config.controlnets)
