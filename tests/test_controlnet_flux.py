@@ -4,32 +4,39 @@ One batch mixes rows without a control, with one controlnet at two scales and di
 controlnets on one request (FluxMultiControlNetModel), and with a window that starts mid-way on a request of two
 images: each request's images equal FluxControlNetPipeline's (FluxPipeline's without a control) with the same
 seed, and so do its latents. That also checks the draws: each control image's VAE sample, then the start noise,
-from the request's generator. The tiny transformer has two double and two single blocks; "edges" has one of each
-(its samples span two blocks), "depth" two double blocks and no single ones (on one request with "edges" the
-lists sum as the multi-controlnet sums them). Their zero-initialized projections are random, or every sample would
-be zero; they are loaded through dvllm's loader from folders.
+from the request's generator. The tiny transformer has four double and two single blocks (and a VAE that scales by
+8, as XLabs' hint block does); "edges" has one of each (its samples span several blocks), "depth" two double blocks
+and no single ones (on one request with "edges" the lists sum as the multi-controlnet sums them), "lines" is an
+XLabs controlnet (an input_hint_block: the image itself, its two samples repeated over the blocks) in the same
+forward. Their zero-initialized projections are random, or every sample would be zero; they are loaded through
+dvllm's loader from folders.
 """
 import numpy as np
 import pytest
 import torch
-from diffusers import FluxControlNetModel, FluxControlNetPipeline, FluxMultiControlNetModel, FluxPipeline
+from diffusers import AutoencoderKL, FluxControlNetModel, FluxControlNetPipeline, FluxMultiControlNetModel, FluxPipeline
 from test_controlnet import control, control_image
 
 from dvllm import DiffusionEngine, SamplingParams
 
 TOL, LATENT_TOL = 1e-3, 1e-4
 P = SamplingParams
-NETS = {"edges": (1, 1, 20), "depth": (2, 0, 21)}  # name: double blocks, single blocks, seed
+SIZE = dict(height=32, width=48)  # 2x3 tokens
+NETS = {"edges": (1, 1, False, 20), "depth": (2, 0, False, 21), "lines": (2, 1, True, 22)}
+#        name: double blocks, single blocks, XLabs (an input_hint_block), seed
 
 
-def tiny_flux_controlnet(num_layers: int, num_single_layers: int, seed: int) -> FluxControlNetModel:
+def tiny_flux_controlnet(num_layers: int, num_single_layers: int, xlabs: bool, seed: int) -> FluxControlNetModel:
     torch.manual_seed(seed)
-    net = FluxControlNetModel(patch_size=1, in_channels=16, num_layers=num_layers, num_single_layers=num_single_layers,
+    # XLabs': the hint block's 8x downsampling, then patches of 2 (4 channels -> the transformer's 16)
+    hint = dict(patch_size=2, conditioning_embedding_channels=4) if xlabs else dict(patch_size=1)
+    net = FluxControlNetModel(in_channels=16, num_layers=num_layers, num_single_layers=num_single_layers,
                               attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                              pooled_projection_dim=24, axes_dims_rope=[4, 4, 8], guidance_embeds=True)
+                              pooled_projection_dim=24, axes_dims_rope=[4, 4, 8], guidance_embeds=True, **hint)
     generator = torch.Generator().manual_seed(seed)
+    zeroed = [*net.controlnet_blocks, *net.controlnet_single_blocks, net.controlnet_x_embedder]
     with torch.no_grad():
-        for module in [*net.controlnet_blocks, *net.controlnet_single_blocks, net.controlnet_x_embedder]:
+        for module in zeroed + ([net.input_hint_block.conv_out] if xlabs else []):
             for p in module.parameters():
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
     return net
@@ -39,14 +46,19 @@ def tiny_flux_controlnet(num_layers: int, num_single_layers: int, seed: int) -> 
 def flux(tmp_path_factory):
     from conftest import tiny_flux_pipeline
 
-    path = tmp_path_factory.mktemp("flux-2x2")
-    tiny_flux_pipeline(num_layers=2, num_single_layers=2).save_pretrained(path)
+    path = tmp_path_factory.mktemp("flux-4x2")
+    torch.manual_seed(3)
+    vae = AutoencoderKL(block_out_channels=(8, 8, 8, 16), in_channels=3, out_channels=3, latent_channels=4,
+                        norm_num_groups=8, down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, use_quant_conv=False, use_post_quant_conv=False,
+                        shift_factor=0.0609, scaling_factor=1.5035)
+    FluxPipeline(**{**tiny_flux_pipeline(num_layers=4, num_single_layers=2).components, "vae": vae}).save_pretrained(path)
     pipe = FluxPipeline.from_pretrained(path)  # as saved (the byte tokenizers come back as the engine reads them)
     pipe.set_progress_bar_config(disable=True)
     nets = {}
-    for name, (double, single, seed) in NETS.items():
+    for name, spec in NETS.items():
         folder = tmp_path_factory.mktemp(f"flux-controlnet-{name}")
-        tiny_flux_controlnet(double, single, seed).save_pretrained(folder)
+        tiny_flux_controlnet(*spec).save_pretrained(folder)
         nets[name] = str(folder)
     engine = DiffusionEngine(model=str(path), device="cpu", dtype="float32", controlnets=nets)
     loaded = {name: FluxControlNetModel.from_pretrained(folder) for name, folder in nets.items()}
@@ -74,7 +86,7 @@ def reference(flux, prompt: str, p: SamplingParams, output_type: str) -> np.ndar
 
 def mixed() -> list[tuple[str, SamplingParams]]:
     one, two = control_image(1), control_image(2)
-    size = dict(height=16, width=16)
+    size = SIZE
     return [
         ("a red circle", P(num_inference_steps=4, guidance_scale=3.5, seed=1, **size)),
         ("a blue square", P(num_inference_steps=5, guidance_scale=3.5, seed=2, controls=[control("edges", one)],
@@ -85,6 +97,8 @@ def mixed() -> list[tuple[str, SamplingParams]]:
                            controls=[control("edges", one, 0.8), control("depth", two, 1.2)], **size)),
         ("two triangles", P(num_inference_steps=6, guidance_scale=3.0, seed=5, n=2,
                             controls=[control("depth", one, start=0.5)], **size)),
+        ("a yellow moon", P(num_inference_steps=4, guidance_scale=3.5, seed=6, controls=[control("lines", two, 0.7)],
+                            **size)),
     ]
 
 
@@ -107,7 +121,7 @@ def test_a_control_changes_the_image_and_its_draw_comes_first(flux):
     """The comparison above could pass with controls ignored if the tiny controlnets did nothing, or with the
     VAE sample drawn after the noise if it changed nothing: neither holds."""
     engine = flux[0]
-    base = dict(num_inference_steps=4, guidance_scale=3.5, seed=9, height=16, width=16, output_type="latent")
+    base = dict(num_inference_steps=4, guidance_scale=3.5, seed=9, output_type="latent", **SIZE)
     plain, controlled, zero = engine.generate(["a cat"] * 3, [
         P(**base), P(**base, controls=[control("edges", control_image(3))]),
         P(**base, controls=[control("edges", control_image(3), scale=0.0)])], use_tqdm=False)
