@@ -11,6 +11,8 @@ XLabs controlnet (an input_hint_block: the image itself, its two samples repeate
 forward. Their zero-initialized projections are random, or every sample would be zero; they are loaded through
 dvllm's loader from folders.
 """
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,9 @@ from diffusers import AutoencoderKL, FluxControlNetModel, FluxControlNetPipeline
 from test_controlnet import control, control_image
 
 from dvllm import DiffusionEngine, SamplingParams
+from dvllm.controls import Control
+from dvllm.worker.controlnets import ControlPlanner
+from dvllm.worker.flux_controlnet import flux_request_kind
 
 TOL, LATENT_TOL = 1e-3, 1e-4
 P = SamplingParams
@@ -150,3 +155,27 @@ def test_kontext_takes_no_controlnet(flux, tmp_path_factory):
     tiny_flux_kontext_pipeline().save_pretrained(path)
     with pytest.raises(ValueError, match="controlnets: the flux-kontext family takes no ControlNet"):
         DiffusionEngine(model=str(path), device="cpu", dtype="float32", controlnets=flux[0].config.controlnets)
+
+
+def test_a_groups_inputs_are_concatenated_once_while_its_members_stay():
+    net = SimpleNamespace(config=SimpleNamespace(num_layers=1, num_single_layers=1), input_hint_block=None)
+
+    def state(n: int, value: float) -> SimpleNamespace:
+        data = SimpleNamespace(controls=(Control("edges", None),), guidance_scale=value)
+        return SimpleNamespace(data=data, step=0, plan=SimpleNamespace(num_steps=4),
+                               control_images=[torch.full((n, 2, 3), value)])
+
+    class Rows:  # each request's rows, one per image, in order (Flux has no unconditional rows)
+        def __init__(self, counts):
+            self.bounds = np.cumsum([0, *counts])
+
+        def request_rows(self, request):
+            return list(range(self.bounds[request], self.bounds[request + 1])), []
+
+    planner, a, b = ControlPlanner({"edges": net}, flux_request_kind), state(2, 1.0), state(1, 2.0)
+    first = planner.plan([a, b], Rows([2, 1]), torch.device("cpu")).groups[0]
+    again = planner.plan([a, b], Rows([2, 1]), torch.device("cpu")).groups[0]
+    assert again.inputs is first.inputs and again.guidance is first.guidance
+    assert first.inputs[:, 0, 0].tolist() == [1.0, 1.0, 2.0] and first.guidance.tolist() == [1.0, 1.0, 2.0]
+    alone = planner.plan([b], Rows([1]), torch.device("cpu")).groups[0]
+    assert alone.inputs[:, 0, 0].tolist() == [2.0] and alone.index.tolist() == [0]
