@@ -197,8 +197,13 @@ class SamplingParams:
         if controls and image is not None and not info.images.controls:
             raise ValueError(f"controls: {info.pipeline_class} takes controls with text-to-image only, not beside "
                              "input images")
-        image_h, image_w = default_size(info, image, mask is not None) if image is not None or not controls else \
-            control_size(controls[0].image, info.latents.size_factor)
+        if controls and cache is not None:  # the engine's default cache leaves a controlled request uncached
+            if not _is_default(self.cache):
+                raise ValueError("controls: not served with step caching (cache) yet")
+            cache = None
+        image_h, image_w = control_size(controls[0].image, info.latents.size_factor) \
+            if controls and image is None and info.images.control_sets_size else \
+            default_size(info, image, mask is not None)
         guidance = info.defaults.guidance if self.guidance_scale is None else float(self.guidance_scale)
         default_strength = info.defaults.inpaint_strength if mask is not None else info.defaults.strength
         resolved = dataclasses.replace(
@@ -267,8 +272,8 @@ def _load_controls(value: Any, config: "EngineConfig", info: "ModelInfo", max_pi
         if control.name not in served:
             raise ValueError(f"controls[{i}].name: no controlnet {control.name!r} is loaded; this engine serves "
                              f"{sorted(served)}{did_you_mean(control.name, served)}")
-    return tuple(dataclasses.replace(c, image=_load_image(c.image, info, max_pixels, f"controls[{i}].image"))
-                 for i, c in enumerate(controls))
+    return tuple(dataclasses.replace(c, image=_load_image(c.image, info, max_pixels, f"controls[{i}].image",
+                                                          input_image=False)) for i, c in enumerate(controls))
 
 
 def control_size(image: Any, factor: int) -> tuple[int, int]:
@@ -436,12 +441,14 @@ def _load_mask(mask: Any, image: Any, info: "ModelInfo", max_pixels: int) -> Any
     return mask
 
 
-def _load_image(image: Any, info: "ModelInfo", max_pixels: int, name: str = "image", mode: str | None = "RGB") -> Any:
-    """A PIL image (converted to `mode`) from what the caller gave; ValueError naming the field otherwise."""
+def _load_image(image: Any, info: "ModelInfo", max_pixels: int, name: str = "image", mode: str | None = "RGB",
+                input_image: bool = True) -> Any:
+    """A PIL image (converted to `mode`) from what the caller gave; ValueError naming the field otherwise.
+    `input_image`: a request's input image, which the family must take (a control image is not one)."""
     import numpy as np
     from PIL import Image, UnidentifiedImageError
 
-    if not info.images.img2img:
+    if input_image and not info.images.img2img:
         raise ValueError(f"{name}: image-to-image is not supported for the {info.family} family")
     try:
         if isinstance(image, str):

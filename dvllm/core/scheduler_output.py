@@ -43,6 +43,8 @@ class StartJob:
     strength: float = 1.0
     edit: bool = False  # the images condition an edit model instead of setting the start
     num_frames: int | None = None  # a video's frames (None: an image)
+    # its ControlNet controls (images prepared at admission): their inputs are made first, with its generator
+    controls: tuple = ()
 
     @property
     def size(self) -> tuple[int, ...]:
@@ -88,7 +90,7 @@ class NewRequestData:
 
     def start_job(self) -> StartJob:
         return StartJob(self.request_id, self.n, self.height, self.width, self.seed, self.plan, self.image,
-                        self.mask, self.strength, bool(self.input_grids), self.num_frames)
+                        self.mask, self.strength, bool(self.input_grids), self.num_frames, self.controls)
 
 
 @dataclass

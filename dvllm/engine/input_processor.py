@@ -90,7 +90,7 @@ class InputProcessor:
                 (prompt, resolved.negative_prompt), resolved.num_frames)[1]),
         )
         request.controls = prepare_controls(resolved.controls, resolved.height, resolved.width, info.latents.scale)
-        if request.controls:  # their images are pool state, shared when identical (core/request_blocks.py)
+        if request.controls and info.images.control_input_is_image:  # pool state, shared (core/request_blocks.py)
             request.control_keys = tuple(control_key(c.image) for c in request.controls)
             request.control_blocks = self.blocks(control_numel(resolved.height, resolved.width))
         check_fits(request, self.config.max_batch_size, self.pool_blocks)

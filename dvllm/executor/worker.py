@@ -126,7 +126,8 @@ class Worker:
         if stages.encode_stage:  # as many texts a call as the memory profile measured (two per row)
             prompts = self.runner.prompts
             prompts.encode_stage = EncodeStage(prompts.encode_flat, self.device, stages.encode_batch,
-                                               prompts.lock, start=functools.partial(make_start, adapter),
+                                               prompts.lock, start=functools.partial(make_start, adapter,
+                                                                                    controlnets=self.controlnets),
                                                workers=encoders)
             prompts.encoders_released = bool(encoders)
 

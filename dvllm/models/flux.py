@@ -1,7 +1,8 @@
 """Flux: CLIP (pooled) + T5, packed latents with position ids, distilled guidance as an embedding.
 
 Flux-dev embeds the guidance scale; there are no unconditional rows (the pipeline's
-optional "true CFG" is not served). The schedule depends on the image size (mu).
+optional "true CFG" is not served, with or without controls). The schedule depends on the image size (mu).
+ControlNet: FluxControlNetModels, as FluxControlNetPipeline runs them (worker/flux_controlnet.py).
 """
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from functools import cached_property, partial
 from typing import Any
 
 import torch
+from diffusers.pipelines.flux.pipeline_flux_controlnet import retrieve_latents
 
 from dvllm.models.base import CacheSpec, Conditions, HookContext, ModelAdapter, transformer_cache_spec
 from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len, linear_sigmas
 from dvllm.models.layout import BatchLayout
-from dvllm.models.model_info import Defaults, Guidance, Latents, ModelInfo, Schedule, Text
+from dvllm.models.model_info import Defaults, Guidance, ImageInputs, Latents, ModelInfo, Schedule, Text
 
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's default T5 length
 
@@ -44,6 +46,7 @@ class FluxAdapter(ModelAdapter):
     pipeline_classes = ("FluxPipeline",)
     load_kwargs: dict[str, Any] = {}
     half_dtype = torch.bfloat16  # its pipelines' documented dtype
+    controlnet_class = "FluxControlNetModel"  # FluxControlNetPipeline's (InstantX's and XLabs' checkpoints)
 
     @cached_property
     def info(self) -> ModelInfo:
@@ -60,6 +63,8 @@ class FluxAdapter(ModelAdapter):
             text=Text(self.probe_condition_shapes(), max_sequence_length=MAX_SEQUENCE_LENGTH,
                       sequence_length_range=(MAX_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH)),
             guidance=Guidance(supported=False),  # the guidance scale is embedded
+            # FluxControlNetPipeline sizes a request as FluxPipeline, and encodes its control images with its generator
+            images=ImageInputs(control_sets_size=False, control_input_is_image=False),
             cache_layout=self.cache_layout(),
         )
 
@@ -76,6 +81,20 @@ class FluxAdapter(ModelAdapter):
         channels = self.pipeline.transformer.config.in_channels // 4
         latents, _ = self.pipeline.prepare_latents(n, channels, height, width, self.dtype, self.device, generator)
         return latents * init_noise_sigma
+
+    def control_input(self, image: torch.Tensor, controlnet: Any, n: int, generator: torch.Generator) -> torch.Tensor:
+        """As FluxControlNetPipeline: the image normalized to [-1, 1] (its image processor normalizes); for a
+        controlnet without an input_hint_block (InstantX's), repeated for the n images and VAE-encoded, a sample
+        drawn from `generator` ([n, tokens, 4 * channels] packed latents); else the image itself."""
+        image = 2.0 * image - 1.0
+        if controlnet.input_hint_block is not None:
+            return image.to(self.device, controlnet.dtype)
+        pipe, vae = self.pipeline, self.pipeline.vae
+        pixels = image.repeat_interleave(n, dim=0).to(self.device, vae.dtype)
+        latents = retrieve_latents(vae.encode(pixels), generator=generator)
+        latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
+        packed = pipe._pack_latents(latents, n, latents.shape[1], latents.shape[2], latents.shape[3])
+        return packed.to(controlnet.dtype)
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                 guidance: torch.Tensor, layout: BatchLayout, context: HookContext | None = None

@@ -78,6 +78,7 @@ def edit_numel(multiple: int, features: int, height: int, width: int,
 class FluxKontextAdapter(FluxAdapter):
     vae_follows_dtype = True
     pipeline_classes = ("FluxKontextPipeline",)
+    controlnet_class = None  # diffusers has no Kontext ControlNet pipeline
 
     @cached_property
     def info(self) -> ModelInfo:

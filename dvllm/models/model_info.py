@@ -171,6 +171,13 @@ class ImageInputs:
     # SDXL UNets trained with an aesthetic score in their time ids (the refiner; requires_aesthetics_score):
     # image requests only, each with a score for its prompt rows and one for its negative rows.
     aesthetic_scores: bool = False
+    # A request with ControlNet controls and no size takes its first control image's (SD's and SDXL's ControlNet
+    # pipelines); False: the model's default, as FluxControlNetPipeline
+    control_sets_size: bool = True
+    # The controlnets take the prepared control image itself (SD's and SDXL's): it is request state in the pool, a
+    # shared entry per distinct image; False: the family makes each control's input from it at the request's start
+    # (ModelAdapter.control_input; Flux's: a VAE sample drawn from its generator), held with the request
+    control_input_is_image: bool = True
     # Image-to-video (Wan I2V): (height, width, frames) -> numbers per video of the state its image leaves (the
     # encoded condition frames, the image encoder's embedding); None: not an image-to-video model
     video_numel: Callable[[int, int, int], int] | None = None

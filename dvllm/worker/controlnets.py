@@ -1,22 +1,19 @@
-"""ControlNet per request, inside one denoiser forward.
+"""ControlNet per request, inside one denoiser forward: loading, and each step's plan.
 
-The controlnets the engine loaded at start (EngineConfig.controlnets) sit beside the UNet. Each step the rows
-whose requests have a control acting at that step (Control.acts_at) are grouped by the control's place in its
-request's list, its controlnet and its scale. A group runs its controlnet on its rows alone, as diffusers'
-ControlNet pipelines call it: the UNet's own inputs of those rows (latents, timestep, text, SDXL's added
-conditions), the request's prepared image, its scale. Its residuals are added to those rows' sums, place by
-place, so a request with several controls sums them in its own order, as MultiControlNetModel does. The UNet
-then gets the sums as its additional residuals; a row without a control gets zeros, which leave its forward as
-it was (x + 0 is x). A forward pre-hook on the UNet does this, given each forward's ControlPlan through its
-context: a forward with no control runs the UNet untouched.
-
-In guess mode (a controlnet with global_pool_conditions, decided by the request's first control, as diffusers
-decides it) only the conditional rows run the controlnet; the unconditional ones get zeros, as there.
+The controlnets the engine loaded at start (EngineConfig.controlnets) sit beside the denoiser. Each step the
+rows whose requests have a control acting at that step (Control.acts_at) are grouped by the control's place in
+its request's list, its controlnet, its scale and what the family says of the request's controlnets together
+(its kind: SD's guess mode, how Flux maps a request's samples onto its blocks). A group runs its controlnet on
+its rows alone, with the denoiser's own inputs of those rows, the request's control input (made at its start,
+worker/start_latents.py), its scale; a family's forward pre-hook on the denoiser (unet_controlnet.py,
+flux_controlnet.py) sums the groups' outputs per row, place by place, so a request with several controls sums
+them in its own order, as diffusers' Multi-ControlNet models do. A row without a control gets zeros, which leave
+its forward as it was (x + 0 is x); a forward with no control runs the denoiser untouched.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -25,9 +22,14 @@ from dvllm.models.base import ModelAdapter
 from dvllm.models.layout import BatchLayout
 from dvllm.models.quantization import QuantizationSpec, backend_config, quantize_loaded, quantizes_denoiser
 from dvllm.worker.control_state import control_image_shape, read_control_images
-from dvllm.worker.forward_context import DENOISER, ForwardContext, ForwardHooks
+from dvllm.worker.flux_controlnet import FluxControlSamples, flux_request_kind
+from dvllm.worker.forward_context import ForwardHooks
 from dvllm.worker.request_state import RequestState
 from dvllm.worker.state_pool import StatePool
+from dvllm.worker.unet_controlnet import ControlResiduals, unet_request_kind
+
+# (a request's controlnets, in its order) -> (only its conditional rows run them, the kind its groups share)
+KindOf = Callable[[list[Any]], tuple[bool, Hashable]]
 
 
 def load_controlnets(paths: dict[str, str], adapter: ModelAdapter,
@@ -39,7 +41,7 @@ def load_controlnets(paths: dict[str, str], adapter: ModelAdapter,
         return {}
     if adapter.controlnet_class is None:
         raise ValueError(f"controlnets: the {adapter.info.family} family takes no ControlNet in dvllm yet "
-                         "(SD 1.x/2.x and SDXL do)")
+                         "(SD 1.x/2.x, SDXL and Flux do)")
     import diffusers
 
     cls = getattr(diffusers, adapter.controlnet_class)
@@ -48,13 +50,24 @@ def load_controlnets(paths: dict[str, str], adapter: ModelAdapter,
     loaded = {}
     for name, path in paths.items():
         try:
-            net = cls.from_pretrained(path, torch_dtype=adapter.dtype, **options)
+            loaded[name] = cls.from_pretrained(path, torch_dtype=adapter.dtype, **options).to(adapter.device).eval()
         except Exception as e:  # a missing folder, another model's weights: the operator's to fix
             raise ValueError(f"controlnets: {name}={path} does not load as a {cls.__name__}: {e}") from e
-        loaded[name] = net = net.to(adapter.device).eval()
         if quantized:
-            quantize_loaded(net, quantization, f"controlnet {name}")
+            quantize_loaded(loaded[name], quantization, f"controlnet {name}")
+        if getattr(loaded[name].config, "num_mode", None) is not None:  # a request names no control mode
+            raise ValueError(f"controlnets: {name}={path} is a union controlnet (num_mode); control modes are not "
+                             "served yet")
     return loaded
+
+
+def control_planner(adapter: ModelAdapter, controlnets: dict[str, Any], hooks: ForwardHooks) -> ControlPlanner:
+    """The planner of the family's controls, with the family's hook installed on its denoiser."""
+    if adapter.controlnet_class == "FluxControlNetModel":
+        FluxControlSamples(adapter.pipeline.transformer, hooks)
+        return ControlPlanner(controlnets, flux_request_kind)
+    ControlResiduals(adapter.pipeline.unet, hooks)
+    return ControlPlanner(controlnets, unet_request_kind)
 
 
 @dataclass
@@ -62,81 +75,93 @@ class ControlGroup:
     """Rows of one forward that run one controlnet at one scale, for the same place in their lists."""
 
     controlnet: Any
-    index: torch.Tensor   # the rows, on the device
-    images: torch.Tensor  # [rows, 3, H, W] their requests' prepared images (read from the pool)
+    index: torch.Tensor     # the rows, on the device
+    inputs: torch.Tensor    # [rows, ...] their control inputs (SD: the prepared image; Flux: its packed latents)
     scale: float
-    guess: bool
+    kind: Hashable          # what the family's hook needs of the rows' requests (one per group)
+    guidance: torch.Tensor  # [rows] float32, their requests' guidance scales (for controlnets that embed it)
 
 
 @dataclass
 class ControlPlan:
-    groups: list[ControlGroup]  # in the order their residuals are added
+    groups: list[ControlGroup]  # in the order their outputs are added
 
 
-def control_plan(states: list[RequestState], layout: BatchLayout, controlnets: dict[str, Any],
-                 pool: StatePool) -> ControlPlan | None:
-    """This step's groups (None: no row has a control acting now). `states` in the layout's request order, of one
-    size (a forward's requests share it)."""
-    members: dict[tuple[int, str, float], list[tuple[int, tuple[int, ...]]]] = {}
-    guess_of: dict[tuple[int, str, float], bool] = {}
-    shape = None
-    for request, state in enumerate(states):
-        controls = state.data.controls
-        if not controls:
-            continue
-        shape = control_image_shape(state)
-        guess = bool(controlnets[controls[0].name].config.global_pool_conditions)
-        cond, uncond = layout.request_rows(request)
-        rows = cond if guess else cond + uncond
-        for place, (control, blocks) in enumerate(zip(controls, state.blocks.controls)):
-            if not control.acts_at(state.step, state.plan.num_steps):
+# What a request's control input is made of: its own tensor (made at its start: Flux's), or (its state, the blocks
+# of its prepared image's shared entry in the state pool: SD's and SDXL's)
+Source = torch.Tensor | tuple[RequestState, tuple[int, ...]]
+
+
+@dataclass
+class _Inputs:
+    members: tuple[tuple[Source, int], ...]  # (a request's control input, its rows), in the group's order
+    inputs: torch.Tensor
+    guidance: torch.Tensor
+
+
+class ControlPlanner:
+    """Makes each step's ControlPlan. A group's inputs are concatenated once while its members stay the same (the
+    last step's are kept by group, held with the tensors they were made of, so identity compares them)."""
+
+    def __init__(self, controlnets: dict[str, Any], kind_of: KindOf) -> None:
+        self.controlnets = controlnets
+        self.kind_of = kind_of
+        self._last: dict[tuple, _Inputs] = {}
+
+    def plan(self, states: list[RequestState], layout: BatchLayout, pool: StatePool) -> ControlPlan | None:
+        """This step's groups (None: no row has a control acting now). `states` in the layout's request order."""
+        members: dict[tuple, list[tuple[RequestState, int, list[int]]]] = {}
+        for request, state in enumerate(states):
+            controls = state.data.controls
+            if not controls:
                 continue
-            key = (place, control.name, control.scale)
-            members.setdefault(key, []).extend((row, blocks) for row in rows)
-            guess_of[key] = guess_of.get(key, guess)
-    if not members:
-        return None
-    groups = []
-    for key in sorted(members, key=lambda k: k[0]):  # place by place: each row sums in its request's order
-        rows, controlnet = members[key], controlnets[key[1]]
-        images = read_control_images(pool, [b for _, b in rows], shape, controlnet.dtype)
-        groups.append(ControlGroup(controlnet, device_index([r for r, _ in rows], pool.device), images, key[2],
-                                   guess_of[key]))
-    return ControlPlan(groups)
+            cond_only, kind = self.kind_of([self.controlnets[c.name] for c in controls])
+            cond, uncond = layout.request_rows(request)
+            rows = cond if cond_only else cond + uncond
+            for place, control in enumerate(controls):
+                if control.acts_at(state.step, state.plan.num_steps):
+                    members.setdefault((place, control.name, control.scale, kind), []).append((state, place, rows))
+        groups, kept = [], {}
+        for key in sorted(members, key=lambda k: k[0]):  # place by place: each row sums in its request's order
+            entries = members[key]
+            made = kept[key] = self._inputs(key, entries, pool)
+            index = device_index([row for _, _, rows in entries for row in rows], pool.device)
+            groups.append(ControlGroup(self.controlnets[key[1]], index, made.inputs, key[2], key[3], made.guidance))
+        self._last = kept
+        return ControlPlan(groups) if groups else None
+
+    def _inputs(self, key: tuple, entries: list[tuple[RequestState, int, list[int]]], pool: StatePool) -> _Inputs:
+        members = tuple((_source(state, place), len(rows)) for state, place, rows in entries)
+        last = self._last.get(key)
+        if last is not None and len(last.members) == len(members) and all(
+                _same(a, b) and m == n for (a, m), (b, n) in zip(last.members, members)):
+            return last
+        if isinstance(members[0][0], torch.Tensor):  # (a group is of one family: its sources are of one kind)
+            inputs = torch.cat([_per_row(tensor, count) for tensor, count in members])
+        else:  # one gather of every row's image from the pool
+            rows = [source[1] for source, count in members for _ in range(count)]
+            inputs = read_control_images(pool, rows, control_image_shape(entries[0][0]), self.controlnets[key[1]].dtype)
+        guidance = torch.tensor([state.data.guidance_scale for state, _, rows in entries for _ in rows],
+                                dtype=torch.float32).to(pool.device, non_blocking=True)
+        return _Inputs(members, inputs, guidance)
 
 
-class ControlResiduals:
-    """The UNet's forward pre-hook: adds the forward's controls' residuals to its call (ForwardHooks gives it the
-    forward's context; a context without a ControlPlan passes the call through)."""
+def _source(state: RequestState, place: int) -> Source:
+    made = state.control_images[place] if state.control_images else None
+    return made if made is not None else (state, tuple(state.blocks.controls[place]))
 
-    def __init__(self, unet: torch.nn.Module, hooks: ForwardHooks) -> None:
-        self.context: ForwardContext | None = None
-        hooks.add(DENOISER, self)
-        unet.register_forward_pre_hook(self, with_kwargs=True)
 
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        plan = None if self.context is None else self.context.control
-        if plan is None:
-            return None
-        sample = args[0] if args else kwargs["sample"]
-        timestep = args[1] if len(args) > 1 else kwargs["timestep"]
-        text, added = kwargs["encoder_hidden_states"], kwargs.get("added_cond_kwargs")
-        down: list[torch.Tensor] | None = None
-        mid: torch.Tensor | None = None
-        for group in plan.groups:
-            index = group.index
-            group_down, group_mid = group.controlnet(
-                # the latents alone: an inpainting UNet's mask and masked-image channels are its own, as in
-                # diffusers' ControlNet inpainting pipelines
-                sample[index, :group.controlnet.config.in_channels], timestep[index] if timestep.dim() else timestep, encoder_hidden_states=text[index],
-                controlnet_cond=group.images, conditioning_scale=group.scale, guess_mode=group.guess,
-                added_cond_kwargs=None if added is None else {k: v[index] for k, v in added.items()},
-                return_dict=False)
-            if down is None:
-                down = [torch.zeros((len(sample), *d.shape[1:]), dtype=d.dtype, device=d.device) for d in group_down]
-                mid = torch.zeros((len(sample), *group_mid.shape[1:]), dtype=group_mid.dtype, device=group_mid.device)
-            for total, part in zip(down, group_down):
-                total.index_add_(0, index, part)
-            mid.index_add_(0, index, group_mid)
-        kwargs = dict(kwargs, down_block_additional_residuals=tuple(down), mid_block_additional_residual=mid)
-        return args, kwargs
+def _same(a: Source, b: Source) -> bool:
+    """The same input: the same tensor, or the same request's image in the same blocks (a request that left and
+    one that came may be given the same blocks: its state tells them apart)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    return a[0] is b[0] and a[1] == b[1]
+
+
+def _per_row(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """A request's control input for each of its `rows`: one input for all (SD's image), or one per image (Flux's
+    latents, drawn per image), its conditional rows then its unconditional ones."""
+    if len(tensor) == 1:
+        return tensor.expand(rows, *tensor.shape[1:])
+    return tensor[torch.arange(rows, device=tensor.device) % len(tensor)]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -21,7 +20,7 @@ from dvllm.ops import AM, CLIP
 from dvllm.profiler import PhaseTimer
 from dvllm.samplers import StepRow
 from dvllm.worker.conditions import unflatten
-from dvllm.worker.controlnets import control_plan
+from dvllm.worker.controlnets import ControlPlanner
 from dvllm.worker.denoiser import Denoiser, Forward, ForwardInputs
 from dvllm.worker.first_frame import hold_first_frame
 from dvllm.worker.forward_context import ForwardHooks
@@ -72,7 +71,7 @@ class StepParts:
     lora: LoraLayers
     forward_hooks: ForwardHooks     # every hook on the pipeline's modules, given each forward's context
     hooks: CacheHooks | None = None  # step caching (installed with the first caching request)
-    controlnets: dict[str, Any] = field(default_factory=dict)  # the engine's, by name (controlnets.py)
+    controls: ControlPlanner | None = None  # the engine's controlnets' (None: it serves none)
 
 
 @dataclass
@@ -100,8 +99,7 @@ def denoise_step(parts: StepParts, states: list[RequestState]) -> StepResult:
         caching = None
         if hooks is not None and any(s.cache is not None for s in batch.states):
             caching = forward_cache(hooks.spec, pool, batch.states, batch.layout)
-        control = None if not parts.controlnets else \
-            control_plan(batch.states, batch.layout, parts.controlnets, pool)
+        control = None if parts.controls is None else parts.controls.plan(batch.states, batch.layout, pool)
         forward = parts.denoiser.plan(batch.layout, input_shapes(batch), parts.lora, cache=caching, control=control)
         inputs = model_inputs(adapter, pool, batch, forward)
     # 2. forward

@@ -24,8 +24,8 @@ from dvllm.worker.denoise_batch import StepParts, denoise_step
 from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage, start_key
 from dvllm.worker.control_state import write_control_images
+from dvllm.worker.controlnets import ControlPlanner, control_planner
 from dvllm.worker.shared_entries import fail_readers, written_entries
-from dvllm.worker.controlnets import ControlResiduals
 from dvllm.worker.forward_context import ForwardHooks
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.output_types import to_output_type
@@ -60,8 +60,9 @@ class ModelRunner:
         self.hooks = ForwardHooks()  # every hook on the pipeline's modules that takes a forward's context
         self.lora = LoraLayers(adapter.pipeline, max_loras, max_lora_rank, self.hooks)
         self.controlnets = controlnets or {}  # by name: requests' controls run them (worker/controlnets.py)
-        if self.controlnets:
-            ControlResiduals(adapter.pipeline.unet, self.hooks)
+        # each step's controls, grouped (None: the engine serves no controlnets)
+        self.controls: ControlPlanner | None = control_planner(adapter, self.controlnets, self.hooks) \
+            if self.controlnets else None
         self.lora_cache = lora_cache  # the adapters' weights, read from the ids the loads name (None: no LoRA)
         self.prompts = PromptWriter(adapter, pool, self.lora)
         # The last step's prompt-cache blocks left unwritten and adapter loads that failed: with async scheduling
@@ -173,7 +174,7 @@ class ModelRunner:
 
     def _denoise(self, work: StepWork, group: list[RequestState]) -> None:
         parts = StepParts(self.adapter, self.denoiser, self.pool, self.timer, self.lora, self.hooks,
-                          self.cache_hooks if any(s.cache is not None for s in group) else None, self.controlnets)
+                          self.cache_hooks if any(s.cache is not None for s in group) else None, self.controls)
         result = denoise_step(parts, group)
         work.errors.update(result.errors)
         work.x0.update(result.previews)
@@ -261,7 +262,7 @@ class ModelRunner:
         """Seeds each new request's latents as its pipeline does (new requests may differ in size: one write
         each), and makes its state."""
         for d in group:
-            start = self._started_ahead(d) or make_start(self.adapter, d.start_job())
+            start = self._started_ahead(d) or make_start(self.adapter, d.start_job(), self.controlnets)
             x, generator = start.latents, start.generator
             if start.inputs is not None:
                 self.pool.write(d.blocks.inputs, start.inputs.reshape(d.n, -1))
@@ -272,6 +273,7 @@ class ModelRunner:
                 data=d, generator=generator, blocks=d.blocks,
                 fallback=None if d.plan.vectorized else d.plan.new_fallback_scheduler(),
                 cache=None if d.cache is None else CacheState.sized(d.cache, self.adapter.info.cache_layout, d),
+                control_images=start.controls,
             )
 
     def _admitted(self, work: StepWork) -> None:

@@ -23,6 +23,10 @@ class RequestState:
     cache: CacheState | None = None  # step caching: what its decisions carry between steps
     # (prompt, negative prompt) real text tokens, read once at admission where the family masks its text
     text_lengths: tuple[int, int] | None = None
+    # its controls' inputs on the device, in their controlnets' dtype, made at its start (worker/start_latents.py:
+    # Flux's packed latents, one per image); None in place of a control whose input is its prepared image, which
+    # is read from the state pool (SD's and SDXL's: worker/control_state.py); None: it has no controls
+    control_images: list[torch.Tensor | None] | None = None
 
     @property
     def request_id(self) -> str:
