@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dvllm.controls import Control, parse_controls
+from dvllm.ip_adapters import check_ip_adapter_scale
 from dvllm.lora.files import check_lora_name
 from dvllm.param_defaults import AESTHETIC_SCORE, FPS_RANGE, MAX_FPS, MIN_FPS, NEGATIVE_AESTHETIC_SCORE
 from dvllm.request_sizes import image_sizes, size_of
@@ -92,6 +93,11 @@ class SamplingParams:
     # "start": 0.0, "end": 1.0}, ...] (dvllm/controls.py), as diffusers' ControlNet pipelines take them; resolved
     # to a tuple of Controls with RGB PIL images. Without a size, the first control image's gives it (as there).
     controls: Any = None
+    # IP-Adapter: an image prompt (a PIL image, an HxWx3 uint8 array or a path) for the engine's IP-Adapter
+    # (EngineConfig.ip_adapter), weighted by ip_adapter_scale (what diffusers' set_ip_adapter_scale sets; 0: the
+    # image does nothing) (dvllm/ip_adapters.py)
+    ip_adapter_image: Any = None
+    ip_adapter_scale: float = 1.0
 
     @property
     def size(self) -> tuple[int, ...]:
@@ -162,6 +168,7 @@ class SamplingParams:
         if isinstance(self.image, (list, tuple)) and not self.image:
             raise ValueError("image: an empty list of images")
         parse_controls(self.controls)
+        check_ip_adapter_scale(self.ip_adapter_scale)
 
     def resolve(self, info: "ModelInfo", config: "EngineConfig") -> "SamplingParams":
         """A copy with every default filled from the model, checked against the engine's limits."""
@@ -221,7 +228,7 @@ class SamplingParams:
             fps=None if info.video is None else float(self.fps or info.video.fps),
             aesthetic_score=_score(self.aesthetic_score, AESTHETIC_SCORE, info),
             negative_aesthetic_score=_score(self.negative_aesthetic_score, NEGATIVE_AESTHETIC_SCORE, info),
-            controls=controls,
+            controls=controls, ip_adapter_image=_load_image_prompt(self.ip_adapter_image, config, info, max_pixels),
         )
         if resolved.loras and not config.enable_lora:
             raise ValueError("loras: this engine serves no LoRA adapters (start it with enable_lora or lora_modules)")
@@ -268,6 +275,15 @@ def _load_controls(value: Any, config: "EngineConfig", info: "ModelInfo", max_pi
                              f"{sorted(served)}{did_you_mean(control.name, served)}")
     return tuple(dataclasses.replace(c, image=_load_image(c.image, info, max_pixels, f"controls[{i}].image"))
                  for i, c in enumerate(controls))
+
+
+def _load_image_prompt(value: Any, config: "EngineConfig", info: "ModelInfo", max_pixels: int) -> Any:
+    """The request's IP-Adapter image prompt as an RGB PIL image (None: none)."""
+    if value is None:
+        return None
+    if not config.ip_adapter:
+        raise ValueError("ip_adapter_image: this engine serves no IP-Adapter (start it with --ip-adapter WEIGHTS)")
+    return _load_image(value, info, max_pixels, "ip_adapter_image")
 
 
 def control_size(image: Any, factor: int) -> tuple[int, int]:

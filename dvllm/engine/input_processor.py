@@ -93,8 +93,9 @@ class InputProcessor:
         request.decode_tiled = self._decode_tiled(request_id, resolved)
         request.controls = prepare_controls(resolved.controls, resolved.height, resolved.width, info.latents.scale)
         # Only a seed the user chose can repeat: a drawn one would never hit, so it is not stored either; nor a
-        # controlled request (its images would have to be part of the key).
-        if self.config.result_cache_mb and params is not None and params.seed is not None and not resolved.controls:
+        # controlled request or one with an image prompt (its images would have to be part of the key).
+        if self.config.result_cache_mb and params is not None and params.seed is not None and not resolved.controls \
+                and resolved.ip_adapter_image is None:
             request.result_key = result_key(
                 self.model_key, prompt, resolved, request.lora_load_ids,
                 request.image_key or image_digest(resolved.image),

@@ -25,6 +25,7 @@ from dvllm.worker.controlnets import control_plan
 from dvllm.worker.denoiser import Denoiser, Forward, ForwardInputs
 from dvllm.worker.first_frame import hold_first_frame
 from dvllm.worker.forward_context import ForwardHooks
+from dvllm.worker.image_prompts import image_prompt_plan
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.model_dtype_product import x0_terms
 from dvllm.worker.request_state import RequestState, row_bounds
@@ -73,6 +74,7 @@ class StepParts:
     forward_hooks: ForwardHooks     # every hook on the pipeline's modules, given each forward's context
     hooks: CacheHooks | None = None  # step caching (installed with the first caching request)
     controlnets: dict[str, Any] = field(default_factory=dict)  # the engine's, by name (controlnets.py)
+    ip_adapter: Any = None  # the engine's IP-Adapter (ip_adapter_load.IPAdapter; None: none)
 
 
 @dataclass
@@ -102,7 +104,10 @@ def denoise_step(parts: StepParts, states: list[RequestState]) -> StepResult:
             caching = forward_cache(hooks.spec, pool, batch.states, batch.layout)
         control = None if not parts.controlnets else \
             control_plan(batch.states, batch.layout, parts.controlnets, pool.device)
-        forward = parts.denoiser.plan(batch.layout, input_shapes(batch), parts.lora, cache=caching, control=control)
+        image_prompt = None if parts.ip_adapter is None else \
+            image_prompt_plan(batch.states, batch.layout, parts.ip_adapter.embeds, pool.device)
+        forward = parts.denoiser.plan(batch.layout, input_shapes(batch), parts.lora, cache=caching, control=control,
+                                      image_prompt=image_prompt)
         inputs = model_inputs(adapter, pool, batch, forward)
     # 2. forward
     with timer.phase("forward"):

@@ -25,6 +25,7 @@ from dvllm.worker.denoiser import Denoiser
 from dvllm.worker.encode_stage import EncodeStage, start_key
 from dvllm.worker.controlnets import ControlResiduals
 from dvllm.worker.forward_context import ForwardHooks
+from dvllm.worker.ip_adapter_load import install_row_processors
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.output_types import to_output_type
 from dvllm.worker.prompt_writer import PromptWriter
@@ -46,7 +47,7 @@ class ModelRunner:
     def __init__(self, adapter: ModelAdapter, pool: StatePool, denoiser: Denoiser, timer: PhaseTimer,
                  max_decode_batch: int = 4, max_loras: int = 4, max_lora_rank: int = 64,
                  decode_stage: DecodeStage | None = None, lora_cache: LoraCache | None = None,
-                 controlnets: dict[str, Any] | None = None) -> None:
+                 controlnets: dict[str, Any] | None = None, ip_adapter: Any = None) -> None:
         self.adapter = adapter
         self.max_decode_batch = max_decode_batch
         self.decode_stage = decode_stage  # None: the loop decodes
@@ -60,6 +61,9 @@ class ModelRunner:
         self.controlnets = controlnets or {}  # by name: requests' controls run them (worker/controlnets.py)
         if self.controlnets:
             ControlResiduals(adapter.pipeline.unet, self.hooks)
+        self.ip_adapter = ip_adapter  # requests' image prompts read it (worker/image_prompts.py)
+        if ip_adapter is not None:
+            install_row_processors(ip_adapter, adapter, self.hooks)
         self.lora_cache = lora_cache  # the adapters' weights, read from the ids the loads name (None: no LoRA)
         self.prompts = PromptWriter(adapter, pool, self.lora)
         # The last step's prompt-cache blocks left unwritten and adapter loads that failed: with async scheduling
@@ -171,7 +175,8 @@ class ModelRunner:
 
     def _denoise(self, work: StepWork, group: list[RequestState]) -> None:
         parts = StepParts(self.adapter, self.denoiser, self.pool, self.timer, self.lora, self.hooks,
-                          self.cache_hooks if any(s.cache is not None for s in group) else None, self.controlnets)
+                          self.cache_hooks if any(s.cache is not None for s in group) else None, self.controlnets,
+                          self.ip_adapter)
         result = denoise_step(parts, group)
         work.errors.update(result.errors)
         work.x0.update(result.previews)

@@ -26,6 +26,9 @@ class RequestState:
     # its controls' prepared images on the device, in their controlnets' dtype (worker/controlnets.py; None: not
     # copied yet)
     control_images: list[torch.Tensor] | None = None
+    # its image prompt's (conditional, unconditional) embeds on the device (worker/ip_adapter_load.py; None: not
+    # encoded yet)
+    image_prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def request_id(self) -> str:

@@ -1,0 +1,113 @@
+"""The engine's IP-Adapter loaded at start through diffusers' own loader, and its image embeddings.
+
+`load_ip_adapter` on the pipeline the model adapter holds reads the weights, registers the CLIP image encoder
+and its feature extractor, sets the UNet's IP-Adapter attention processors and its image projection. The
+projection is then taken off the UNet (a forward without image prompts runs as the UNet without the adapter,
+and one with them projects only their rows: image_prompts.py) and each IP-Adapter processor is replaced by one
+that scales row by row.
+
+A request's image embeds are made once, as the pipeline's encode_image makes them: the image encoder's
+image_embeds, with zeros for the unconditional rows, or (plus adapters, whose projection is not an
+ImageProjection) its penultimate hidden states, with those of an all-zero image for the unconditional rows.
+The last few images' embeds are kept, so repeated image prompts are encoded once.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from dvllm.ip_adapters import folder_location, weights_location
+from dvllm.models.base import ModelAdapter
+from dvllm.worker.forward_context import ForwardHooks
+from dvllm.worker.image_prompts import ImagePromptRows, RowScaledIPAttnProcessor
+from dvllm.worker.request_state import RequestState
+
+_KEPT_EMBEDS = 16  # images whose embeds are kept
+
+
+class IPAdapter:
+    def __init__(self, adapter: ModelAdapter, projection: torch.nn.Module) -> None:
+        pipe = adapter.pipeline
+        self.encoder, self.feature_extractor = pipe.image_encoder, pipe.feature_extractor
+        self.projection = projection
+        from diffusers.models.embeddings import ImageProjection
+
+        layer = projection.image_projection_layers[0]
+        self.hidden_states = not isinstance(layer, ImageProjection)  # a plus adapter: it reads hidden states
+        self.device = adapter.device
+        self._kept: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+    def embeds(self, state: RequestState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's (conditional, unconditional) image embeds, each [1, ...] (made at its first step)."""
+        if state.image_prompt_embeds is None:
+            state.image_prompt_embeds = self.encode(state.data.image_prompt.image)
+        return state.image_prompt_embeds
+
+    @torch.inference_mode()
+    def encode(self, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        digest = hashlib.sha256(f"{image.mode}{image.size}".encode() + image.tobytes()).hexdigest()
+        held = self._kept.get(digest)
+        if held is not None:
+            self._kept.move_to_end(digest)
+            return held
+        encoder = self.encoder
+        pixels = self.feature_extractor(image, return_tensors="pt").pixel_values.to(self.device, encoder.dtype)
+        if self.hidden_states:
+            cond = encoder(pixels, output_hidden_states=True).hidden_states[-2]
+            uncond = encoder(torch.zeros_like(pixels), output_hidden_states=True).hidden_states[-2]
+        else:
+            cond = encoder(pixels).image_embeds
+            uncond = torch.zeros_like(cond)
+        self._kept[digest] = cond, uncond
+        if len(self._kept) > _KEPT_EMBEDS:
+            self._kept.popitem(last=False)
+        return cond, uncond
+
+
+def load_ip_adapter(weights: str | None, image_encoder: str | None, adapter: ModelAdapter) -> IPAdapter | None:
+    """The adapter loaded into the pipeline (None: the engine serves none); ValueError naming what does not load,
+    or the family that takes none."""
+    if weights is None:
+        return None
+    if adapter.ip_adapter_kind != "unet":
+        raise ValueError(f"ip_adapter: the {adapter.info.family} family takes no IP-Adapter in dvllm yet "
+                         "(SD 1.x/2.x and SDXL do)")
+    pipe, where = adapter.pipeline, weights_location(weights)
+    try:
+        if image_encoder is not None:
+            from transformers import CLIPVisionModelWithProjection
+
+            at = folder_location(image_encoder)
+            encoder = CLIPVisionModelWithProjection.from_pretrained(at.root, subfolder=at.subfolder or None,
+                                                                    torch_dtype=adapter.dtype)
+            pipe.register_modules(image_encoder=encoder.to(adapter.device).eval())
+        pipe.load_ip_adapter(where.root, subfolder=where.subfolder, weight_name=where.name)
+    except Exception as e:  # a missing file, another model's weights: the operator's to fix
+        raise ValueError(f"ip_adapter: {weights} does not load as this model's IP-Adapter: {e}") from e
+    if getattr(pipe, "image_encoder", None) is None:
+        raise ValueError(f"ip_adapter: {weights} came without an image encoder; name one with "
+                         "ip_adapter_image_encoder")
+    unet = pipe.unet
+    projection, unet.encoder_hid_proj = unet.encoder_hid_proj, None
+    if len(projection.image_projection_layers) != 1:
+        raise ValueError("ip_adapter: one IP-Adapter at a time")
+    return IPAdapter(adapter, projection)
+
+
+def install_row_processors(ip_adapter: IPAdapter, adapter: ModelAdapter, hooks: ForwardHooks) -> None:
+    """Every IP-Adapter processor of the UNet replaced by a RowScaledIPAttnProcessor with its weights."""
+    from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
+
+    rows = ImagePromptRows(ip_adapter.projection, hooks)
+    unet = adapter.pipeline.unet
+    processors = {}
+    for name, processor in unet.attn_processors.items():
+        if type(processor).__name__.startswith("IPAdapter") and not isinstance(processor, IPAdapterAttnProcessor2_0):
+            raise ValueError(f"ip_adapter: the UNet's attention runs {type(processor).__name__} (xformers); "
+                             "IP-Adapter is served with attention_backend native")
+        processors[name] = RowScaledIPAttnProcessor(processor, AttnProcessor2_0(), rows) \
+            if isinstance(processor, IPAdapterAttnProcessor2_0) else processor
+    unet.set_attn_processor(processors)
