@@ -1,0 +1,166 @@
+"""IP-Adapter image prompts per request inside one forward, against diffusers' pipelines request by request.
+
+One batch mixes rows without an image prompt, with one image at two scales, with another image (with and without
+CFG, n=2): each request's images equal the diffusers pipeline's with the same seed, after load_ip_adapter and
+set_ip_adapter_scale(its scale) (the plain pipeline's without an image prompt), and so do its latents. The tiny
+IP-Adapter is random weights in diffusers' format ({"image_proj": ..., "ip_adapter": ...} as a .safetensors
+file, beside a tiny CLIPVisionModelWithProjection saved with save_pretrained), loaded through the real loader.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+from PIL import Image
+from safetensors.torch import save_file
+from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+from dvllm import DiffusionEngine, SamplingParams
+
+TOL, LATENT_TOL = 1e-3, 1e-4
+P = SamplingParams
+EMBED_DIM = 12  # the tiny image encoder's projection
+FAMILIES = {"sd": ("sd_eps_path", StableDiffusionPipeline), "sdxl": ("sdxl_path", StableDiffusionXLPipeline)}
+
+
+def tiny_image_encoder(folder) -> None:
+    torch.manual_seed(5)
+    CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=16, projection_dim=EMBED_DIM, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+        intermediate_size=24, patch_size=8)).save_pretrained(folder)
+
+
+def _hidden_size(unet, name: str) -> int:
+    channels = unet.config.block_out_channels
+    if name.startswith("mid_block"):
+        return channels[-1]
+    if name.startswith("up_blocks"):
+        return list(reversed(channels))[int(name[len("up_blocks.")])]
+    return channels[int(name[len("down_blocks.")])]
+
+
+def tiny_unet_ip_adapter(unet, path, seed: int = 7) -> None:
+    """An IP-Adapter of the original kind (an ImageProjection to 4 tokens) for `unet`, as the file diffusers'
+    load_ip_adapter reads: the projection, and to_k_ip / to_v_ip for each cross-attention, numbered 1, 3, 5..."""
+    dim, g = unet.config.cross_attention_dim, torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 0.3) -> torch.Tensor:
+        return torch.randn(shape, generator=g) * scale
+
+    weights = {"image_proj.proj.weight": randn(4 * dim, EMBED_DIM), "image_proj.proj.bias": randn(4 * dim, scale=0.1),
+               "image_proj.norm.weight": 1 + randn(dim, scale=0.1), "image_proj.norm.bias": randn(dim, scale=0.1)}
+    cross = [name for name in unet.attn_processors if not name.endswith("attn1.processor")]
+    for key, name in zip(range(1, 2 * len(cross), 2), cross):
+        for part in ("to_k_ip", "to_v_ip"):
+            weights[f"ip_adapter.{key}.{part}.weight"] = randn(_hidden_size(unet, name), dim)
+    save_file(weights, str(path))
+
+
+def image_prompt(seed: int, size: tuple[int, int] = (20, 24)) -> Image.Image:
+    return Image.fromarray((np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    fixture, pipeline_class = FAMILIES[request.param]
+    path = request.getfixturevalue(fixture)
+    folder = tmp_path_factory.mktemp(f"{request.param}-ip-adapter")
+    tiny_image_encoder(folder / "image_encoder")
+    plain = pipeline_class.from_pretrained(path)
+    tiny_unet_ip_adapter(plain.unet, folder / "ip-adapter.safetensors")
+    with_adapter = pipeline_class.from_pretrained(path)
+    with_adapter.load_ip_adapter(str(folder), subfolder="", weight_name="ip-adapter.safetensors")
+    for pipe in (plain, with_adapter):
+        pipe.set_progress_bar_config(disable=True)
+    engine = DiffusionEngine(model=path, device="cpu", dtype="float32",
+                             ip_adapter=str(folder / "ip-adapter.safetensors"))
+    yield engine, plain, with_adapter
+    engine.shutdown()
+
+
+def reference(family, prompt: str, p: SamplingParams, output_type: str) -> np.ndarray:
+    _, plain, with_adapter = family
+    common = dict(negative_prompt=p.negative_prompt, num_inference_steps=p.num_inference_steps, height=p.height,
+                  width=p.width, num_images_per_prompt=p.n, guidance_scale=p.guidance_scale,
+                  generator=torch.Generator("cpu").manual_seed(p.seed), output_type=output_type)
+    if p.ip_adapter_image is None:
+        return plain(prompt, **common).images
+    with_adapter.set_ip_adapter_scale(p.ip_adapter_scale)
+    return with_adapter(prompt, ip_adapter_image=p.ip_adapter_image, **common).images
+
+
+def mixed() -> list[tuple[str, SamplingParams]]:
+    one, two = image_prompt(1), image_prompt(2, (16, 30))
+    size = dict(height=16, width=16)
+    return [
+        ("a red circle", P(num_inference_steps=4, guidance_scale=5.0, seed=1, **size)),
+        ("a blue square", P(num_inference_steps=5, guidance_scale=5.0, seed=2, ip_adapter_image=one, **size)),
+        ("a blue square", P(num_inference_steps=3, guidance_scale=1.0, seed=3, ip_adapter_image=one,
+                            ip_adapter_scale=0.4, **size)),
+        ("two triangles", P(num_inference_steps=4, guidance_scale=3.0, seed=5, n=2, negative_prompt="blurry",
+                            ip_adapter_image=two, ip_adapter_scale=0.8, **size)),
+    ]
+
+
+def test_a_mixed_batch_equals_the_pipelines_with_the_adapter(family):
+    engine = family[0]
+    batch = mixed()
+    for output_type, tol in (("np", TOL), ("latent", LATENT_TOL)):
+        params = [P(**{**vars(p), "output_type": output_type}) for _, p in batch]
+        outs = engine.generate([q for q, _ in batch], params, use_tqdm=False)
+        for (prompt, p), out in zip(batch, outs):
+            assert out.error is None, out.error
+            want = np.asarray(reference(family, prompt, p, output_type))
+            got = np.stack([np.asarray(image) for image in out.images])
+            assert got.shape == want.shape
+            diff = float(np.abs(got - want).max())
+            assert diff <= tol, f"{prompt!r} scale {p.ip_adapter_scale} {output_type}: max abs diff {diff}"
+
+
+def test_the_image_prompt_and_its_scale_change_the_image(family):
+    """The comparison above could pass with image prompts ignored if the tiny adapter did nothing: it does not;
+    and scale 0 is the image without the adapter, as diffusers skips an adapter of scale 0."""
+    engine = family[0]
+    base = dict(num_inference_steps=3, guidance_scale=5.0, seed=9, height=16, width=16, output_type="np")
+    plain, full, half, zero = engine.generate(["a cat"] * 4, [
+        P(**base), P(**base, ip_adapter_image=image_prompt(3)),
+        P(**base, ip_adapter_image=image_prompt(3), ip_adapter_scale=0.5),
+        P(**base, ip_adapter_image=image_prompt(3), ip_adapter_scale=0.0)], use_tqdm=False)
+    assert np.abs(plain.images[0] - full.images[0]).max() > 0.05
+    assert np.abs(full.images[0] - half.images[0]).max() > 0.01
+    np.testing.assert_array_equal(plain.images[0], zero.images[0])
+
+
+@pytest.mark.parametrize("params, message", [
+    (dict(ip_adapter_scale=-1), r"ip_adapter_scale must be a number in \[0, 10\]"),
+    (dict(ip_adapter_scale=float("nan")), r"ip_adapter_scale must be a number"),
+    (dict(ip_adapter_scale="1"), r"ip_adapter_scale must be a number"),
+    (dict(ip_adapter_image=3), r"ip_adapter_image: expected a PIL image"),
+    (dict(ip_adapter_image="/no/such/image.png"), r"ip_adapter_image: cannot read it as an image"),
+    (dict(ip_adapter_image=image_prompt(1, (400, 400))), r"ip_adapter_image: 400x400 is over max_image_pixels"),
+])
+def test_bad_image_prompts_are_refused_naming_the_field(family, params, message):
+    with pytest.raises(ValueError, match=message):
+        family[0].add_request("bad", "a cat", P(**params))
+
+
+def test_an_engine_without_an_adapter_refuses_image_prompts(sd_eps_path):
+    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32")
+    try:
+        with pytest.raises(ValueError, match="ip_adapter_image: this engine serves no IP-Adapter"):
+            engine.add_request("r", "a cat", P(ip_adapter_image=image_prompt(1)))
+    finally:
+        engine.shutdown()
+
+
+def test_what_cannot_serve_an_adapter_is_refused_at_start(sd_eps_path, qwen_image_path, family, tmp_path):
+    weights = family[0].config.ip_adapter
+    with pytest.raises(ValueError, match="does not serve .*ip_adapter"):
+        DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", ip_adapter=weights, cfg_parallel_size=2)
+    with pytest.raises(ValueError, match="ip_adapter: the qwen-image family takes no IP-Adapter"):
+        DiffusionEngine(model=qwen_image_path, device="cpu", dtype="float32", ip_adapter=weights)
+    with pytest.raises(ValueError, match="ip_adapter: expected a weights file"):
+        DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", ip_adapter=str(tmp_path))
+    with pytest.raises(ValueError, match="ip_adapter_image_encoder is set but no ip_adapter"):
+        DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", ip_adapter_image_encoder=str(tmp_path))
