@@ -258,6 +258,8 @@ class SamplingParams:
             )
         if resolved.n > config.max_images_per_prompt:
             raise ValueError(f"n must be in [1, {config.max_images_per_prompt}], got {resolved.n}")
+        if resolved.ip_adapter_image is not None and resolved.cache is not None:  # (its hooks see two outputs)
+            raise ValueError("ip_adapter_image: not served with step caching yet; send cache null")
         return resolved
 
 
@@ -283,7 +285,7 @@ def _load_image_prompt(value: Any, config: "EngineConfig", info: "ModelInfo", ma
         return None
     if not config.ip_adapter:
         raise ValueError("ip_adapter_image: this engine serves no IP-Adapter (start it with --ip-adapter WEIGHTS)")
-    return _load_image(value, info, max_pixels, "ip_adapter_image")
+    return _load_image(value, info, max_pixels, "ip_adapter_image", input_image=False)
 
 
 def control_size(image: Any, factor: int) -> tuple[int, int]:
@@ -451,12 +453,14 @@ def _load_mask(mask: Any, image: Any, info: "ModelInfo", max_pixels: int) -> Any
     return mask
 
 
-def _load_image(image: Any, info: "ModelInfo", max_pixels: int, name: str = "image", mode: str | None = "RGB") -> Any:
-    """A PIL image (converted to `mode`) from what the caller gave; ValueError naming the field otherwise."""
+def _load_image(image: Any, info: "ModelInfo", max_pixels: int, name: str = "image", mode: str | None = "RGB",
+                input_image: bool = True) -> Any:
+    """A PIL image (converted to `mode`) from what the caller gave; ValueError naming the field otherwise.
+    `input_image`: one the model starts from (not an image prompt), which needs image-to-image."""
     import numpy as np
     from PIL import Image, UnidentifiedImageError
 
-    if not info.images.img2img:
+    if input_image and not info.images.img2img:
         raise ValueError(f"{name}: image-to-image is not supported for the {info.family} family")
     try:
         if isinstance(image, str):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import FluxPipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
 from PIL import Image
 from safetensors.torch import save_file
 from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
@@ -54,6 +54,24 @@ def tiny_unet_ip_adapter(unet, path, seed: int = 7) -> None:
     for key, name in zip(range(1, 2 * len(cross), 2), cross):
         for part in ("to_k_ip", "to_v_ip"):
             weights[f"ip_adapter.{key}.{part}.weight"] = randn(_hidden_size(unet, name), dim)
+    save_file(weights, str(path))
+
+
+def tiny_flux_ip_adapter(transformer, path, seed: int = 8) -> None:
+    """Flux's kind (XLabs' layout as diffusers reads it): an ImageProjection to 4 tokens of the text's width, and
+    to_k_ip / to_v_ip with biases for each double-stream block, numbered 0, 1, ..."""
+    config, g = transformer.config, torch.Generator().manual_seed(seed)
+    dim, inner = config.joint_attention_dim, config.num_attention_heads * config.attention_head_dim
+
+    def randn(*shape: int, scale: float = 0.3) -> torch.Tensor:
+        return torch.randn(shape, generator=g) * scale
+
+    weights = {"image_proj.proj.weight": randn(4 * dim, EMBED_DIM), "image_proj.proj.bias": randn(4 * dim, scale=0.1),
+               "image_proj.norm.weight": 1 + randn(dim, scale=0.1), "image_proj.norm.bias": randn(dim, scale=0.1)}
+    for key in range(len(transformer.transformer_blocks)):
+        for part in ("to_k_ip", "to_v_ip"):
+            weights[f"ip_adapter.{key}.{part}.weight"] = randn(inner, dim)
+            weights[f"ip_adapter.{key}.{part}.bias"] = randn(inner, scale=0.1)
     save_file(weights, str(path))
 
 
@@ -164,3 +182,59 @@ def test_what_cannot_serve_an_adapter_is_refused_at_start(sd_eps_path, qwen_imag
         DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", ip_adapter=str(tmp_path))
     with pytest.raises(ValueError, match="ip_adapter_image_encoder is set but no ip_adapter"):
         DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", ip_adapter_image_encoder=str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def flux(flux_path, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("flux-ip-adapter")
+    tiny_image_encoder(folder / "image_encoder")
+    plain = FluxPipeline.from_pretrained(flux_path)
+    tiny_flux_ip_adapter(plain.transformer, folder / "ip-adapter.safetensors")
+    with_adapter = FluxPipeline.from_pretrained(flux_path)
+    with_adapter.load_ip_adapter(str(folder), weight_name="ip-adapter.safetensors",
+                                 image_encoder_pretrained_model_name_or_path=str(folder / "image_encoder"),
+                                 image_encoder_dtype=torch.float32)
+    for pipe in (plain, with_adapter):
+        pipe.set_progress_bar_config(disable=True)
+    engine = DiffusionEngine(model=flux_path, device="cpu", dtype="float32",
+                             ip_adapter=str(folder / "ip-adapter.safetensors"))
+    yield engine, plain, with_adapter
+    engine.shutdown()
+
+
+def flux_reference(flux, prompt: str, p: SamplingParams, output_type: str) -> np.ndarray:
+    _, plain, with_adapter = flux
+    common = dict(num_inference_steps=p.num_inference_steps, height=p.height, width=p.width,
+                  num_images_per_prompt=p.n, guidance_scale=p.guidance_scale, output_type=output_type,
+                  generator=torch.Generator("cpu").manual_seed(p.seed))
+    if p.ip_adapter_image is None:
+        return plain(prompt, **common).images
+    with_adapter.set_ip_adapter_scale(float(p.ip_adapter_scale))
+    return with_adapter(prompt, ip_adapter_image=p.ip_adapter_image, **common).images
+
+
+def test_a_mixed_flux_batch_equals_the_flux_pipelines_with_the_adapter(flux):
+    one, two = image_prompt(1), image_prompt(2, (16, 30))
+    size = dict(height=16, width=16)
+    batch = [("a red circle", P(num_inference_steps=3, guidance_scale=3.5, seed=1, **size)),
+             ("a blue square", P(num_inference_steps=4, guidance_scale=3.5, seed=2, ip_adapter_image=one, **size)),
+             ("a blue square", P(num_inference_steps=3, guidance_scale=2.0, seed=3, ip_adapter_image=one,
+                                 ip_adapter_scale=0.4, **size)),
+             ("two triangles", P(num_inference_steps=3, guidance_scale=3.5, seed=5, n=2, ip_adapter_image=two,
+                                 ip_adapter_scale=0.8, **size))]
+    for output_type, tol in (("np", TOL), ("latent", LATENT_TOL)):
+        params = [P(**{**vars(p), "output_type": output_type}) for _, p in batch]
+        outs = flux[0].generate([q for q, _ in batch], params, use_tqdm=False)
+        for (prompt, p), out in zip(batch, outs):
+            assert out.error is None, out.error
+            want = np.asarray(flux_reference(flux, prompt, p, output_type))
+            got = np.stack([np.asarray(image) for image in out.images])
+            assert got.shape == want.shape
+            diff = float(np.abs(got - want).max())
+            assert diff <= tol, f"flux {prompt!r} scale {p.ip_adapter_scale} {output_type}: max abs diff {diff}"
+    changed = flux[0].generate(["a red circle"] * 2, [P(num_inference_steps=3, seed=1, **size, output_type="np"),
+                                                      P(num_inference_steps=3, seed=1, **size, output_type="np",
+                                                        ip_adapter_image=one)], use_tqdm=False)
+    assert np.abs(changed[0].images[0] - changed[1].images[0]).max() > 0.05  # (else the above could pass without)
+    with pytest.raises(ValueError, match="ip_adapter_image: not served with step caching"):
+        flux[0].add_request("r", "a cat", P(ip_adapter_image=one, cache={"method": "first_block"}))

@@ -44,6 +44,7 @@ class FluxAdapter(ModelAdapter):
     pipeline_classes = ("FluxPipeline",)
     load_kwargs: dict[str, Any] = {}
     half_dtype = torch.bfloat16  # its pipelines' documented dtype
+    ip_adapter_kind = "flux"  # FluxIPAdapterMixin
 
     @cached_property
     def info(self) -> ModelInfo:

@@ -78,6 +78,7 @@ def edit_numel(multiple: int, features: int, height: int, width: int,
 class FluxKontextAdapter(FluxAdapter):
     vae_follows_dtype = True
     pipeline_classes = ("FluxKontextPipeline",)
+    ip_adapter_kind = None  # (its pipeline takes one, but edits with image prompts are not checked against it yet)
 
     @cached_property
     def info(self) -> ModelInfo:

@@ -58,7 +58,7 @@ class RowTokens:
 
     index: torch.Tensor
     tokens: list[torch.Tensor]  # per adapter, [rows, tokens, dim]
-    scales: torch.Tensor        # [rows, 1, 1]
+    scales: torch.Tensor        # [rows, 1, 1] float32
 
 
 class ImagePromptRows:
@@ -70,7 +70,7 @@ class ImagePromptRows:
         self.projection = projection  # the adapter's image projection (MultiIPAdapterImageProjection)
         hooks.add(DENOISER, self)
 
-    def current(self, dtype: torch.dtype) -> RowTokens | None:
+    def current(self) -> RowTokens | None:
         """The rows of the call running now that have an image prompt (None: none)."""
         context = self.context
         plan = None if context is None else context.image_prompt
@@ -80,11 +80,11 @@ class ImagePromptRows:
         key = ("image_prompt", None if running is None else tuple(running))
         held = context.memo.get(key)
         if held is None:
-            held = context.memo[key] = self._tokens(context, plan, running, dtype)
+            held = context.memo[key] = self._tokens(context, plan, running)
         return held or None
 
-    def _tokens(self, context: ForwardContext, plan: ImagePromptPlan, running: list[int] | None,
-                dtype: torch.dtype) -> RowTokens | bool:
+    def _tokens(self, context: ForwardContext, plan: ImagePromptPlan, running: list[int] | None
+                ) -> RowTokens | bool:
         projected = context.memo.get("image_prompt_projected")
         if projected is None:  # [rows, 1, tokens, dim] per adapter: one image per row
             projected = context.memo["image_prompt_projected"] = [p[:, 0] for p in self.projection([plan.embeds])]
@@ -99,7 +99,12 @@ class ImagePromptRows:
             index = device_index([at[plan.rows[i]] for i in keep], device)
             chosen = device_index(keep, device)
             picked, scales = [p[chosen] for p in projected], [plan.scales[i] for i in keep]
-        return RowTokens(index, picked, torch.tensor(scales, dtype=dtype).view(-1, 1, 1).to(device))
+        # float32, as a Python float multiplies a half-precision tensor in diffusers' processors
+        return RowTokens(index, picked, torch.tensor(scales, dtype=torch.float32).view(-1, 1, 1).to(device))
+
+    def add(self, total: torch.Tensor, current: RowTokens, image: torch.Tensor) -> torch.Tensor:
+        """`total` + scale x `image` on `current`'s rows (`image`: theirs), the others as they are."""
+        return total.index_add(0, current.index, (current.scales * image).to(image.dtype))
 
 
 class RowScaledIPAttnProcessor(torch.nn.Module):
@@ -115,7 +120,7 @@ class RowScaledIPAttnProcessor(torch.nn.Module):
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None) -> torch.Tensor:
-        current = self.rows.current(hidden_states.dtype)
+        current = self.rows.current()
         if current is None:
             return self.plain(attn, hidden_states, encoder_hidden_states, attention_mask, temb)
         return self._with_images(attn, hidden_states, encoder_hidden_states, attention_mask, temb, current)
@@ -162,7 +167,7 @@ class RowScaledIPAttnProcessor(torch.nn.Module):
         for tokens, to_k, to_v in zip(current.tokens, self.to_k_ip, self.to_v_ip):
             image = merged(sdpa(image_query, heads(to_k(tokens), rows), heads(to_v(tokens), rows), attn_mask=None,
                                 dropout_p=0.0, is_causal=False), rows)
-            hidden_states = hidden_states.index_add(0, current.index, current.scales * image)
+            hidden_states = self.rows.add(hidden_states, current, image)
         hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
         if input_ndim == 4:
             hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)

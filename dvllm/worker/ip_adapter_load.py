@@ -1,15 +1,17 @@
 """The engine's IP-Adapter loaded at start through diffusers' own loader, and its image embeddings.
 
-`load_ip_adapter` on the pipeline the model adapter holds reads the weights, registers the CLIP image encoder
-and its feature extractor, sets the UNet's IP-Adapter attention processors and its image projection. The
-projection is then taken off the UNet (a forward without image prompts runs as the UNet without the adapter,
-and one with them projects only their rows: image_prompts.py) and each IP-Adapter processor is replaced by one
-that scales row by row.
+The CLIP image encoder (ip_adapter_image_encoder, else the image_encoder folder beside the weights, where
+load_ip_adapter looks for SD's) is loaded in the denoiser's dtype and registered on the pipeline the model adapter
+holds; `load_ip_adapter` then reads the weights, makes the feature extractor, sets the denoiser's IP-Adapter
+attention processors and its image projection. A UNet's projection is taken off it (a forward without image
+prompts then runs as the UNet without the adapter; Flux's transformer only runs its own when given embeds) and
+each IP-Adapter processor is replaced by one that scales row by row (image_prompts.py, image_prompts_flux.py).
 
 A request's image embeds are made once, as the pipeline's encode_image makes them: the image encoder's
-image_embeds, with zeros for the unconditional rows, or (plus adapters, whose projection is not an
+image_embeds, with zeros for the unconditional rows, or (SD plus adapters, whose projection is not an
 ImageProjection) its penultimate hidden states, with those of an all-zero image for the unconditional rows.
-The last few images' embeds are kept, so repeated image prompts are encoded once.
+Flux serves no unconditional rows (its true CFG is not served). The last few images' embeds are kept, so
+repeated image prompts are encoded once.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from typing import Any
 
 import torch
 
-from dvllm.ip_adapters import folder_location, weights_location
-from dvllm.models.base import ModelAdapter
+from dvllm.ip_adapters import Location, folder_location, weights_location
+from dvllm.models.base import ModelAdapter, denoiser_of
 from dvllm.worker.forward_context import ForwardHooks
 from dvllm.worker.image_prompts import ImagePromptRows, RowScaledIPAttnProcessor
 from dvllm.worker.request_state import RequestState
@@ -36,7 +38,8 @@ class IPAdapter:
         from diffusers.models.embeddings import ImageProjection
 
         layer = projection.image_projection_layers[0]
-        self.hidden_states = not isinstance(layer, ImageProjection)  # a plus adapter: it reads hidden states
+        # an SD plus adapter reads hidden states (Flux's pipeline reads image_embeds whatever its projection)
+        self.hidden_states = adapter.ip_adapter_kind == "unet" and not isinstance(layer, ImageProjection)
         self.device = adapter.device
         self._kept: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
@@ -60,7 +63,7 @@ class IPAdapter:
             uncond = encoder(torch.zeros_like(pixels), output_hidden_states=True).hidden_states[-2]
         else:
             cond = encoder(pixels).image_embeds
-            uncond = torch.zeros_like(cond)
+            uncond = torch.zeros_like(cond)  # (SD's; Flux has no unconditional rows to read it)
         self._kept[digest] = cond, uncond
         if len(self._kept) > _KEPT_EMBEDS:
             self._kept.popitem(last=False)
@@ -72,42 +75,52 @@ def load_ip_adapter(weights: str | None, image_encoder: str | None, adapter: Mod
     or the family that takes none."""
     if weights is None:
         return None
-    if adapter.ip_adapter_kind != "unet":
+    if adapter.ip_adapter_kind is None:
         raise ValueError(f"ip_adapter: the {adapter.info.family} family takes no IP-Adapter in dvllm yet "
-                         "(SD 1.x/2.x and SDXL do)")
+                         "(SD 1.x/2.x, SDXL and Flux do)")
     pipe, where = adapter.pipeline, weights_location(weights)
+    at = folder_location(image_encoder) if image_encoder is not None else \
+        Location(where.root, "/".join(p for p in (where.subfolder, "image_encoder") if p))
     try:
-        if image_encoder is not None:
-            from transformers import CLIPVisionModelWithProjection
+        from transformers import CLIPVisionModelWithProjection
 
-            at = folder_location(image_encoder)
-            encoder = CLIPVisionModelWithProjection.from_pretrained(at.root, subfolder=at.subfolder or None,
-                                                                    torch_dtype=adapter.dtype)
-            pipe.register_modules(image_encoder=encoder.to(adapter.device).eval())
+        encoder = CLIPVisionModelWithProjection.from_pretrained(at.root, subfolder=at.subfolder or None,
+                                                                torch_dtype=adapter.dtype)
+    except Exception as e:  # a missing folder, another model: the operator's to fix
+        raise ValueError(f"ip_adapter_image_encoder: {at.root}{'/' + at.subfolder if at.subfolder else ''} does "
+                         f"not load as a CLIPVisionModelWithProjection: {e}") from e
+    pipe.register_modules(image_encoder=encoder.to(adapter.device).eval())
+    try:
         pipe.load_ip_adapter(where.root, subfolder=where.subfolder, weight_name=where.name)
     except Exception as e:  # a missing file, another model's weights: the operator's to fix
         raise ValueError(f"ip_adapter: {weights} does not load as this model's IP-Adapter: {e}") from e
-    if getattr(pipe, "image_encoder", None) is None:
-        raise ValueError(f"ip_adapter: {weights} came without an image encoder; name one with "
-                         "ip_adapter_image_encoder")
-    unet = pipe.unet
-    projection, unet.encoder_hid_proj = unet.encoder_hid_proj, None
-    if len(projection.image_projection_layers) != 1:
-        raise ValueError("ip_adapter: one IP-Adapter at a time")
+    denoiser = denoiser_of(pipe)
+    projection = denoiser.encoder_hid_proj
+    if adapter.ip_adapter_kind == "unet":
+        denoiser.encoder_hid_proj = None
     return IPAdapter(adapter, projection)
 
 
 def install_row_processors(ip_adapter: IPAdapter, adapter: ModelAdapter, hooks: ForwardHooks) -> None:
-    """Every IP-Adapter processor of the UNet replaced by a RowScaledIPAttnProcessor with its weights."""
-    from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
-
+    """Every IP-Adapter processor of the denoiser replaced by a row-scaled one with its weights."""
     rows = ImagePromptRows(ip_adapter.projection, hooks)
-    unet = adapter.pipeline.unet
-    processors = {}
-    for name, processor in unet.attn_processors.items():
-        if type(processor).__name__.startswith("IPAdapter") and not isinstance(processor, IPAdapterAttnProcessor2_0):
-            raise ValueError(f"ip_adapter: the UNet's attention runs {type(processor).__name__} (xformers); "
-                             "IP-Adapter is served with attention_backend native")
-        processors[name] = RowScaledIPAttnProcessor(processor, AttnProcessor2_0(), rows) \
-            if isinstance(processor, IPAdapterAttnProcessor2_0) else processor
-    unet.set_attn_processor(processors)
+    denoiser = denoiser_of(adapter.pipeline)
+    if adapter.ip_adapter_kind == "flux":
+        from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxIPAdapterAttnProcessor
+
+        from dvllm.worker.image_prompts_flux import RowScaledFluxIPAttnProcessor
+
+        def replaced(processor: Any) -> Any:
+            return RowScaledFluxIPAttnProcessor(processor, FluxAttnProcessor(), rows) \
+                if isinstance(processor, FluxIPAdapterAttnProcessor) else processor
+    else:
+        from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
+
+        def replaced(processor: Any) -> Any:
+            if type(processor).__name__.startswith("IPAdapter") and \
+                    not isinstance(processor, IPAdapterAttnProcessor2_0):
+                raise ValueError(f"ip_adapter: the UNet's attention runs {type(processor).__name__} (xformers); "
+                                 "IP-Adapter is served with attention_backend native")
+            return RowScaledIPAttnProcessor(processor, AttnProcessor2_0(), rows) \
+                if isinstance(processor, IPAdapterAttnProcessor2_0) else processor
+    denoiser.set_attn_processor({name: replaced(p) for name, p in denoiser.attn_processors.items()})
