@@ -8,6 +8,8 @@ file, beside a tiny CLIPVisionModelWithProjection saved with save_pretrained), l
 """
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from PIL import Image
 from safetensors.torch import save_file
 from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
-from dvllm import DiffusionEngine, SamplingParams
+from dvllm import AsyncDiffusionEngine, DiffusionEngine, SamplingParams
 
 TOL, LATENT_TOL = 1e-3, 1e-4
 P = SamplingParams
@@ -148,6 +150,38 @@ def test_the_image_prompt_and_its_scale_change_the_image(family):
     assert np.abs(plain.images[0] - full.images[0]).max() > 0.05
     assert np.abs(full.images[0] - half.images[0]).max() > 0.01
     np.testing.assert_array_equal(plain.images[0], zero.images[0])
+
+
+def test_image_prompts_through_the_core_process_and_both_stages_equal_in_process(family, sd_eps_path):
+    """The image travels to the core's process with the request; async scheduling, the encode and the decode
+    stage leave the image-prompted images as the in-process engine makes them."""
+    if not isinstance(family[1], StableDiffusionPipeline) or isinstance(family[1], StableDiffusionXLPipeline):
+        pytest.skip("one family is enough for the process modes")
+    batch = mixed()[1:]
+    params = [P(**{**vars(p), "output_type": "np"}) for _, p in batch]
+    want = family[0].generate([q for q, _ in batch], params, use_tqdm=False)
+
+    async def run() -> list:
+        other = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32",
+                                     ip_adapter=family[0].config.ip_adapter, engine_core_process=True,
+                                     async_scheduling=True, encode_stage=True, decode_stage=True)
+        other.start()
+        try:
+            return await asyncio.gather(*(_final(other, q, p, f"r{i}") for i, ((q, _), p) in
+                                          enumerate(zip(batch, params))))
+        finally:
+            await other.shutdown(5)
+
+    for got, expected in zip(asyncio.run(run()), want):
+        assert got.error is None, got.error
+        np.testing.assert_allclose(np.stack(got.images), np.stack(expected.images), atol=1e-5, rtol=0)
+
+
+async def _final(engine: AsyncDiffusionEngine, prompt: str, params: SamplingParams, request_id: str):
+    final = None
+    async for out in engine.generate(prompt, params, request_id=request_id):
+        final = out
+    return final
 
 
 @pytest.mark.parametrize("params, message", [
