@@ -49,6 +49,18 @@ class IPAdapter:
             state.image_prompt_embeds = self.encode(state.data.image_prompt.image)
         return state.image_prompt_embeds
 
+    def encode_admitted(self, states: list[RequestState]) -> dict[str, str]:
+        """The image prompts of requests admitted now encoded (before their first step); {request: why} for those
+        whose encode failed (they fail alone)."""
+        errors = {}
+        for state in states:
+            if state.data.image_prompt is not None:
+                try:
+                    self.embeds(state)
+                except Exception as e:  # noqa: BLE001 - it fails that request only
+                    errors[state.request_id] = f"image prompt encoding failed: {type(e).__name__}: {e}"
+        return errors
+
     @torch.inference_mode()
     def encode(self, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
         digest = hashlib.sha256(f"{image.mode}{image.size}".encode() + image.tobytes()).hexdigest()

@@ -277,13 +277,16 @@ class ModelRunner:
             )
 
     def _admitted(self, work: StepWork) -> None:
-        """After admission: the prepared requests' text lengths read; the starts made ahead for requests that
-        failed before theirs was taken dropped; and requests that read a prompt-cache entry another one was to
-        fill and did not (this step's or, with async scheduling, the last step's) failed too."""
+        """After admission: the prepared requests' text lengths read and their image prompts encoded; the starts
+        made ahead for requests that failed before theirs was taken dropped; and requests that read a prompt-cache
+        entry another one was to fill and did not (this step's or, with async scheduling, the last step's) failed
+        too."""
         out, errors = work.out, work.errors
         prepared = [self.states[d.request_id] for d in work.ready if d.request_id in self.states]
         if prepared:
             self.prompts.read_text_lengths(prepared)
+        if self.ip_adapter is not None:
+            errors.update(self.ip_adapter.encode_admitted(prepared))
         if self.encode_stage is not None and work.admitting:
             self.encode_stage.drop([start_key(d.request_id) for d in work.admitting])
         for resumed in out.resumed_requests:  # a failed swap-in was to refill shared entries: they hold nothing
