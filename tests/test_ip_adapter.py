@@ -42,9 +42,10 @@ def _hidden_size(unet, name: str) -> int:
     return channels[int(name[len("down_blocks.")])]
 
 
-def tiny_unet_ip_adapter(unet, path, seed: int = 7) -> None:
-    """An IP-Adapter of the original kind (an ImageProjection to 4 tokens) for `unet`, as the file diffusers'
-    load_ip_adapter reads: the projection, and to_k_ip / to_v_ip for each cross-attention, numbered 1, 3, 5..."""
+def tiny_unet_ip_adapter(unet, path, seed: int = 7, plus: bool = False) -> None:
+    """An IP-Adapter for `unet` as the file diffusers' load_ip_adapter reads: the projection (of the original kind,
+    an ImageProjection to 4 tokens; `plus`: a resampler of the image encoder's hidden states, in the original
+    checkpoints' names), and to_k_ip / to_v_ip for each cross-attention, numbered 1, 3, 5..."""
     dim, g = unet.config.cross_attention_dim, torch.Generator().manual_seed(seed)
 
     def randn(*shape: int, scale: float = 0.3) -> torch.Tensor:
@@ -52,11 +53,36 @@ def tiny_unet_ip_adapter(unet, path, seed: int = 7) -> None:
 
     weights = {"image_proj.proj.weight": randn(4 * dim, EMBED_DIM), "image_proj.proj.bias": randn(4 * dim, scale=0.1),
                "image_proj.norm.weight": 1 + randn(dim, scale=0.1), "image_proj.norm.bias": randn(dim, scale=0.1)}
+    if plus:
+        weights = {f"image_proj.{k}": v for k, v in _plus_projection(dim, seed).items()}
     cross = [name for name in unet.attn_processors if not name.endswith("attn1.processor")]
     for key, name in zip(range(1, 2 * len(cross), 2), cross):
         for part in ("to_k_ip", "to_v_ip"):
             weights[f"ip_adapter.{key}.{part}.weight"] = randn(_hidden_size(unet, name), dim)
     save_file(weights, str(path))
+
+
+def _plus_projection(dim: int, seed: int) -> dict[str, torch.Tensor]:
+    """IPAdapterPlusImageProjection's weights (4 queries, one 64-wide head, depth 4: what the loader reads of
+    a checkpoint) under the names of the original checkpoints, which diffusers' loader converts back."""
+    from diffusers.models.embeddings import IPAdapterPlusImageProjection
+
+    torch.manual_seed(seed)
+    module = IPAdapterPlusImageProjection(embed_dims=16, output_dims=dim, hidden_dims=64, depth=4, dim_head=64,
+                                          heads=1, num_queries=4)
+    state, out = module.state_dict(), {}
+    for name, value in state.items():
+        i = name.split(".")[1] if name.startswith("layers.") else None
+        original = (name.replace(f"layers.{i}.ln0", f"layers.{i}.0.norm1").replace(f"layers.{i}.ln1", f"layers.{i}.0.norm2")
+                    .replace(f"layers.{i}.attn.to_out.0", f"layers.{i}.0.to_out")
+                    .replace(f"layers.{i}.attn.to_q", f"layers.{i}.0.to_q")
+                    .replace(f"layers.{i}.ff.0", f"layers.{i}.1.0").replace(f"layers.{i}.ff.1.net.0.proj", f"layers.{i}.1.1")
+                    .replace(f"layers.{i}.ff.1.net.2", f"layers.{i}.1.3")) if i is not None else name
+        if ".attn.to_k." in name:
+            out[f"layers.{i}.0.to_kv.weight"] = torch.cat([value, state[name.replace("to_k", "to_v")]])
+        elif ".attn.to_v." not in name:
+            out[original] = value
+    return out
 
 
 def tiny_flux_ip_adapter(transformer, path, seed: int = 8) -> None:
@@ -182,6 +208,36 @@ async def _final(engine: AsyncDiffusionEngine, prompt: str, params: SamplingPara
     async for out in engine.generate(prompt, params, request_id=request_id):
         final = out
     return final
+
+
+def test_a_plus_adapter_reads_hidden_states_and_equals_the_pipeline(sd_eps_path, tmp_path):
+    """A plus adapter (a resampler of the encoder's penultimate hidden states; an all-zero image's for the
+    unconditional rows) beside a row without an image prompt equals the pipeline, with and without CFG."""
+    tiny_image_encoder(tmp_path / "image_encoder")
+    plain = StableDiffusionPipeline.from_pretrained(sd_eps_path)
+    tiny_unet_ip_adapter(plain.unet, tmp_path / "plus.safetensors", seed=9, plus=True)
+    with_adapter = StableDiffusionPipeline.from_pretrained(sd_eps_path)
+    with_adapter.load_ip_adapter(str(tmp_path), subfolder="", weight_name="plus.safetensors")
+    for pipe in (plain, with_adapter):
+        pipe.set_progress_bar_config(disable=True)
+    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32",
+                             ip_adapter=str(tmp_path / "plus.safetensors"))
+    size = dict(height=16, width=16, output_type="latent")
+    batch = [("a cat", P(num_inference_steps=3, guidance_scale=4.0, seed=1, ip_adapter_image=image_prompt(5),
+                         ip_adapter_scale=0.7, **size)),
+             ("a dog", P(num_inference_steps=3, guidance_scale=1.0, seed=2, ip_adapter_image=image_prompt(6), **size)),
+             ("a dog", P(num_inference_steps=2, guidance_scale=4.0, seed=3, **size))]
+    try:
+        outs = engine.generate([q for q, _ in batch], [p for _, p in batch], use_tqdm=False)
+    finally:
+        engine.shutdown()
+    family = (None, plain, with_adapter)
+    for (prompt, p), out in zip(batch, outs):
+        assert out.error is None, out.error
+        want = np.asarray(reference(family, prompt, p, "latent"))
+        assert float(np.abs(np.stack(out.images) - want).max()) <= LATENT_TOL
+    assert np.abs(np.asarray(reference(family, "a cat", P(**{**vars(batch[0][1]), "ip_adapter_image": None}),
+                                       "latent")) - np.stack(outs[0].images)).max() > 1e-2
 
 
 @pytest.mark.parametrize("params, message", [
