@@ -240,6 +240,30 @@ def test_a_plus_adapter_reads_hidden_states_and_equals_the_pipeline(sd_eps_path,
                                        "latent")) - np.stack(outs[0].images)).max() > 1e-2
 
 
+def test_a_call_on_some_rows_gets_their_image_prompts_only():
+    """A call on some of the forward's rows (step caching's and per-shape calls narrow them) adds to its own
+    positions of the plan's rows, with their tokens and scales; a call on none of them runs plain."""
+    from dvllm.worker.forward_context import ForwardContext, ForwardHooks
+    from dvllm.worker.image_prompts import ImagePromptPlan, ImagePromptRows
+
+    rows = ImagePromptRows(lambda embeds: [e * 10 for e in embeds], ForwardHooks())
+    embeds = torch.arange(3.0).view(3, 1, 1, 1)  # rows 1, 3, 4: [rows, 1 image, 1 token, 1]
+    context = ForwardContext(image_prompt=ImagePromptPlan([1, 3, 4], torch.tensor([1, 3, 4]), embeds, [0.5, 1.0, 2.0]))
+    rows.context = context
+    whole = rows.current()
+    assert whole.index.tolist() == [1, 3, 4] and whole.tokens[0].flatten().tolist() == [0.0, 10.0, 20.0]
+    with context.narrow([0, 3, 4], torch.tensor([0, 3, 4])):
+        part = rows.current()
+        assert part.index.tolist() == [1, 2] and part.tokens[0].flatten().tolist() == [10.0, 20.0]
+        assert part.scales.flatten().tolist() == [1.0, 2.0]
+        total = rows.add(torch.zeros(3, 1, 1), part, torch.ones(2, 1, 1))
+        assert total.flatten().tolist() == [0.0, 1.0, 2.0]
+    with context.narrow([0, 2], torch.tensor([0, 2])):
+        assert rows.current() is None
+    rows.context = None
+    assert rows.current() is None
+
+
 @pytest.mark.parametrize("params, message", [
     (dict(ip_adapter_scale=-1), r"ip_adapter_scale must be a number in \[0, 10\]"),
     (dict(ip_adapter_scale=float("nan")), r"ip_adapter_scale must be a number"),
