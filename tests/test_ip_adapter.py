@@ -178,6 +178,29 @@ def test_the_image_prompt_and_its_scale_change_the_image(family):
     np.testing.assert_array_equal(plain.images[0], zero.images[0])
 
 
+def test_an_image_to_image_request_takes_an_image_prompt_as_the_img2img_pipeline(family):
+    """Beside a text-to-image row with an image prompt: StableDiffusion[XL]Img2ImgPipeline built from the adapter's
+    pipeline (its UNet, image encoder and feature extractor) with the same scale."""
+    from diffusers import AutoPipelineForImage2Image
+
+    engine, _, with_adapter = family
+    start = image_prompt(7, (16, 16))
+    batch = [("a cat", P(num_inference_steps=4, guidance_scale=4.0, seed=1, image=start, strength=0.7,
+                         ip_adapter_image=image_prompt(8), ip_adapter_scale=0.6, output_type="latent")),
+             ("a dog", P(num_inference_steps=3, guidance_scale=4.0, seed=2, height=16, width=16,
+                         ip_adapter_image=image_prompt(8), output_type="latent"))]
+    outs = engine.generate([q for q, _ in batch], [p for _, p in batch], use_tqdm=False)
+    img2img = AutoPipelineForImage2Image.from_pipe(with_adapter)
+    img2img.set_ip_adapter_scale(0.6)
+    want = img2img("a cat", image=start, strength=0.7, num_inference_steps=4, guidance_scale=4.0,
+                   ip_adapter_image=image_prompt(8), generator=torch.Generator("cpu").manual_seed(1),
+                   output_type="latent").images
+    assert outs[0].error is None, outs[0].error
+    assert float(np.abs(np.stack(outs[0].images) - np.asarray(want)).max()) <= LATENT_TOL
+    want = np.asarray(reference(family, *batch[1], "latent"))
+    assert float(np.abs(np.stack(outs[1].images) - want).max()) <= LATENT_TOL
+
+
 def test_image_prompts_through_the_core_process_and_both_stages_equal_in_process(family, sd_eps_path):
     """The image travels to the core's process with the request; async scheduling, the encode and the decode
     stage leave the image-prompted images as the in-process engine makes them."""
