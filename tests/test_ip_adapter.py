@@ -8,8 +8,6 @@ file, beside a tiny CLIPVisionModelWithProjection saved with save_pretrained), l
 """
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 import torch
@@ -18,7 +16,7 @@ from PIL import Image
 from safetensors.torch import save_file
 from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
-from dvllm import AsyncDiffusionEngine, DiffusionEngine, SamplingParams
+from dvllm import DiffusionEngine, SamplingParams
 
 TOL, LATENT_TOL = 1e-3, 1e-4
 P = SamplingParams
@@ -199,92 +197,6 @@ def test_an_image_to_image_request_takes_an_image_prompt_as_the_img2img_pipeline
     assert float(np.abs(np.stack(outs[0].images) - np.asarray(want)).max()) <= LATENT_TOL
     want = np.asarray(reference(family, *batch[1], "latent"))
     assert float(np.abs(np.stack(outs[1].images) - want).max()) <= LATENT_TOL
-
-
-def test_image_prompts_through_the_core_process_and_both_stages_equal_in_process(family, sd_eps_path):
-    """The image travels to the core's process with the request; async scheduling, the encode and the decode
-    stage leave the image-prompted images as the in-process engine makes them."""
-    if not isinstance(family[1], StableDiffusionPipeline) or isinstance(family[1], StableDiffusionXLPipeline):
-        pytest.skip("one family is enough for the process modes")
-    batch = mixed()[1:]
-    params = [P(**{**vars(p), "output_type": "np"}) for _, p in batch]
-    want = family[0].generate([q for q, _ in batch], params, use_tqdm=False)
-
-    async def run() -> list:
-        other = AsyncDiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32",
-                                     ip_adapter=family[0].config.ip_adapter, engine_core_process=True,
-                                     async_scheduling=True, encode_stage=True, decode_stage=True)
-        other.start()
-        try:
-            return await asyncio.gather(*(_final(other, q, p, f"r{i}") for i, ((q, _), p) in
-                                          enumerate(zip(batch, params))))
-        finally:
-            await other.shutdown(5)
-
-    for got, expected in zip(asyncio.run(run()), want):
-        assert got.error is None, got.error
-        np.testing.assert_allclose(np.stack(got.images), np.stack(expected.images), atol=1e-5, rtol=0)
-
-
-async def _final(engine: AsyncDiffusionEngine, prompt: str, params: SamplingParams, request_id: str):
-    final = None
-    async for out in engine.generate(prompt, params, request_id=request_id):
-        final = out
-    return final
-
-
-def test_a_plus_adapter_reads_hidden_states_and_equals_the_pipeline(sd_eps_path, tmp_path):
-    """A plus adapter (a resampler of the encoder's penultimate hidden states; an all-zero image's for the
-    unconditional rows) beside a row without an image prompt equals the pipeline, with and without CFG."""
-    tiny_image_encoder(tmp_path / "image_encoder")
-    plain = StableDiffusionPipeline.from_pretrained(sd_eps_path)
-    tiny_unet_ip_adapter(plain.unet, tmp_path / "plus.safetensors", seed=9, plus=True)
-    with_adapter = StableDiffusionPipeline.from_pretrained(sd_eps_path)
-    with_adapter.load_ip_adapter(str(tmp_path), subfolder="", weight_name="plus.safetensors")
-    for pipe in (plain, with_adapter):
-        pipe.set_progress_bar_config(disable=True)
-    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32",
-                             ip_adapter=str(tmp_path / "plus.safetensors"))
-    size = dict(height=16, width=16, output_type="latent")
-    batch = [("a cat", P(num_inference_steps=3, guidance_scale=4.0, seed=1, ip_adapter_image=image_prompt(5),
-                         ip_adapter_scale=0.7, **size)),
-             ("a dog", P(num_inference_steps=3, guidance_scale=1.0, seed=2, ip_adapter_image=image_prompt(6), **size)),
-             ("a dog", P(num_inference_steps=2, guidance_scale=4.0, seed=3, **size))]
-    try:
-        outs = engine.generate([q for q, _ in batch], [p for _, p in batch], use_tqdm=False)
-    finally:
-        engine.shutdown()
-    family = (None, plain, with_adapter)
-    for (prompt, p), out in zip(batch, outs):
-        assert out.error is None, out.error
-        want = np.asarray(reference(family, prompt, p, "latent"))
-        assert float(np.abs(np.stack(out.images) - want).max()) <= LATENT_TOL
-    assert np.abs(np.asarray(reference(family, "a cat", P(**{**vars(batch[0][1]), "ip_adapter_image": None}),
-                                       "latent")) - np.stack(outs[0].images)).max() > 1e-2
-
-
-def test_a_call_on_some_rows_gets_their_image_prompts_only():
-    """A call on some of the forward's rows (step caching's and per-shape calls narrow them) adds to its own
-    positions of the plan's rows, with their tokens and scales; a call on none of them runs plain."""
-    from dvllm.worker.forward_context import ForwardContext, ForwardHooks
-    from dvllm.worker.image_prompts import ImagePromptPlan, ImagePromptRows
-
-    rows = ImagePromptRows(lambda embeds: [e * 10 for e in embeds], ForwardHooks())
-    embeds = torch.arange(3.0).view(3, 1, 1, 1)  # rows 1, 3, 4: [rows, 1 image, 1 token, 1]
-    context = ForwardContext(image_prompt=ImagePromptPlan([1, 3, 4], torch.tensor([1, 3, 4]), embeds, [0.5, 1.0, 2.0]))
-    rows.context = context
-    whole = rows.current()
-    assert whole.index.tolist() == [1, 3, 4] and whole.tokens[0].flatten().tolist() == [0.0, 10.0, 20.0]
-    with context.narrow([0, 3, 4], torch.tensor([0, 3, 4])):
-        part = rows.current()
-        assert part.index.tolist() == [1, 2] and part.tokens[0].flatten().tolist() == [10.0, 20.0]
-        assert part.scales.flatten().tolist() == [1.0, 2.0]
-        total = rows.add(torch.zeros(3, 1, 1), part, torch.ones(2, 1, 1))
-        assert total.flatten().tolist() == [0.0, 1.0, 2.0]
-    with context.narrow([0, 2], torch.tensor([0, 2])):
-        assert rows.current() is None
-    rows.context = None
-    assert rows.current() is None
 
 
 @pytest.mark.parametrize("params, message", [

@@ -1,6 +1,7 @@
-"""IP-Adapter image prompts through `dvllm serve` (a real server in a subprocess, `--ip-adapter WEIGHTS`) and
-`dvllm generate` (a prompts file's "ip_adapter_image" path): each gives the Python API's images, and bad image
-prompts are a 400 naming the field."""
+"""IP-Adapter image prompts through `dvllm serve` (a real server in a subprocess, `--ip-adapter WEIGHTS`, its core
+in a process of its own, with async scheduling and the encode and decode stages: the image travels with the
+request) and `dvllm generate` (a prompts file's "ip_adapter_image" path): each gives the Python API's images, and
+bad image prompts are a 400 naming the field."""
 from __future__ import annotations
 
 import json
@@ -38,9 +39,14 @@ def offline(sd_eps_path, weights):
 
 @pytest.fixture(scope="module")
 def http(sd_eps_path, weights):
-    with RemoteServer(sd_eps_path, [*BASE_ARGS, "--ip-adapter", weights]) as server:
+    flags = ["--ip-adapter", weights, "--async-scheduling", "--encode-stage", "--decode-stage"]
+    with RemoteServer(sd_eps_path, [*BASE_ARGS, *flags]) as server:
         with httpx.Client(base_url=server.url, timeout=120) as client:
             yield client
+
+
+def test_models_says_the_server_takes_image_prompts(http):
+    assert http.get("/v1/models").json()["data"][0]["dvllm"]["ip_adapter"] is True
 
 
 def test_generations_with_an_image_prompt_equal_the_python_api(http, offline):
@@ -56,7 +62,6 @@ def test_generations_with_an_image_prompt_equal_the_python_api(http, offline):
                                                   ip_adapter_scale=0.6))
     for response in (r, r2):
         assert_same_pixels(png_pixels(response.json()["data"][0]["b64_json"]), want.images[0])
-    assert http.get("/v1/models").json()["data"][0]["dvllm"]["ip_adapter"] is True
 
 
 @pytest.mark.parametrize("fields, param", [
