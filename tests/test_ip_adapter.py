@@ -199,6 +199,94 @@ def test_an_image_to_image_request_takes_an_image_prompt_as_the_img2img_pipeline
     assert float(np.abs(np.stack(outs[1].images) - want).max()) <= LATENT_TOL
 
 
+def test_a_plus_adapter_reads_hidden_states_and_equals_the_pipeline(sd_eps_path, tmp_path):
+    """A plus adapter (a resampler of the encoder's penultimate hidden states; an all-zero image's for the
+    unconditional rows) beside a row without an image prompt equals the pipeline, with and without CFG."""
+    tiny_image_encoder(tmp_path / "image_encoder")
+    plain = StableDiffusionPipeline.from_pretrained(sd_eps_path)
+    tiny_unet_ip_adapter(plain.unet, tmp_path / "plus.safetensors", seed=9, plus=True)
+    with_adapter = StableDiffusionPipeline.from_pretrained(sd_eps_path)
+    with_adapter.load_ip_adapter(str(tmp_path), subfolder="", weight_name="plus.safetensors")
+    for pipe in (plain, with_adapter):
+        pipe.set_progress_bar_config(disable=True)
+    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32",
+                             ip_adapter=str(tmp_path / "plus.safetensors"))
+    size = dict(height=16, width=16, output_type="latent")
+    batch = [("a cat", P(num_inference_steps=3, guidance_scale=4.0, seed=1, ip_adapter_image=image_prompt(5),
+                         ip_adapter_scale=0.7, **size)),
+             ("a dog", P(num_inference_steps=3, guidance_scale=1.0, seed=2, ip_adapter_image=image_prompt(6), **size)),
+             ("a dog", P(num_inference_steps=2, guidance_scale=4.0, seed=3, **size))]
+    try:
+        outs = engine.generate([q for q, _ in batch], [p for _, p in batch], use_tqdm=False)
+    finally:
+        engine.shutdown()
+    family = (None, plain, with_adapter)
+    for (prompt, p), out in zip(batch, outs):
+        assert out.error is None, out.error
+        want = np.asarray(reference(family, prompt, p, "latent"))
+        assert float(np.abs(np.stack(out.images) - want).max()) <= LATENT_TOL
+    assert np.abs(np.asarray(reference(family, "a cat", P(**{**vars(batch[0][1]), "ip_adapter_image": None}),
+                                       "latent")) - np.stack(outs[0].images)).max() > 1e-2
+
+
+def test_a_call_on_some_rows_gets_their_image_prompts_only():
+    """A call on some of the forward's rows (step caching's and per-shape calls narrow them) adds to its own
+    positions of the plan's rows, with their tokens and scales; a call on none of them runs plain."""
+    from dvllm.worker.forward_context import ForwardContext, ForwardHooks
+    from dvllm.worker.image_prompts import ImagePromptPlan, ImagePromptRows
+
+    rows = ImagePromptRows(lambda embeds: [e * 10 for e in embeds], ForwardHooks())
+    embeds = torch.arange(3.0).view(3, 1, 1, 1)  # rows 1, 3, 4: [rows, 1 image, 1 token, 1]
+    context = ForwardContext(image_prompt=ImagePromptPlan([1, 3, 4], torch.tensor([1, 3, 4]), embeds, [0.5, 1.0, 2.0]))
+    rows.context = context
+    whole = rows.current()
+    assert whole.index.tolist() == [1, 3, 4] and whole.tokens[0].flatten().tolist() == [0.0, 10.0, 20.0]
+    with context.narrow([0, 3, 4], torch.tensor([0, 3, 4])):
+        part = rows.current()
+        assert part.index.tolist() == [1, 2] and part.tokens[0].flatten().tolist() == [10.0, 20.0]
+        assert part.scales.flatten().tolist() == [1.0, 2.0]
+        total = rows.add(torch.zeros(3, 1, 1), part, torch.ones(2, 1, 1))
+        assert total.flatten().tolist() == [0.0, 1.0, 2.0]
+    with context.narrow([0, 2], torch.tensor([0, 2])):
+        assert rows.current() is None
+    rows.context = None
+    assert rows.current() is None
+
+
+def test_lora_rows_and_image_prompt_rows_share_a_forward(sd_eps_path, tmp_path):
+    """A request with a LoRA adapter and an image prompt, one with the adapter only and one with the image only:
+    each equals the pipeline with load_lora_weights / set_adapters and load_ip_adapter / set_ip_adapter_scale."""
+    from lora_utils import make_lora, reference_images
+
+    plain = StableDiffusionPipeline.from_pretrained(sd_eps_path)
+    adapters = {"style": make_lora(plain, str(tmp_path / "style"), seed=11)}
+    tiny_image_encoder(tmp_path / "image_encoder")
+    tiny_unet_ip_adapter(plain.unet, tmp_path / "ip.safetensors")
+    with_adapter = StableDiffusionPipeline.from_pretrained(sd_eps_path)
+    with_adapter.load_ip_adapter(str(tmp_path), subfolder="", weight_name="ip.safetensors")
+    for pipe in (plain, with_adapter):
+        pipe.set_progress_bar_config(disable=True)
+    engine = DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", lora_modules=adapters,
+                             ip_adapter=str(tmp_path / "ip.safetensors"))
+    size = dict(height=16, width=16, num_inference_steps=3, guidance_scale=4.0, output_type="latent")
+    batch = [P(seed=1, loras={"style": 0.8}, ip_adapter_image=image_prompt(1), ip_adapter_scale=0.6, **size),
+             P(seed=2, loras={"style": 1.0}, **size), P(seed=3, ip_adapter_image=image_prompt(2), **size)]
+    try:
+        outs = engine.generate(["a cat"] * 3, batch, use_tqdm=False)
+    finally:
+        engine.shutdown()
+    for p, out in zip(batch, outs):
+        assert out.error is None, out.error
+        call = dict(prompt="a cat", height=16, width=16, num_inference_steps=3, guidance_scale=4.0,
+                    output_type="latent", generator=torch.Generator("cpu").manual_seed(p.seed))
+        if p.ip_adapter_image is None:
+            want = reference_images(plain, adapters, p.loras, **call)
+        else:
+            with_adapter.set_ip_adapter_scale(p.ip_adapter_scale)
+            want = reference_images(with_adapter, adapters, p.loras, ip_adapter_image=p.ip_adapter_image, **call)
+        assert float(np.abs(np.stack(out.images) - np.asarray(want)).max()) <= LATENT_TOL
+
+
 @pytest.mark.parametrize("params, message", [
     (dict(ip_adapter_scale=-1), r"ip_adapter_scale must be a number in \[0, 10\]"),
     (dict(ip_adapter_scale=float("nan")), r"ip_adapter_scale must be a number"),
