@@ -13,11 +13,11 @@ None: a plain, compiled or captured forward) runs the plain processors' code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from dvllm.host_copy import device_index
+from dvllm.host_copy import device_index, to_device
 from dvllm.models.layout import BatchLayout
 from dvllm.worker.forward_context import DENOISER, ForwardContext, ForwardHooks
 from dvllm.worker.request_state import RequestState
@@ -65,7 +65,7 @@ class ImagePromptRows:
     """Gives the IP-Adapter processors the forward's image-prompt rows (ForwardHooks gives it each forward's
     context; a context without an ImagePromptPlan leaves every processor plain)."""
 
-    def __init__(self, projection: torch.nn.Module, hooks: ForwardHooks) -> None:
+    def __init__(self, projection: Callable[[list[torch.Tensor]], list[torch.Tensor]], hooks: ForwardHooks) -> None:
         self.context: ForwardContext | None = None
         self.projection = projection  # the adapter's image projection (MultiIPAdapterImageProjection)
         hooks.add(DENOISER, self)
@@ -100,7 +100,7 @@ class ImagePromptRows:
             chosen = device_index(keep, device)
             picked, scales = [p[chosen] for p in projected], [plan.scales[i] for i in keep]
         # float32, as a Python float multiplies a half-precision tensor in diffusers' processors
-        return RowTokens(index, picked, torch.tensor(scales, dtype=torch.float32).view(-1, 1, 1).to(device))
+        return RowTokens(index, picked, to_device(torch.tensor(scales, dtype=torch.float32).view(-1, 1, 1), device))
 
     def add(self, total: torch.Tensor, current: RowTokens, image: torch.Tensor) -> torch.Tensor:
         """`total` + scale x `image` on `current`'s rows (`image`: theirs), the others as they are."""
