@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dvllm.config_checks import check_config, parse_named_paths
+from dvllm.ip_adapters import check_ip_adapter_config
 from dvllm.param_defaults import DEFAULT_PIXELS_FACTOR
 
 CPU_STATE_POOL_MB = 1024  # the state pool off CUDA, where no memory profile sizes it
@@ -189,6 +190,19 @@ class EngineConfig:
                           "in the denoiser's dtype; requests name them in `controls` (SD 1.x/2.x and SDXL). "
                           "--controlnet NAME=PATH, repeated, says the same.",
                   "nargs": "+", "aliases": ("--controlnet",), "repeatable": True},
+    )
+    ip_adapter: str | None = field(
+        default=None,
+        metadata={"help": "An IP-Adapter to load at start through diffusers' load_ip_adapter: its weights file, "
+                          "local or on the Hub as OWNER/REPO/[SUBFOLDER/]FILE (h94/IP-Adapter/models/"
+                          "ip-adapter_sd15.safetensors); requests give image prompts in ip_adapter_image "
+                          "(SD 1.x/2.x and SDXL)."},
+    )
+    ip_adapter_image_encoder: str | None = field(
+        default=None,
+        metadata={"help": "The IP-Adapter's CLIP image encoder (a CLIPVisionModelWithProjection folder, local or "
+                          "on the Hub as OWNER/REPO[/SUBFOLDER]); default: the image_encoder folder beside the "
+                          "weights, as load_ip_adapter reads it."},
     )
     max_loras: int = field(
         default=4, metadata={"help": "LoRA adapters resident per worker at once (slots); a request may use this "
@@ -498,6 +512,7 @@ class EngineConfig:
             self.default_params = parse_defaults(self.default_params, "default_params")
         self.lora_modules = parse_named_paths(self.lora_modules)
         self.controlnets = parse_named_paths(self.controlnets, "controlnets")
+        check_ip_adapter_config(self.ip_adapter, self.ip_adapter_image_encoder)
         if self.lora_modules:
             self.enable_lora = True
         if self.encode_stage is None:

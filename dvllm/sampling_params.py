@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dvllm.controls import Control, parse_controls
+from dvllm.ip_adapters import check_ip_adapter_scale
 from dvllm.lora.files import check_lora_name
 from dvllm.param_defaults import AESTHETIC_SCORE, FPS_RANGE, MAX_FPS, MIN_FPS, NEGATIVE_AESTHETIC_SCORE
 from dvllm.request_sizes import image_sizes, size_of
@@ -92,6 +93,11 @@ class SamplingParams:
     # "start": 0.0, "end": 1.0}, ...] (dvllm/controls.py), as diffusers' ControlNet pipelines take them; resolved
     # to a tuple of Controls with RGB PIL images. Without a size, the first control image's gives it (as there).
     controls: Any = None
+    # IP-Adapter: an image prompt (a PIL image, an HxWx3 uint8 array or a path) for the engine's IP-Adapter
+    # (EngineConfig.ip_adapter), weighted by ip_adapter_scale (what diffusers' set_ip_adapter_scale sets; 0: the
+    # image does nothing) (dvllm/ip_adapters.py)
+    ip_adapter_image: Any = None
+    ip_adapter_scale: float = 1.0
 
     @property
     def size(self) -> tuple[int, ...]:
@@ -162,6 +168,7 @@ class SamplingParams:
         if isinstance(self.image, (list, tuple)) and not self.image:
             raise ValueError("image: an empty list of images")
         parse_controls(self.controls)
+        check_ip_adapter_scale(self.ip_adapter_scale)
 
     def resolve(self, info: "ModelInfo", config: "EngineConfig") -> "SamplingParams":
         """A copy with every default filled from the model, checked against the engine's limits."""
@@ -197,9 +204,10 @@ class SamplingParams:
         if controls and image is not None and not info.images.controls:
             raise ValueError(f"controls: {info.pipeline_class} takes controls with text-to-image only, not beside "
                              "input images")
-        if controls and cache is not None:  # the engine's default cache leaves a controlled request uncached
+        conditioned = "controls" if controls else "ip_adapter_image" if self.ip_adapter_image is not None else None
+        if conditioned and cache is not None:  # the engine's default cache leaves such a request uncached
             if not _is_default(self.cache):
-                raise ValueError("controls: not served with step caching (cache) yet")
+                raise ValueError(f"{conditioned}: not served with step caching (cache) yet; send cache null")
             cache = None
         image_h, image_w = control_size(controls[0].image, info.latents.size_factor) \
             if controls and image is None and info.images.control_sets_size else \
@@ -227,7 +235,7 @@ class SamplingParams:
             fps=None if info.video is None else float(self.fps or info.video.fps),
             aesthetic_score=_score(self.aesthetic_score, AESTHETIC_SCORE, info),
             negative_aesthetic_score=_score(self.negative_aesthetic_score, NEGATIVE_AESTHETIC_SCORE, info),
-            controls=controls,
+            controls=controls, ip_adapter_image=_load_image_prompt(self.ip_adapter_image, config, info, max_pixels),
         )
         if resolved.loras and not config.enable_lora:
             raise ValueError("loras: this engine serves no LoRA adapters (start it with enable_lora or lora_modules)")
@@ -274,6 +282,15 @@ def _load_controls(value: Any, config: "EngineConfig", info: "ModelInfo", max_pi
                              f"{sorted(served)}{did_you_mean(control.name, served)}")
     return tuple(dataclasses.replace(c, image=_load_image(c.image, info, max_pixels, f"controls[{i}].image",
                                                           input_image=False)) for i, c in enumerate(controls))
+
+
+def _load_image_prompt(value: Any, config: "EngineConfig", info: "ModelInfo", max_pixels: int) -> Any:
+    """The request's IP-Adapter image prompt as an RGB PIL image (None: none)."""
+    if value is None:
+        return None
+    if not config.ip_adapter:
+        raise ValueError("ip_adapter_image: this engine serves no IP-Adapter (start it with --ip-adapter WEIGHTS)")
+    return _load_image(value, info, max_pixels, "ip_adapter_image", input_image=False)
 
 
 def control_size(image: Any, factor: int) -> tuple[int, int]:
@@ -444,7 +461,7 @@ def _load_mask(mask: Any, image: Any, info: "ModelInfo", max_pixels: int) -> Any
 def _load_image(image: Any, info: "ModelInfo", max_pixels: int, name: str = "image", mode: str | None = "RGB",
                 input_image: bool = True) -> Any:
     """A PIL image (converted to `mode`) from what the caller gave; ValueError naming the field otherwise.
-    `input_image`: a request's input image, which the family must take (a control image is not one)."""
+    `input_image`: one the model starts from (not a control image or an image prompt), which needs image-to-image."""
     import numpy as np
     from PIL import Image, UnidentifiedImageError
 

@@ -187,6 +187,20 @@ def test_the_key_covers_adapters_and_input_pixels(engine):
         assert other != base
 
 
+def test_the_key_covers_controls_and_the_image_prompt(engine):
+    params = P().resolve(engine.model_info, engine.config)
+    control = ("edges", "digest", 1.0, 0.0, 1.0)
+    base = result_key("m", "p", params, (), "img", None, (control,), ("prompt pixels", 1.0))
+    assert base == result_key("m", "p", params, (), "img", None, (control,), ("prompt pixels", 1.0))
+    others = [result_key("m", "p", params, (), "img", None, (), ("prompt pixels", 1.0)),
+              result_key("m", "p", params, (), "img", None, (control,), None),
+              result_key("m", "p", params, (), "img", None, (control,), ("other pixels", 1.0)),
+              result_key("m", "p", params, (), "img", None, (control,), ("prompt pixels", 0.5))]
+    others += [result_key("m", "p", params, (), "img", None, (control[:i] + (x,) + control[i + 1:],),
+                          ("prompt pixels", 1.0)) for i, x in enumerate(("depth", "other", 0.5, 0.2, 0.8))]
+    assert base not in others and len(set(others)) == len(others)
+
+
 # -- the LRU ---------------------------------------------------------------------------------------------
 
 def test_lru_evicts_least_recently_used_within_the_byte_bound():

@@ -12,6 +12,7 @@ from typing import Any
 from dvllm.core.block_manager import CachedEntry
 from dvllm.core.scheduler_output import BlockTables, NewRequestData, StartJob
 from dvllm.core.step_pace import StepPace
+from dvllm.ip_adapters import ImagePrompt
 from dvllm.lora.ref import LoraRef
 from dvllm.outputs import RequestMetrics, RequestOutput
 from dvllm.request_sizes import as_images
@@ -213,6 +214,7 @@ class Request:
             loras=request.row_loras, text_loras=request.text_loras,
             aesthetic_scores=None if p.aesthetic_score is None else (p.aesthetic_score, p.negative_aesthetic_score),
             decode_tiled=request.decode_tiled, controls=request.controls,
+            image_prompt=None if p.ip_adapter_image is None else ImagePrompt(p.ip_adapter_image, p.ip_adapter_scale),
         )
 
     def output(self, previews: list[Any] | None = None, preview_step: int | None = None) -> RequestOutput:

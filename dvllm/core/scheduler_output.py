@@ -83,6 +83,7 @@ class NewRequestData:
     guidance_scale_2: float | None = None  # a two-expert model's scale while its second expert runs
     decode_tiled: bool = False  # its VAE decodes (previews too) run in tiles (admission chose: decode_budget.py)
     controls: tuple = ()  # dvllm.controls.Control with the image prepared at admission ([1, 3, H, W] float32)
+    image_prompt: Any = None  # dvllm.ip_adapters.ImagePrompt: its IP-Adapter image prompt (None: none)
 
     @property
     def size(self) -> tuple[int, ...]:

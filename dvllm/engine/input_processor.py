@@ -90,8 +90,9 @@ class InputProcessor:
                 (prompt, resolved.negative_prompt), resolved.num_frames)[1]),
         )
         request.controls = prepare_controls(resolved.controls, resolved.height, resolved.width, info.latents.scale)
-        if request.controls and info.images.control_input_is_image:  # pool state, shared (core/request_blocks.py)
-            request.control_keys = tuple(control_key(c.image) for c in request.controls)
+        digests = tuple(control_key(c.image) for c in request.controls)
+        if digests and info.images.control_input_is_image:  # pool state, shared (core/request_blocks.py)
+            request.control_keys = digests
             request.control_blocks = self.blocks(control_numel(resolved.height, resolved.width))
         check_fits(request, self.config.max_batch_size, self.pool_blocks)
         request.decode_tiled = self._decode_tiled(request_id, resolved)
@@ -101,8 +102,9 @@ class InputProcessor:
                 self.model_key, prompt, resolved, request.lora_load_ids,
                 request.image_key or image_digest(resolved.image),
                 None if resolved.mask_image is None else image_digest(resolved.mask_image),
-                tuple((c.name, key.hex(), c.scale, c.start, c.end) for c, key in zip(request.controls,
-                                                                                    request.control_keys)))
+                tuple((c.name, key.hex(), c.scale, c.start, c.end) for c, key in zip(request.controls, digests)),
+                None if resolved.ip_adapter_image is None else
+                (image_digest(resolved.ip_adapter_image), float(resolved.ip_adapter_scale)))
         return request
 
     def _decode_tiled(self, request_id: str, params: SamplingParams) -> bool:

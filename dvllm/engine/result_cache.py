@@ -100,10 +100,12 @@ def copy_image(image: Any) -> Any:
 
 
 def result_key(model: str, prompt: str, params: SamplingParams, lora_load_ids: tuple[tuple[int, float], ...],
-               image_key: str, mask_key: str | None, controls: tuple[tuple, ...] = ()) -> bytes:
+               image_key: str, mask_key: str | None, controls: tuple[tuple, ...] = (),
+               image_prompt: tuple[str, float] | None = None) -> bytes:
     """The digest of what decides a request's final images: the model's identity, the prompt, the resolved
     parameters that change pixels (not priority, output_kind or num_previews), adapters by load id with their
-    weights, the input images by pixel digest, and the controls (name, prepared image's digest, scale, window)."""
+    weights, the input images by pixel digest, the controls (name, prepared image's digest, scale, window) and
+    the image prompt (its pixels' digest, its scale)."""
     cache = params.cache
     fields = {
         "model": model, "prompt": prompt, "negative_prompt": params.negative_prompt,
@@ -115,7 +117,7 @@ def result_key(model: str, prompt: str, params: SamplingParams, lora_load_ids: t
         "cache": None if cache is None else [type(cache).__name__, dataclasses.asdict(cache)],
         "aesthetic": [_number(params.aesthetic_score), _number(params.negative_aesthetic_score)],
         "image": image_key, "mask": mask_key, "loras": [[uid, float(w)] for uid, w in lora_load_ids],
-        "controls": [list(c) for c in controls],
+        "controls": [list(c) for c in controls], "image_prompt": None if image_prompt is None else list(image_prompt),
     }
     payload = json.dumps(fields, ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass")
     return hashlib.blake2b(payload, digest_size=16).digest()

@@ -216,7 +216,8 @@ def _served_model_facts(engine: AsyncDiffusionEngine) -> dict[str, Any] | None:
     info = engine.model_info
     facts = model_facts(info, info.pixel_limit(config.max_image_pixels),
                         engine.valid_samplers(), engine.loaded_model, max_num_frames=config.max_num_frames)
-    return {**facts, "controlnets": sorted(config.controlnets)} if config.controlnets else facts
+    facts = {**facts, "controlnets": sorted(config.controlnets)} if config.controlnets else facts
+    return {**facts, "ip_adapter": True} if config.ip_adapter else facts
 
 
 def _model_cards(ctx: ServerContext, show_lora_paths: bool) -> list[ModelCard]:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 # JSONL keys accepted in --prompts-file, besides "prompt" and "output"
 _JSONL_KEYS = {"num_inference_steps", "steps", "guidance_scale", "guidance", "negative_prompt", "seed", "size",
                "height", "width", "n", "sampler", "cache", "loras", "strength", "aesthetic_score",
-               "negative_aesthetic_score", "num_frames", "fps", "controls"}
+               "negative_aesthetic_score", "num_frames", "fps", "controls", "ip_adapter_image", "ip_adapter_scale"}
 _INPUT_KEYS = ("image", "mask")  # input files: relative paths are under the prompts file's folder
 _NULLABLE_KEYS = {"cache", "loras"}  # a line's null means none: no step cache, no adapters (not the flag's)
 
@@ -331,6 +331,10 @@ def _jsonl_job(line: str, where: str, defaults: dict[str, Any], args: argparse.N
         record = dict(record, controls=[_control_paths(c, os.path.dirname(args.prompts_file))
                                         for c in record["controls"]])
         paths["controls"] = [c.get("image") if isinstance(c, dict) else None for c in record["controls"]]
+    if isinstance(record.get("ip_adapter_image"), str):  # an image path, as the line's own, under the file's folder
+        image = os.path.join(os.path.dirname(args.prompts_file), os.path.expanduser(record["ip_adapter_image"]))
+        record = dict(record, ip_adapter_image=image)
+        paths["ip_adapter_image"] = image
     try:
         params = _params({k: record[k] for k in _JSONL_KEYS & set(record)}, defaults, fields)
     except (ValueError, TypeError) as e:

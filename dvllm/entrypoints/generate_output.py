@@ -52,8 +52,8 @@ def image_parameters(params: SamplingParams, model: str, inputs: dict[str, Any] 
                      sampler: str | None = None) -> dict[str, Any]:
     """What made an image, besides its prompt, seed and index: the resolved request parameters (under the
     names HTTP requests use; `sampler`: the one that ran when the request named none), and for an image
-    request its input files' paths (`inputs`: "image", "mask", and "controls": each control's image path) and
-    strength."""
+    request its input files' paths (`inputs`: "image", "mask", "ip_adapter_image", and "controls": each control's
+    image path) and strength."""
     inputs = dict(inputs or {})
     control_paths = inputs.pop("controls", None) or [None] * len(params.controls or ())
     return {"num_inference_steps": params.num_inference_steps, "guidance_scale": params.guidance_scale,
@@ -66,7 +66,8 @@ def image_parameters(params: SamplingParams, model: str, inputs: dict[str, Any] 
             **({"num_frames": params.num_frames, "fps": params.fps} if params.num_frames is not None else {}),
             **({"cache": params.cache.as_dict()} if isinstance(params.cache, CacheConfig) else {}),
             **({"controls": [{"name": c.name, "image": path, "scale": c.scale, "start": c.start, "end": c.end}
-                             for c, path in zip(params.controls, control_paths)]} if params.controls else {})}
+                             for c, path in zip(params.controls, control_paths)]} if params.controls else {}),
+            **({"ip_adapter_scale": params.ip_adapter_scale} if params.ip_adapter_image is not None else {})}
 
 
 class ImageWriter:

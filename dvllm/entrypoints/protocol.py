@@ -106,6 +106,9 @@ class ImageGenerationRequest(BaseModel):
     # ControlNet: [{"name", "image" (base64 or a data: URL), "scale", "start", "end"}]; the images are opened by the
     # server (entrypoints/control_uploads.py), the rest checked by the engine (dvllm/controls.py)
     controls: list[Any] | None = None
+    # IP-Adapter: an image prompt (base64 or a data: URL, opened by entrypoints/image_prompt_upload.py) and its scale
+    ip_adapter_image: str | None = None
+    ip_adapter_scale: float | None = Field(None, allow_inf_nan=False)
 
     @field_validator("*")
     @classmethod
@@ -150,6 +153,7 @@ class ImageGenerationRequest(BaseModel):
             cache=self.cache if "cache" in self.model_fields_set else USE_DEFAULT,
             loras=self.loras, aesthetic_score=self.aesthetic_score,
             negative_aesthetic_score=self.negative_aesthetic_score, deadline_s=self.deadline, controls=self.controls,
+            **({} if self.ip_adapter_scale is None else {"ip_adapter_scale": self.ip_adapter_scale}),
         )
 
 
@@ -179,7 +183,8 @@ _ENGINE_FIELDS = {"height": "size", "width": "size", "height*width": "size", "nu
                   "max_sequence_length": "max_sequence_length", "cache": "cache", "loras": "loras",
                   "mask_image": "mask", "aesthetic_score": "aesthetic_score",
                   "negative_aesthetic_score": "negative_aesthetic_score", "deadline_s": "deadline",
-                  "num_frames": "num_frames", "fps": "fps"}  # mask: the edits form's field
+                  "num_frames": "num_frames", "fps": "fps", "ip_adapter_image": "ip_adapter_image",
+                  "ip_adapter_scale": "ip_adapter_scale"}  # mask: the edits form's field
 
 
 def engine_value_error(error: ValueError) -> APIError:

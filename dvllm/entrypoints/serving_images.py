@@ -25,6 +25,7 @@ from dvllm.engine.async_engine import (
     EngineUnresponsiveError,
 )
 from dvllm.entrypoints.control_uploads import open_controls
+from dvllm.entrypoints.image_prompt_upload import open_image_prompt
 from dvllm.entrypoints.image_store import ImageStore, encode_b64, encode_image
 from dvllm.entrypoints.metrics import ServerMetrics
 from dvllm.entrypoints.protocol import (
@@ -138,6 +139,10 @@ async def _serve(request: Request, ctx: ServerContext,
     if req.controls is not None:
         info = ctx.engine.model_info
         params.controls = open_controls(req.controls, info.pixel_limit(ctx.engine.config.max_image_pixels))
+    if req.ip_adapter_image is not None:
+        info = ctx.engine.model_info
+        params.ip_adapter_image = open_image_prompt(req.ip_adapter_image,
+                                                    info.pixel_limit(ctx.engine.config.max_image_pixels))
     await check_in_flight(ctx)
 
     slot = Slot(ctx)

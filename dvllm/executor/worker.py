@@ -21,6 +21,7 @@ from dvllm.parallel.parallel_config import ParallelConfig
 from dvllm.profiler import PhaseTimer
 from dvllm.runtime.liveness import CallBounds
 from dvllm.worker.controlnets import load_controlnets
+from dvllm.worker.ip_adapter_load import load_ip_adapter
 from dvllm.worker.decode_stage import DecodeStage
 from dvllm.worker.decode_tiling import measure_budget
 from dvllm.worker.decode_worker import start_decode_workers
@@ -75,6 +76,7 @@ class Worker:
         self.dtype = adapter.dtype  # "auto" resolved for the model's family
         # before the memory profile, which counts them; quantized as the denoiser
         self.controlnets = load_controlnets(config.controlnets, adapter, load.quantization)
+        self.ip_adapter = load_ip_adapter(config.ip_adapter, config.ip_adapter_image_encoder, adapter)  # (as well)
         # fast mode's choices (and the other speed settings' defaults) made concrete for this device and denoiser
         self.config = config = settle(config, adapter)
         self.quantization = load.quantization
@@ -106,7 +108,7 @@ class Worker:
         self.timer = PhaseTimer(config.profile_steps, self.device)
         self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, stages.max_decode_batch,
                                   config.max_loras, config.max_lora_rank, lora_cache=lora_cache_for(config),
-                                  controlnets=self.controlnets)
+                                  controlnets=self.controlnets, ip_adapter=self.ip_adapter)
         self.runner.group = self.group
         if config.warm_up:  # before the stages' threads start: a capture has the device to itself
             with torch.inference_mode():

@@ -47,6 +47,7 @@ class FluxAdapter(ModelAdapter):
     load_kwargs: dict[str, Any] = {}
     half_dtype = torch.bfloat16  # its pipelines' documented dtype
     controlnet_class = "FluxControlNetModel"  # FluxControlNetPipeline's (InstantX's and XLabs' checkpoints)
+    ip_adapter_kind = "flux"  # FluxIPAdapterMixin
 
     @cached_property
     def info(self) -> ModelInfo:

@@ -79,6 +79,7 @@ class FluxKontextAdapter(FluxAdapter):
     vae_follows_dtype = True
     pipeline_classes = ("FluxKontextPipeline",)
     controlnet_class = None  # diffusers has no Kontext ControlNet pipeline
+    ip_adapter_kind = None  # (its pipeline takes one, but edits with image prompts are not checked against it yet)
 
     @cached_property
     def info(self) -> ModelInfo:

@@ -27,6 +27,7 @@ class StableDiffusionAdapter(ModelAdapter):
     default_strength = 0.8  # StableDiffusionImg2ImgPipeline's
     default_inpaint_strength = 1.0  # StableDiffusionInpaintPipeline's
     controlnet_class = "ControlNetModel"  # SD's and SDXL's (StableDiffusion[XL]ControlNetPipeline)
+    ip_adapter_kind = "unet"
 
     @cached_property
     def info(self) -> ModelInfo:

@@ -74,7 +74,9 @@ def check(config: Any) -> None:
                                       ("compile", config.compile not in (None, "off")),
                                       ("cuda_graph", config.cuda_graph),
                                       # the leader runs the controlnets, but the members' UNets never add them
-                                      ("controlnets", bool(config.controlnets))) if on]
+                                      ("controlnets", bool(config.controlnets)),
+                                      # (the members' UNets have no row-scaled IP-Adapter processors)
+                                      ("ip_adapter", bool(getattr(config, "ip_adapter", None)))) if on]
     if unserved:
         raise ValueError(f"a worker group (sequence_parallel_size or cfg_parallel_size > 1) does not serve "
                          f"{', '.join(unserved)} yet: every member's denoiser would have to run them alike")

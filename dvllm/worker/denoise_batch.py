@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ from dvllm.worker.controlnets import ControlPlanner
 from dvllm.worker.denoiser import Denoiser, Forward, ForwardInputs
 from dvllm.worker.first_frame import hold_first_frame
 from dvllm.worker.forward_context import ForwardHooks
+from dvllm.worker.image_prompts import image_prompt_plan
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.model_dtype_product import x0_terms
 from dvllm.worker.request_state import RequestState, row_bounds
@@ -72,6 +74,7 @@ class StepParts:
     forward_hooks: ForwardHooks     # every hook on the pipeline's modules, given each forward's context
     hooks: CacheHooks | None = None  # step caching (installed with the first caching request)
     controls: ControlPlanner | None = None  # the engine's controlnets' (None: it serves none)
+    ip_adapter: Any = None  # the engine's IP-Adapter (ip_adapter_load.IPAdapter; None: none)
 
 
 @dataclass
@@ -100,7 +103,10 @@ def denoise_step(parts: StepParts, states: list[RequestState]) -> StepResult:
         if hooks is not None and any(s.cache is not None for s in batch.states):
             caching = forward_cache(hooks.spec, pool, batch.states, batch.layout)
         control = None if parts.controls is None else parts.controls.plan(batch.states, batch.layout, pool)
-        forward = parts.denoiser.plan(batch.layout, input_shapes(batch), parts.lora, cache=caching, control=control)
+        image_prompt = None if parts.ip_adapter is None else \
+            image_prompt_plan(batch.states, batch.layout, parts.ip_adapter.embeds, pool.device)
+        forward = parts.denoiser.plan(batch.layout, input_shapes(batch), parts.lora, cache=caching, control=control,
+                                      image_prompt=image_prompt)
         inputs = model_inputs(adapter, pool, batch, forward)
     # 2. forward
     with timer.phase("forward"):

@@ -107,12 +107,14 @@ class Forward:
     graph: _Graph | None = None    # a captured graph for it
     cache: Any = None              # step caching's groups (step_cache_hooks.ForwardCache; None: no row caches)
     control: Any = None            # its controls (controlnets.ControlPlan; None: none acts in it)
+    image_prompt: Any = None       # its image prompts (image_prompts.ImagePromptPlan; None: no row has one)
 
     def context(self) -> ForwardContext | None:
         """A new context for one run of it, given to its hooks (None: no hook has anything to do in it)."""
-        if self.lora is None and self.cache is None and self.control is None:
+        if self.lora is None and self.cache is None and self.control is None and self.image_prompt is None:
             return None
-        return ForwardContext(layout=self.layout, lora=self.lora, cache=self.cache, control=self.control)
+        return ForwardContext(layout=self.layout, lora=self.lora, cache=self.cache, control=self.control,
+                              image_prompt=self.image_prompt)
 
     @property
     def buffers(self) -> ForwardInputs | None:
@@ -147,13 +149,15 @@ class Denoiser:
         return self.compiled or self.adapter.denoise  # looked up per call: the adapter's own, as it is now
 
     def plan(self, layout: BatchLayout, shapes: tuple, lora: LoraLayers, cache: Any = None,
-             control: Any = None) -> Forward:
+             control: Any = None, image_prompt: Any = None) -> Forward:
         """How `layout`'s forward runs. `shapes`: its inputs' shapes past the rows (part of a graph's key).
         `cache`: its step caching's groups, which decide inside the adapter's own forward, and `control`: its
-        controls, whose controlnets run per group in a hook: both eager, unpadded."""
+        controls, whose controlnets run per group in a hook, and `image_prompt`: its IP-Adapter rows, which its
+        attention processors read: all eager, unpadded."""
         rows = layout.num_rows
-        if cache is not None or control is not None or not self.pad:
-            return Forward(layout, rows, lora.plan(layout.row_loras), cache=cache, control=control)
+        if cache is not None or control is not None or image_prompt is not None or not self.pad:
+            return Forward(layout, rows, lora.plan(layout.row_loras), cache=cache, control=control,
+                           image_prompt=image_prompt)
         padded = layout.padded(next((b for b in self.buckets if b >= rows), rows))
         plan = lora.plan(padded.row_loras)
         if self.graphs is None:

@@ -36,6 +36,7 @@ class ForwardContext:
     lora: Any = None    # lora_layers.LoraPlan (None: no row has adapters)
     cache: Any = None   # step_cache_hooks.ForwardCache (None: no row caches)
     control: Any = None  # controlnets.ControlPlan (None: no row has a control acting now)
+    image_prompt: Any = None  # image_prompts.ImagePromptPlan (None: no row has an IP-Adapter image prompt)
     rows: RowScope = field(default_factory=RowScope)
     memo: dict = field(default_factory=dict)
 

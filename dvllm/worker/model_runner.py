@@ -27,6 +27,7 @@ from dvllm.worker.control_state import write_control_images
 from dvllm.worker.controlnets import ControlPlanner, control_planner
 from dvllm.worker.shared_entries import fail_readers, written_entries
 from dvllm.worker.forward_context import ForwardHooks
+from dvllm.worker.ip_adapter_load import install_row_processors
 from dvllm.worker.lora_layers import LoraLayers
 from dvllm.worker.output_types import to_output_type
 from dvllm.worker.prompt_writer import PromptWriter
@@ -48,7 +49,7 @@ class ModelRunner:
     def __init__(self, adapter: ModelAdapter, pool: StatePool, denoiser: Denoiser, timer: PhaseTimer,
                  max_decode_batch: int = 4, max_loras: int = 4, max_lora_rank: int = 64,
                  decode_stage: DecodeStage | None = None, lora_cache: LoraCache | None = None,
-                 controlnets: dict[str, Any] | None = None) -> None:
+                 controlnets: dict[str, Any] | None = None, ip_adapter: Any = None) -> None:
         self.adapter = adapter
         self.max_decode_batch = max_decode_batch
         self.decode_stage = decode_stage  # None: the loop decodes
@@ -63,6 +64,9 @@ class ModelRunner:
         # each step's controls, grouped (None: the engine serves no controlnets)
         self.controls: ControlPlanner | None = control_planner(adapter, self.controlnets, self.hooks) \
             if self.controlnets else None
+        self.ip_adapter = ip_adapter  # requests' image prompts read it (worker/image_prompts.py)
+        if ip_adapter is not None:
+            install_row_processors(ip_adapter, adapter, self.hooks)
         self.lora_cache = lora_cache  # the adapters' weights, read from the ids the loads name (None: no LoRA)
         self.prompts = PromptWriter(adapter, pool, self.lora)
         # The last step's prompt-cache blocks left unwritten and adapter loads that failed: with async scheduling
@@ -174,7 +178,8 @@ class ModelRunner:
 
     def _denoise(self, work: StepWork, group: list[RequestState]) -> None:
         parts = StepParts(self.adapter, self.denoiser, self.pool, self.timer, self.lora, self.hooks,
-                          self.cache_hooks if any(s.cache is not None for s in group) else None, self.controls)
+                          self.cache_hooks if any(s.cache is not None for s in group) else None, self.controls,
+                          self.ip_adapter)
         result = denoise_step(parts, group)
         work.errors.update(result.errors)
         work.x0.update(result.previews)
@@ -277,13 +282,16 @@ class ModelRunner:
             )
 
     def _admitted(self, work: StepWork) -> None:
-        """After admission: the prepared requests' text lengths read; the starts made ahead for requests that
-        failed before theirs was taken dropped; and requests that read a prompt-cache entry another one was to
-        fill and did not (this step's or, with async scheduling, the last step's) failed too."""
+        """After admission: the prepared requests' text lengths read and their image prompts encoded; the starts
+        made ahead for requests that failed before theirs was taken dropped; and requests that read a prompt-cache
+        entry another one was to fill and did not (this step's or, with async scheduling, the last step's) failed
+        too."""
         out, errors = work.out, work.errors
         prepared = [self.states[d.request_id] for d in work.ready if d.request_id in self.states]
         if prepared:
             self.prompts.read_text_lengths(prepared)
+        if self.ip_adapter is not None:
+            errors.update(self.ip_adapter.encode_admitted(prepared))
         if self.encode_stage is not None and work.admitting:
             self.encode_stage.drop([start_key(d.request_id) for d in work.admitting])
         for resumed in out.resumed_requests:  # a failed swap-in was to refill shared entries: they hold nothing

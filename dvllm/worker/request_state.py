@@ -27,6 +27,9 @@ class RequestState:
     # Flux's packed latents, one per image); None in place of a control whose input is its prepared image, which
     # is read from the state pool (SD's and SDXL's: worker/control_state.py); None: it has no controls
     control_images: list[torch.Tensor | None] | None = None
+    # its image prompt's (conditional, unconditional) embeds on the device (worker/ip_adapter_load.py; None: not
+    # encoded yet)
+    image_prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def request_id(self) -> str:
