@@ -156,3 +156,38 @@ def test_admission_counts_a_repeated_image_once_and_frees_it_to_the_cache():
     free_blocks(blocks, first)
     free_blocks(blocks, second)
     assert blocks.num_used_blocks == 0 and blocks.num_cached_blocks == 1 + 3  # both stay cached for others
+
+
+def test_a_groups_images_are_gathered_from_the_pool_and_kept_only_for_the_same_requests():
+    """The planner keeps a group's gathered images while its members stay; a request that comes in the blocks
+    another one left is another member (its image is gathered again, not taken for the old one's)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dvllm.controls import Control
+    from dvllm.worker.controlnets import ControlPlanner
+    from dvllm.worker.state_pool import StatePool
+    from dvllm.worker.unet_controlnet import unet_request_kind
+
+    pool = StatePool(8, 4 * 4 * 3, torch.float32, torch.device("cpu"))
+    net = SimpleNamespace(config=SimpleNamespace(global_pool_conditions=False), dtype=torch.float32)
+
+    def state(blocks: list[int], value: float) -> SimpleNamespace:
+        pool.write([blocks], torch.full((1, 3, 4, 4), value))
+        data = SimpleNamespace(controls=(Control("edges", None),), guidance_scale=1.0, height=4, width=4)
+        return SimpleNamespace(data=data, step=0, plan=SimpleNamespace(num_steps=4), control_images=[None],
+                               blocks=SimpleNamespace(controls=(tuple(blocks),)))
+
+    class Rows:  # one row per request, no CFG
+        def request_rows(self, request):
+            return [request], []
+
+    planner = ControlPlanner({"edges": net}, unet_request_kind)
+    a, b = state([0], 1.0), state([1], 2.0)
+    first = planner.plan([a, b], Rows(), pool).groups[0]
+    assert first.inputs[:, 0, 0, 0].tolist() == [1.0, 2.0]
+    assert planner.plan([a, b], Rows(), pool).groups[0].inputs is first.inputs  # kept
+    c = state([1], 3.0)  # b left; c's image was written into the blocks b had
+    again = planner.plan([a, c], Rows(), pool).groups[0]
+    assert again.inputs[:, 0, 0, 0].tolist() == [1.0, 3.0]
