@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dvllm.core.block_manager import BlockManager
+from dvllm.core.block_manager import BlockManager, CachedEntry
 from dvllm.core.request import Request
 from dvllm.core.scheduler_output import BlockTables
 
@@ -42,27 +42,10 @@ def allocate_blocks(blocks: BlockManager, request: Request) -> tuple[BlockTables
     # image i's history slots are runs i * slots ... (i + 1) * slots - 1
     history = [blocks.allocate(nb) for _ in range(n * request.history_slots)] if request.history_slots else None
     inputs = [blocks.allocate(request.input_blocks) for _ in range(n)] if request.input_blocks else None
-    entries, writes, filled = [], [], []
-    for key in request.cond_keys:
-        if key is None:
-            entries.append(None)
-            writes.append(False)
-            continue
-        entry = blocks.lookup(key)
-        writes.append(entry is None)
-        if entry is None:
-            entry = blocks.insert(key, request.cond_blocks)
-            filled.append(entry)
-        entries.append(entry)
+    filled: list[CachedEntry] = []
+    entries, writes = _shared(blocks, request.cond_keys, request.cond_blocks, filled)
     request.cond_entry, request.uncond_entry = entries
-    controls, control_writes = [], []
-    for key in request.control_keys:
-        entry = blocks.lookup(key)
-        control_writes.append(entry is None)
-        if entry is None:
-            entry = blocks.insert(key, request.control_blocks)
-            filled.append(entry)
-        controls.append(entry)
+    controls, control_writes = _shared(blocks, request.control_keys, request.control_blocks, filled)
     request.control_entries = tuple(controls)
     request.blocks = BlockTables(
         latents=latents, history=history, cache=cache, inputs=inputs, cond=entries[0].blocks,
@@ -70,6 +53,21 @@ def allocate_blocks(blocks: BlockManager, request: Request) -> tuple[BlockTables
         controls=tuple(tuple(e.blocks) for e in controls), write_controls=tuple(control_writes),
     )
     return request.blocks, filled
+
+
+def _shared(blocks: BlockManager, keys: tuple, num: int, filled: list[CachedEntry]
+            ) -> tuple[list[CachedEntry | None], list[bool]]:
+    """Each key's entry (None for None) and whether this request writes it: a miss inserts one of `num` blocks,
+    which joins `filled`."""
+    entries, writes = [], []
+    for key in keys:
+        entry = None if key is None else blocks.lookup(key)
+        writes.append(key is not None and entry is None)
+        if key is not None and entry is None:
+            entry = blocks.insert(key, num)
+            filled.append(entry)
+        entries.append(entry)
+    return entries, writes
 
 
 def free_blocks(blocks: BlockManager, request: Request) -> None:

@@ -5,15 +5,13 @@ multipart form, `controls` is JSON text, and a control without an image takes th
 (attach_control_files)."""
 from __future__ import annotations
 
-import base64
-import binascii
 from typing import Any
 
 from PIL import Image
 
 from dvllm.controls import MAX_CONTROLS
 from dvllm.entrypoints.protocol import APIError
-from dvllm.entrypoints.image_upload import open_image
+from dvllm.entrypoints.image_upload import open_base64_image
 
 
 def open_controls(controls: list[Any] | None, max_pixels: int) -> list[dict[str, Any]] | None:
@@ -51,14 +49,4 @@ def attach_control_files(controls: Any, files: list[Image.Image]) -> Any:
 def _open(image: Any, max_pixels: int, param: str) -> Any:
     if isinstance(image, Image.Image):  # an edit form's file, opened and bounded already
         return image
-    if not isinstance(image, str) or not image:
-        raise APIError(400, f"Invalid value for '{param}': send the control image as a base64 string or a "
-                            "data:image/...;base64 URL (this server fetches no URLs).", param=param,
-                       code="invalid_value")
-    data = image.split(";base64,", 1)[1] if image.startswith("data:") else image
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise APIError(400, f"Invalid value for '{param}': not valid base64.", param=param,
-                       code="invalid_value") from None
-    return open_image(raw, max_pixels, param)
+    return open_base64_image(image, max_pixels, param, "control image")
