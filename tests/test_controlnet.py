@@ -206,9 +206,9 @@ async def _final(engine: AsyncDiffusionEngine, prompt: str, params: SamplingPara
     return final
 
 
-def test_controlnets_in_a_worker_group_or_on_another_family_are_refused_at_start(sd_eps_path, sd3_path, family):
+def test_controlnets_in_a_worker_group_or_on_another_family_are_refused_at_start(sd_eps_path, wan_path, family):
     nets = family[0].config.controlnets
     with pytest.raises(ValueError, match="does not serve .*controlnets"):
         DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32", controlnets=nets, cfg_parallel_size=2)
-    with pytest.raises(ValueError, match="controlnets: the stable-diffusion-3 family takes no ControlNet in dvllm yet"):
-        DiffusionEngine(model=sd3_path, device="cpu", dtype="float32", controlnets=nets)
+    with pytest.raises(ValueError, match="controlnets: the wan family takes no ControlNet in dvllm yet"):
+        DiffusionEngine(model=wan_path, device="cpu", dtype="float32", controlnets=nets)

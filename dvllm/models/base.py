@@ -193,10 +193,11 @@ class ModelAdapter(ABC):
         """An image-to-video family's start: (initial noise, [n, numbers] of the state the image leaves)."""
         raise ValueError(f"the {self.info.family} family does not animate images")
 
-    def control_input(self, image: torch.Tensor, controlnet: Any, n: int,
-                      generator: torch.Generator) -> torch.Tensor | None:
+    def control_input(self, image: torch.Tensor, controlnet: Any, n: int, generator: torch.Generator,
+                      first: Any) -> torch.Tensor | None:
         """A ControlNet control's input for a request of n images, as the family's ControlNet pipeline makes it from
-        the image prepared at admission ([1, 3, H, W] float32 in [0, 1]), on the device in the controlnet's dtype;
+        the image prepared at admission ([1, 3, H, W] float32 in [0, 1]), on the device in the controlnet's dtype
+        (`first`: the request's first controlnet, whose config some pipelines read for all of its controls);
         None where the controlnet takes the prepared image itself (SD's and SDXL's, info.images.control_input_is_image):
         that is kept in the state pool, one copy for every request that sends it (worker/control_state.py)."""
         return None

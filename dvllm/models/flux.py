@@ -83,7 +83,8 @@ class FluxAdapter(ModelAdapter):
         latents, _ = self.pipeline.prepare_latents(n, channels, height, width, self.dtype, self.device, generator)
         return latents * init_noise_sigma
 
-    def control_input(self, image: torch.Tensor, controlnet: Any, n: int, generator: torch.Generator) -> torch.Tensor:
+    def control_input(self, image: torch.Tensor, controlnet: Any, n: int, generator: torch.Generator,
+                      first: Any) -> torch.Tensor:
         """As FluxControlNetPipeline: the image normalized to [-1, 1] (its image processor normalizes); for a
         controlnet without an input_hint_block (InstantX's), repeated for the n images and VAE-encoded, a sample
         drawn from `generator` ([n, tokens, 4 * channels] packed latents); else the image itself."""

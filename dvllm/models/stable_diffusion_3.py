@@ -1,4 +1,5 @@
-"""SD3 / SD3.5: MMDiT transformer, CLIP x2 + T5 encoders, flow matching with shift."""
+"""SD3 / SD3.5: MMDiT transformer, CLIP x2 + T5 encoders, flow matching with shift.
+ControlNet: SD3ControlNetModels, as StableDiffusion3ControlNetPipeline runs them (worker/sd3_controlnet.py)."""
 from __future__ import annotations
 
 from functools import cached_property, partial
@@ -10,9 +11,10 @@ from diffusers.utils.torch_utils import randn_tensor
 from dvllm.models.base import CacheSpec, Conditions, HookContext, ModelAdapter, transformer_cache_spec
 from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len
 from dvllm.models.layout import BatchLayout
-from dvllm.models.model_info import Defaults, Latents, ModelInfo, Schedule, Text
+from dvllm.models.model_info import Defaults, ImageInputs, Latents, ModelInfo, Schedule, Text
 
 MAX_SEQUENCE_LENGTH = 256  # the pipeline's default T5 length
+CONTROL_SAMPLE_SEED = 0x5D3C  # mixed into a request's seed for its control images' VAE samples
 
 
 def sd3_timestep_kwargs(vae_scale: int, patch: int, height: int, width: int, num_steps: int,
@@ -27,6 +29,7 @@ class StableDiffusion3Adapter(ModelAdapter):
     pipeline_classes = ("StableDiffusion3Pipeline",)
     load_kwargs: dict[str, Any] = {}
     half_dtype = torch.bfloat16  # its pipelines' documented dtype
+    controlnet_class = "SD3ControlNetModel"  # StableDiffusion3ControlNetPipeline's (InstantX's, Stability's 2B)
     # The T5 length the pipeline is called with. Without a T5 encoder the pipeline appends this many zero
     # tokens to the CLIP tokens, so a model trained without T5 may set its own (dvllm_defaults.json's
     # "max_sequence_length", through set_max_sequence_length).
@@ -57,6 +60,8 @@ class StableDiffusion3Adapter(ModelAdapter):
             latents=Latents(channels=pipe.transformer.config.in_channels, scale=factor, size_factor=factor * patch),
             text=Text(shapes, max_sequence_length=self.max_sequence_length,
                       sequence_length_range=(self.max_sequence_length, self.max_sequence_length)),
+            # the ControlNet pipeline sizes a request as the plain one, and VAE-encodes its control images
+            images=ImageInputs(control_sets_size=False, control_input_is_image=False),
             cache_layout=self.cache_layout(self._cache_spec(shapes["prompt_embeds"][0])),
         )
 
@@ -74,6 +79,20 @@ class StableDiffusion3Adapter(ModelAdapter):
                         init_noise_sigma: float) -> torch.Tensor:
         shape = (n, *self.latent_shape(height, width))
         return randn_tensor(shape, generator=generator, device=self.device, dtype=self.dtype) * init_noise_sigma
+
+    def control_input(self, image: torch.Tensor, controlnet: Any, n: int, generator: torch.Generator,
+                      first: Any) -> torch.Tensor:
+        """As StableDiffusion3ControlNetPipeline: the image normalized to [-1, 1], VAE-encoded, a sample of its
+        latent distribution per image, shifted (not where the request's first controlnet is InstantX's,
+        force_zeros_for_pooled_projection: the pipeline reads that one's config for all) and scaled. The pipeline draws that sample from torch's global RNG, not the request's generator, so its
+        image is not a function of the seed; here it comes from a generator of its own, seeded from the request's
+        seed, so that the request's start noise is the pipeline's and its images repeat ([n, C, h, w])."""
+        vae = self.pipeline.vae
+        own = torch.Generator("cpu").manual_seed(generator.initial_seed() ^ CONTROL_SAMPLE_SEED)
+        pixels = (2.0 * image - 1.0).repeat_interleave(n, dim=0).to(self.device, vae.dtype)
+        latents = vae.encode(pixels).latent_dist.sample(own)
+        shift = 0.0 if first.config.force_zeros_for_pooled_projection else vae.config.shift_factor
+        return ((latents - shift) * vae.config.scaling_factor).to(controlnet.dtype)
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                 guidance: torch.Tensor, layout: BatchLayout, context: HookContext | None = None

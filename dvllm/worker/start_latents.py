@@ -34,7 +34,8 @@ def make_start(adapter: ModelAdapter, job: StartJob, controlnets: dict[str, Any]
 
 def _make_start(adapter: ModelAdapter, job: StartJob, controlnets: dict[str, Any]) -> Start:
     generator = torch.Generator("cpu").manual_seed(job.seed)
-    controls = [adapter.control_input(c.image, controlnets[c.name], job.n, generator)
+    controls = [adapter.control_input(c.image, controlnets[c.name], job.n, generator,
+                                      controlnets[job.controls[0].name])
                 for c in job.controls] if job.controls else None
     inputs = None
     if job.mask is not None:
