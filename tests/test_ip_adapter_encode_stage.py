@@ -1,6 +1,7 @@
 """IP-Adapter image prompts encoded on the encode stage's thread: a request that arrives while a batch runs has its
-image encoded ahead of its admission, off the step loop (identical images once), and its images still equal the
-diffusers pipeline's with the adapter; an image encode that fails fails its request only, with the reason."""
+image encoded ahead of its admission, off the step loop (identical images once, whichever thread met them first),
+and its images still equal the diffusers pipeline's with the adapter; an image encode that fails fails its request
+only, with the reason."""
 from __future__ import annotations
 
 import threading
@@ -73,18 +74,21 @@ def _assert_equal_to_the_pipeline(staged, outputs: dict[str, list], jobs: dict[s
 def test_image_prompts_arriving_during_a_batch_are_encoded_on_the_stage_thread_once_per_image(staged):
     engine = staged[0]
     one, two = image_prompt(11), image_prompt(12, (16, 30))
+    # the first request meets an idle engine: admission encodes its image on the loop (no one to stall)
+    first = (FIRST[0], P(**{**vars(FIRST[1]), "ip_adapter_image": one, "ip_adapter_scale": 0.6}))
     later = [("a blue square", P(seed=2, ip_adapter_image=one)),
              ("a blue square", P(seed=3, guidance_scale=1.0, ip_adapter_image=one, ip_adapter_scale=0.4)),
              ("two triangles", P(seed=4, n=2, negative_prompt="blurry", ip_adapter_image=two,
                                  ip_adapter_scale=0.8))]
     threads, undo = _spy_encoder(engine)
     try:
-        outputs = _run(engine, first=FIRST, later=later, hook=_stage_done_at(2, engine))
+        outputs = _run(engine, first=first, later=later, hook=_stage_done_at(2, engine))
     finally:
         undo()
-    # two images, two encoder calls, both on the stage's thread: none on the loop's, the repeated image once
-    assert threads == [STAGE, STAGE]
-    _assert_equal_to_the_pipeline(staged, outputs, {"first": FIRST, **{str(i): job for i, job in enumerate(later)}},
+    # two images, two encoder calls: the first request's on the loop; of those arriving during its batch, only
+    # the new image's, on the stage's thread (the repeated image's embeds are the loop's, kept)
+    assert threads == [threading.current_thread().name, STAGE]
+    _assert_equal_to_the_pipeline(staged, outputs, {"first": first, **{str(i): job for i, job in enumerate(later)}},
                                   TOL)
     stage = engine.executor.worker.runner.encode_stage
     assert stage._image_prompts == {} and stage._results == {}  # nothing held once taken
