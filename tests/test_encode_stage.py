@@ -289,18 +289,18 @@ def test_encode_ahead_sends_uncached_texts_once_within_capacity_and_drops_what_n
         return Request(request_id, prompt, params, num_steps=3, cfg=True, plan=None, arrival_time=0.0, arrival_seq=0)
 
     a, b, c = request("a", "cat"), request("b", "cat", negative="ugly"), request("c", "dog")
-    send, drop, images, starts = ahead.plan([a, b, c], blocks)
+    send, drop, images, starts, _ = ahead.plan([a, b, c], blocks)
     assert images == {} and starts == [] and send == [("cat", False, None, None), (None, True, None, None), ("ugly", True, None, None)] and drop == []
     assert ahead.must_wait(c, blocks)  # over capacity: "dog" waits its turn, and so does c
     ahead.mark_ready([("cat", False, None, None), (None, True, None, None)])
     assert not ahead.must_wait(a, blocks) and ahead.must_wait(b, blocks)
     assert ahead.ready_cache_keys(a) == set(a.cond_keys)
     assert ahead.used(a, (True, False)) == [(None, True, None, None)]  # a's negative was a cache hit after all
-    send, drop, _, _ = ahead.plan([c], blocks)  # a admitted, b aborted: their texts go, c's comes in
+    send, drop, _, _, _ = ahead.plan([c], blocks)  # a admitted, b aborted: their texts go, c's comes in
     assert send == [("dog", False, None, None), (None, True, None, None)] and drop == [("ugly", True, None, None)]
     swapped = request("d", "bird")
     swapped.swapped = True  # its conditions come back with its state
-    assert ahead.plan([swapped], blocks) == ([], [("dog", False, None, None), (None, True, None, None)], {}, [])
+    assert ahead.plan([swapped], blocks) == ([], [("dog", False, None, None), (None, True, None, None)], {}, [], {})
     assert config.max_encode_ahead > 0
 
 

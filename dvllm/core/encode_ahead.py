@@ -14,24 +14,39 @@ batch or not.
 A request with input images (img2img, inpainting, an edit) has its start made ahead too: its VAE encode and the
 draws of its seeded generator, which the loop takes with the generator as those draws left it (`start_key`).
 It counts as one item against the same capacity.
+
+A request with an IP-Adapter image prompt has its image embeds made ahead the same way (`image_prompt_key`): the
+image encoder's call, which the loop takes at admission. One item too; identical images are encoded once (the
+worker's IP-Adapter keeps the last images' embeds).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from dvllm.core.block_manager import BlockManager
 from dvllm.core.request import Request
 from dvllm.core.scheduler_output import StartJob
 
 # (text, negative, max_sequence_length, digest of the images the encoder reads it with), as the worker keys them;
-# a request's start is ("start", request id)
+# a request's start is ("start", request id), its image prompt's embeds ("image_prompt", request id)
 EncodeKey = tuple
 
 
 def start_keys(request: Request) -> list[EncodeKey]:
     """The key of the request's start, if the stage may make it (a request with input images, not preempted)."""
     return [] if request.swapped or request.params.image is None else [("start", request.request_id)]
+
+
+def image_prompt_keys(request: Request) -> list[EncodeKey]:
+    """The key of the request's image-prompt embeds, if the stage may make them (a request with an image prompt,
+    not preempted: its embeds come back with its state)."""
+    return [] if request.swapped or request.params.ip_adapter_image is None \
+        else [("image_prompt", request.request_id)]
+
+
+def _job_keys(request: Request) -> list[EncodeKey]:
+    return start_keys(request) + image_prompt_keys(request)
 
 
 def encode_keys(request: Request) -> list[tuple[bytes, EncodeKey]]:
@@ -44,6 +59,16 @@ def encode_keys(request: Request) -> list[tuple[bytes, EncodeKey]]:
             for cache_key, (text, negative) in zip(request.cond_keys, texts) if cache_key is not None]
 
 
+class Plan(NamedTuple):
+    """What the scheduler sends the encode stage this iteration."""
+
+    send: list[EncodeKey]             # texts to encode
+    drop: list[EncodeKey]             # what no waiting request needs any more
+    images: dict[str, Any]            # the images the texts sent are read with, by digest
+    starts: list[StartJob]            # starts to make
+    image_prompts: dict[str, Any]     # request id -> its image prompt, whose embeds to make
+
+
 class EncodeAhead:
     def __init__(self, capacity: int, always: bool = False) -> None:
         self.capacity = capacity
@@ -52,22 +77,24 @@ class EncodeAhead:
         self.always = always
         self.keys: dict[EncodeKey, bool] = {}  # sent to the stage and not yet used or dropped -> ready
 
-    def plan(self, waiting: Iterable[Request], blocks: BlockManager
-             ) -> tuple[list[EncodeKey], list[EncodeKey], dict[str, Any], list[StartJob]]:
-        """(texts to send, texts to drop, the images those sent are read with, by digest, starts to make) this
-        iteration: the uncached texts and the starts of the waiting requests, most urgent first, and what no
-        waiting request needs any more."""
+    def plan(self, waiting: Iterable[Request], blocks: BlockManager) -> "Plan":
+        """What to send and drop this iteration: the uncached texts, the starts and the image prompts of the
+        waiting requests, most urgent first, and what no waiting request needs any more."""
         needed: set[EncodeKey] = set()
         send: list[EncodeKey] = []
         images: dict[str, Any] = {}
         starts: list[StartJob] = []
+        image_prompts: dict[str, Any] = {}
         for request in waiting:
-            for key in start_keys(request):
+            for key in _job_keys(request):
                 if key not in self.keys:
                     if len(self.keys) >= self.capacity:
                         continue
                     self.keys[key] = False
-                    starts.append(request.start_job())
+                    if key[0] == "start":
+                        starts.append(request.start_job())
+                    else:
+                        image_prompts[request.request_id] = request.params.ip_adapter_image
                 needed.add(key)
             for cache_key, key in encode_keys(request):
                 if blocks.is_cached(cache_key) or key in needed:
@@ -83,14 +110,14 @@ class EncodeAhead:
         drop = [key for key in self.keys if key not in needed]
         for key in drop:
             del self.keys[key]
-        return send, drop, images, starts
+        return Plan(send, drop, images, starts, image_prompts)
 
     def must_wait(self, request: Request, blocks: BlockManager) -> bool:
         """Whether admission waits for the stage: some text of the request is uncached and not ready, or its
-        start is not."""
+        start or image prompt is not."""
         return any(not blocks.is_cached(cache_key) and not self.keys.get(key, False)
                    for cache_key, key in encode_keys(request)) \
-            or any(not self.keys.get(key, False) for key in start_keys(request))
+            or any(not self.keys.get(key, False) for key in _job_keys(request))
 
     def ready_cache_keys(self, request: Request) -> set[bytes]:
         """The prompt-cache keys of the request's texts that the stage holds ready (admission encodes none)."""
@@ -100,7 +127,7 @@ class EncodeAhead:
         """Admitted: the worker takes its ready texts out of the stage, into the blocks it fills. Returns those it
         will not fill (the prompt cache had them after all), for the stage to drop."""
         write = dict(zip(request.cond_keys, writes))
-        for key in start_keys(request):  # the worker takes it, or drops it if the request fails first
+        for key in _job_keys(request):  # the worker takes it, or drops it if the request fails first
             self.keys.pop(key, None)
         drops = []
         for cache_key, key in encode_keys(request):
@@ -120,7 +147,7 @@ class EncodeAhead:
         wanted = {key: message for key, message in errors.items() if self.keys.pop(key, None) is not None}
         failed = []
         for request in waiting:
-            keys = [key for _, key in encode_keys(request)] + start_keys(request)
+            keys = [key for _, key in encode_keys(request)] + _job_keys(request)
             message = next((wanted[key] for key in keys if key in wanted), None)
             if message is not None:
                 failed.append((request, message))

@@ -177,8 +177,10 @@ class Scheduler:
         self._admit(out)
         if self.ahead is not None:  # those left waiting behind a running batch: their texts, to the encode stage
             waiting = sorted(self.waiting, key=self.urgency) if self.running or self.ahead.always else []
-            send, drop, out.encode_images, out.encode_starts = self.ahead.plan(waiting, self.blocks)
-            out.encode_jobs, out.encode_drops = send, out.encode_drops + drop
+            plan = self.ahead.plan(waiting, self.blocks)
+            out.encode_images, out.encode_starts, out.encode_image_prompts = plan.images, plan.starts, \
+                plan.image_prompts
+            out.encode_jobs, out.encode_drops = plan.send, out.encode_drops + plan.drop
         batch = self._pick_batch()
         now = time.time()
         for request in batch:

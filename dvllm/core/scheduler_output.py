@@ -132,13 +132,14 @@ class SchedulerOutput:
     encode_drops: list[tuple] = field(default_factory=list)
     encode_images: dict[str, Any] = field(default_factory=dict)  # digest -> the images an edit's texts are read with
     encode_starts: list[StartJob] = field(default_factory=list)  # start latents of waiting requests with images
+    encode_image_prompts: dict[str, Any] = field(default_factory=dict)  # request id -> its IP-Adapter image prompt
 
     @property
     def is_empty(self) -> bool:
         return not (self.new_requests or self.resumed_requests or self.scheduled_ids or self.freed_ids
                     or self.preempted_ids or self.await_decodes or self.await_encodes or self.encode_jobs
                     or self.encode_drops or self.lora_reads or self.await_lora_reads
-                    or self.encode_starts)
+                    or self.encode_starts or self.encode_image_prompts)
 
 
 @dataclass

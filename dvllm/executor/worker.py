@@ -130,7 +130,8 @@ class Worker:
             prompts.encode_stage = EncodeStage(prompts.encode_flat, self.device, stages.encode_batch,
                                                prompts.lock, start=functools.partial(make_start, adapter,
                                                                                     controlnets=self.controlnets),
-                                               workers=encoders)
+                                               workers=encoders,
+                                               image_prompt=None if self.ip_adapter is None else self.ip_adapter.encode)
             prompts.encoders_released = bool(encoders)
 
     def model_info(self) -> ModelInfo:

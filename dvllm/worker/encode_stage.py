@@ -13,7 +13,8 @@ With encode workers (encode_worker.py) the stage has a lane per worker process: 
 texts to its process, whose copy of the text encoders encodes them, and brings their conditions to the device.
 A batch whose process died is encoded once more (on the process started in its place), then text by text: a
 text whose process dies twice fails the requests that wait for it only. Starts (the VAE encode of input images)
-stay with the lanes' threads, in the worker's process.
+stay with the lanes' threads, in the worker's process, and so do image prompts (the IP-Adapter's image encoder call
+for a request's image prompt, `image_prompt_key`).
 """
 from __future__ import annotations
 
@@ -33,16 +34,24 @@ from dvllm.worker.start_latents import Start
 logger = logging.getLogger(__name__)
 
 # (text, negative, max_sequence_length, images' digest): what the scheduler sends and the loop takes, as the loop
-# keys its texts; a request's start latents are ("start", request id)
+# keys its texts; a request's start latents are ("start", request id), its image prompt's embeds
+# ("image_prompt", request id)
 EncodeKey = tuple
 StartFn = Callable[[StartJob], Start]
+# an image prompt -> its (conditional, unconditional) embeds (ip_adapter_load.IPAdapter.encode)
+ImagePromptFn = Callable[[Any], "tuple[torch.Tensor, torch.Tensor]"]
 
 
 def start_key(request_id: str) -> EncodeKey:
     return ("start", request_id)
 
 
-def _is_start(key: EncodeKey) -> bool:
+def image_prompt_key(request_id: str) -> EncodeKey:
+    return ("image_prompt", request_id)
+
+
+def _is_job(key: EncodeKey) -> bool:
+    """A request's own job (its start or its image prompt), not a text."""
     return len(key) == 2
 # (texts of one max_sequence_length and images, that length, those images or None) -> their conditions, flattened to
 # one row each, on the device
@@ -63,9 +72,10 @@ class EncodeStage(StageThread):
     kind = "encode"
 
     def __init__(self, encode: EncodeFn, device: torch.device, max_batch: int, lock: threading.Lock,
-                 start: StartFn | None = None, workers: list[EncodeWorker] | None = None) -> None:
+                 start: StartFn | None = None, workers: list[EncodeWorker] | None = None,
+                 image_prompt: ImagePromptFn | None = None) -> None:
         super().__init__(device, lanes=len(workers) if workers else 1)
-        self._encode, self._start_fn, self.max_batch = encode, start, max_batch
+        self._encode, self._start_fn, self._image_prompt_fn, self.max_batch = encode, start, image_prompt, max_batch
         self.workers = workers or []  # encode processes, one a lane; none: the lane's thread encodes
         # The text encoders and their tokenizers are shared with the loop, which still encodes some texts itself
         # (adapters, images): one caller at a time (fast tokenizers refuse concurrent use).
@@ -73,19 +83,24 @@ class EncodeStage(StageThread):
         self._jobs: list[EncodeKey] = []
         self._images: dict[str, Any] = {}  # digest -> images, while a text queued or taken is read with them
         self._starts: dict[EncodeKey, StartJob] = {}  # queued or taken start jobs
+        self._image_prompts: dict[EncodeKey, Any] = {}  # queued or taken image prompts
         self._results: dict[EncodeKey, tuple[torch.Tensor, Any]] = {}  # ready: (flat conditions, CUDA event)
         self._dropped: set[EncodeKey] = set()  # dropped while being encoded: not kept when done
         self._done = Encoded()
 
     # -- the loop's side -----------------------------------------------------------------
     def submit(self, keys: list[EncodeKey], images: dict[str, Any] | None = None,
-               starts: list[StartJob] | None = None) -> None:
-        """Texts to encode (with the images edit texts are read with), and requests' starts to make."""
+               starts: list[StartJob] | None = None, image_prompts: dict[str, Any] | None = None) -> None:
+        """Texts to encode (with the images edit texts are read with), requests' starts to make, and requests'
+        image prompts (request id -> image) to encode."""
         with self._cond:
             self._images.update(images or {})
             for job in starts or []:
                 self._starts[start_key(job.request_id)] = job
                 keys = [*keys, start_key(job.request_id)]
+            for request_id, image in (image_prompts or {}).items():
+                self._image_prompts[image_prompt_key(request_id)] = image
+                keys = [*keys, image_prompt_key(request_id)]
             for key in keys:
                 self._dropped.discard(key)
                 if key not in self._results and key not in self._jobs and key not in self._taken:
@@ -104,8 +119,8 @@ class EncodeStage(StageThread):
             self._forget_images(self._taken)
 
     def take(self, key: EncodeKey) -> Any:
-        """A ready text's flat conditions, or a request's Start (for the loop's stream to read); None if it is
-        not held."""
+        """A ready text's flat conditions, a request's Start or its image prompt's embeds (for the loop's stream
+        to read); None if it is not held."""
         with self._cond:
             held = self._results.pop(key, None)
         if held is None:
@@ -113,7 +128,8 @@ class EncodeStage(StageThread):
         result, ready = held
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
-            tensors = [result] if isinstance(result, torch.Tensor) else [result.latents, result.inputs]
+            tensors = [result] if isinstance(result, torch.Tensor) else list(result) if isinstance(result, tuple) \
+                else [result.latents, result.inputs]
             for tensor in tensors:
                 if tensor is not None:
                     tensor.record_stream(torch.cuda.current_stream())
@@ -167,35 +183,44 @@ class EncodeStage(StageThread):
         self._forget_images([])
 
     def _forget_images(self, taken: list[EncodeKey]) -> None:
-        """Keeps the images (and start jobs) only of what is still queued (or being worked on, `taken`)."""
+        """Keeps the images (and start jobs, image prompts) only of what is still queued (or being worked on,
+        `taken`)."""
         keys = [*self._jobs, *taken]
-        needed = {key[3] for key in keys if not _is_start(key)}
+        needed = {key[3] for key in keys if not _is_job(key)}
         self._images = {digest: images for digest, images in self._images.items() if digest in needed}
         self._starts = {key: job for key, job in self._starts.items() if key in keys}
+        self._image_prompts = {key: image for key, image in self._image_prompts.items() if key in keys}
 
-    def _make_start(self, key: EncodeKey) -> tuple[dict[EncodeKey, Any], dict[EncodeKey, str]]:
+    def _make_job(self, key: EncodeKey) -> tuple[dict[EncodeKey, Any], dict[EncodeKey, str]]:
+        """A request's start, or its image prompt's embeds; an error fails that request only."""
+        start = key[0] == "start"
         try:
-            return {key: self._start_fn(self._starts[key])}, {}
+            if start:
+                return {key: self._start_fn(self._starts[key])}, {}
+            if self._image_prompt_fn is None:
+                raise RuntimeError("this worker serves no IP-Adapter")
+            return {key: self._image_prompt_fn(self._image_prompts[key])}, {}
         except Exception as e:  # noqa: BLE001 - it fails that request only
-            logger.exception("the start latents of %s failed in the encode stage", key[1])
-            return {}, {key: f"latent preparation failed: {type(e).__name__}: {e}"}
+            what = "latent preparation" if start else "image prompt encoding"
+            logger.exception("the %s of %s failed in the encode stage", what, key[1])
+            return {}, {key: f"{what} failed: {type(e).__name__}: {e}"}
 
     def _requeue(self, taken: list[EncodeKey]) -> None:
         self._jobs[:0] = taken
 
     def _take(self) -> list[EncodeKey]:
         """The first text, and those after it of the same max_sequence_length and images, up to max_batch texts;
-        or a request's start, alone."""
-        if _is_start(self._jobs[0]):
+        or a request's start or image prompt, alone."""
+        if _is_job(self._jobs[0]):
             return [self._jobs.pop(0)]
         kind = self._jobs[0][2:]
-        taken = [key for key in self._jobs if not _is_start(key) and key[2:] == kind][:self.max_batch]
+        taken = [key for key in self._jobs if not _is_job(key) and key[2:] == kind][:self.max_batch]
         self._jobs = [key for key in self._jobs if key not in taken]
         return taken
 
     def _encode_keys(self, keys: list[EncodeKey], lane: int) -> tuple[dict[EncodeKey, Any], dict[EncodeKey, str]]:
-        if _is_start(keys[0]):
-            return self._make_start(keys[0])
+        if _is_job(keys[0]):
+            return self._make_job(keys[0])
         try:
             length, digest = keys[0][2:]
             images = None if digest is None else self._images[digest]  # kept while the batch holds it

@@ -11,13 +11,17 @@ A request's image embeds are made once, as the pipeline's encode_image makes the
 image_embeds, with zeros for the unconditional rows, or (SD plus adapters, whose projection is not an
 ImageProjection) its penultimate hidden states, with those of an all-zero image for the unconditional rows.
 Flux serves no unconditional rows (its true CFG is not served). The last few images' embeds are kept, so
-repeated image prompts are encoded once.
+repeated image prompts are encoded once. With the encode stage on, a request that waits behind a running batch
+has its image encoded on the stage's thread (worker/encode_stage.py) and the loop takes the embeds at admission;
+the loop encodes the others at admission (the stage off, or an idle engine, where no one is stalled). Both sides
+encode under one lock, so the kept embeds stay coherent and an image the stage is encoding is not encoded twice.
 """
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -41,7 +45,9 @@ class IPAdapter:
         # an SD plus adapter reads hidden states (Flux's pipeline reads image_embeds whatever its projection)
         self.hidden_states = adapter.ip_adapter_kind == "unet" and not isinstance(layer, ImageProjection)
         self.device = adapter.device
-        self._kept: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        # digest -> (embeds, the CUDA event after which they are ready: another thread's stream may have made them)
+        self._kept: OrderedDict[str, tuple[tuple[torch.Tensor, torch.Tensor], Any]] = OrderedDict()
+        self._lock = threading.Lock()  # the encode stage's thread and the loop: one encode (and cache) at a time
 
     def embeds(self, state: RequestState) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's (conditional, unconditional) image embeds, each [1, ...] (made at its first step)."""
@@ -49,12 +55,17 @@ class IPAdapter:
             state.image_prompt_embeds = self.encode(state.data.image_prompt.image)
         return state.image_prompt_embeds
 
-    def encode_admitted(self, states: list[RequestState]) -> dict[str, str]:
-        """The image prompts of requests admitted now encoded (before their first step); {request: why} for those
-        whose encode failed (they fail alone)."""
+    def encode_admitted(self, states: list[RequestState],
+                        ahead: Callable[[str], tuple[torch.Tensor, torch.Tensor] | None] | None = None
+                        ) -> dict[str, str]:
+        """The image prompts of requests admitted now encoded (before their first step), unless `ahead(request)`
+        has their embeds (the encode stage made them); {request: why} for those whose encode failed (they fail
+        alone)."""
         errors = {}
         for state in states:
             if state.data.image_prompt is not None:
+                if state.image_prompt_embeds is None and ahead is not None:
+                    state.image_prompt_embeds = ahead(state.request_id)
                 try:
                     self.embeds(state)
                 except Exception as e:  # noqa: BLE001 - it fails that request only
@@ -63,11 +74,31 @@ class IPAdapter:
 
     @torch.inference_mode()
     def encode(self, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image's (conditional, unconditional) embeds, ready on the caller's CUDA stream (the encode stage's
+        thread or the loop's)."""
         digest = hashlib.sha256(f"{image.mode}{image.size}".encode() + image.tobytes()).hexdigest()
-        held = self._kept.get(digest)
-        if held is not None:
-            self._kept.move_to_end(digest)
-            return held
+        with self._lock:
+            held = self._kept.get(digest)
+            if held is not None:
+                self._kept.move_to_end(digest)
+                embeds, made = held
+                if made is not None:
+                    stream = torch.cuda.current_stream()
+                    stream.wait_event(made)
+                    for tensor in embeds:
+                        tensor.record_stream(stream)
+                return embeds
+            embeds = self._run_encoder(image)
+            made = None
+            if self.device.type == "cuda":
+                made = torch.cuda.Event()
+                made.record()
+            self._kept[digest] = embeds, made
+            if len(self._kept) > _KEPT_EMBEDS:
+                self._kept.popitem(last=False)
+        return embeds
+
+    def _run_encoder(self, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
         encoder = self.encoder
         pixels = self.feature_extractor(image, return_tensors="pt").pixel_values.to(self.device, encoder.dtype)
         if self.hidden_states:
@@ -76,9 +107,6 @@ class IPAdapter:
         else:
             cond = encoder(pixels).image_embeds
             uncond = torch.zeros_like(cond)  # (SD's; Flux has no unconditional rows to read it)
-        self._kept[digest] = cond, uncond
-        if len(self._kept) > _KEPT_EMBEDS:
-            self._kept.popitem(last=False)
         return cond, uncond
 
 

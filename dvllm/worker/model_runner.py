@@ -22,7 +22,7 @@ from dvllm.step_caches.state import CacheState
 from dvllm.worker.decode_stage import DecodeJob, DecodeStage
 from dvllm.worker.denoise_batch import StepParts, denoise_step
 from dvllm.worker.denoiser import Denoiser
-from dvllm.worker.encode_stage import EncodeStage, start_key
+from dvllm.worker.encode_stage import EncodeStage, image_prompt_key, start_key
 from dvllm.worker.control_state import write_control_images
 from dvllm.worker.controlnets import ControlPlanner, control_planner
 from dvllm.worker.shared_entries import fail_readers, written_entries
@@ -128,7 +128,8 @@ class ModelRunner:
     def _submit_encodes(self, work: StepWork) -> None:
         if self.encode_stage is not None:
             self.encode_stage.drop(work.out.encode_drops)
-            self.encode_stage.submit(work.out.encode_jobs, work.out.encode_images, work.out.encode_starts)
+            self.encode_stage.submit(work.out.encode_jobs, work.out.encode_images, work.out.encode_starts,
+                                     work.out.encode_image_prompts)
 
     def _free(self, work: StepWork) -> None:
         for request_id in work.out.freed_ids:
@@ -282,8 +283,9 @@ class ModelRunner:
             )
 
     def _admitted(self, work: StepWork) -> None:
-        """After admission: the prepared requests' text lengths read and their image prompts encoded; the starts
-        made ahead for requests that failed before theirs was taken dropped; and requests that read a prompt-cache
+        """After admission: the prepared requests' text lengths read and their image prompts' embeds taken from
+        the encode stage (else encoded now); the starts and image prompts made ahead for requests that failed
+        before theirs was taken dropped; and requests that read a prompt-cache
         entry another one was to fill and did not (this step's or, with async scheduling, the last step's) failed
         too."""
         out, errors = work.out, work.errors
@@ -291,9 +293,9 @@ class ModelRunner:
         if prepared:
             self.prompts.read_text_lengths(prepared)
         if self.ip_adapter is not None:
-            errors.update(self.ip_adapter.encode_admitted(prepared))
+            errors.update(self.ip_adapter.encode_admitted(prepared, self._image_prompt_ahead))
         if self.encode_stage is not None and work.admitting:
-            self.encode_stage.drop([start_key(d.request_id) for d in work.admitting])
+            self.encode_stage.drop([key(d.request_id) for d in work.admitting for key in (start_key, image_prompt_key)])
         for resumed in out.resumed_requests:  # a failed swap-in was to refill shared entries: they hold nothing
             if resumed.request_id in errors:
                 work.unwritten.update(dict.fromkeys(written_entries(resumed.blocks), errors[resumed.request_id]))
@@ -302,6 +304,10 @@ class ModelRunner:
         stale = {b: why for b, why in self._last_unwritten.items() if b not in written}
         fail_readers(admitted, {**stale, **work.unwritten}, errors)
         self._last_unwritten = work.unwritten
+
+    def _image_prompt_ahead(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The image prompt's embeds the encode stage made for the request, if it holds them."""
+        return None if self.encode_stage is None else self.encode_stage.take(image_prompt_key(request_id))
 
     def _started_ahead(self, d: NewRequestData) -> Start | None:
         """The start the encode stage made for the request (one with input images), if it holds one."""
