@@ -24,6 +24,7 @@ from dvllm.models.quantization import QuantizationSpec, backend_config, quantize
 from dvllm.worker.control_state import control_image_shape, read_control_images
 from dvllm.worker.flux_controlnet import FluxControlSamples, flux_request_kind
 from dvllm.worker.forward_context import ForwardHooks
+from dvllm.worker.qwen_controlnet import QwenControlSamples, qwen_request_kind
 from dvllm.worker.request_state import RequestState
 from dvllm.worker.state_pool import StatePool
 from dvllm.worker.unet_controlnet import ControlResiduals, unet_request_kind
@@ -41,7 +42,7 @@ def load_controlnets(paths: dict[str, str], adapter: ModelAdapter,
         return {}
     if adapter.controlnet_class is None:
         raise ValueError(f"controlnets: the {adapter.info.family} family takes no ControlNet in dvllm yet "
-                         "(SD 1.x/2.x, SDXL and Flux do)")
+                         "(SD 1.x/2.x, SDXL, Flux and Qwen-Image do)")
     import diffusers
 
     cls = getattr(diffusers, adapter.controlnet_class)
@@ -66,6 +67,9 @@ def control_planner(adapter: ModelAdapter, controlnets: dict[str, Any], hooks: F
     if adapter.controlnet_class == "FluxControlNetModel":
         FluxControlSamples(adapter.pipeline.transformer, hooks)
         return ControlPlanner(controlnets, flux_request_kind)
+    if adapter.controlnet_class == "QwenImageControlNetModel":
+        QwenControlSamples(adapter.pipeline.transformer, hooks, controlnets)
+        return ControlPlanner(controlnets, qwen_request_kind)
     ControlResiduals(adapter.pipeline.unet, hooks)
     return ControlPlanner(controlnets, unet_request_kind)
 
