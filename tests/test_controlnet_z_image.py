@@ -4,7 +4,8 @@ One batch mixes rows without a control and with two controlnets at different sca
 CFG (the pipeline's controlnet runs on its CFG batch, each row with its own text), one request of two images, and
 one with two controls (the pipeline takes one: of one controlnet and image, their sum is the pipeline's at the
 summed scale): each request's images equal ZImageControlNetPipeline's (ZImagePipeline's without a control) with the
-same seed, and so do its latents. The tiny transformer has two layers; "edges" adds to its first (and refines its control input with
+same seed, and so do its latents. A request with a LoRA adapter too equals the pipeline with it loaded: the
+controlnet runs the transformer's own refiners, and their LoRA layers apply to that request's rows alone. The tiny transformer has two layers; "edges" adds to its first (and refines its control input with
 plain transformer blocks), "union" to both (its control input has more channels than the latents: zero-padded;
 its refiner adds hints to the controlnet's own noise refiner). Their zero-initialized projections are random, or
 every sample would be zero; they are loaded through dvllm's loader from folders.
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import ZImageControlNetModel, ZImageControlNetPipeline, ZImagePipeline
+from lora_utils import make_lora
 from test_controlnet import control, control_image
 
 from dvllm import DiffusionEngine, SamplingParams
@@ -41,12 +43,16 @@ def tiny_z_image_controlnet(seed: int, **config) -> ZImageControlNetModel:
 def z_image(z_image_path, tmp_path_factory):
     pipe = ZImagePipeline.from_pretrained(z_image_path)
     pipe.set_progress_bar_config(disable=True)
+    adapters = {"style": make_lora(pipe, str(tmp_path_factory.mktemp("z-image-lora")), seed=11)}
+    for name, folder in adapters.items():
+        pipe.load_lora_weights(folder, adapter_name=name)
     nets = {}
     for name, config in NETS.items():
         folder = tmp_path_factory.mktemp(f"z-image-controlnet-{name}")
         tiny_z_image_controlnet(**config).save_pretrained(folder)
         nets[name] = str(folder)
-    engine = DiffusionEngine(model=z_image_path, device="cpu", dtype="float32", controlnets=nets)
+    engine = DiffusionEngine(model=z_image_path, device="cpu", dtype="float32", controlnets=nets,
+                             lora_modules=adapters)
     loaded = {name: ZImageControlNetModel.from_pretrained(folder) for name, folder in nets.items()}
     yield engine, pipe, loaded
     engine.shutdown()
@@ -54,6 +60,11 @@ def z_image(z_image_path, tmp_path_factory):
 
 def reference(z_image, prompt: str, p: SamplingParams, output_type: str) -> np.ndarray:
     _, pipe, nets = z_image
+    if p.loras:  # (the controlnet runs the transformer's refiners: their LoRA layers too)
+        pipe.enable_lora()
+        pipe.set_adapters(list(p.loras), adapter_weights=list(p.loras.values()))
+    else:
+        pipe.disable_lora()
     common = dict(negative_prompt=p.negative_prompt, guidance_scale=p.guidance_scale,
                   num_inference_steps=p.num_inference_steps, height=p.height, width=p.width,
                   num_images_per_prompt=p.n, generator=torch.Generator("cpu").manual_seed(p.seed),
@@ -81,8 +92,11 @@ def mixed() -> list[tuple[str, SamplingParams]]:
                             controls=[control("edges", two, scale=0.5)], **SIZE)),
         ("a green star", P(num_inference_steps=3, guidance_scale=2.0, seed=4, negative_prompt="flat",
                            controls=[control("edges", two, 0.4), control("edges", two, 0.8)], **SIZE)),
+        # beside "two triangles" in one group: the refiners' LoRA layers apply to its rows of the group alone
+        ("a lit house", P(num_inference_steps=3, guidance_scale=2.0, seed=7, negative_prompt="dim",
+                          loras={"style": 0.8}, controls=[control("union", one, 0.9)], **SIZE)),
         ("two triangles", P(num_inference_steps=3, guidance_scale=2.5, seed=5, n=2, negative_prompt="noise",
-                            controls=[control("union", one, 0.75)], **SIZE)),
+                            controls=[control("union", one, 0.9)], **SIZE)),
         ("a yellow moon", P(num_inference_steps=4, guidance_scale=0.0, seed=6, controls=[control("union", two, 1.2)],
                             **SIZE)),
     ]

@@ -1,7 +1,9 @@
 """Z-Image's ZImageControlNetModels on the ZImageTransformer2DModel: a forward pre-hook that hands the forward's
 controls' layer samples to the transformer, as ZImageControlNetPipeline does (controlnet_block_samples).
 
-A ZImageControlNetModel shares the transformer's embedders, refiners and RoPE (from_transformer, done here once).
+A ZImageControlNetModel shares the transformer's embedders, refiners and RoPE (from_transformer, done here once),
+and with them their LoRA layers: it runs with the forward's context narrowed to its group's rows, so each row's
+adapters apply there as in the transformer.
 The pipeline runs it on its CFG batch, each row with its own text (the negative prompt's rows too) and the same
 control input. It returns a sample per transformer layer it names (control_layers_places), [rows, tokens, dim]
 over each row's single stream (image tokens then caption tokens, each padded to a multiple of 32), padded to its
@@ -44,9 +46,10 @@ class ZImageControlSamples:
         frames, timestep, captions = args[:3]  # (lists of rows, as ZImageAdapter.denoise calls it)
         samples = []
         for group in plan.groups:
-            samples.append(group.controlnet(
-                [frames[r] for r in group.rows], timestep[group.index], [captions[r] for r in group.rows],
-                list(group.inputs.unbind(0)), conditioning_scale=group.scale))
+            with self.context.narrow(list(group.rows), group.index):  # the shared modules' LoRA layers: its rows'
+                samples.append(group.controlnet(
+                    [frames[r] for r in group.rows], timestep[group.index], [captions[r] for r in group.rows],
+                    list(group.inputs.unbind(0)), conditioning_scale=group.scale))
         image_tokens = _padded(frames[0].shape[-3] * (frames[0].shape[-2] // 2) * (frames[0].shape[-1] // 2))
         length = image_tokens + max(_padded(len(c)) for c in captions)
         return args, dict(kwargs, controlnet_block_samples=_per_layer(plan.groups, samples, len(frames), length))
