@@ -280,6 +280,9 @@ def _load_controls(value: Any, config: "EngineConfig", info: "ModelInfo", max_pi
         if control.name not in served:
             raise ValueError(f"controls[{i}].name: no controlnet {control.name!r} is loaded; this engine serves "
                              f"{sorted(served)}{did_you_mean(control.name, served)}")
+        if info.images.controls_one_controlnet and control.name != controls[0].name:
+            raise ValueError(f"controls[{i}].name: the {info.family} family takes one controlnet a request (several "
+                             f"images of it); controls[0] names {controls[0].name!r}, this one {control.name!r}")
     return tuple(dataclasses.replace(c, image=_load_image(c.image, info, max_pixels, f"controls[{i}].image",
                                                           input_image=False)) for i, c in enumerate(controls))
 

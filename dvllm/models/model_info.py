@@ -178,6 +178,9 @@ class ImageInputs:
     # shared entry per distinct image; False: the family makes each control's input from it at the request's start
     # (ModelAdapter.control_input; Flux's: a VAE sample drawn from its generator), held with the request
     control_input_is_image: bool = True
+    # A request's controls all name one controlnet (Qwen-Image's: QwenImageMultiControlNetModel takes several
+    # images of one controlnet, not several controlnets)
+    controls_one_controlnet: bool = False
     # Image-to-video (Wan I2V): (height, width, frames) -> numbers per video of the state its image leaves (the
     # encoded condition frames, the image encoder's embedding); None: not an image-to-video model
     video_numel: Callable[[int, int, int], int] | None = None

@@ -8,6 +8,7 @@ positions of real tokens (Qwen's RoPE) do not change with padding.
 
 dvllm's guidance_scale is the pipeline's `true_cfg_scale`: as in diffusers, CFG runs only
 for requests with a negative prompt. Guidance-distilled variants (guidance_embeds) are not served.
+ControlNet: QwenImageControlNetModels, as QwenImageControlNetPipeline runs them (worker/qwen_controlnet.py).
 """
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from functools import cached_property, partial
 from typing import Any
 
 import torch
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_controlnet import retrieve_latents
 
 from dvllm.models.base import CacheSpec, Conditions, HookContext, ModelAdapter, transformer_cache_spec
 from dvllm.models.flux import flux_timestep_kwargs
 from dvllm.models.layout import BatchLayout
-from dvllm.models.model_info import Defaults, Guidance, Latents, ModelInfo, Schedule, Text
+from dvllm.models.model_info import Defaults, Guidance, ImageInputs, Latents, ModelInfo, Schedule, Text
 
 MAX_TEXT_TOKENS = 1024  # the pipeline's tokenizer_max_length and the most max_sequence_length it accepts
 DEFAULT_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s max_sequence_length
@@ -29,6 +31,7 @@ class QwenImageAdapter(ModelAdapter):
     pipeline_classes = ("QwenImagePipeline",)
     load_kwargs: dict[str, Any] = {}
     half_dtype = torch.bfloat16  # its pipelines' documented dtype
+    controlnet_class = "QwenImageControlNetModel"  # QwenImageControlNetPipeline's (InstantX's)
 
     def __init__(self, pipeline: Any, name: str, device: torch.device, dtype: torch.dtype) -> None:
         if pipeline.transformer.config.guidance_embeds:
@@ -51,6 +54,9 @@ class QwenImageAdapter(ModelAdapter):
             text=Text({"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
                       max_sequence_length=DEFAULT_SEQUENCE_LENGTH, sequence_length_range=(1, MAX_TEXT_TOKENS)),
             guidance=Guidance(needs_negative_prompt=True),  # "true CFG"
+            # QwenImageControlNetPipeline sizes a request as QwenImagePipeline, encodes its control images with its
+            # generator, and takes several images of one controlnet only (QwenImageMultiControlNetModel)
+            images=ImageInputs(control_sets_size=False, control_input_is_image=False, controls_one_controlnet=True),
             cache_layout=self.cache_layout(),
         )
 
@@ -71,6 +77,21 @@ class QwenImageAdapter(ModelAdapter):
         channels = self.pipeline.transformer.config.in_channels // 4
         latents = self.pipeline.prepare_latents(n, channels, height, width, self.dtype, self.device, generator)
         return latents * init_noise_sigma
+
+    def control_input(self, image: torch.Tensor, controlnet: Any, n: int, generator: torch.Generator,
+                      first: Any) -> torch.Tensor:
+        """As QwenImageControlNetPipeline: the image normalized to [-1, 1], repeated for the n images, VAE-encoded
+        as one frame (a sample drawn from `generator`), normalized by the VAE's latent mean and std, packed:
+        [n, tokens, 4 * channels]."""
+        pipe, vae = self.pipeline, self.pipeline.vae
+        pixels = (2.0 * image - 1.0).repeat_interleave(n, dim=0).to(self.device, vae.dtype).unsqueeze(2)
+        latents = retrieve_latents(vae.encode(pixels), generator=generator)
+        config = vae.config
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents.device)
+        inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents.device)
+        latents = ((latents - mean) * inverse_std).permute(0, 2, 1, 3, 4)  # [n, frames (1), channels, h, w]
+        packed = pipe._pack_latents(latents, n, latents.shape[2], latents.shape[3], latents.shape[4])
+        return packed.to(controlnet.dtype)
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                 guidance: torch.Tensor, layout: BatchLayout, context: HookContext | None = None

@@ -74,6 +74,7 @@ def edit_numel(vae_scale: int, features: int, max_images: int, height: int, widt
 
 class QwenImageEditAdapter(QwenImageAdapter):
     pipeline_classes = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+    controlnet_class = None  # diffusers has no ControlNet edit pipeline
     _row_hooks: RowShapeHooks | None = None  # installed with the first call that pads rows
 
     @classmethod

@@ -5,6 +5,7 @@ As Qwen-Image, each prompt's embedding is stored padded to MAX_TEXT_TOKENS with 
 back to its own length. Z-Image's guidance is pos + g * (pos - neg), on whenever g > 0,
 and its transformer predicts the negated velocity on reversed time, which denoise()
 turns into what the flow scheduler steps on.
+ControlNet: ZImageControlNetModels, as ZImageControlNetPipeline runs them (worker/z_image_controlnet.py).
 """
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from diffusers.pipelines.z_image.pipeline_z_image_controlnet import retrieve_latents
 
 from dvllm.models.base import CacheSpec, Conditions, HookContext, ModelAdapter, transformer_cache_spec
 from dvllm.models.flow_common import dynamic_shift_mu, image_seq_len
 from dvllm.models.layout import BatchLayout
-from dvllm.models.model_info import Defaults, Guidance, Latents, ModelInfo, Schedule, Text
+from dvllm.models.model_info import Defaults, Guidance, ImageInputs, Latents, ModelInfo, Schedule, Text
 
 MAX_TEXT_TOKENS = 512  # the pipeline's max_sequence_length
 SEQ_MULTIPLE = 32  # the transformer pads image and caption tokens to multiples of this (SEQ_MULTI_OF)
@@ -33,6 +35,7 @@ class ZImageAdapter(ModelAdapter):
     pipeline_classes = ("ZImagePipeline",)
     load_kwargs: dict[str, Any] = {}
     half_dtype = torch.bfloat16  # its pipelines' documented dtype
+    controlnet_class = "ZImageControlNetModel"  # ZImageControlNetPipeline's (the Fun controlnets)
 
     def __init__(self, pipeline: Any, name: str, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__(pipeline, name, device, dtype)
@@ -59,6 +62,9 @@ class ZImageAdapter(ModelAdapter):
             text=Text({"prompt_embeds": (MAX_TEXT_TOKENS, hidden), "prompt_embeds_mask": (MAX_TEXT_TOKENS,)},
                       max_sequence_length=MAX_TEXT_TOKENS, sequence_length_range=(1, MAX_TEXT_TOKENS)),
             guidance=Guidance(threshold=0.0),
+            # ZImageControlNetPipeline sizes a request as ZImagePipeline (1024x1024 unless given); its control
+            # input is made at the request's start (the VAE's mode: no draw), held with the request
+            images=ImageInputs(control_sets_size=False, control_input_is_image=False),
             cache_layout=self.cache_layout(),
         )
 
@@ -88,6 +94,19 @@ class ZImageAdapter(ModelAdapter):
         latents = self.pipeline.prepare_latents(n, self.pipeline.transformer.in_channels, height, width,
                                                 torch.float32, self.device, generator)
         return (latents * init_noise_sigma).to(self.dtype)
+
+    def control_input(self, image: torch.Tensor, controlnet: Any, n: int, generator: torch.Generator,
+                      first: Any) -> torch.Tensor:
+        """As ZImageControlNetPipeline: the image normalized to [-1, 1], VAE-encoded to its distribution's mode (no
+        draw from `generator`), shifted and scaled, as one frame whose channels are zero-padded to the controlnet's
+        control_in_dim: [1, control_in_dim, 1, h, w], the same for each of the request's images and CFG rows."""
+        vae = self.pipeline.vae
+        latents = retrieve_latents(vae.encode((2.0 * image - 1.0).to(self.device, vae.dtype)), sample_mode="argmax")
+        latents = ((latents - vae.config.shift_factor) * vae.config.scaling_factor).unsqueeze(2)
+        missing = controlnet.config.control_in_dim - latents.shape[1]
+        if missing:
+            latents = torch.cat([latents, latents.new_zeros(1, missing, *latents.shape[2:])], dim=1)
+        return latents.to(controlnet.dtype)
 
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, conditions: Conditions,
                 guidance: torch.Tensor, layout: BatchLayout, context: HookContext | None = None

@@ -24,10 +24,12 @@ from dvllm.models.quantization import QuantizationSpec, backend_config, quantize
 from dvllm.worker.control_state import control_image_shape, read_control_images
 from dvllm.worker.flux_controlnet import FluxControlSamples, flux_request_kind
 from dvllm.worker.forward_context import ForwardHooks
+from dvllm.worker.qwen_controlnet import QwenControlSamples, qwen_request_kind
 from dvllm.worker.request_state import RequestState
 from dvllm.worker.sd3_controlnet import SD3ControlSamples, sd3_request_kind
 from dvllm.worker.state_pool import StatePool
 from dvllm.worker.unet_controlnet import ControlResiduals, unet_request_kind
+from dvllm.worker.z_image_controlnet import ZImageControlSamples, z_image_request_kind
 
 # (a request's controlnets, in its order) -> (only its conditional rows run them, the kind its groups share)
 KindOf = Callable[[list[Any]], tuple[bool, Hashable]]
@@ -42,7 +44,7 @@ def load_controlnets(paths: dict[str, str], adapter: ModelAdapter,
         return {}
     if adapter.controlnet_class is None:
         raise ValueError(f"controlnets: the {adapter.info.family} family takes no ControlNet in dvllm yet "
-                         "(SD 1.x/2.x, SDXL, SD3 and Flux do)")
+                         "(SD 1.x/2.x, SDXL, SD3, Flux, Qwen-Image and Z-Image do)")
     import diffusers
 
     cls = getattr(diffusers, adapter.controlnet_class)
@@ -70,6 +72,12 @@ def control_planner(adapter: ModelAdapter, controlnets: dict[str, Any], hooks: F
     if adapter.controlnet_class == "SD3ControlNetModel":
         SD3ControlSamples(adapter.pipeline.transformer, hooks, controlnets.values())
         return ControlPlanner(controlnets, sd3_request_kind)
+    if adapter.controlnet_class == "ZImageControlNetModel":
+        ZImageControlSamples(adapter.pipeline.transformer, hooks, controlnets)
+        return ControlPlanner(controlnets, z_image_request_kind)
+    if adapter.controlnet_class == "QwenImageControlNetModel":
+        QwenControlSamples(adapter.pipeline.transformer, hooks, controlnets)
+        return ControlPlanner(controlnets, qwen_request_kind)
     ControlResiduals(adapter.pipeline.unet, hooks)
     return ControlPlanner(controlnets, unet_request_kind)
 
@@ -84,6 +92,7 @@ class ControlGroup:
     scale: float
     kind: Hashable          # what the family's hook needs of the rows' requests (one per group)
     guidance: torch.Tensor  # [rows] float32, their requests' guidance scales (for controlnets that embed it)
+    rows: tuple[int, ...] = ()  # the rows, on the host (for a denoiser that takes a list of rows: Z-Image's)
 
 
 @dataclass
@@ -129,8 +138,9 @@ class ControlPlanner:
         for key in sorted(members, key=lambda k: k[0]):  # place by place: each row sums in its request's order
             entries = members[key]
             made = kept[key] = self._inputs(key, entries, pool)
-            index = device_index([row for _, _, rows in entries for row in rows], pool.device)
-            groups.append(ControlGroup(self.controlnets[key[1]], index, made.inputs, key[2], key[3], made.guidance))
+            rows = tuple(row for _, _, rows in entries for row in rows)
+            groups.append(ControlGroup(self.controlnets[key[1]], device_index(rows, pool.device), made.inputs, key[2],
+                                       key[3], made.guidance, rows))
         self._last = kept
         return ControlPlan(groups) if groups else None
 
