@@ -1,0 +1,194 @@
+"""Union controlnets per request, inside one forward, against diffusers' pipelines request by request: SDXL's
+ControlNetUnionModel (StableDiffusionXLControlNetUnionPipeline: a request's images and modes on it in one call)
+and a union FluxControlNetModel (num_mode; FluxControlNetPipeline's control_mode).
+
+Each batch mixes a request without a control, one mode, two modes on one request (on SDXL one call, the second
+with a window that starts mid-way: the call still runs before it, its scale 0, as there), and requests with
+other modes, scales and images: each request's images equal the pipeline's with the same seed, and so do its
+latents. The tiny controlnets have random weights, their zero-initialized projections too, and are loaded
+through dvllm's loader from folders; a plain controlnet beside them checks that a mode is refused there.
+"""
+import numpy as np
+import pytest
+import torch
+from diffusers import ControlNetUnionModel, FluxControlNetModel, StableDiffusionXLControlNetUnionPipeline
+from diffusers import StableDiffusionXLPipeline
+from test_controlnet import control, control_image, tiny_controlnet
+from test_controlnet_flux import reference as flux_reference
+from test_controlnet_flux import saved_tiny_flux, tiny_flux_controlnet
+
+from dvllm import DiffusionEngine, SamplingParams
+
+TOL, LATENT_TOL = 1e-3, 1e-4
+P = SamplingParams
+MODES = 4  # the tiny SDXL union controlnet's control types
+
+
+def union(name: str, image, mode: int, scale: float = 1.0, start: float = 0.0, end: float = 1.0) -> dict:
+    return {**control(name, image, scale, start, end), "mode": mode}
+
+
+def tiny_union_controlnet(unet, seed: int) -> ControlNetUnionModel:
+    # the UNet's config (from_unet), its mode transformer as wide as the UNet's first block
+    config = dict(ControlNetUnionModel.from_unet(unet, conditioning_embedding_out_channels=(8, 16),
+                                                 load_weights_from_unet=False).config)
+    config.pop("_use_default_values")  # (or from_config takes those defaults again, over the values below)
+    width = unet.config.block_out_channels[0]
+    torch.manual_seed(seed)
+    net = ControlNetUnionModel.from_config({**config, "num_control_type": MODES, "num_trans_channel": width,
+                                            "num_trans_head": 2, "num_proj_channel": width})
+    generator = torch.Generator().manual_seed(seed)
+    zeroed = [*net.controlnet_down_blocks, net.controlnet_mid_block, net.controlnet_cond_embedding.conv_out,
+              net.spatial_ch_projs]
+    with torch.no_grad():
+        for module in zeroed:
+            for p in module.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return net
+
+
+@pytest.fixture(scope="module")
+def sdxl(sdxl_path, tmp_path_factory):
+    pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_path)
+    pipe.set_progress_bar_config(disable=True)
+    folders = {"union": tmp_path_factory.mktemp("sdxl-union"), "edges": tmp_path_factory.mktemp("sdxl-edges")}
+    tiny_union_controlnet(pipe.unet, 30).save_pretrained(folders["union"])
+    tiny_controlnet(pipe.unet, 31).save_pretrained(folders["edges"])
+    engine = DiffusionEngine(model=sdxl_path, device="cpu", dtype="float32",
+                             controlnets={name: str(folder) for name, folder in folders.items()})
+    union_pipe = StableDiffusionXLControlNetUnionPipeline(
+        **pipe.components, controlnet=ControlNetUnionModel.from_pretrained(folders["union"]), add_watermarker=False)
+    union_pipe.set_progress_bar_config(disable=True)
+    yield engine, pipe, union_pipe
+    engine.shutdown()
+
+
+def sdxl_reference(sdxl, prompt: str, p: SamplingParams, output_type: str) -> np.ndarray:
+    _, pipe, union_pipe = sdxl
+    common = dict(negative_prompt=p.negative_prompt, num_inference_steps=p.num_inference_steps, height=p.height,
+                  width=p.width, num_images_per_prompt=p.n, guidance_scale=p.guidance_scale,
+                  generator=torch.Generator("cpu").manual_seed(p.seed), output_type=output_type)
+    if not p.controls:
+        return pipe(prompt, **common).images
+    field = (lambda key: [c[key] for c in p.controls])  # one ControlNetUnionModel: its lists, in order
+    return union_pipe(prompt, control_image=field("image"), control_mode=field("mode"),
+                      controlnet_conditioning_scale=field("scale"), control_guidance_start=field("start"),
+                      control_guidance_end=field("end"), **common).images
+
+
+def sdxl_batch() -> list[tuple[str, SamplingParams]]:
+    one, two, three = control_image(1), control_image(2), control_image(3)
+    size = dict(height=16, width=16)
+    return [
+        ("a red circle", P(num_inference_steps=4, guidance_scale=5.0, seed=1, **size)),
+        ("a blue square", P(num_inference_steps=4, guidance_scale=5.0, seed=2, controls=[union("union", one, 1)],
+                            **size)),
+        ("a blue square", P(num_inference_steps=5, guidance_scale=1.0, seed=3,  # no CFG; the same mode
+                            controls=[union("union", two, 1, scale=0.5)], **size)),
+        ("a green star", P(num_inference_steps=4, guidance_scale=4.0, seed=4, negative_prompt="blurry",
+                           controls=[union("union", one, 0, 0.8), union("union", two, 2, 1.2, start=0.5)], **size)),
+        ("two triangles", P(num_inference_steps=5, guidance_scale=3.0, seed=5, n=2,  # the same modes and scales
+                            controls=[union("union", three, 0, 0.8), union("union", one, 2, 1.2)], **size)),
+        ("a yellow moon", P(num_inference_steps=4, guidance_scale=5.0, seed=6,
+                            controls=[union("union", three, 3, end=0.5)], **size)),
+    ]
+
+
+def flux_batch() -> list[tuple[str, SamplingParams]]:
+    one, two = control_image(1), control_image(2)
+    size = dict(height=32, width=48)
+    return [
+        ("a red circle", P(num_inference_steps=4, guidance_scale=3.5, seed=1, **size)),
+        ("a blue square", P(num_inference_steps=4, guidance_scale=3.5, seed=2, controls=[union("union", one, 0)],
+                            **size)),
+        ("a blue square", P(num_inference_steps=5, guidance_scale=5.0, seed=3,  # another mode in the same call
+                            controls=[union("union", two, 2, scale=0.5)], **size)),
+        ("a green star", P(num_inference_steps=4, guidance_scale=4.0, seed=4,
+                           controls=[union("union", one, 1, 0.8), union("union", two, 2, 1.2, start=0.5)], **size)),
+        ("two triangles", P(num_inference_steps=5, guidance_scale=3.0, seed=5, n=2,
+                            controls=[union("union", two, 1, start=0.5)], **size)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    path, pipe = saved_tiny_flux(tmp_path_factory)
+    folders = {"union": tmp_path_factory.mktemp("flux-union"), "edges": tmp_path_factory.mktemp("flux-edges")}
+    tiny_flux_controlnet(2, 1, False, 40, num_mode=3).save_pretrained(folders["union"])
+    tiny_flux_controlnet(1, 1, False, 41).save_pretrained(folders["edges"])
+    engine = DiffusionEngine(model=path, device="cpu", dtype="float32",
+                             controlnets={name: str(folder) for name, folder in folders.items()})
+    yield engine, pipe, {"union": FluxControlNetModel.from_pretrained(folders["union"])}
+    engine.shutdown()
+
+
+def _check(engine, batch, reference) -> None:
+    for output_type, tol in (("np", TOL), ("latent", LATENT_TOL)):
+        params = [P(**{**vars(p), "output_type": output_type}) for _, p in batch]
+        outs = engine.generate([q for q, _ in batch], params, use_tqdm=False)
+        for (prompt, p), out in zip(batch, outs):
+            assert out.error is None, out.error
+            want = np.asarray(reference(prompt, p, output_type))
+            got = np.stack([np.asarray(image) for image in out.images])
+            assert got.shape == want.shape
+            diff = float(np.abs(got - want).max())
+            assert diff <= tol, f"{prompt!r} {output_type}: max abs diff {diff}"
+
+
+def test_sdxl_union_requests_equal_the_union_pipeline(sdxl):
+    _check(sdxl[0], sdxl_batch(), lambda prompt, p, kind: sdxl_reference(sdxl, prompt, p, kind))
+
+
+def test_flux_union_requests_equal_the_controlnet_pipeline_with_control_mode(flux):
+    _check(flux[0], flux_batch(), lambda prompt, p, kind: flux_reference(flux, prompt, p, kind))
+
+
+@pytest.mark.parametrize("family", ["sdxl", "flux"])
+def test_the_mode_changes_the_image(family, request):
+    """The comparisons above could pass with modes ignored if the tiny controlnets' mode inputs did nothing: they
+    move the latents more than the comparison's tolerance (far more on SDXL; Flux's mode is one token beside the
+    512 of the text in the controlnet's attention, so its part is small)."""
+    engine = request.getfixturevalue(family)[0]
+    size = dict(height=16, width=16) if family == "sdxl" else dict(height=32, width=48)
+    base = dict(num_inference_steps=3, guidance_scale=4.0, seed=9, output_type="latent", **size)
+    a, b = engine.generate(["a cat"] * 2, [P(**base, controls=[union("union", control_image(4), mode)])
+                                           for mode in (0, 2)], use_tqdm=False)
+    least = 0.01 if family == "sdxl" else 5 * LATENT_TOL
+    assert np.abs(np.asarray(a.images[0]) - np.asarray(b.images[0])).max() > least
+
+
+@pytest.mark.parametrize("family", ["sdxl", "flux"])
+def test_bad_modes_are_refused_naming_the_field(family, request):
+    engine = request.getfixturevalue(family)[0]
+    modes = engine.model_info.control_modes["union"]
+    cases = [
+        ([{"name": "union", "image": "x"}],
+         rf"controls\[0\].mode: controlnet 'union' is a union controlnet; a control on it names its mode, 0 to "
+         rf"{modes - 1}"),
+        ([{"name": "union", "image": "x", "mode": 1}, {"name": "union", "image": "x", "mode": modes}],
+         rf"controls\[1\].mode must be below {modes}, the control modes of 'union', got {modes}"),
+        ([{"name": "edges", "image": "x", "mode": 0}],
+         r"controls\[0\].mode: controlnet 'edges' is not a union controlnet; it takes no mode"),
+        ([{"name": "union", "image": "x", "mode": -1}], r"controls\[0\].mode must be a union controlnet's control"),
+        ([{"name": "union", "image": "x", "mode": True}], r"controls\[0\].mode must be a union controlnet's control"),
+    ]
+    for controls, message in cases:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request("bad", "a cat", P(controls=controls))
+
+
+def test_the_engine_reports_its_union_controlnets_modes(sdxl, flux):
+    assert sdxl[0].model_info.control_modes == {"union": MODES}
+    assert flux[0].model_info.control_modes == {"union": 3}
+
+
+def test_a_union_control_beside_an_input_image_is_refused(sdxl):
+    p = P(image=control_image(1, (16, 16)), strength=0.5, controls=[union("union", control_image(2), 1)])
+    with pytest.raises(ValueError, match="union controlnet's controls .* text-to-image only"):
+        sdxl[0].add_request("bad", "a cat", p)
+
+
+def test_an_sd_engine_refuses_a_union_controlnet_at_start(sd_eps_path, sdxl):
+    with pytest.raises(ValueError, match="is a ControlNetUnionModel, which the stable-diffusion family does not"):
+        DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32",
+                        controlnets={"union": sdxl[0].config.controlnets["union"]})
