@@ -84,6 +84,7 @@ def test_models_lists_the_controlnets(http):
     ([{"name": "nope", "image": "IMAGE"}], "controls[0].name"),
     ([{"name": "edges", "image": "not base64!"}], "controls[0].image"),
     ([{"name": "edges", "image": "IMAGE", "scale": -1}], "controls[0].scale"),
+    ([{"name": "edges", "image": "IMAGE", "mode": 1}], "controls[0].mode"),  # not a union controlnet
     ([{"name": "edges", "image": "IMAGE", "start": 0.9, "end": 0.1}], "controls[0]"),
     ([{"name": "edges", "image": "IMAGE"}] * 5, "controls"),
     (["edges"], "controls[0]"),

@@ -18,6 +18,8 @@ from test_controlnet_flux import reference as flux_reference
 from test_controlnet_flux import saved_tiny_flux, tiny_flux_controlnet
 
 from dvllm import DiffusionEngine, SamplingParams
+from dvllm.controls import Control, parse_controls
+from dvllm.entrypoints.generate_output import image_parameters
 
 TOL, LATENT_TOL = 1e-3, 1e-4
 P = SamplingParams
@@ -192,3 +194,11 @@ def test_an_sd_engine_refuses_a_union_controlnet_at_start(sd_eps_path, sdxl):
     with pytest.raises(ValueError, match="is a ControlNetUnionModel, which the stable-diffusion family does not"):
         DiffusionEngine(model=sd_eps_path, device="cpu", dtype="float32",
                         controlnets={"union": sdxl[0].config.controlnets["union"]})
+
+
+def test_the_png_record_keeps_a_union_controls_mode_as_a_prompts_file_reads_it():
+    params = P(height=16, width=16, controls=(Control("union", None, 0.5, mode=2), Control("edges", None)))
+    record = image_parameters(params, "m", {"controls": ["a.png", "b.png"]})["controls"]
+    assert record == [{"name": "union", "image": "a.png", "scale": 0.5, "start": 0.0, "end": 1.0, "mode": 2},
+                      {"name": "edges", "image": "b.png", "scale": 1.0, "start": 0.0, "end": 1.0}]
+    assert [c.mode for c in parse_controls(record)] == [2, None]
