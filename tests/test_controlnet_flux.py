@@ -93,7 +93,8 @@ def reference(flux, prompt: str, p: SamplingParams, output_type: str) -> np.ndar
     control_pipe = FluxControlNetPipeline(**components, controlnet=controlnet)
     control_pipe.set_progress_bar_config(disable=True)
     field = (lambda key: controls[0][key]) if single else (lambda key: [c[key] for c in controls])
-    modes = {"control_mode": field("mode")} if "mode" in controls[0] else {}  # a union controlnet's
+    modes = [c.get("mode") for c in controls]  # a union controlnet's (None: another's, which ignores it)
+    modes = {"control_mode": modes[0] if single else modes} if any(m is not None for m in modes) else {}
     return control_pipe(prompt, control_image=field("image"), controlnet_conditioning_scale=field("scale"),
                         control_guidance_start=field("start"), control_guidance_end=field("end"), **modes,
                         **common).images

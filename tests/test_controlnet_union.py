@@ -4,9 +4,11 @@ and a union FluxControlNetModel (num_mode; FluxControlNetPipeline's control_mode
 
 Each batch mixes a request without a control, one mode, two modes on one request (on SDXL one call, the second
 with a window that starts mid-way: the call still runs before it, its scale 0, as there), and requests with
-other modes, scales and images: each request's images equal the pipeline's with the same seed, and so do its
-latents. The tiny controlnets have random weights, their zero-initialized projections too, and are loaded
-through dvllm's loader from folders; a plain controlnet beside them checks that a mode is refused there.
+other modes, scales and images; on SDXL two union controlnets on one request (MultiControlNetUnionModel), on
+Flux a union controlnet beside a plain one (FluxMultiControlNetModel): each request's images equal the pipeline's
+with the same seed, and so do its latents. The tiny controlnets have random weights, their zero-initialized
+projections too, and are loaded through dvllm's loader from folders; a plain controlnet beside them also checks
+that a mode is refused there.
 """
 import numpy as np
 import pytest
@@ -53,26 +55,31 @@ def tiny_union_controlnet(unet, seed: int) -> ControlNetUnionModel:
 def sdxl(sdxl_path, tmp_path_factory):
     pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_path)
     pipe.set_progress_bar_config(disable=True)
-    folders = {"union": tmp_path_factory.mktemp("sdxl-union"), "edges": tmp_path_factory.mktemp("sdxl-edges")}
+    folders = {name: tmp_path_factory.mktemp(f"sdxl-{name}") for name in ("union", "other", "edges")}
     tiny_union_controlnet(pipe.unet, 30).save_pretrained(folders["union"])
+    tiny_union_controlnet(pipe.unet, 32).save_pretrained(folders["other"])
     tiny_controlnet(pipe.unet, 31).save_pretrained(folders["edges"])
     engine = DiffusionEngine(model=sdxl_path, device="cpu", dtype="float32",
                              controlnets={name: str(folder) for name, folder in folders.items()})
-    union_pipe = StableDiffusionXLControlNetUnionPipeline(
-        **pipe.components, controlnet=ControlNetUnionModel.from_pretrained(folders["union"]), add_watermarker=False)
-    union_pipe.set_progress_bar_config(disable=True)
-    yield engine, pipe, union_pipe
+    nets = {name: ControlNetUnionModel.from_pretrained(folders[name]) for name in ("union", "other")}
+    yield engine, pipe, nets
     engine.shutdown()
 
 
 def sdxl_reference(sdxl, prompt: str, p: SamplingParams, output_type: str) -> np.ndarray:
-    _, pipe, union_pipe = sdxl
+    _, pipe, nets = sdxl
     common = dict(negative_prompt=p.negative_prompt, num_inference_steps=p.num_inference_steps, height=p.height,
                   width=p.width, num_images_per_prompt=p.n, guidance_scale=p.guidance_scale,
                   generator=torch.Generator("cpu").manual_seed(p.seed), output_type=output_type)
     if not p.controls:
         return pipe(prompt, **common).images
-    field = (lambda key: [c[key] for c in p.controls])  # one ControlNetUnionModel: its lists, in order
+    # one ControlNetUnionModel and its lists, or a MultiControlNetUnionModel of several, one control each
+    names = [c["name"] for c in p.controls]
+    controlnet = nets[names[0]] if len(set(names)) == 1 else [nets[name] for name in names]
+    union_pipe = StableDiffusionXLControlNetUnionPipeline(**pipe.components, controlnet=controlnet,
+                                                          add_watermarker=False)
+    union_pipe.set_progress_bar_config(disable=True)
+    field = (lambda key: [c[key] for c in p.controls])
     return union_pipe(prompt, control_image=field("image"), control_mode=field("mode"),
                       controlnet_conditioning_scale=field("scale"), control_guidance_start=field("start"),
                       control_guidance_end=field("end"), **common).images
@@ -82,17 +89,19 @@ def sdxl_batch() -> list[tuple[str, SamplingParams]]:
     one, two, three = control_image(1), control_image(2), control_image(3)
     size = dict(height=16, width=16)
     return [
-        ("a red circle", P(num_inference_steps=4, guidance_scale=5.0, seed=1, **size)),
+        ("a red circle", P(num_inference_steps=3, guidance_scale=5.0, seed=1, **size)),
         ("a blue square", P(num_inference_steps=4, guidance_scale=5.0, seed=2, controls=[union("union", one, 1)],
                             **size)),
-        ("a blue square", P(num_inference_steps=5, guidance_scale=1.0, seed=3,  # no CFG; the same mode
+        ("a blue square", P(num_inference_steps=3, guidance_scale=1.0, seed=3,  # no CFG; the same mode
                             controls=[union("union", two, 1, scale=0.5)], **size)),
         ("a green star", P(num_inference_steps=4, guidance_scale=4.0, seed=4, negative_prompt="blurry",
                            controls=[union("union", one, 0, 0.8), union("union", two, 2, 1.2, start=0.5)], **size)),
-        ("two triangles", P(num_inference_steps=5, guidance_scale=3.0, seed=5, n=2,  # the same modes and scales
+        ("two triangles", P(num_inference_steps=4, guidance_scale=3.0, seed=5, n=2,  # the same modes and scales
                             controls=[union("union", three, 0, 0.8), union("union", one, 2, 1.2)], **size)),
-        ("a yellow moon", P(num_inference_steps=4, guidance_scale=5.0, seed=6,
+        ("a yellow moon", P(num_inference_steps=3, guidance_scale=5.0, seed=6,
                             controls=[union("union", three, 3, end=0.5)], **size)),
+        ("a purple cube", P(num_inference_steps=3, guidance_scale=5.0, seed=7,  # two union controlnets
+                            controls=[union("union", two, 1, 0.9), union("other", one, 3, 0.7, start=0.4)], **size)),
     ]
 
 
@@ -100,15 +109,17 @@ def flux_batch() -> list[tuple[str, SamplingParams]]:
     one, two = control_image(1), control_image(2)
     size = dict(height=32, width=48)
     return [
-        ("a red circle", P(num_inference_steps=4, guidance_scale=3.5, seed=1, **size)),
+        ("a red circle", P(num_inference_steps=3, guidance_scale=3.5, seed=1, **size)),
         ("a blue square", P(num_inference_steps=4, guidance_scale=3.5, seed=2, controls=[union("union", one, 0)],
                             **size)),
-        ("a blue square", P(num_inference_steps=5, guidance_scale=5.0, seed=3,  # another mode in the same call
+        ("a blue square", P(num_inference_steps=3, guidance_scale=5.0, seed=3,  # another mode in the same call
                             controls=[union("union", two, 2, scale=0.5)], **size)),
         ("a green star", P(num_inference_steps=4, guidance_scale=4.0, seed=4,
                            controls=[union("union", one, 1, 0.8), union("union", two, 2, 1.2, start=0.5)], **size)),
-        ("two triangles", P(num_inference_steps=5, guidance_scale=3.0, seed=5, n=2,
+        ("two triangles", P(num_inference_steps=4, guidance_scale=3.0, seed=5, n=2,
                             controls=[union("union", two, 1, start=0.5)], **size)),
+        ("a purple cube", P(num_inference_steps=3, guidance_scale=3.5, seed=7,  # beside a plain controlnet
+                            controls=[control("edges", two, 0.6), union("union", one, 2, 0.9)], **size)),
     ]
 
 
@@ -120,7 +131,7 @@ def flux(tmp_path_factory):
     tiny_flux_controlnet(1, 1, False, 41).save_pretrained(folders["edges"])
     engine = DiffusionEngine(model=path, device="cpu", dtype="float32",
                              controlnets={name: str(folder) for name, folder in folders.items()})
-    yield engine, pipe, {"union": FluxControlNetModel.from_pretrained(folders["union"])}
+    yield engine, pipe, {name: FluxControlNetModel.from_pretrained(folder) for name, folder in folders.items()}
     engine.shutdown()
 
 
@@ -180,7 +191,7 @@ def test_bad_modes_are_refused_naming_the_field(family, request):
 
 
 def test_the_engine_reports_its_union_controlnets_modes(sdxl, flux):
-    assert sdxl[0].model_info.control_modes == {"union": MODES}
+    assert sdxl[0].model_info.control_modes == {"union": MODES, "other": MODES}
     assert flux[0].model_info.control_modes == {"union": 3}
 
 
