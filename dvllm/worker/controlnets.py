@@ -8,10 +8,11 @@ makes of them (calls_of, control_calls.py): on SDXL all of a request's controls 
 call, its images and modes together as StableDiffusionXLControlNetUnionPipeline passes them, which rows of requests
 with the same modes and scales share; elsewhere each control is its own call (a union Flux controlnet's mode goes
 per row). A group runs its controlnet on its rows alone, with the denoiser's own inputs of those rows, the
-request's control inputs (made at its start, worker/start_latents.py), its scale; a family's forward pre-hook on the denoiser (unet_controlnet.py,
-flux_controlnet.py) sums the groups' outputs per row, place by place, so a request with several controls sums
-them in its own order, as diffusers' Multi-ControlNet models do. A row without a control gets zeros, which leave
-its forward as it was (x + 0 is x); a forward with no control runs the denoiser untouched.
+request's control inputs (made at its start, worker/start_latents.py), its scale; a family's forward pre-hook on
+the denoiser (unet_controlnet.py, flux_controlnet.py) sums the groups' outputs per row, place by place, so a
+request with several controls sums them in its own order, as diffusers' Multi-ControlNet models do. A row without
+a control gets zeros, which leave its forward as it was (x + 0 is x); a forward with no control runs the denoiser
+untouched.
 """
 from __future__ import annotations
 
@@ -150,7 +151,8 @@ class ControlPlanner:
             for call in self.calls_of(controls, state.step, state.plan.num_steps):
                 members.setdefault((call, kind), []).append((state, call.places, rows))
         groups, kept = [], {}
-        for key in sorted(members, key=lambda k: k[0].place):  # place by place: each row sums in its request's order
+        # place by place: each row sums in its request's order
+        for key in sorted(members, key=lambda k: k[0].place):
             entries, (call, kind) = members[key], key
             made = kept[key] = self._inputs(key, entries, pool)
             index = device_index([row for _, _, rows in entries for row in rows], pool.device)
@@ -177,10 +179,16 @@ class ControlPlanner:
                 inputs.append(read_control_images(pool, rows, control_image_shape(entries[0][0]), net.dtype))
         guidance = torch.tensor([state.data.guidance_scale for state, _, rows in entries for _ in rows],
                                 dtype=torch.float32).to(pool.device, non_blocking=True)
+        return _Inputs(members, inputs, guidance, self._row_modes(entries, pool.device))
+
+    def _row_modes(self, entries: list[tuple[RequestState, tuple[int, ...], list[int]]],
+                   device: torch.device) -> torch.Tensor | None:
+        """[rows] long: each row's control mode, where the family takes them per row and the controlnet has them
+        (a group's controls are on one controlnet: all name a mode, or none does)."""
+        if not self.row_modes or entries[0][0].data.controls[entries[0][1][0]].mode is None:
+            return None
         modes = [state.data.controls[places[0]].mode for state, places, rows in entries for _ in rows]
-        row_modes = torch.tensor(modes).to(pool.device, non_blocking=True) \
-            if self.row_modes and modes[0] is not None else None
-        return _Inputs(members, inputs, guidance, row_modes)
+        return torch.tensor(modes).to(device, non_blocking=True)
 
 
 def _source(state: RequestState, place: int) -> Source:
