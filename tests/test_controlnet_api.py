@@ -78,6 +78,7 @@ def test_generations_with_controls_equal_the_python_api(http, sd_eps_path, edges
 def test_models_lists_the_controlnets(http):
     facts = http.get("/v1/models").json()["data"][0]["dvllm"]
     assert facts["controlnets"] == ["edges"]
+    assert "control_modes" not in facts  # (a union controlnet's count of modes only: test_controlnet_union.py)
 
 
 @pytest.mark.parametrize("controls, param", [

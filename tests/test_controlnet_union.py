@@ -191,8 +191,11 @@ def test_bad_modes_are_refused_naming_the_field(family, request):
 
 
 def test_the_engine_reports_its_union_controlnets_modes(sdxl, flux):
+    from dvllm.entrypoints.api_server import _served_model_facts
+
     assert sdxl[0].model_info.control_modes == {"union": MODES, "other": MODES}
     assert flux[0].model_info.control_modes == {"union": 3}
+    assert _served_model_facts(flux[0])["control_modes"] == {"union": 3}  # /v1/models
 
 
 def test_a_union_control_beside_an_input_image_is_refused(sdxl):
