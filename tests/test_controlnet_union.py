@@ -10,6 +10,8 @@ with the same seed, and so do its latents. The tiny controlnets have random weig
 projections too, and are loaded through dvllm's loader from folders; a plain controlnet beside them also checks
 that a mode is refused there.
 """
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,9 @@ from test_controlnet_flux import saved_tiny_flux, tiny_flux_controlnet
 from dvllm import DiffusionEngine, SamplingParams
 from dvllm.controls import Control, parse_controls
 from dvllm.entrypoints.generate_output import image_parameters
+from dvllm.worker.controlnets import ControlPlanner
+from dvllm.worker.flux_controlnet import flux_request_kind
+from dvllm.worker.unet_controlnet import unet_request_calls, unet_request_kind
 
 TOL, LATENT_TOL = 1e-3, 1e-4
 P = SamplingParams
@@ -113,7 +118,7 @@ def flux_batch() -> list[tuple[str, SamplingParams]]:
         ("a blue square", P(num_inference_steps=4, guidance_scale=3.5, seed=2, controls=[union("union", one, 0)],
                             **size)),
         ("a blue square", P(num_inference_steps=3, guidance_scale=5.0, seed=3,  # another mode in the same call
-                            controls=[union("union", two, 2, scale=0.5)], **size)),
+                            controls=[union("union", two, 2)], **size)),
         ("a green star", P(num_inference_steps=4, guidance_scale=4.0, seed=4,
                            controls=[union("union", one, 1, 0.8), union("union", two, 2, 1.2, start=0.5)], **size)),
         ("two triangles", P(num_inference_steps=4, guidance_scale=3.0, seed=5, n=2,
@@ -216,3 +221,35 @@ def test_the_png_record_keeps_a_union_controls_mode_as_a_prompts_file_reads_it()
     assert record == [{"name": "union", "image": "a.png", "scale": 0.5, "start": 0.0, "end": 1.0, "mode": 2},
                       {"name": "edges", "image": "b.png", "scale": 1.0, "start": 0.0, "end": 1.0}]
     assert [c.mode for c in parse_controls(record)] == [2, None]
+
+
+def _state(value: float, *controls: Control) -> SimpleNamespace:
+    """A request at its step 2 of 4, its control inputs made (one image each, filled with `value`)."""
+    data = SimpleNamespace(controls=controls, guidance_scale=1.0)
+    return SimpleNamespace(data=data, step=2, plan=SimpleNamespace(num_steps=4),
+                           control_images=[torch.full((1, 2, 3), value + place) for place in range(len(controls))])
+
+
+class _Rows:  # one conditional row a request
+    def request_rows(self, request: int) -> tuple[list[int], list[int]]:
+        return [request], []
+
+
+def test_rows_of_other_modes_share_a_flux_call_and_an_sdxl_call_takes_its_requests_modes():
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    flux_net = SimpleNamespace(config=SimpleNamespace(num_layers=1, num_single_layers=1), input_hint_block=None)
+    flux = ControlPlanner({"union": flux_net}, flux_request_kind, row_modes=True)
+    (group,) = flux.plan([_state(0, Control("union", None, mode=0)), _state(1, Control("union", None, mode=2))],
+                         _Rows(), cpu).groups
+    assert group.row_modes.tolist() == [0, 2] and group.inputs[:, 0, 0].tolist() == [0.0, 1.0]
+
+    sdxl_net = SimpleNamespace(config=SimpleNamespace(global_pool_conditions=False))
+    sdxl = ControlPlanner({"union": sdxl_net}, unet_request_kind, unet_request_calls)
+    two = (Control("union", None, 0.8, mode=0), Control("union", None, 1.2, mode=2))
+    late = (two[0], Control("union", None, 1.2, start=0.75, mode=2))  # its second control not yet at step 2 of 4
+    groups = sdxl.plan([_state(0, *two), _state(10, *two), _state(20, *late), _state(30, two[1])], _Rows(),
+                       cpu).groups
+    assert [(g.index.tolist(), g.call.modes, g.call.scales) for g in groups] == [
+        ([0, 1], (0, 2), (0.8, 1.2)), ([2], (0, 2), (0.8, 0.0)), ([3], (2,), (1.2,))]
+    shared = groups[0]  # one call: each control's images for its rows, in order
+    assert shared.inputs[:, 0, 0].tolist() == [0.0, 10.0] and shared.more[0][:, 0, 0].tolist() == [1.0, 11.0]
