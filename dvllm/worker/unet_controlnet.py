@@ -32,17 +32,19 @@ def unet_request_calls(controls: tuple[Control, ...], step: int, num_steps: int)
     one call at its first one's place."""
     calls = []
     for place, c in enumerate(controls):
-        places = tuple(p for p, d in enumerate(controls) if d.name == c.name) if c.mode is not None else (place,)
-        if places[0] != place:  # (a union call's later control: in its first one's call)
-            continue
-        if c.mode is None or len(places) == 1:
+        if c.mode is None:  # a ControlNetModel's
             if c.acts_at(step, num_steps):
-                calls.append(ControlCall(place, c.name, c.scale, places, () if c.mode is None else (c.mode,),
-                                         () if c.mode is None else (c.scale,)))
+                calls.append(ControlCall(place, c.name, c.scale, (place,)))
+            continue
+        places = tuple(p for p, d in enumerate(controls) if d.name == c.name)
+        if places[0] != place:  # a union call's later control: in its first one's call
             continue
         union = [controls[p] for p in places]
+        keeps = [float(d.acts_at(step, num_steps)) for d in union]
+        if len(union) == 1 and not keeps[0]:  # one control: its residuals, scaled by 0, would add nothing
+            continue
         calls.append(ControlCall(place, c.name, c.scale, places, tuple(d.mode for d in union),
-                                 tuple(d.scale * float(d.acts_at(step, num_steps)) for d in union)))
+                                 tuple(d.scale * keep for d, keep in zip(union, keeps))))
     return calls
 
 
