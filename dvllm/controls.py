@@ -4,7 +4,9 @@
 at start (`EngineConfig.controlnets`, `--controlnet NAME=PATH`). As diffusers' ControlNet pipelines take them:
 `scale` is `controlnet_conditioning_scale`, `start` and `end` are `control_guidance_start` / `_end`, fractions
 of the request's steps, and several controls on one request add their residuals in the order given (diffusers'
-MultiControlNetModel). Torch-free: the driver checks requests before anything heavy loads.
+MultiControlNetModel). A union controlnet (SDXL's ControlNetUnionModel, a FluxControlNetModel with num_mode) takes a
+`mode` with each control, its control_mode; another takes none. Torch-free: the driver checks requests before
+anything heavy loads.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any
 
 MAX_CONTROLS = 4         # controls on one request (each runs a controlnet on its rows every step in its window)
 MAX_CONTROL_SCALE = 100.0
-_FIELDS = ("name", "image", "scale", "start", "end")
+_FIELDS = ("name", "image", "scale", "start", "end", "mode")
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class Control:
     scale: float = 1.0   # its residuals' weight
     start: float = 0.0   # the fraction of the steps where it begins to act
     end: float = 1.0     # ... and where it stops
+    mode: int | None = None  # a union controlnet's control mode (checked against its count at resolve time)
 
     def acts_at(self, step: int, num_steps: int) -> bool:
         """Whether it acts on step `step` of `num_steps`: diffusers' controlnet_keep, 1 unless the step starts
@@ -37,7 +40,8 @@ def parse_controls(value: Any) -> tuple[Control, ...] | None:
     if value is None:
         return None
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"controls must be a list of {{name, image, scale, start, end}}, got {type(value).__name__}")
+        raise ValueError(f"controls must be a list of {{name, image, scale, start, end, mode}}, got "
+                         f"{type(value).__name__}")
     if len(value) > MAX_CONTROLS:
         raise ValueError(f"controls: at most {MAX_CONTROLS} controls on one request, got {len(value)}")
     return tuple(_control(item, f"controls[{i}]") for i, item in enumerate(value)) or None
@@ -52,7 +56,8 @@ def _control(item: Any, where: str) -> Control:
             raise ValueError(f"{where}: unknown field(s) {unknown}; a control has {list(_FIELDS)}")
         fields = dict(item)
     else:
-        raise ValueError(f"{where} must be an object {{name, image, scale, start, end}}, got {type(item).__name__}")
+        raise ValueError(f"{where} must be an object {{name, image, scale, start, end, mode}}, got "
+                         f"{type(item).__name__}")
     name = fields.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}.name must name a controlnet the engine loaded, got {name!r}")
@@ -65,7 +70,10 @@ def _control(item: Any, where: str) -> Control:
     if not 0.0 <= start < end <= 1.0:
         raise ValueError(f"{where}: start and end are fractions of the steps with 0 <= start < end <= 1, "
                          f"got start={start!r}, end={end!r}")
-    return Control(name, fields["image"], scale, start, end)
+    mode = fields.get("mode")
+    if mode is not None and (isinstance(mode, bool) or not isinstance(mode, int) or mode < 0):
+        raise ValueError(f"{where}.mode must be a union controlnet's control mode, an integer >= 0, got {mode!r}")
+    return Control(name, fields["image"], scale, start, end, mode)
 
 
 def _number(name: str, value: Any) -> float:

@@ -90,8 +90,9 @@ class SamplingParams:
     # else its guidance default). Other models take none.
     guidance_scale_2: float | None = None
     # ControlNet: [{"name": <a controlnet the engine loaded>, "image": <its conditioning image>, "scale": 1.0,
-    # "start": 0.0, "end": 1.0}, ...] (dvllm/controls.py), as diffusers' ControlNet pipelines take them; resolved
-    # to a tuple of Controls with RGB PIL images. Without a size, the first control image's gives it (as there).
+    # "start": 0.0, "end": 1.0, "mode": <a union controlnet's control mode>}, ...] (dvllm/controls.py), as
+    # diffusers' ControlNet pipelines take them; resolved to a tuple of Controls with RGB PIL images. Without a
+    # size, the first control image's gives it (as there).
     controls: Any = None
     # IP-Adapter: an image prompt (a PIL image, an HxWx3 uint8 array or a path) for the engine's IP-Adapter
     # (EngineConfig.ip_adapter), weighted by ip_adapter_scale (what diffusers' set_ip_adapter_scale sets; 0: the
@@ -204,6 +205,9 @@ class SamplingParams:
         if controls and image is not None and not info.images.controls:
             raise ValueError(f"controls: {info.pipeline_class} takes controls with text-to-image only, not beside "
                              "input images")
+        if controls and image is not None and any(c.mode is not None for c in controls):
+            raise ValueError("controls: a union controlnet's controls (with a mode) are served with text-to-image "
+                             "only, not beside input images")
         conditioned = "controls" if controls else "ip_adapter_image" if self.ip_adapter_image is not None else None
         if conditioned and cache is not None:  # the engine's default cache leaves such a request uncached
             if not _is_default(self.cache):
@@ -283,6 +287,7 @@ def _load_controls(value: Any, config: "EngineConfig", info: "ModelInfo", max_pi
         if info.images.controls_one_controlnet and control.name != controls[0].name:
             raise ValueError(f"controls[{i}].name: the {info.family} family takes one controlnet a request (several "
                              f"images of it); controls[0] names {controls[0].name!r}, this one {control.name!r}")
+        _check_mode(control, info.control_modes.get(control.name), f"controls[{i}].mode")
     return tuple(dataclasses.replace(c, image=_load_image(c.image, info, max_pixels, f"controls[{i}].image",
                                                           input_image=False)) for i, c in enumerate(controls))
 
@@ -294,6 +299,17 @@ def _load_image_prompt(value: Any, config: "EngineConfig", info: "ModelInfo", ma
     if not config.ip_adapter:
         raise ValueError("ip_adapter_image: this engine serves no IP-Adapter (start it with --ip-adapter WEIGHTS)")
     return _load_image(value, info, max_pixels, "ip_adapter_image", input_image=False)
+
+
+def _check_mode(control: Control, modes: int | None, where: str) -> None:
+    """A union controlnet's control names one of its `modes` (None: not a union controlnet, which takes none)."""
+    if modes is None and control.mode is not None:
+        raise ValueError(f"{where}: controlnet {control.name!r} is not a union controlnet; it takes no mode")
+    if modes is not None and control.mode is None:
+        raise ValueError(f"{where}: controlnet {control.name!r} is a union controlnet; a control on it names its "
+                         f"mode, 0 to {modes - 1}")
+    if modes is not None and control.mode >= modes:
+        raise ValueError(f"{where} must be below {modes}, the control modes of {control.name!r}, got {control.mode}")
 
 
 def control_size(image: Any, factor: int) -> tuple[int, int]:

@@ -78,12 +78,14 @@ def test_generations_with_controls_equal_the_python_api(http, sd_eps_path, edges
 def test_models_lists_the_controlnets(http):
     facts = http.get("/v1/models").json()["data"][0]["dvllm"]
     assert facts["controlnets"] == ["edges"]
+    assert "control_modes" not in facts  # (a union controlnet's count of modes only: test_controlnet_union.py)
 
 
 @pytest.mark.parametrize("controls, param", [
     ([{"name": "nope", "image": "IMAGE"}], "controls[0].name"),
     ([{"name": "edges", "image": "not base64!"}], "controls[0].image"),
     ([{"name": "edges", "image": "IMAGE", "scale": -1}], "controls[0].scale"),
+    ([{"name": "edges", "image": "IMAGE", "mode": 1}], "controls[0].mode"),  # not a union controlnet
     ([{"name": "edges", "image": "IMAGE", "start": 0.9, "end": 0.1}], "controls[0]"),
     ([{"name": "edges", "image": "IMAGE"}] * 5, "controls"),
     (["edges"], "controls[0]"),

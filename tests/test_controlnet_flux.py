@@ -31,13 +31,15 @@ NETS = {"edges": (1, 1, False, 20), "depth": (2, 0, False, 21), "lines": (2, 1, 
 #        name: double blocks, single blocks, XLabs (an input_hint_block), seed
 
 
-def tiny_flux_controlnet(num_layers: int, num_single_layers: int, xlabs: bool, seed: int) -> FluxControlNetModel:
+def tiny_flux_controlnet(num_layers: int, num_single_layers: int, xlabs: bool, seed: int,
+                         num_mode: int | None = None) -> FluxControlNetModel:
     torch.manual_seed(seed)
     # XLabs': the hint block's 8x downsampling, then patches of 2 (4 channels -> the transformer's 16)
     hint = dict(patch_size=2, conditioning_embedding_channels=4) if xlabs else dict(patch_size=1)
     net = FluxControlNetModel(in_channels=16, num_layers=num_layers, num_single_layers=num_single_layers,
                               attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                              pooled_projection_dim=24, axes_dims_rope=[4, 4, 8], guidance_embeds=True, **hint)
+                              pooled_projection_dim=24, axes_dims_rope=[4, 4, 8], guidance_embeds=True,
+                              num_mode=num_mode, **hint)
     generator = torch.Generator().manual_seed(seed)
     zeroed = [*net.controlnet_blocks, *net.controlnet_single_blocks, net.controlnet_x_embedder]
     with torch.no_grad():
@@ -47,8 +49,8 @@ def tiny_flux_controlnet(num_layers: int, num_single_layers: int, xlabs: bool, s
     return net
 
 
-@pytest.fixture(scope="module")
-def flux(tmp_path_factory):
+def saved_tiny_flux(tmp_path_factory) -> tuple[str, FluxPipeline]:
+    """A tiny Flux of four double and two single blocks, saved; and as loaded back."""
     from conftest import tiny_flux_pipeline
 
     path = tmp_path_factory.mktemp("flux-4x2")
@@ -60,12 +62,18 @@ def flux(tmp_path_factory):
     FluxPipeline(**{**tiny_flux_pipeline(num_layers=4, num_single_layers=2).components, "vae": vae}).save_pretrained(path)
     pipe = FluxPipeline.from_pretrained(path)  # as saved (the byte tokenizers come back as the engine reads them)
     pipe.set_progress_bar_config(disable=True)
+    return str(path), pipe
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    path, pipe = saved_tiny_flux(tmp_path_factory)
     nets = {}
     for name, spec in NETS.items():
         folder = tmp_path_factory.mktemp(f"flux-controlnet-{name}")
         tiny_flux_controlnet(*spec).save_pretrained(folder)
         nets[name] = str(folder)
-    engine = DiffusionEngine(model=str(path), device="cpu", dtype="float32", controlnets=nets)
+    engine = DiffusionEngine(model=path, device="cpu", dtype="float32", controlnets=nets)
     loaded = {name: FluxControlNetModel.from_pretrained(folder) for name, folder in nets.items()}
     yield engine, pipe, loaded
     engine.shutdown()
@@ -85,8 +93,11 @@ def reference(flux, prompt: str, p: SamplingParams, output_type: str) -> np.ndar
     control_pipe = FluxControlNetPipeline(**components, controlnet=controlnet)
     control_pipe.set_progress_bar_config(disable=True)
     field = (lambda key: controls[0][key]) if single else (lambda key: [c[key] for c in controls])
+    modes = [c.get("mode") for c in controls]  # a union controlnet's (None: another's, which ignores it)
+    modes = {"control_mode": modes[0] if single else modes} if any(m is not None for m in modes) else {}
     return control_pipe(prompt, control_image=field("image"), controlnet_conditioning_scale=field("scale"),
-                        control_guidance_start=field("start"), control_guidance_end=field("end"), **common).images
+                        control_guidance_start=field("start"), control_guidance_end=field("end"), **modes,
+                        **common).images
 
 
 def mixed() -> list[tuple[str, SamplingParams]]:

@@ -102,7 +102,8 @@ class InputProcessor:
                 self.model_key, prompt, resolved, request.lora_load_ids,
                 request.image_key or image_digest(resolved.image),
                 None if resolved.mask_image is None else image_digest(resolved.mask_image),
-                tuple((c.name, key.hex(), c.scale, c.start, c.end) for c, key in zip(request.controls, digests)),
+                tuple((c.name, key.hex(), c.scale, c.start, c.end, c.mode)
+                      for c, key in zip(request.controls, digests)),
                 None if resolved.ip_adapter_image is None else
                 (image_digest(resolved.ip_adapter_image), float(resolved.ip_adapter_scale)))
         return request

@@ -217,6 +217,7 @@ def _served_model_facts(engine: AsyncDiffusionEngine) -> dict[str, Any] | None:
     facts = model_facts(info, info.pixel_limit(config.max_image_pixels),
                         engine.valid_samplers(), engine.loaded_model, max_num_frames=config.max_num_frames)
     facts = {**facts, "controlnets": sorted(config.controlnets)} if config.controlnets else facts
+    facts = {**facts, "control_modes": dict(info.control_modes)} if info.control_modes else facts  # union ones'
     return {**facts, "ip_adapter": True} if config.ip_adapter else facts
 
 

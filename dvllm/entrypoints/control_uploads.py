@@ -25,7 +25,7 @@ def open_controls(controls: list[Any] | None, max_pixels: int) -> list[dict[str,
     for i, control in enumerate(controls):
         if not isinstance(control, dict):
             raise APIError(400, f"Invalid value for 'controls[{i}]': expected an object {{name, image, scale, "
-                                "start, end}.", param=f"controls[{i}]", code="invalid_value")
+                                "start, end, mode}.", param=f"controls[{i}]", code="invalid_value")
         opened.append(dict(control, image=_open(control.get("image"), max_pixels, f"controls[{i}].image")))
     return opened
 

@@ -65,8 +65,8 @@ def image_parameters(params: SamplingParams, model: str, inputs: dict[str, Any] 
                if params.aesthetic_score is not None else {}),
             **({"num_frames": params.num_frames, "fps": params.fps} if params.num_frames is not None else {}),
             **({"cache": params.cache.as_dict()} if isinstance(params.cache, CacheConfig) else {}),
-            **({"controls": [{"name": c.name, "image": path, "scale": c.scale, "start": c.start, "end": c.end}
-                             for c, path in zip(params.controls, control_paths)]} if params.controls else {}),
+            **({"controls": [_control_record(c, path) for c, path in zip(params.controls, control_paths)]}
+               if params.controls else {}),
             **({"ip_adapter_scale": params.ip_adapter_scale} if params.ip_adapter_image is not None else {})}
 
 
@@ -168,3 +168,9 @@ class OutputThread:
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+def _control_record(control: Any, path: str | None) -> dict[str, Any]:
+    """A control as a prompts file takes it (its mode only where it names one: a union controlnet's)."""
+    record = {"name": control.name, "image": path, "scale": control.scale, "start": control.start, "end": control.end}
+    return record if control.mode is None else {**record, "mode": control.mode}

@@ -103,8 +103,8 @@ class ImageGenerationRequest(BaseModel):
     # SDXL models trained with an aesthetic score (the refiner): the prompt's and the negative rows' scores
     aesthetic_score: float | None = Field(None, allow_inf_nan=False)
     negative_aesthetic_score: float | None = Field(None, allow_inf_nan=False)
-    # ControlNet: [{"name", "image" (base64 or a data: URL), "scale", "start", "end"}]; the images are opened by the
-    # server (entrypoints/control_uploads.py), the rest checked by the engine (dvllm/controls.py)
+    # ControlNet: [{"name", "image" (base64 or a data: URL), "scale", "start", "end", "mode"}]; the images are
+    # opened by the server (entrypoints/control_uploads.py), the rest checked by the engine (dvllm/controls.py)
     controls: list[Any] | None = None
     # IP-Adapter: an image prompt (base64 or a data: URL, opened by entrypoints/image_prompt_upload.py) and its scale
     ip_adapter_image: str | None = None

@@ -1,6 +1,7 @@
 """The worker owns the device, the model and every request's state."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any
@@ -20,7 +21,7 @@ from dvllm.parallel.group_decode import SharedDecode, decodes_in_group
 from dvllm.parallel.parallel_config import ParallelConfig
 from dvllm.profiler import PhaseTimer
 from dvllm.runtime.liveness import CallBounds
-from dvllm.worker.controlnets import load_controlnets
+from dvllm.worker.controlnets import control_modes, load_controlnets
 from dvllm.worker.ip_adapter_load import load_ip_adapter
 from dvllm.worker.decode_stage import DecodeStage
 from dvllm.worker.decode_tiling import measure_budget
@@ -135,7 +136,8 @@ class Worker:
             prompts.encoders_released = bool(encoders)
 
     def model_info(self) -> ModelInfo:
-        return self.runner.adapter.info
+        # what the driver checks requests' control modes against
+        return dataclasses.replace(self.runner.adapter.info, control_modes=control_modes(self.controlnets))
 
     def loaded_model(self) -> LoadedModel:
         adapter = self.runner.adapter

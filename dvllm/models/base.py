@@ -88,6 +88,9 @@ class ModelAdapter(ABC):
     vae_follows_dtype: ClassVar[bool] = False
     # The diffusers class of the controlnets its denoiser takes (EngineConfig.controlnets); None: none yet
     controlnet_class: ClassVar[str | None] = None
+    # The class of its union controlnets where that is another one (SDXL's ControlNetUnionModel; Flux's are
+    # FluxControlNetModels with num_mode): a folder whose config names it loads as it
+    union_controlnet_class: ClassVar[str | None] = None
     # How its denoiser takes an IP-Adapter (EngineConfig.ip_adapter): "unet" (diffusers' IPAdapterMixin) or
     # "flux" (FluxIPAdapterMixin); None: none yet
     ip_adapter_kind: ClassVar[str | None] = None

@@ -209,6 +209,9 @@ class ModelInfo:
     # Two experts (Wan 2.2 A14B): the timestep at and above which the first (high-noise) denoiser runs a row, the
     # second below it, each with its own guidance scale (SamplingParams.guidance_scale_2). None: one denoiser.
     expert_boundary: float | None = None
+    # The engine's union controlnets (EngineConfig.controlnets): their control modes' counts by name, as the worker
+    # loaded them (executor/worker.py); a control on one names a mode below it, a control on another names none
+    control_modes: dict[str, int] = field(default_factory=dict)
 
     def expert(self, timestep: float) -> int:
         """The expert that runs a step at `timestep`: 0, or 1 below a two-expert model's boundary."""

@@ -22,6 +22,7 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
     default_guidance = 5.0
     default_strength = 0.3  # StableDiffusionXLImg2ImgPipeline's
     default_inpaint_strength = 0.9999  # StableDiffusionXLInpaintPipeline's: it skips the first step
+    union_controlnet_class = "ControlNetUnionModel"  # StableDiffusionXLControlNetUnionPipeline's
 
     def __init__(self, pipeline, name: str, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__(pipeline, name, device, dtype)

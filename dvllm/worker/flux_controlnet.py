@@ -9,7 +9,8 @@ input_hint_block). One forward has one such choice, so the hook gives the transf
 pick the same samples shares one tensor. How a request's samples map is decided as diffusers decides it for the
 request's controlnets together (FluxMultiControlNetModel): repeat from its first controlnet, and the number of
 samples the first's, or fewer where its later controlnets have fewer (their lists are summed with zip); a first
-controlnet without double (or single) blocks leaves that list out. A row without a control gets zeros.
+controlnet without double (or single) blocks leaves that list out. A row without a control gets zeros. A union
+controlnet (num_mode) takes each row's control mode (the planner's row_modes): rows of different modes share a call.
 """
 from __future__ import annotations
 
@@ -77,7 +78,9 @@ class FluxControlSamples:
                 timestep=timestep[index] if timestep.dim() else timestep,
                 guidance=group.guidance if net.config.guidance_embeds else None,  # as the pipeline: the net's own
                 pooled_projections=pooled[index], encoder_hidden_states=text[index],
-                txt_ids=kwargs["txt_ids"], img_ids=kwargs["img_ids"], return_dict=False))
+                txt_ids=kwargs["txt_ids"], img_ids=kwargs["img_ids"], return_dict=False,
+                # a union controlnet's mode per row, [rows, 1], as FluxControlNetPipeline's control_mode
+                **({} if group.row_modes is None else {"controlnet_mode": group.row_modes[:, None]})))
         double = _per_block(plan.groups, [out[0] for out in outputs], len(module.transformer_blocks), len(hidden),
                             single=False)
         single = _per_block(plan.groups, [out[1] for out in outputs], len(module.single_transformer_blocks),
