@@ -24,6 +24,7 @@ def swap_out(state: RequestState, pool: StatePool, info: ModelInfo) -> None:
         host["uncond"] = pool.read([blocks.uncond], info.text.condition_numel)
     state.host = {k: v.to("cpu") for k, v in host.items()}
     state.blocks = None
+    state.control_images = None  # (outside the pool: copied to the device again when it runs again)
 
 
 def swap_in(state: RequestState, blocks: Any, pool: StatePool) -> None:
