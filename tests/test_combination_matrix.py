@@ -1,7 +1,7 @@
 """The combination matrix: every served family crossed pairwise with the engine's documented modes (decode stage
 and workers, encode stage and workers, the core's process, async scheduling, the result cache, LoRA rows, step
 caching, cfg- and sequence-parallel groups, the CUDA-graph emulator, compile, torchao quantization, VAE tiling,
-max_running_pixels, priority preemption, request-level batching). Every pair of values appears together in at least one cell; each cell
+max_running_pixels, priority preemption, request-level batching, ControlNet). Every pair of values appears together in at least one cell; each cell
 gives the plain engine's images (combination_matrix.py says what that is), or its pair is refused at start with
 a message naming both sides. Never a failed request, a hang or a 500. README.md's table lists the refusals."""
 from __future__ import annotations
@@ -39,6 +39,13 @@ def _refusals() -> dict[Pair, tuple[str, ...]]:
         refused[pair(("family", family), ("step_cache", True))] = ("default_cache", "serves no step caching")
     for family, denoiser in NO_SEQUENCE_PLAN.items():
         refused[pair(("family", family), ("group", "sp"))] = ("sequence_parallel_size", denoiser)
+    for family in FACTORS["family"]:
+        if family not in CONTROLNET_FAMILIES:
+            refused[pair(("family", family), ("controlnet", True))] = \
+                ("controlnets", "inpaint") if family == "inpaint" else ("controlnets", "takes no ControlNet")
+    for group in ("cfg", "sp"):
+        refused[pair(("group", group), ("controlnet", True))] = ("worker group", "controlnets")
+    refused[pair(("step_cache", True), ("controlnet", True))] = ("controlnets", "default_cache")
     return refused
 
 
@@ -47,6 +54,9 @@ def _refusals() -> dict[Pair, tuple[str, ...]]:
 NO_STEP_CACHE = ("sd", "sdxl", "kontext", "qwen-image-edit", "inpaint")
 NO_SEQUENCE_PLAN = {"sd": "UNet2DConditionModel", "sdxl": "UNet2DConditionModel", "inpaint": "UNet2DConditionModel",
                     "sd3": "SD3Transformer2DModel", "z-image": "ZImageTransformer2DModel"}
+# The families whose UNet takes a ControlNet (an inpainting UNet's requests all bring an image, which controls
+# are not served with)
+CONTROLNET_FAMILIES = ("sd", "sdxl")
 REFUSED = _refusals()
 # Pairs served, but which this CPU harness cannot build: the emulator replaces the denoiser of a worker in the
 # test's process, and with the core's process the worker is in another
@@ -123,13 +133,14 @@ def test_each_cell_gives_the_plain_engines_images(row, models, references):
     family = models.families[row["family"]]
     path = models.path(row["family"])
     loras = models.loras(row["family"]) if row["lora"] else {}
+    nets = models.controlnets(row["family"]) if row["controlnet"] else {}
     jobs = jobs_for(row, family)
     emulator = _Emulator()
-    result = run_cell(path, row, family, jobs, loras, emulator)
+    result = run_cell(path, row, family, jobs, loras, emulator, nets)
     for job in jobs:
         out = result.outputs[job.name]
         assert out is not None and out.finished and out.error is None, f"{job.name}: {out and out.error}"
-        want = references.images(path, row, family, loras, job)
+        want = references.images(path, row, family, loras, job, nets)
         assert len(out.images) == len(want), job.name
         for got, expected in zip(out.images, want):
             np.testing.assert_allclose(np.asarray(got), expected, atol=TOL, rtol=0, err_msg=job.name)
@@ -146,11 +157,12 @@ def test_each_cell_gives_the_plain_engines_images(row, models, references):
         assert row["step_cache"] or any(g.graph.replays >= 2 for g in graphs.values())
 
 
-def _refusal_options(refused: Pair, family: Family, loras: dict[str, str]) -> dict[str, Any]:
+def _refusal_options(refused: Pair, family: Family, loras: dict[str, str],
+                     nets: dict[str, str]) -> dict[str, Any]:
     """A cell with the refused pair and every other mode plain."""
     row = {name: values[0] for name, values in FACTORS.items()}
     row.update(dict(refused))
-    options = engine_options(row, family, loras)
+    options = engine_options(row, family, loras, nets)
     if row["graphs"]:  # a real CUDA graph: what the emulator stands in for
         options.update(device="cuda", cuda_graph=True)
     return options
@@ -163,7 +175,8 @@ def test_each_refused_pair_is_refused_at_start_naming_both(refused, models):
     name = values.get("family", "flux" if values.get("group") != "sp" else "flux")
     family = models.families[name]
     loras = models.loras(name) if values.get("lora") else {}
-    options = _refusal_options(refused, family, loras)
+    nets = models.controlnets("sd") if values.get("controlnet") else {}  # (SD's: refused before they load)
+    options = _refusal_options(refused, family, loras, nets)
     before = set(descendants(os.getpid()))
     with pytest.raises(ValueError) as error:
         if options.get("device") == "cuda":  # no GPU here: the config refuses it before any device is touched
@@ -198,7 +211,8 @@ def _readme_names() -> dict[tuple[str, Any], str]:
     names.update({("group", "cfg"): "--cfg-parallel-size", ("group", "sp"): "--sequence-parallel-size",
                   ("compile", True): "--compile", ("graphs", True): "--cuda-graph",
                   ("encode", "workers"): "--encode-workers", ("lora", True): "--lora-modules",
-                  ("step_cache", True): "--default-cache", ("core", "process"): "--engine-core-process"})
+                  ("step_cache", True): "--default-cache", ("core", "process"): "--engine-core-process",
+                  ("controlnet", True): "--controlnet"})
     return names
 
 

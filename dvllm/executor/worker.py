@@ -73,6 +73,9 @@ class Worker:
         adapter = load_adapter(config.model, config.load_format, self.device, config.dtype,
                                seed=config.dummy_weight_seed, default_params=config.default_params, load=load)
         self.dtype = adapter.dtype  # "auto" resolved for the model's family
+        if config.controlnets and adapter.info.images.requires_mask:
+            raise ValueError(f"controlnets: this model ({adapter.info.pipeline_class}, an inpainting UNet) only "
+                             "inpaints, and controls are served with text-to-image only: start it without them")
         self.controlnets = load_controlnets(config.controlnets, adapter)  # before the memory profile: it counts them
         # fast mode's choices (and the other speed settings' defaults) made concrete for this device and denoiser
         self.config = config = settle(config, adapter)
@@ -100,7 +103,8 @@ class Worker:
         """The pool (after the memory profile), the runner and the stages."""
         stages = self.stages
         self.budget = measure_budget(adapter, stages.max_decode_bytes)  # before the profile, which decodes by it
-        self.pool, decode_stage = create_state_pool(PoolConfig.of(config), adapter, config, self.budget)
+        self.pool, decode_stage = create_state_pool(PoolConfig.of(config), adapter, config, self.budget,
+                                                    self.controlnets)
         custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step
         self.timer = PhaseTimer(config.profile_steps, self.device)
         self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, stages.max_decode_batch,
