@@ -137,6 +137,14 @@ def check_compile(config: Config) -> None:
             raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
+def check_controlnets(config: Config) -> None:
+    """The modes ControlNet is not served with, refused before anything loads (a worker group's refusal is the
+    group's, and a family's is the loader's)."""
+    if config.controlnets and config.default_cache is not None:
+        raise ValueError("controlnets with default_cache: not served together yet (controlled requests beside "
+                         "step-cached ones are not checked against diffusers yet)")
+
+
 def check_config(config: Config) -> None:
     """Every knob in range, and the combinations that cannot work refused."""
     choice("load_format", config.load_format, LOAD_FORMATS)
@@ -162,3 +170,4 @@ def check_config(config: Config) -> None:
     check_workers(config)
     check_liveness(config)
     check_encoder_device(config)
+    check_controlnets(config)

@@ -2,10 +2,10 @@
 asks of the engine and of a batch, and how a cell runs (tests/test_combination_matrix.py runs them).
 
 A cell is one engine: a family and one value of each mode. Its batch mixes what the modes put in requests (LoRA
-rows beside plain ones, each step-cache method beside uncached rows, a low-priority request preempted by later
+rows beside plain ones, controlled rows beside uncontrolled ones, each step-cache method beside uncached rows, a low-priority request preempted by later
 ones, a request asked again for the result cache), and each request's images must equal the plain engine's for
 the same request (an in-process DiffusionEngine with no mode on but those that change images by design: the
-adapters, the cache, the quantization, the tiled VAE), to 1e-5 on [0, 1] images in float32 on the CPU.
+adapters, the controlnets, the cache, the quantization, the tiled VAE), to 1e-5 on [0, 1] images in float32 on the CPU.
 """
 from __future__ import annotations
 
@@ -110,6 +110,7 @@ FACTORS: dict[str, list[Any]] = {
     "running_pixels": [False, True],
     "priority": [False, True],
     "batching": ["step", "request"],
+    "controlnet": [False, True],
 }
 
 # What a value costs a cell, roughly in seconds of a loaded 2-core machine: processes to start
@@ -120,13 +121,19 @@ DEFAULT_CACHE = {"method": "first_block", "threshold": 0.5}
 # r0 takes the engine's default_cache (first_block), r1 TaylorSeer, r2 none, r3 MagCache. TaylorSeer's factors in
 # float32: in diffusers' default bfloat16, a last-bit difference between two batch compositions (another matmul
 # blocking) can round a factor to its neighbouring bfloat16 value, 4e-3 away, past this matrix's 1e-5
+# r0 takes the first controlnet for the first half of its steps, r2 the second for one step: forwards with two
+# control groups, with one, and without (which a CUDA graph replays)
+CONTROLS = [{"name": "edges", "scale": 0.9, "end": 0.5}, None, {"name": "depth", "scale": 0.6, "start": 0.25,
+                                                                  "end": 0.5}]
 CACHES = [{"method": "taylorseer", "cache_interval": 2, "disable_cache_before_step": 1,
            "taylor_factors_dtype": "float32"}, None,
           {"method": "mag", "mag_ratios": [1.0] * STEPS, "num_inference_steps": STEPS, "threshold": 0.5}]
 
 
-def engine_options(row: dict[str, Any], family: Family, loras: dict[str, str]) -> dict[str, Any]:
-    """The engine's keyword arguments for a cell (the graph emulator is no argument: run_cell installs it)."""
+def engine_options(row: dict[str, Any], family: Family, loras: dict[str, str],
+                   nets: dict[str, str] | None = None) -> dict[str, Any]:
+    """The engine's keyword arguments for a cell (the graph emulator is no argument: run_cell installs it).
+    `nets`: the controlnets a cell with controlnet on loads."""
     options: dict[str, Any] = {
         "decode_stage": row["decode"] != "loop", "decode_workers": int(row["decode"] == "workers"),
         "encode_stage": row["encode"] != "loop", "encode_workers": int(row["encode"] == "workers"),
@@ -134,7 +141,7 @@ def engine_options(row: dict[str, Any], family: Family, loras: dict[str, str]) -
     }
     if row["result_cache"]:
         options["result_cache_mb"] = 16
-    options.update(image_options(row, family, loras))
+    options.update(image_options(row, family, loras, nets))
     if row["group"] == "cfg":
         options["cfg_parallel_size"] = 2
     elif row["group"] == "sp":
@@ -148,11 +155,14 @@ def engine_options(row: dict[str, Any], family: Family, loras: dict[str, str]) -
     return options
 
 
-def image_options(row: dict[str, Any], family: Family, loras: dict[str, str]) -> dict[str, Any]:
+def image_options(row: dict[str, Any], family: Family, loras: dict[str, str],
+                  nets: dict[str, str] | None = None) -> dict[str, Any]:
     """The options that change images by design: the plain engine of a cell has these too."""
     options: dict[str, Any] = {}
     if row["lora"]:
         options["lora_modules"] = dict(loras)
+    if row["controlnet"]:
+        options["controlnets"] = dict(nets or {})
     if row["step_cache"]:
         options["default_cache"] = DEFAULT_CACHE
     if row["quantization"]:
@@ -178,6 +188,12 @@ class Job:
 def picture(seed: int, side: int) -> Image.Image:
     pixels = np.random.default_rng(seed).integers(0, 255, (side, side, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
+
+
+def control_picture(seed: int) -> Image.Image:
+    """An edge-map-like control image of another size than the requests' (resized to theirs)."""
+    edges = np.random.default_rng(seed).random((26, 30, 3)) > 0.7
+    return Image.fromarray(edges.astype(np.uint8) * 255)
 
 
 def inpaint_mask(side: int) -> Image.Image:
@@ -206,6 +222,8 @@ def jobs_for(row: dict[str, Any], family: Family) -> list[Job]:
             params["loras"] = [{"l": 0.8}, {"l": 0.3, "m": -0.5}, None][i]
         if row["step_cache"]:
             params["cache"] = "default" if i == 0 else CACHES[i - 1]
+        if row["controlnet"] and CONTROLS[i] is not None:
+            params["controls"] = [{**CONTROLS[i], "image": control_picture(20 + i)}]
         jobs.append(Job(name, prompt, SamplingParams(**params)))
     if row["step_cache"]:  # the last cache method beside them
         jobs.append(Job("r3", "a green star", dataclasses.replace(jobs[2].params, seed=4, cache=CACHES[2])))
@@ -265,9 +283,9 @@ async def _run_jobs(engine: AsyncDiffusionEngine, jobs: list[Job]) -> dict[str, 
 
 
 def run_cell(model: str, row: dict[str, Any], family: Family, jobs: list[Job], loras: dict[str, str],
-             install_graphs: Callable[[Any], None]) -> CellResult:
+             install_graphs: Callable[[Any], None], nets: dict[str, str] | None = None) -> CellResult:
     """Starts the cell's engine, runs its batch, shuts it down."""
-    options = engine_options(row, family, loras)
+    options = engine_options(row, family, loras, nets)
     if row["running_pixels"]:
         options["max_running_pixels"] = pixels_bound(jobs, family)
     if row["priority"]:  # a batch of the victim's rows only: whatever arrives must preempt it
@@ -295,8 +313,8 @@ class References:
         self._ids = itertools.count()
 
     def images(self, model: str, row: dict[str, Any], family: Family, loras: dict[str, str],
-               job: Job) -> list[np.ndarray]:
-        options = image_options(row, family, loras)
+               job: Job, nets: dict[str, str] | None = None) -> list[np.ndarray]:
+        options = image_options(row, family, loras, nets)
         key = (model, *sorted((k, repr(v)) for k, v in options.items()))
         params = dataclasses.replace(job.params, priority=0, output_kind="final")
         request_key = (key, job.prompt, repr(params))
@@ -316,7 +334,8 @@ class References:
 
 
 class Models:
-    """Each family's tiny pipeline saved once (and two LoRA adapters for it), built when first asked for."""
+    """Each family's tiny pipeline saved once (and two LoRA adapters and two controlnets for it), built when first
+    asked for."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -324,6 +343,7 @@ class Models:
         self._paths: dict[str, str] = {}
         self._pipes: dict[str, Any] = {}  # the pipelines as built: adapters are made on them
         self._loras: dict[str, dict[str, str]] = {}
+        self._nets: dict[str, dict[str, str]] = {}
 
     def path(self, name: str) -> str:
         if name not in self._paths:
@@ -341,3 +361,16 @@ class Models:
             self._loras[name] = {adapter: make_lora(self._pipes[name], str(self.root / f"{name}-lora-{adapter}"),
                                                     seed=seed) for seed, adapter in enumerate(("l", "m"))}
         return self._loras[name]
+
+    def controlnets(self, name: str) -> dict[str, str]:
+        """Two tiny ControlNetModels of the family's UNet, with random weights (SD and SDXL take them)."""
+        if name not in self._nets:
+            from test_controlnet import tiny_controlnet
+
+            self.path(name)
+            self._nets[name] = {}
+            for seed, net in enumerate(("edges", "depth")):
+                folder = self.root / f"{name}-controlnet-{net}"
+                tiny_controlnet(self._pipes[name].unet, seed=30 + seed).save_pretrained(folder)
+                self._nets[name][net] = str(folder)
+        return self._nets[name]

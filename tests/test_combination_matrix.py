@@ -1,7 +1,7 @@
 """The combination matrix: every served family crossed pairwise with the engine's documented modes (decode stage
 and workers, encode stage and workers, the core's process, async scheduling, the result cache, LoRA rows, step
 caching, cfg- and sequence-parallel groups, the CUDA-graph emulator, compile, torchao quantization, VAE tiling,
-max_running_pixels, priority preemption, request-level batching). Every pair of values appears together in at least one cell; each cell
+max_running_pixels, priority preemption, request-level batching, ControlNet). Every pair of values appears together in at least one cell; each cell
 gives the plain engine's images (combination_matrix.py says what that is), or its pair is refused at start with
 a message naming both sides. Never a failed request, a hang or a 500. README.md's table lists the refusals."""
 from __future__ import annotations
@@ -39,6 +39,12 @@ def _refusals() -> dict[Pair, tuple[str, ...]]:
         refused[pair(("family", family), ("step_cache", True))] = ("default_cache", "serves no step caching")
     for family, denoiser in NO_SEQUENCE_PLAN.items():
         refused[pair(("family", family), ("group", "sp"))] = ("sequence_parallel_size", denoiser)
+    for family in FACTORS["family"]:
+        if family not in CONTROLNET_FAMILIES and family not in CONTROLNET_ELSEWHERE:
+            refused[pair(("family", family), ("controlnet", True))] = ("controlnets", "takes no ControlNet")
+    for group in ("cfg", "sp"):
+        refused[pair(("group", group), ("controlnet", True))] = ("worker group", "controlnets")
+    refused[pair(("step_cache", True), ("controlnet", True))] = ("controlnets", "default_cache")
     return refused
 
 
@@ -47,13 +53,22 @@ def _refusals() -> dict[Pair, tuple[str, ...]]:
 NO_STEP_CACHE = ("sd", "sdxl", "kontext", "qwen-image-edit", "inpaint")
 NO_SEQUENCE_PLAN = {"sd": "UNet2DConditionModel", "sdxl": "UNet2DConditionModel", "inpaint": "UNet2DConditionModel",
                     "sd3": "SD3Transformer2DModel", "z-image": "ZImageTransformer2DModel"}
+# The families whose cells load the tiny SD ControlNets, and those served with their own controlnets by their own
+# tests (Flux's, SD3's, Qwen-Image's and Z-Image's are other models; an inpainting UNet's requests bring an image and
+# a mask): those pairs are served, not crossed with every mode here yet
+CONTROLNET_FAMILIES = ("sd", "sdxl")
+CONTROLNET_ELSEWHERE = {"flux": "test_controlnet_flux.py", "sd3": "test_controlnet_sd3.py",
+                        "qwen-image": "test_controlnet_qwen.py", "z-image": "test_controlnet_z_image.py",
+                        "inpaint": "test_controlnet_inputs.py"}
 REFUSED = _refusals()
+ELSEWHERE = {pair(("family", family), ("controlnet", True)): test for family, test in CONTROLNET_ELSEWHERE.items()}
 # Pairs served, but which this CPU harness cannot build: the emulator replaces the denoiser of a worker in the
 # test's process, and with the core's process the worker is in another
 NOT_ON_CPU = {pair(("graphs", True), ("core", "process")):
               "the CUDA-graph emulator patches the test's process; the engine core's process has its own worker"}
 XDIST_SPLIT = 2  # the longest file: its cells are dealt to two workers (tests/xdist_order.py)
-ROWS = covering_rows(FACTORS, lambda p: p in REFUSED or p in NOT_ON_CPU, lambda value: COSTS.get(value, 0))
+ROWS = covering_rows(FACTORS, lambda p: p in REFUSED or p in NOT_ON_CPU or p in ELSEWHERE,
+                     lambda value: COSTS.get(value, 0))
 
 
 def row_id(index: int, row: dict[str, Any]) -> str:
@@ -77,8 +92,8 @@ def references():
 
 def test_the_cells_hold_every_pair_but_the_refused_and_none_of_those():
     covered = set().union(*(pairs_of(row) for row in ROWS))
-    allowed = {p for p in all_pairs(FACTORS) if p not in REFUSED and p not in NOT_ON_CPU}
-    assert allowed <= covered and not (covered & (REFUSED.keys() | NOT_ON_CPU.keys()))
+    allowed = {p for p in all_pairs(FACTORS) if p not in REFUSED and p not in NOT_ON_CPU and p not in ELSEWHERE}
+    assert allowed <= covered and not (covered & (REFUSED.keys() | NOT_ON_CPU.keys() | ELSEWHERE.keys()))
     assert len(ROWS) < 0.01 * np.prod([len(v) for v in FACTORS.values()])  # pairwise, not the product
 
 
@@ -94,7 +109,8 @@ def test_the_cells_are_the_same_in_every_process():
             "forbid = {frozenset(map(tuple, p)) for p in refused}; "
             "cost = {(k, v): c for k, v, c in costs}; "
             "print(json.dumps(covering_rows(f, lambda p: p in forbid, lambda v: cost.get(v, 0))))")
-    data = json.dumps([FACTORS, [sorted(p) for p in [*REFUSED, *NOT_ON_CPU]], [[*k, c] for k, c in COSTS.items()]])
+    data = json.dumps([FACTORS, [sorted(p) for p in [*REFUSED, *NOT_ON_CPU, *ELSEWHERE]],
+                       [[*k, c] for k, c in COSTS.items()]])
     for seed in ("1", "2"):
         done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], input=data, text=True,
                               capture_output=True, env={**os.environ, "PYTHONHASHSEED": seed}, timeout=120,
@@ -123,13 +139,14 @@ def test_each_cell_gives_the_plain_engines_images(row, models, references):
     family = models.families[row["family"]]
     path = models.path(row["family"])
     loras = models.loras(row["family"]) if row["lora"] else {}
+    nets = models.controlnets(row["family"]) if row["controlnet"] else {}
     jobs = jobs_for(row, family)
     emulator = _Emulator()
-    result = run_cell(path, row, family, jobs, loras, emulator)
+    result = run_cell(path, row, family, jobs, loras, emulator, nets)
     for job in jobs:
         out = result.outputs[job.name]
         assert out is not None and out.finished and out.error is None, f"{job.name}: {out and out.error}"
-        want = references.images(path, row, family, loras, job)
+        want = references.images(path, row, family, loras, job, nets)
         assert len(out.images) == len(want), job.name
         for got, expected in zip(out.images, want):
             np.testing.assert_allclose(np.asarray(got), expected, atol=TOL, rtol=0, err_msg=job.name)
@@ -146,11 +163,12 @@ def test_each_cell_gives_the_plain_engines_images(row, models, references):
         assert row["step_cache"] or any(g.graph.replays >= 2 for g in graphs.values())
 
 
-def _refusal_options(refused: Pair, family: Family, loras: dict[str, str]) -> dict[str, Any]:
+def _refusal_options(refused: Pair, family: Family, loras: dict[str, str],
+                     nets: dict[str, str]) -> dict[str, Any]:
     """A cell with the refused pair and every other mode plain."""
     row = {name: values[0] for name, values in FACTORS.items()}
     row.update(dict(refused))
-    options = engine_options(row, family, loras)
+    options = engine_options(row, family, loras, nets)
     if row["graphs"]:  # a real CUDA graph: what the emulator stands in for
         options.update(device="cuda", cuda_graph=True)
     return options
@@ -163,7 +181,8 @@ def test_each_refused_pair_is_refused_at_start_naming_both(refused, models):
     name = values.get("family", "flux" if values.get("group") != "sp" else "flux")
     family = models.families[name]
     loras = models.loras(name) if values.get("lora") else {}
-    options = _refusal_options(refused, family, loras)
+    nets = models.controlnets("sd") if values.get("controlnet") else {}  # (SD's: refused before they load)
+    options = _refusal_options(refused, family, loras, nets)
     before = set(descendants(os.getpid()))
     with pytest.raises(ValueError) as error:
         if options.get("device") == "cuda":  # no GPU here: the config refuses it before any device is touched
@@ -188,7 +207,7 @@ def test_docs_options_md_lists_every_refused_pair():
     table = text[text.index("<!-- refused-pairs -->"):text.index("<!-- /refused-pairs -->")]
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     listed = {frozenset(re.findall(r"`([^`]+)`", line)[:2]) for line in rows}
-    expected = {frozenset(README_NAMES[v] for v in p) for p in [*REFUSED, *NOT_ON_CPU]}
+    expected = {frozenset(README_NAMES[v] for v in p) for p in [*REFUSED, *NOT_ON_CPU, *ELSEWHERE]}
     assert listed == expected
 
 
@@ -198,7 +217,8 @@ def _readme_names() -> dict[tuple[str, Any], str]:
     names.update({("group", "cfg"): "--cfg-parallel-size", ("group", "sp"): "--sequence-parallel-size",
                   ("compile", True): "--compile", ("graphs", True): "--cuda-graph",
                   ("encode", "workers"): "--encode-workers", ("lora", True): "--lora-modules",
-                  ("step_cache", True): "--default-cache", ("core", "process"): "--engine-core-process"})
+                  ("step_cache", True): "--default-cache", ("core", "process"): "--engine-core-process",
+                  ("controlnet", True): "--controlnet"})
     return names
 
 

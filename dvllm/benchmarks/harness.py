@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from dvllm.benchmarks import traces
+from dvllm.benchmarks.control_inputs import control_image
 from dvllm.benchmarks.probes import ForwardGaps, torch_threads
 from dvllm.benchmarks.report import Outcome, format_results, json_safe, run_summary
 from dvllm.benchmarks.workloads import SERVER_DEFAULT, RequestSpec, trace_workload
@@ -78,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--size-divisor", type=int, default=8, help="Its sides divided by this (default: 8).")
     run.add_argument("--trace-seed", type=int, default=0)
     traces.add_clamps(run)
+    traces.add_control_args(run)
     run.add_argument("--contenders", default="dvllm,request,serial",
                      help=f"Comma list of {', '.join(CONTENDERS)} and --engine-variant labels (default: the first "
                           "three).")
@@ -89,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="Random adapters of this rank for the LoRA names the trace uses (a generated loras "
                           "trace: lora00..lora31), written to a temporary folder and served as --lora-modules: "
                           "for presets with dummy weights. 0: off (the default).")
+    run.add_argument("--random-controlnets", action="store_true",
+                     help="Random controlnets of the model's UNet for the control names the trace uses (a generated "
+                          "trace with --controls: control0..), served as --controlnet: for presets with dummy "
+                          "weights.")
     run.add_argument("--request-wait-s", type=float, default=0.05,
                      help="The request contender's batch window (request_batch_wait_s; default: 0.05).")
     run.add_argument("--engine-variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
@@ -118,7 +124,8 @@ def params_of(spec: RequestSpec) -> Any:
                           seed=spec.seed, sampler=spec.sampler, n=spec.n, negative_prompt=spec.negative_prompt,
                           num_frames=spec.frames,
                           loras=spec.loras, cache=USE_DEFAULT if spec.cache == SERVER_DEFAULT else spec.cache,
-                          priority=spec.priority or 0, deadline_s=spec.deadline, output_type="np")
+                          priority=spec.priority or 0, deadline_s=spec.deadline, output_type="np",
+                          controls=spec.control_list(control_image) if spec.controls else None)
 
 
 class EngineContender:
@@ -193,7 +200,7 @@ class PipelineContender:
 def solo_key(spec: RequestSpec) -> tuple:
     """Requests of one kind take one solo latency: what sets a request's cost alone."""
     return (spec.size, spec.frames, spec.steps, spec.guidance > 1.0, spec.n, json.dumps(spec.cache, sort_keys=True),
-            tuple(sorted((spec.loras or {}).items())))
+            tuple(sorted((spec.loras or {}).items())), tuple(c["name"] for c in spec.controls or ()))
 
 
 async def solo_latencies(contender: EngineContender, specs: list[RequestSpec]) -> dict[tuple, float]:
@@ -235,24 +242,25 @@ async def replay(contender: Any, specs: list[RequestSpec], round_index: int) -> 
     return list(outcomes), time.perf_counter() - start
 
 
-def random_loras(kwargs: dict[str, Any], names: list[str], rank: int, root: str) -> dict[str, str]:
-    """name -> folder of a random adapter (lora_adapters.py) for each name, made on the model as the engine loads
-    it (then let go)."""
+def random_loras(kwargs: dict[str, Any], names: list[str], rank: int, root: str, controls: list[str] = ()
+                 ) -> tuple[dict[str, str], dict[str, str]]:
+    """name -> folder of a random adapter (lora_adapters.py) for each name, and of a random controlnet
+    (control_inputs.py) for each of `controls`, made on the model as the engine loads it (then let go)."""
     import gc
 
+    from dvllm.benchmarks.control_inputs import random_controlnets
     from dvllm.benchmarks.lora_adapters import make_adapter
     from dvllm.models.loader import load_adapter
     from dvllm.executor.worker import resolve_device
 
-    if not names:
-        raise ValueError("--random-loras: the trace names no LoRA (generate a loras trace, or give --lora-modules)")
     adapter = load_adapter(kwargs["model"], kwargs["load_format"], resolve_device(kwargs["device"]),
                            kwargs["dtype"], seed=kwargs["dummy_weight_seed"])
     paths = {name: make_adapter(adapter.pipeline, str(Path(root) / name), seed=i, rank=rank)
              for i, name in enumerate(names)}
+    nets = random_controlnets(adapter.pipeline, list(controls), root) if controls else {}
     del adapter
     gc.collect()
-    return paths
+    return paths, nets
 
 
 def rates_of(text: str) -> list[float]:
@@ -276,7 +284,8 @@ def load_workloads(args: argparse.Namespace) -> list[tuple[float | None, list[Re
     workloads = []
     for rate in rates_of(args.rate):
         lines = traces.generate(args.generate, args.num, rate, seed=args.trace_seed, size_divisor=args.size_divisor,
-                                max_steps=args.clamp_steps, max_frames=args.clamp_frames)
+                                max_steps=args.clamp_steps, max_frames=args.clamp_frames,
+                                control_share=args.controls, control_pool=args.control_pool)
         with tempfile.TemporaryDirectory() as folder:  # read back as a trace file is, checked alike
             path = Path(folder) / "trace.jsonl"
             path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -315,6 +324,9 @@ def check_contenders(names: list[str], specs: list[RequestSpec], variants: dict[
         raise ValueError(f"--contenders: a comma list of {known} without repeats, got {names}")
     if all(name in PIPELINES for name in names):
         raise ValueError("--contenders must include an engine: solo latencies are measured on one")
+    if any(s.controls for s in specs) and any(name in PIPELINES for name in names):
+        raise ValueError("--contenders: the pipeline contenders (serial, static) take no controls yet; a trace with "
+                         "controls replays on the engines")
 
 
 def static_sizes(text: str) -> list[int]:
@@ -357,10 +369,16 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--rounds must be at least 1, --warmup-rounds at least 0 and --slo-factor positive")
     kwargs = engine_kwargs(args)
     folder = tempfile.TemporaryDirectory(prefix="dvllm-bench-loras-")
-    if args.random_loras:
+    if args.random_loras or args.random_controlnets:
         used = sorted({name for _, specs in workloads for s in specs for name in (s.loras or {})})
-        kwargs["lora_modules"] = {**(kwargs.get("lora_modules") or {}),
-                                  **random_loras(kwargs, used, args.random_loras, folder.name)}
+        controls = sorted({c["name"] for _, specs in workloads for s in specs for c in s.controls or ()})
+        if (args.random_loras and not used) or (args.random_controlnets and not controls):
+            raise ValueError("--random-loras, --random-controlnets: the trace names no LoRA or no control (generate "
+                             "a loras trace, or one with --controls; or give --lora-modules, --controlnet)")
+        loras, nets = random_loras(kwargs, used if args.random_loras else [], args.random_loras, folder.name,
+                                   controls if args.random_controlnets else [])
+        kwargs["lora_modules"] = {**(kwargs.get("lora_modules") or {}), **loras} or kwargs.get("lora_modules")
+        kwargs["controlnets"] = {**(kwargs.get("controlnets") or {}), **nets} or kwargs.get("controlnets")
     contenders: dict[str, Any] = {}
     gaps: dict[str, ForwardGaps] = {}  # the engines' step-loop probes, where asked
     threads: dict[str, int | None] = {}  # a variant's torch threads

@@ -11,6 +11,10 @@
   (lora00, lora01, ...).
 - `cache`: the images trace where a share of requests asks for step caching, first_block or TaylorSeer, each at
   its own setting (a Flux, SD3, Qwen-Image, Z-Image or Wan model: the families that serve it).
+- `--controls SHARE` (images, loras, cache): that share of the requests carries ControlNet controls, one for
+  three in four of them and two for the rest, as in SwiftDiffusion's trace (control_inputs.py); the server must
+  serve controlnets of those names (control0, control1, ...). The requests are the trace's without it, plus their
+  controls.
 - `video`: Wan clips behind each other: 832x480 (Wan 2.1's default), 480x832 and 480x480, 17 to 81 frames, 50
   steps with CFG for most, the rest fewer, and a share at 4 steps without CFG (a distilled LoRA's settings).
   Sides are divided by `size_divisor` and rounded down to a multiple of 16 (Wan's latent patches); frame counts
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from dvllm.benchmarks.captions import caption
+from dvllm.benchmarks.control_inputs import draw_controls
 from dvllm.benchmarks.workloads import arrival_times
 
 KINDS = ("images", "loras", "cache", "video", "uniform", "mixed", "stall")
@@ -65,10 +70,11 @@ def zipf_weights(count: int, exponent: float = ZIPF_EXPONENT) -> list[float]:
 
 
 def generate(kind: str, num: int, rate: float, *, seed: int = 0, size_divisor: int = 1, lora_pool: int = 32,
-             cache_share: float = 0.3, max_steps: int | None = None, max_frames: int | None = None
-             ) -> list[dict[str, Any]]:
+             cache_share: float = 0.3, max_steps: int | None = None, max_frames: int | None = None,
+             control_share: float = 0.0, control_pool: int = 2) -> list[dict[str, Any]]:
     """The trace's lines, in arrival order; steps and frames at most `max_steps` and `max_frames` where given (a
-    short run of the same mix)."""
+    short run of the same mix); `control_share` of an image trace's requests with controls of `control_pool`
+    controlnets."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
     if num < 1:
@@ -78,9 +84,14 @@ def generate(kind: str, num: int, rate: float, *, seed: int = 0, size_divisor: i
         raise ValueError(f"size_divisor must divide the sizes ({sides}) into multiples of 8; {size_divisor} does not")
     if lora_pool < 1 or not 0 <= cache_share <= 1:
         raise ValueError("lora_pool must be at least 1 and cache_share in [0, 1]")
+    if not 0 <= control_share <= 1 or control_pool < 1:
+        raise ValueError("controls: a share in [0, 1], and control_pool at least 1")
+    if control_share and kind not in ("images", "loras", "cache"):
+        raise ValueError(f"controls: for the image traces (images, loras, cache), not {kind}")
     if (max_steps is not None and max_steps < 1) or (max_frames is not None and (max_frames - 1) % 4):
         raise ValueError("max_steps must be at least 1 and max_frames 4k + 1 (Wan's frames)")
     rng = random.Random(seed)
+    control_rng = random.Random(f"controls {seed}")  # its own draws: the requests are the same without controls
     popularity = zipf_weights(lora_pool)
     lines = []
     for index, arrival in enumerate(arrival_times(num, rate, seed=seed)):
@@ -104,6 +115,9 @@ def generate(kind: str, num: int, rate: float, *, seed: int = 0, size_divisor: i
                 line["loras"] = chosen
         if kind == "cache" and rng.random() < cache_share:
             line["cache"] = dict(rng.choice(_CACHES))
+        controls = draw_controls(control_rng, control_share, control_pool)
+        if controls:
+            line["controls"] = controls
         lines.append(line)
     for line in lines:
         if max_steps is not None:
@@ -146,8 +160,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size-divisor", type=int, default=1, help="Divide every side by this (8 for tiny models).")
     p.add_argument("--lora-pool", type=int, default=32, help="Adapters named lora00.. (default: 32).")
     p.add_argument("--cache-share", type=float, default=0.3, help="Share of requests with a step cache (cache).")
+    add_control_args(p)
     add_clamps(p)
     p.add_argument("-o", "--output", required=True, help="The JSONL file to write.")
+
+
+def add_control_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--controls", type=float, default=0.0, metavar="SHARE",
+                   help="Share of an image trace's requests with ControlNet controls (one, a quarter of them two), "
+                        "naming controlnets control0.. (default: 0).")
+    p.add_argument("--control-pool", type=int, default=2, help="Controlnets named control0.. (default: 2).")
 
 
 def add_clamps(p: argparse.ArgumentParser) -> None:
@@ -158,7 +180,7 @@ def add_clamps(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     lines = generate(args.kind, args.num, args.rate, seed=args.seed, size_divisor=args.size_divisor,
                      lora_pool=args.lora_pool, cache_share=args.cache_share, max_steps=args.clamp_steps,
-                     max_frames=args.clamp_frames)
+                     max_frames=args.clamp_frames, control_share=args.controls, control_pool=args.control_pool)
     Path(args.output).write_text("".join(json.dumps(line) + "\n" for line in lines))
     print(f"{len(lines)} requests written to {args.output} ({args.kind}, {args.rate:g}/s)")
     return 0

@@ -16,7 +16,7 @@ from typing import Any
 
 _SIZE = re.compile(r"^\d+x\d+$")
 _TRACE_KEYS = {"prompt", "size", "frames", "num_frames", "steps", "num_inference_steps", "guidance", "guidance_scale",
-               "sampler", "seed", "n", "negative_prompt", "slo", "arrival", "loras", "cache", "priority", "deadline"}
+               "sampler", "seed", "n", "negative_prompt", "slo", "arrival", "loras", "cache", "priority", "deadline", "controls"}
 SERVER_DEFAULT = "server-default"  # a request that sends no `cache` field: the server's default_cache applies
 
 
@@ -40,6 +40,9 @@ class RequestSpec:
     priority: int | None = None   # lower runs first (the engine's priority)
     deadline: float | None = None  # seconds after arrival the request asks to be done by
     frames: int | None = None     # a video's frames (Wan); None: an image, or the model's default
+    # ControlNet controls, each {name, image_seed, scale, start, end}: its image made at the request's size from
+    # the seed (control_inputs.control_image); None: none
+    controls: tuple[dict[str, Any], ...] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -72,12 +75,28 @@ class RequestSpec:
         for name in ("priority", "deadline"):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
+        if self.controls:
+            body["controls"] = self.control_list(_png_data_url)
         return body
+
+    def control_list(self, image_of: Any) -> list[dict[str, Any]]:
+        """The request's controls as the engine takes them, each image `image_of(width, height, seed)`."""
+        width, height = (int(v) for v in self.size.split("x"))
+        return [{"name": c["name"], "image": image_of(width, height, c["image_seed"]), "scale": c["scale"],
+                 "start": c["start"], "end": c["end"]} for c in self.controls or ()]
 
     @property
     def denoising_steps(self) -> int:
         """Denoising steps the request costs: n images take `steps` steps each."""
         return self.steps * self.n
+
+
+def _png_data_url(width: int, height: int, seed: int) -> str:
+    import base64
+
+    from dvllm.benchmarks.control_inputs import control_image_png
+
+    return "data:image/png;base64," + base64.b64encode(control_image_png(width, height, seed)).decode()
 
 
 def check_size(size: str, where: str = "size") -> str:
@@ -218,7 +237,7 @@ def _trace_spec(record: dict[str, Any], where: str, rng: random.Random, *, size:
             slo=_optional_float(get("slo", default=slo)), arrival=_optional_float(get("arrival", default=None)),
             loras=_loras(record.get("loras")), cache=_cache(record.get("cache", SERVER_DEFAULT)),
             priority=None if record.get("priority") is None else _int(record["priority"], "priority"),
-            deadline=_optional_float(record.get("deadline")),
+            deadline=_optional_float(record.get("deadline")), controls=_controls(record.get("controls")),
             frames=None if get("frames", "num_frames", default=None) is None
             else _int(get("frames", "num_frames", default=None), "frames"))
     except (TypeError, ValueError) as e:
@@ -240,6 +259,18 @@ def _loras(value: Any) -> dict[str, float] | None:
     if not all(math.isfinite(w) for w in weights.values()):
         raise ValueError(f"loras: weights must be finite numbers, got {value!r}")
     return weights
+
+
+def _controls(value: Any) -> tuple[dict[str, Any], ...] | None:
+    """A trace's `controls`: [{name, image_seed, scale, start, end}] (which names exist, the server says)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                                              and "image_seed" in c for c in value):
+        raise ValueError(f"controls must be a list of {{name, image_seed, scale, start, end}}, got {value!r}")
+    return tuple({"name": c["name"], "image_seed": _int(c["image_seed"], "controls' image_seed"),
+                  "scale": float(c.get("scale", 1.0)), "start": float(c.get("start", 0.0)),
+                  "end": float(c.get("end", 1.0))} for c in value) or None
 
 
 def _cache(value: Any) -> dict[str, Any] | None | str:

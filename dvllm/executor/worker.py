@@ -104,7 +104,8 @@ class Worker:
         """The pool (after the memory profile), the runner and the stages."""
         stages = self.stages
         self.budget = measure_budget(adapter, stages.max_decode_bytes)  # before the profile, which decodes by it
-        self.pool, decode_stage = create_state_pool(PoolConfig.of(config), adapter, config, self.budget)
+        self.pool, decode_stage = create_state_pool(PoolConfig.of(config), adapter, config, self.budget,
+                                                    self.controlnets)
         custom_ops_available(self.device)  # build (or load) the custom ops now, not in the first step
         self.timer = PhaseTimer(config.profile_steps, self.device)
         self.runner = ModelRunner(adapter, self.pool, Denoiser(adapter, config), self.timer, stages.max_decode_batch,

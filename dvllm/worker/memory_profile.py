@@ -19,21 +19,32 @@ Step caching updates each request's kept state in place in the pool (worker/step
 caching forward holds beyond a plain one is two hidden-stream tensors of the batch (first_block's head
 residual, or TaylorSeer's predicted outputs, held across the blocks; and the batch put back together at
 the tail): counted on top of the denoiser's peak for the families that serve it.
+With controlnets loaded, the worst forward has controls on every row: MAX_CONTROLS of them a request, each
+running the largest controlnet on all rows (worker/unet_controlnet.py's hook, as serving runs it; the UNet
+families', the DiT families' forwards are profiled without control rows yet), so their activations and the
+residual sums the UNet is handed are in the denoiser's peak. The control inputs a forward's groups keep on the
+device outside the pool (MAX_CONTROLS a row, in the controlnets' dtype) are held back as well; the prepared images
+themselves are pool state.
 """
 from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
 from dvllm.config import EngineConfig
+from dvllm.controls import MAX_CONTROLS
 from dvllm.decode_budget import DecodeBudget
 from dvllm.lora.weights import servable
 from dvllm.models.base import ModelAdapter, ModelInfo
 from dvllm.models.layout import BatchLayout
+from dvllm.worker.controlnets import ControlGroup, ControlPlan
 from dvllm.worker.denoiser import batch_buckets
+from dvllm.worker.forward_context import ForwardContext, ForwardHooks
+from dvllm.worker.unet_controlnet import ControlResiduals
 from dvllm.worker.vae_calls import tiling
 
 logger = logging.getLogger(__name__)
@@ -87,9 +98,9 @@ def worst_forward(adapter: ModelAdapter, config: EngineConfig) -> tuple[int, tup
 
 
 def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory,
-               decode_budget: DecodeBudget | None = None) -> dict[str, int]:
+               decode_budget: DecodeBudget | None = None, controlnets: dict[str, Any] | None = None) -> dict[str, int]:
     """Peak transient bytes of each kind of work in the worst step (the worst decode tiled where the budget
-    tiles it)."""
+    tiles it; the worst forward with controls on every row where `controlnets`, the engine's, are given)."""
     info = adapter.info
     rows, size = worst_forward(adapter, config)
     height, width = size[:2]
@@ -117,7 +128,8 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
         for key, value in adapter.step_conditions(layout, dtype).items():
             conditions[key] = value.to(device)
         ones = torch.ones(rows, device=device)
-        adapter.denoise(latents, ones * 500, conditions, ones * info.defaults.guidance, layout)
+        with _every_row_controlled(adapter, controlnets, layout, rows, (height, width)):
+            adapter.denoise(latents, ones * 500, conditions, ones * info.defaults.guidance, layout)
 
     def decode() -> None:
         latents = torch.zeros((config.max_decode_batch, *info.latents.shape(*size)), dtype=dtype, device=device)
@@ -167,6 +179,41 @@ def step_peaks(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory
                     f"{' (or set max_decode_mb: larger decodes run tiled)' if name == 'decode' else ''}") from None
     peaks["denoise"] += step_cache_bytes(info, rows, size, dtype)
     return peaks
+
+
+@contextmanager
+def _every_row_controlled(adapter: ModelAdapter, controlnets: dict[str, Any] | None, layout: BatchLayout, rows: int,
+                          size: tuple[int, int]) -> Iterator[None]:
+    """The forward inside runs with MAX_CONTROLS controls on every row, each the largest controlnet (by its
+    weights), through the serving hook (installed for the span); nothing without controlnets."""
+    if not controlnets or adapter.controlnet_class != "ControlNetModel":  # (the UNet's; the DiTs' not yet)
+        yield
+        return
+    net = max(controlnets.values(), key=lambda n: sum(p.numel() for p in n.parameters()))
+    device = adapter.device
+    index = torch.arange(rows, device=device)
+    guidance = torch.ones(rows, device=device)
+    # each group its own images, as the planner gathers them
+    groups = [ControlGroup(net, index, torch.zeros((rows, 3, *size), dtype=net.dtype, device=device), 1.0, False,
+                           guidance) for _ in range(MAX_CONTROLS)]
+    hooks = ForwardHooks()
+    residuals = ControlResiduals(adapter.pipeline.unet, hooks)
+    try:
+        with hooks.running(ForwardContext(layout=layout, control=ControlPlan(groups))):
+            yield
+    finally:
+        residuals.handle.remove()
+
+
+def control_image_bytes(adapter: ModelAdapter, config: EngineConfig, controlnets: dict[str, Any] | None) -> int:
+    """The control inputs one forward's groups keep on the device outside the pool (the planner's gathered images,
+    kept while the groups' members stay: MAX_CONTROLS a row at the largest size, in the widest controlnet dtype; an
+    upper bound for the families whose inputs are latents); 0 without controlnets."""
+    if not controlnets:
+        return 0
+    height, width = worst_size(adapter.info, config)[:2]
+    element = max(torch.empty((), dtype=n.dtype).element_size() for n in controlnets.values())
+    return config.max_batch_size * MAX_CONTROLS * 3 * height * width * element
 
 
 def worst_transient(peaks: dict[str, int], decode_stage: bool, encode_stage: bool = False) -> int:
@@ -259,16 +306,18 @@ def _table_numel_per_rank(module: torch.nn.Module) -> int:
 
 
 def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMemory,
-                   decode_budget: DecodeBudget | None = None) -> tuple[int, bool]:
+                   decode_budget: DecodeBudget | None = None,
+                   controlnets: dict[str, Any] | None = None) -> tuple[int, bool]:
     """What the state pool may take on this GPU, and whether the decode stage runs (choose_decode_stage);
-    ValueError when the worst step leaves nothing."""
-    peaks = step_peaks(adapter, config, memory, decode_budget)
+    ValueError when the worst step leaves nothing. `controlnets`: the engine's (their rows and images counted)."""
+    peaks = step_peaks(adapter, config, memory, decode_budget, controlnets)
     graphs = 0
     if config.cuda_graph:  # their shared pool (one forward's activations) and each one's static inputs
         rows, size = worst_forward(adapter, config)
         inputs = _forward_input_bytes(adapter.info, rows, size, adapter.state_dtype)
         graphs = peaks["denoise"] + config.max_cuda_graphs * inputs
     loras = lora_table_bytes(adapter, config)
+    images = control_image_bytes(adapter, config, controlnets)
     free, total = memory.free_and_total()
     used = total - free  # the weights, the CUDA context, anything else on the device
 
@@ -278,7 +327,7 @@ def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMe
                 + encode_ahead_bytes(adapter, config))
 
     def pool_bytes(stage: bool) -> int:
-        return int(total * config.gpu_memory_utilization) - used - transient_bytes(stage) - graphs - loras
+        return int(total * config.gpu_memory_utilization) - used - transient_bytes(stage) - graphs - loras - images
 
     stage = choose_decode_stage(True if config.decode_workers else config.decode_stage, pool_bytes)
     transient, budget = transient_bytes(stage), pool_bytes(stage)
@@ -288,18 +337,20 @@ def gpu_pool_bytes(adapter: ModelAdapter, config: EngineConfig, memory: DeviceMe
         logger.info("decode stage %s: with it the state pool gets %.2f GiB, without it %.2f GiB (auto: on unless "
                     "that halves the pool; --decode-stage or --no-decode-stage choose)", "on" if stage else "off",
                     max(pool_bytes(True), 0) / gib, max(pool_bytes(False), 0) / gib)
-    logger.info("worst step: %s GiB peak (encode %.2f, denoise %.2f, decode %.2f%s)%s%s; %.2f GiB in use",
+    logger.info("worst step: %s GiB peak (encode %.2f, denoise %.2f, decode %.2f%s)%s%s%s; %.2f GiB in use",
                 f"{transient / gib:.2f}", peaks["encode"] / gib, peaks["denoise"] / gib,
                 peaks["decode"] / gib, ", the decode stage's beside the loop's" if beside else "",
                 f", CUDA graphs {graphs / gib:.2f}" if graphs else "",
-                f", LoRA slots {loras / gib:.2f}" if loras else "", used / gib)
+                f", LoRA slots {loras / gib:.2f}" if loras else "",
+                f", control images {images / gib:.2f}" if images else "", used / gib)
     if budget <= 0:
         raise ValueError(
             f"no GPU memory left for the state pool: the model uses {used / gib:.1f} GiB and its worst step "
             f"{transient / gib:.1f} GiB more ({', '.join(f'{k} {v / gib:.1f}' for k, v in peaks.items())}"
             f"{'; the decode stage decodes beside the loop' if beside else ''})"
             f"{f' plus {graphs / gib:.1f} for CUDA graphs' if graphs else ''}"
-            f"{f' plus {loras / gib:.1f} for LoRA slots' if loras else ''}, of {total / gib:.1f} GiB with "
+            f"{f' plus {loras / gib:.1f} for LoRA slots' if loras else ''}"
+            f"{f' plus {images / gib:.1f} for control images' if images else ''}, of {total / gib:.1f} GiB with "
             f"gpu_memory_utilization={config.gpu_memory_utilization}; raise it, or lower max_batch_size, "
             f"max_image_pixels or max_decode_batch{' (or max_loras, max_lora_rank)' if loras else ''}"
             f"{' (or turn the decode stage off: --no-decode-stage)' if beside else ''}"

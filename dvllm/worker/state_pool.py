@@ -67,17 +67,19 @@ class StatePool:
 
 
 def create_state_pool(config: PoolConfig, adapter: ModelAdapter, engine_config: Any,
-                      decode_budget: DecodeBudget | None = None) -> tuple[StatePool, bool]:
+                      decode_budget: DecodeBudget | None = None,
+                      controlnets: dict[str, Any] | None = None) -> tuple[StatePool, bool]:
     """The pool, and whether the decode stage runs (the GPU memory profile chooses when it is left unset).
     `engine_config`: the flat EngineConfig whose limits the GPU memory profile sizes the worst step from;
-    `decode_budget`: which decodes run tiled (the profile measures the worst one as it will run)."""
+    `decode_budget`: which decodes run tiled (the profile measures the worst one as it will run);
+    `controlnets`: the engine's (the profile's worst forward has controls on every row)."""
     info = adapter.info
     block_numel = choose_block_numel(info)
     bytes_per_block = block_numel * torch.empty((), dtype=adapter.state_dtype).element_size()
     if config.num_state_blocks is not None:
         num_blocks, decode_stage = config.num_state_blocks, config.decode_stage is not False
     else:
-        pool_bytes, decode_stage = _pool_bytes(config, adapter, engine_config, decode_budget)
+        pool_bytes, decode_stage = _pool_bytes(config, adapter, engine_config, decode_budget, controlnets)
         num_blocks = pool_bytes // bytes_per_block
     pool = StatePool(num_blocks, block_numel, adapter.state_dtype, adapter.device)
     logger.info("state pool: %d blocks of %d elements (%.1f MiB)", num_blocks, block_numel,
@@ -86,7 +88,7 @@ def create_state_pool(config: PoolConfig, adapter: ModelAdapter, engine_config: 
 
 
 def _pool_bytes(config: PoolConfig, adapter: ModelAdapter, engine_config: Any,
-                decode_budget: DecodeBudget | None) -> tuple[int, bool]:
+                decode_budget: DecodeBudget | None, controlnets: dict[str, Any] | None) -> tuple[int, bool]:
     stage = config.decode_stage is not False  # auto: on where memory is not profiled
     if config.state_pool_mb is not None:
         return int(config.state_pool_mb * 2**20), stage
@@ -96,4 +98,4 @@ def _pool_bytes(config: PoolConfig, adapter: ModelAdapter, engine_config: Any,
     # worst step the engine's limits allow has shown its peak (worker/memory_profile.py).
     from dvllm.worker.memory_profile import DeviceMemory, gpu_pool_bytes
 
-    return gpu_pool_bytes(adapter, engine_config, DeviceMemory(adapter.device), decode_budget)
+    return gpu_pool_bytes(adapter, engine_config, DeviceMemory(adapter.device), decode_budget, controlnets)

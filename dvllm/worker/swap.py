@@ -27,6 +27,8 @@ def swap_out(state: RequestState, pool: StatePool, info: ModelInfo) -> None:
         host["uncond"] = pool.read([blocks.uncond], info.text.condition_numel)
     state.host = {k: v.to("cpu") for k, v in host.items()}
     state.blocks = None
+    if state.control_images:  # inputs made at its start (Flux's, SD3's...): outside the pool, to host memory too
+        state.control_images = [None if t is None else t.to("cpu") for t in state.control_images]
 
 
 def swap_in(state: RequestState, blocks: Any, pool: StatePool) -> None:
@@ -46,4 +48,6 @@ def swap_in(state: RequestState, blocks: Any, pool: StatePool) -> None:
     for i, (entry, write) in enumerate(zip(blocks.controls, blocks.write_controls)):
         if write:  # the same: its control image was evicted
             pool.write([list(entry)], host[f"control{i}"])
+    if state.control_images:
+        state.control_images = [None if t is None else t.to(pool.device) for t in state.control_images]
     state.blocks, state.host = blocks, None

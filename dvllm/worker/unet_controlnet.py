@@ -55,7 +55,7 @@ class ControlResiduals:
     def __init__(self, unet: torch.nn.Module, hooks: ForwardHooks) -> None:
         self.context: ForwardContext | None = None
         hooks.add(DENOISER, self)
-        unet.register_forward_pre_hook(self, with_kwargs=True)
+        self.handle = unet.register_forward_pre_hook(self, with_kwargs=True)  # (the memory profile removes its own)
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         plan = None if self.context is None else self.context.control
