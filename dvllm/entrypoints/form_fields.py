@@ -37,8 +37,8 @@ def _parse_json_field(key: str, value: str) -> Any:
     try:  # as a JSON body is read: NaN and Infinity are no JSON; 5000 digits or 10**5 brackets are ValueErrors too
         return json.loads(value, parse_constant=_no_constant)
     except (ValueError, RecursionError):
-        raise APIError(400, f"Invalid value for '{key}': expected JSON text (an object, a list or null), got "
-                            f"{value[:80]!r}.",
+        kind = "list" if key == "controls" else "object"
+        raise APIError(400, f"Invalid value for '{key}': expected a JSON {kind} or null, got {value[:80]!r}.",
                        param=key, code="invalid_value") from None
 
 

@@ -50,8 +50,8 @@ async def create_edit(request: Request, ctx: ServerContext) -> Response:
         request._body = await read_body(request, ctx.body_limits)  # bounded, then parsed from memory
         info = ctx.engine.model_info
         try:  # room for the images the model takes, a mask, and one file more, which _check_files names
-            form = await request.form(max_files=min(info.images.max_images + 2 + MAX_CONTROLS, _MAX_FILES),
-                                      max_fields=64)
+            controls = MAX_CONTROLS if getattr(ctx.engine.config, "controlnets", None) else 0  # (files for them)
+            form = await request.form(max_files=min(info.images.max_images + 2 + controls, _MAX_FILES), max_fields=64)
         except Exception as e:  # a malformed multipart body, or too many files
             if "Too many files" in str(getattr(e, "detail", e)):
                 raise _too_many_images(info, "too many files;") from None
