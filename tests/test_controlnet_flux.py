@@ -19,6 +19,7 @@ import torch
 from diffusers import AutoencoderKL, FluxControlNetModel, FluxControlNetPipeline, FluxMultiControlNetModel, FluxPipeline
 from test_controlnet import control, control_image
 
+from request_checks import assert_each_request_matches
 from dvllm import DiffusionEngine, SamplingParams
 from dvllm.controls import Control
 from dvllm.worker.controlnets import ControlPlanner
@@ -121,16 +122,7 @@ def mixed() -> list[tuple[str, SamplingParams]]:
 def test_a_mixed_batch_equals_the_flux_controlnet_pipelines(flux):
     engine = flux[0]
     batch = mixed()
-    for output_type, tol in (("np", TOL), ("latent", LATENT_TOL)):
-        params = [P(**{**vars(p), "output_type": output_type}) for _, p in batch]
-        outs = engine.generate([q for q, _ in batch], params, use_tqdm=False)
-        for (prompt, p), out in zip(batch, outs):
-            assert out.error is None, out.error
-            want = np.asarray(reference(flux, prompt, p, output_type))
-            got = np.stack([np.asarray(image) for image in out.images])
-            assert got.shape == want.shape
-            diff = float(np.abs(got - want).max())
-            assert diff <= tol, f"{prompt!r} {output_type}: max abs diff {diff}"
+    assert_each_request_matches(engine, batch, lambda prompt, p, output_type: reference(flux, prompt, p, output_type))
 
 
 def test_a_control_changes_the_image_and_its_draw_comes_first(flux):

@@ -22,6 +22,7 @@ from diffusers import (
 )
 from test_controlnet import control, control_image
 
+from request_checks import assert_each_request_matches
 from dvllm import DiffusionEngine, SamplingParams
 from dvllm.worker.forward_context import ForwardHooks
 from dvllm.worker.qwen_controlnet import QwenControlSamples
@@ -101,16 +102,7 @@ def mixed() -> list[tuple[str, SamplingParams]]:
 def test_a_mixed_batch_equals_the_qwen_controlnet_pipelines(qwen):
     engine = qwen[0]
     batch = mixed()
-    for output_type, tol in (("np", TOL), ("latent", LATENT_TOL)):
-        params = [P(**{**vars(p), "output_type": output_type}) for _, p in batch]
-        outs = engine.generate([q for q, _ in batch], params, use_tqdm=False)
-        for (prompt, p), out in zip(batch, outs):
-            assert out.error is None, out.error
-            want = np.asarray(reference(qwen, prompt, p, output_type))
-            got = np.stack([np.asarray(image) for image in out.images])
-            assert got.shape == want.shape
-            diff = float(np.abs(got - want).max())
-            assert diff <= tol, f"{prompt!r} {output_type}: max abs diff {diff}"
+    assert_each_request_matches(engine, batch, lambda prompt, p, output_type: reference(qwen, prompt, p, output_type))
 
 
 def test_a_control_changes_the_image_and_its_draw_comes_first(qwen):

@@ -19,6 +19,7 @@ from diffusers import (
 from test_controlnet import control, control_image
 
 from conftest import tiny_sd3_pipeline
+from request_checks import assert_each_request_matches
 from dvllm import DiffusionEngine, SamplingParams
 
 TOL, LATENT_TOL = 1e-3, 1e-4
@@ -96,16 +97,7 @@ def mixed() -> list[tuple[str, SamplingParams]]:
 def test_a_mixed_batch_equals_the_sd3_controlnet_pipelines(sd3):
     engine = sd3[0]
     batch = mixed()
-    for output_type, tol in (("np", TOL), ("latent", LATENT_TOL)):
-        params = [P(**{**vars(p), "output_type": output_type}) for _, p in batch]
-        outs = engine.generate([q for q, _ in batch], params, use_tqdm=False)
-        for (prompt, p), out in zip(batch, outs):
-            assert out.error is None, out.error
-            want = np.asarray(reference(sd3, prompt, p, output_type))
-            got = np.stack([np.asarray(image) for image in out.images])
-            assert got.shape == want.shape
-            diff = float(np.abs(got - want).max())
-            assert diff <= tol, f"{prompt!r} {output_type}: max abs diff {diff}"
+    assert_each_request_matches(engine, batch, lambda prompt, p, output_type: reference(sd3, prompt, p, output_type))
     plain = engine.generate(["a blue square"], [P(**{**vars(batch[1][1]), "controls": None, "output_type": "np"})],
                             use_tqdm=False)[0]
     controlled = engine.generate(["a blue square"], [P(**{**vars(batch[1][1]), "output_type": "np"})],

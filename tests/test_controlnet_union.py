@@ -21,6 +21,7 @@ from test_controlnet import control, control_image, tiny_controlnet
 from test_controlnet_flux import reference as flux_reference
 from test_controlnet_flux import saved_tiny_flux, tiny_flux_controlnet
 
+from request_checks import assert_each_request_matches
 from dvllm import DiffusionEngine, SamplingParams
 from dvllm.controls import Control, parse_controls
 from dvllm.entrypoints.generate_output import image_parameters
@@ -140,25 +141,12 @@ def flux(tmp_path_factory):
     engine.shutdown()
 
 
-def _check(engine, batch, reference) -> None:
-    for output_type, tol in (("np", TOL), ("latent", LATENT_TOL)):
-        params = [P(**{**vars(p), "output_type": output_type}) for _, p in batch]
-        outs = engine.generate([q for q, _ in batch], params, use_tqdm=False)
-        for (prompt, p), out in zip(batch, outs):
-            assert out.error is None, out.error
-            want = np.asarray(reference(prompt, p, output_type))
-            got = np.stack([np.asarray(image) for image in out.images])
-            assert got.shape == want.shape
-            diff = float(np.abs(got - want).max())
-            assert diff <= tol, f"{prompt!r} {output_type}: max abs diff {diff}"
-
-
 def test_sdxl_union_requests_equal_the_union_pipeline(sdxl):
-    _check(sdxl[0], sdxl_batch(), lambda prompt, p, kind: sdxl_reference(sdxl, prompt, p, kind))
+    assert_each_request_matches(sdxl[0], sdxl_batch(), lambda prompt, p, kind: sdxl_reference(sdxl, prompt, p, kind))
 
 
 def test_flux_union_requests_equal_the_controlnet_pipeline_with_control_mode(flux):
-    _check(flux[0], flux_batch(), lambda prompt, p, kind: flux_reference(flux, prompt, p, kind))
+    assert_each_request_matches(flux[0], flux_batch(), lambda prompt, p, kind: flux_reference(flux, prompt, p, kind))
 
 
 @pytest.mark.parametrize("family", ["sdxl", "flux"])

@@ -17,6 +17,7 @@ from diffusers import ZImageControlNetModel, ZImageControlNetPipeline, ZImagePip
 from lora_utils import make_lora
 from test_controlnet import control, control_image
 
+from request_checks import assert_each_request_matches
 from dvllm import DiffusionEngine, SamplingParams
 
 TOL, LATENT_TOL = 1e-3, 1e-4
@@ -105,16 +106,7 @@ def mixed() -> list[tuple[str, SamplingParams]]:
 def test_a_mixed_batch_equals_the_z_image_controlnet_pipelines(z_image):
     engine = z_image[0]
     batch = mixed()
-    for output_type, tol in (("np", TOL), ("latent", LATENT_TOL)):
-        params = [P(**{**vars(p), "output_type": output_type}) for _, p in batch]
-        outs = engine.generate([q for q, _ in batch], params, use_tqdm=False)
-        for (prompt, p), out in zip(batch, outs):
-            assert out.error is None, out.error
-            want = np.asarray(reference(z_image, prompt, p, output_type))
-            got = np.stack([np.asarray(image) for image in out.images])
-            assert got.shape == want.shape
-            diff = float(np.abs(got - want).max())
-            assert diff <= tol, f"{prompt!r} {output_type}: max abs diff {diff}"
+    assert_each_request_matches(engine, batch, lambda prompt, p, output_type: reference(z_image, prompt, p, output_type))
 
 
 def test_a_control_changes_the_image(z_image):

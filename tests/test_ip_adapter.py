@@ -16,6 +16,7 @@ from PIL import Image
 from safetensors.torch import save_file
 from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
+from request_checks import assert_each_request_matches
 from dvllm import DiffusionEngine, SamplingParams
 
 TOL, LATENT_TOL = 1e-3, 1e-4
@@ -150,16 +151,7 @@ def mixed() -> list[tuple[str, SamplingParams]]:
 def test_a_mixed_batch_equals_the_pipelines_with_the_adapter(family):
     engine = family[0]
     batch = mixed()
-    for output_type, tol in (("np", TOL), ("latent", LATENT_TOL)):
-        params = [P(**{**vars(p), "output_type": output_type}) for _, p in batch]
-        outs = engine.generate([q for q, _ in batch], params, use_tqdm=False)
-        for (prompt, p), out in zip(batch, outs):
-            assert out.error is None, out.error
-            want = np.asarray(reference(family, prompt, p, output_type))
-            got = np.stack([np.asarray(image) for image in out.images])
-            assert got.shape == want.shape
-            diff = float(np.abs(got - want).max())
-            assert diff <= tol, f"{prompt!r} scale {p.ip_adapter_scale} {output_type}: max abs diff {diff}"
+    assert_each_request_matches(engine, batch, lambda prompt, p, output_type: reference(family, prompt, p, output_type))
 
 
 def test_the_image_prompt_and_its_scale_change_the_image(family):
