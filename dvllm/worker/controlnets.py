@@ -25,7 +25,8 @@ from dvllm.host_copy import device_index
 from dvllm.models.base import ModelAdapter
 from dvllm.models.layout import BatchLayout
 from dvllm.models.quantization import QuantizationSpec, backend_config, quantize_loaded, quantizes_denoiser
-from dvllm.worker.control_calls import CallsOf, ControlCall, control_calls
+from dvllm.worker.control_calls import CallsOf, control_calls
+from dvllm.worker.control_plan import ControlGroup, ControlPlan
 from dvllm.worker.control_state import control_image_shape, read_control_images
 from dvllm.worker.flux_controlnet import FluxControlSamples, flux_request_kind
 from dvllm.worker.forward_context import ForwardHooks
@@ -103,27 +104,6 @@ def control_planner(adapter: ModelAdapter, controlnets: dict[str, Any], hooks: F
         return ControlPlanner(controlnets, qwen_request_kind)
     ControlResiduals(adapter.pipeline.unet, hooks)
     return ControlPlanner(controlnets, unet_request_kind, unet_request_calls)
-
-
-@dataclass
-class ControlGroup:
-    """Rows of one forward that run one controlnet at one scale, for the same place in their lists."""
-
-    controlnet: Any
-    index: torch.Tensor     # the rows, on the device
-    inputs: torch.Tensor    # [rows, ...] their control inputs (SD: the prepared image; Flux: its packed latents)
-    scale: float
-    kind: Hashable          # what the family's hook needs of the rows' requests (one per group)
-    guidance: torch.Tensor  # [rows] float32, their requests' guidance scales (for controlnets that embed it)
-    call: ControlCall | None = None      # what the rows share (an SDXL union call's modes and scales)
-    more: tuple[torch.Tensor, ...] = ()  # an SDXL union call's later controls' inputs, in order
-    row_modes: torch.Tensor | None = None  # [rows] long: a union Flux controlnet's mode per row
-    rows: tuple[int, ...] = ()  # the rows, on the host (for a denoiser that takes a list of rows: Z-Image's)
-
-
-@dataclass
-class ControlPlan:
-    groups: list[ControlGroup]  # in the order their outputs are added
 
 
 # What a request's control input is made of: its own tensor (made at its start: Flux's), or (its state, the blocks

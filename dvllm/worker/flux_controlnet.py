@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from dvllm.worker.forward_context import DENOISER, ForwardContext, ForwardHooks
+from dvllm.worker.control_hook import ControlHook
+from dvllm.worker.forward_context import ForwardHooks
 
 
 @dataclass(frozen=True)
@@ -55,19 +56,14 @@ def _summed(counts: list[int]) -> int:
     return 0 if not counts[0] else min(c for c in counts if c)
 
 
-class FluxControlSamples:
+class FluxControlSamples(ControlHook):
     """The transformer's forward pre-hook (ForwardHooks gives it the forward's context; a context without a
     ControlPlan passes the call through)."""
 
     def __init__(self, transformer: torch.nn.Module, hooks: ForwardHooks) -> None:
-        self.context: ForwardContext | None = None
-        hooks.add(DENOISER, self)
-        transformer.register_forward_pre_hook(self, with_kwargs=True)
+        super().__init__(transformer, hooks)
 
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        plan = None if self.context is None else self.context.control
-        if plan is None:
-            return None
+    def run(self, module: torch.nn.Module, plan: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hidden, timestep = kwargs["hidden_states"], kwargs["timestep"]
         pooled, text = kwargs["pooled_projections"], kwargs["encoder_hidden_states"]
         outputs = []

@@ -41,7 +41,7 @@ from dvllm.decode_budget import DecodeBudget
 from dvllm.lora.weights import servable
 from dvllm.models.base import ModelAdapter, ModelInfo
 from dvllm.models.layout import BatchLayout
-from dvllm.worker.controlnets import ControlGroup, ControlPlan
+from dvllm.worker.control_plan import ControlGroup, ControlPlan
 from dvllm.worker.denoiser import batch_buckets
 from dvllm.worker.forward_context import ForwardContext, ForwardHooks
 from dvllm.worker.unet_controlnet import ControlResiduals

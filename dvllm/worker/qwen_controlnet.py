@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from dvllm.worker.forward_context import DENOISER, ForwardContext, ForwardHooks
+from dvllm.worker.control_hook import ControlHook
+from dvllm.worker.forward_context import ForwardHooks
 
 
 def qwen_request_kind(controlnets: list[Any]) -> tuple[bool, int]:
@@ -26,7 +27,7 @@ def qwen_request_kind(controlnets: list[Any]) -> tuple[bool, int]:
     return True, controlnets[0].config.num_layers
 
 
-class QwenControlSamples:
+class QwenControlSamples(ControlHook):
     """The transformer's forward pre-hook (ForwardHooks gives it the forward's context; a context without a
     ControlPlan passes the call through)."""
 
@@ -35,14 +36,9 @@ class QwenControlSamples:
             if net.config.extra_condition_channels:
                 raise ValueError(f"controlnets: {name} is an inpainting controlnet (extra_condition_channels); "
                                  "Qwen-Image's ControlNet inpainting is not served yet")
-        self.context: ForwardContext | None = None
-        hooks.add(DENOISER, self)
-        transformer.register_forward_pre_hook(self, with_kwargs=True)
+        super().__init__(transformer, hooks)
 
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        plan = None if self.context is None else self.context.control
-        if plan is None:
-            return None
+    def run(self, module: torch.nn.Module, plan: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hidden, timestep, text = kwargs["hidden_states"], kwargs["timestep"], kwargs["encoder_hidden_states"]
         mask = kwargs.get("encoder_hidden_states_mask")
         samples = []

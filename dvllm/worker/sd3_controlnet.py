@@ -16,7 +16,8 @@ from typing import Any, Iterable
 
 import torch
 
-from dvllm.worker.forward_context import DENOISER, ForwardContext, ForwardHooks
+from dvllm.worker.control_hook import ControlHook
+from dvllm.worker.forward_context import ForwardHooks
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ def sd3_request_kind(controlnets: list[Any]) -> tuple[bool, SD3Samples]:
                              bool(controlnets[0].config.force_zeros_for_pooled_projection))
 
 
-class SD3ControlSamples:
+class SD3ControlSamples(ControlHook):
     """The transformer's forward pre-hook (ForwardHooks gives it the forward's context; a context without a
     ControlPlan passes the call through)."""
 
@@ -41,14 +42,9 @@ class SD3ControlSamples:
         for net in controlnets:  # SD3.5's large controlnets share the transformer's position embedding, as there
             if getattr(net.config, "use_pos_embed", True) is False:
                 net.pos_embed = net._get_pos_embed_from_transformer(transformer).to(net.device, net.dtype)
-        self.context: ForwardContext | None = None
-        hooks.add(DENOISER, self)
-        transformer.register_forward_pre_hook(self, with_kwargs=True)
+        super().__init__(transformer, hooks)
 
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        plan = None if self.context is None else self.context.control
-        if plan is None:
-            return None
+    def run(self, module: torch.nn.Module, plan: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hidden, timestep = kwargs["hidden_states"], kwargs["timestep"]
         pooled, text = kwargs["pooled_projections"], kwargs["encoder_hidden_states"]
         outputs = []

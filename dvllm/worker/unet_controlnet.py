@@ -18,7 +18,8 @@ import torch
 
 from dvllm.controls import Control
 from dvllm.worker.control_calls import ControlCall
-from dvllm.worker.forward_context import DENOISER, ForwardContext, ForwardHooks
+from dvllm.worker.control_hook import ControlHook
+from dvllm.worker.forward_context import ForwardHooks
 
 
 def unet_request_kind(controlnets: list[Any]) -> tuple[bool, bool]:
@@ -48,19 +49,14 @@ def unet_request_calls(controls: tuple[Control, ...], step: int, num_steps: int)
     return calls
 
 
-class ControlResiduals:
+class ControlResiduals(ControlHook):
     """The UNet's forward pre-hook (ForwardHooks gives it the forward's context; a context without a ControlPlan
     passes the call through)."""
 
     def __init__(self, unet: torch.nn.Module, hooks: ForwardHooks) -> None:
-        self.context: ForwardContext | None = None
-        hooks.add(DENOISER, self)
-        self.handle = unet.register_forward_pre_hook(self, with_kwargs=True)  # (the memory profile removes its own)
+        super().__init__(unet, hooks)
 
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        plan = None if self.context is None else self.context.control
-        if plan is None:
-            return None
+    def run(self, module: torch.nn.Module, plan: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         sample = args[0] if args else kwargs["sample"]
         timestep = args[1] if len(args) > 1 else kwargs["timestep"]
         text, added = kwargs["encoder_hidden_states"], kwargs.get("added_cond_kwargs")

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from dvllm.worker.forward_context import DENOISER, ForwardContext, ForwardHooks
+from dvllm.worker.control_hook import ControlHook
+from dvllm.worker.forward_context import ForwardHooks
 
 SEQ_MULTIPLE = 32  # the transformer pads the image and the caption tokens to multiples of this (SEQ_MULTI_OF)
 
@@ -28,21 +29,16 @@ def z_image_request_kind(controlnets: list[Any]) -> tuple[bool, None]:
     return False, None
 
 
-class ZImageControlSamples:
+class ZImageControlSamples(ControlHook):
     """The transformer's forward pre-hook (ForwardHooks gives it the forward's context; a context without a
     ControlPlan passes the call through)."""
 
     def __init__(self, transformer: torch.nn.Module, hooks: ForwardHooks, controlnets: dict[str, Any]) -> None:
         for net in controlnets.values():  # its shared modules are the transformer's own
             type(net).from_transformer(net, transformer)
-        self.context: ForwardContext | None = None
-        hooks.add(DENOISER, self)
-        transformer.register_forward_pre_hook(self, with_kwargs=True)
+        super().__init__(transformer, hooks)
 
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        plan = None if self.context is None else self.context.control
-        if plan is None:
-            return None
+    def run(self, module: torch.nn.Module, plan: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         frames, timestep, captions = args[:3]  # (lists of rows, as ZImageAdapter.denoise calls it)
         samples = []
         for group in plan.groups:
